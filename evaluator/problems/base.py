@@ -1,0 +1,131 @@
+"""The problem contract: what a candidate computes, how it is checked, timed and counted.
+
+A problem is plain metadata (name, configs, contract text) that the orchestrator
+may read without CUDA, plus tensor functions that only the evaluator's child
+process calls. References and tolerance probes are computed by the child
+*before* the candidate is imported, so a candidate cannot tamper with them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+Config = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """Pass rule: err <= factor * (torch's own error in the dtype) + floor, or a fixed max_abs."""
+
+    factor: float = 2.0
+    floor: float = 1e-5
+    max_abs: float | None = None       # when set, replaces the relative rule
+
+    def bound(self, torch_err: float) -> float:
+        if self.max_abs is not None:
+            return self.max_abs
+        return self.factor * torch_err + self.floor
+
+
+class Problem:
+    """Base class: subclasses fill in the metadata and the tensor functions."""
+
+    name: str = ""
+    summary: str = ""                  # one line for `evoattn problems`
+    contract: str = ""                 # the full statement, shown to users and LLMs
+    entry: str = "attention"           # the Python function a .py candidate defines
+    cuda_symbol: str | None = None     # the extern "C" symbol of the fast .cu form
+    cuda_signature: str = ""
+    ext_signature: str = ""
+    dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32")
+    default_dtype: str = "float16"
+    default_configs: tuple[Config, ...] = ()
+    cpu_configs: tuple[Config, ...] = ()
+    # Correctness-only shapes from the promised domain, not in the benchmark (odd S, small B*H).
+    domain_configs: tuple[Config, ...] = ()
+    cpu_domain_configs: tuple[Config, ...] = ()
+    domain: str = ""                   # the promised domain, in words
+    tolerance: Tolerance = Tolerance()
+    implausible_speedup: float = 10.0  # speedups above this are re-verified before promotion
+    baseline_name: str = "sdpa"
+
+    # ---- metadata -------------------------------------------------------
+    def label(self, cfg: Config) -> str:
+        """Returns a short human label for a config."""
+        return ",".join(f"{k}={v}" for k, v in cfg.items())
+
+    def parse_configs(self, spec: str) -> list[Config]:
+        """Parses `--configs` text ('key=val,key=val;...') into configs."""
+        out: list[Config] = []
+        for part in filter(None, (p.strip() for p in spec.split(";"))):
+            cfg: Config = {}
+            for kv in part.split(","):
+                if "=" not in kv:
+                    raise ValueError(f"config {part!r}: expected key=value pairs")
+                k, v = kv.split("=", 1)
+                cfg[k.strip()] = _parse_scalar(v.strip())
+            out.append(cfg)
+        return out
+
+    def flops(self, cfg: Config) -> float:
+        """Returns the FLOP count used for TFLOP/s."""
+        raise NotImplementedError
+
+    # ---- tensor functions (child process only) --------------------------
+    def make_inputs(self, cfg: Config, dtype: Any, device: Any, gen: Any) -> dict[str, Any]:
+        """Returns fresh random inputs (tensors and scalars) for one trial."""
+        raise NotImplementedError
+
+    def reference(self, inputs: dict[str, Any], cfg: Config) -> Any:
+        """Returns the float32 reference output."""
+        raise NotImplementedError
+
+    def torch_in_dtype(self, inputs: dict[str, Any], cfg: Config) -> Any:
+        """Returns PyTorch's own answer in the candidate's dtype (sets the tolerance)."""
+        return self.baseline(inputs, cfg)
+
+    def baseline(self, inputs: dict[str, Any], cfg: Config) -> Any:
+        """Returns PyTorch's best implementation's output (timed against the candidate)."""
+        raise NotImplementedError
+
+    def extra_baselines(self) -> dict[str, Callable[[dict[str, Any], Config], Any]]:
+        """Returns other PyTorch implementations to time with --all-backends."""
+        return {}
+
+    def call(self, fn: Callable[..., Any], inputs: dict[str, Any], cfg: Config) -> Any:
+        """Calls a Python-form candidate entry point on the inputs."""
+        raise NotImplementedError
+
+    def call_cuda(self, cfn: Callable[..., int], inputs: dict[str, Any], cfg: Config,
+                  out: Any, stream: int) -> int:
+        """Calls the fast-form extern "C" function; returns its status code."""
+        raise NotImplementedError(f"problem {self.name} has no fast CUDA form")
+
+    def output_like(self, inputs: dict[str, Any], cfg: Config) -> Any:
+        """Returns an uninitialised output buffer for the fast CUDA form."""
+        raise NotImplementedError
+
+    def input_tensors(self, inputs: dict[str, Any]) -> list[Any]:
+        """Returns the tensors a candidate must leave unchanged."""
+        import torch
+        return [v for v in inputs.values() if isinstance(v, torch.Tensor)]
+
+    def prepare(self, cfg: Config, dtype: Any, device: Any, gen: Any) -> dict[str, Any]:
+        """Returns per-config state shared by all trials (weights of a module, say)."""
+        return {}
+
+
+def _parse_scalar(text: str) -> Any:
+    low = text.lower()
+    if low in ("true", "yes", "c", "causal"):
+        return True
+    if low in ("false", "no", "nc"):
+        return False
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return text

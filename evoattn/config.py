@@ -1,0 +1,216 @@
+"""The run configuration: frozen dataclasses, defaults in one place, strict YAML loading.
+
+An unknown key, a value of the wrong type or a missing file is a ConfigError
+naming the file and the dotted key. CLI flags override the file afterwards
+with `dataclasses.replace`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class PopulationConfig:
+    islands: int = 2
+    elites_per_island: int = 8
+    migration_interval: int = 10       # iterations between ring migrations
+    exploration: float = 0.3           # chance of a random elite as parent instead of a top one
+    crossover_rate: float = 0.2        # chance a knob mutation crosses with another elite
+
+
+@dataclasses.dataclass(frozen=True)
+class MutatorConfig:
+    kind: str = "knobs"                # "knobs" or "llm"
+    weight: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    name: str = "gpt-4o-mini"
+    weight: float = 1.0
+    base_url: str | None = None        # None = the openai package's default endpoint
+    api_key_env: str = "OPENAI_API_KEY"
+    price_in_per_mtok: float = 0.0     # USD per million prompt tokens
+    price_out_per_mtok: float = 0.0
+    reasoning: bool = False            # o-series style: max_completion_tokens, no temperature
+
+
+@dataclasses.dataclass(frozen=True)
+class LlmConfig:
+    models: tuple[ModelConfig, ...] = (ModelConfig(),)
+    temperature: float = 0.7
+    max_tokens: int = 8192
+    timeout_s: float = 120.0
+    max_retries: int = 4
+    backoff_s: float = 2.0
+    budget_usd: float | None = None
+    concurrency: int = 2               # LLM requests in flight while the GPU evaluates
+    inspirations: int = 3
+    output_format: str = "diff"        # "diff" (SEARCH/REPLACE) or "full"
+
+
+@dataclasses.dataclass(frozen=True)
+class EvaluatorConfig:
+    build_timeout_s: float = 300.0
+    run_timeout_s: float = 600.0
+    trials: int = 3
+    tolerance_factor: float = 2.0
+    tolerance_floor: float = 1e-5
+    max_abs: float | None = None
+    warmup: int = 10
+    reps: int = 50
+    policy: str = "kernel-only"        # or "allow-library"
+    screen: bool = True                # check one config first; skip the rest if it fails
+    all_backends: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    problem: str = "sdpa"
+    seed: str = "seeds/sdpa/flash_triton.py"
+    configs: tuple[str, ...] | None = None  # "B,H,S,D[,causal|nc]" strings; None = defaults
+    dtype: str | None = None                # None = the problem's default
+    device: str = "auto"                    # auto | cuda | cpu
+    iterations: int = 100
+    random_seed: int = 0
+    output: str = "runs/default"
+    max_wall_s: float | None = None
+    target_fitness: float | None = None
+    population: PopulationConfig = PopulationConfig()
+    mutators: tuple[MutatorConfig, ...] = (MutatorConfig(),)
+    llm: LlmConfig = LlmConfig()
+    evaluator: EvaluatorConfig = EvaluatorConfig()
+
+
+_CHOICES = {
+    "device": ("auto", "cuda", "cpu"),
+    "mutators.kind": ("knobs", "llm"),
+    "evaluator.policy": ("kernel-only", "allow-library"),
+    "llm.output_format": ("diff", "full"),
+    "dtype": ("float16", "bfloat16", "float32", None),
+}
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """Returns the RunConfig in a YAML file; raises ConfigError naming file and key."""
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: config file not found")
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark else ""
+        raise ConfigError(f"{p}{where}: malformed YAML: {getattr(e, 'problem', e)}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: top level must be a mapping of keys, got {type(raw).__name__}")
+    cfg = _build(RunConfig, raw, str(p), "")
+    _check(cfg, str(p))
+    return cfg
+
+
+def config_to_dict(cfg: Any) -> Any:
+    """Returns a plain dict (YAML/JSON-ready) of a config dataclass."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: config_to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, tuple):
+        return [config_to_dict(v) for v in cfg]
+    return cfg
+
+
+def config_from_dict(raw: dict[str, Any], origin: str = "<stored config>") -> RunConfig:
+    """Returns a RunConfig from a dict (as saved in a run directory)."""
+    cfg = _build(RunConfig, raw, origin, "")
+    _check(cfg, origin)
+    return cfg
+
+
+def _build(cls: type, raw: Any, origin: str, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{origin}: key '{prefix.rstrip('.') or '<top>'}' must be a mapping")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in names:
+            known = ", ".join(sorted(names))
+            raise ConfigError(f"{origin}: unknown key '{prefix}{key}' (known: {known})")
+    kw = {k: _coerce(hints[k], v, origin, prefix + k) for k, v in raw.items()}
+    return cls(**kw)
+
+
+def _coerce(tp: Any, value: Any, origin: str, key: str) -> Any:
+    origin_t = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin_t in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, origin, key)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, origin, key + ".")
+    if origin_t is tuple:
+        if not isinstance(value, list):
+            raise ConfigError(f"{origin}: key '{key}' must be a list, got {_tname(value)}")
+        return tuple(_coerce(args[0], v, origin, f"{key}[{i}]") for i, v in enumerate(value))
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{origin}: key '{key}' must be a number, got {_tname(value)}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{origin}: key '{key}' must be an integer, got {_tname(value)}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{origin}: key '{key}' must be true or false, got {_tname(value)}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{origin}: key '{key}' must be a string, got {_tname(value)}")
+        return value
+    return value
+
+
+def _tname(v: Any) -> str:
+    return "null" if v is None else f"{type(v).__name__} {v!r}"
+
+
+def _check(cfg: RunConfig, origin: str) -> None:
+    def bad(key: str, msg: str) -> ConfigError:
+        return ConfigError(f"{origin}: key '{key}' {msg}")
+
+    if cfg.device not in _CHOICES["device"]:
+        raise bad("device", f"must be one of {_CHOICES['device']}, got {cfg.device!r}")
+    if cfg.dtype not in _CHOICES["dtype"]:
+        raise bad("dtype", f"must be float16, bfloat16 or float32, got {cfg.dtype!r}")
+    if cfg.evaluator.policy not in _CHOICES["evaluator.policy"]:
+        raise bad("evaluator.policy", f"must be one of {_CHOICES['evaluator.policy']}")
+    if cfg.llm.output_format not in _CHOICES["llm.output_format"]:
+        raise bad("llm.output_format", "must be 'diff' or 'full'")
+    if not cfg.mutators:
+        raise bad("mutators", "must list at least one mutator")
+    for i, m in enumerate(cfg.mutators):
+        if m.kind not in _CHOICES["mutators.kind"]:
+            raise bad(f"mutators[{i}].kind", f"must be 'knobs' or 'llm', got {m.kind!r}")
+        if m.weight <= 0:
+            raise bad(f"mutators[{i}].weight", "must be > 0")
+    if cfg.iterations < 0:
+        raise bad("iterations", "must be >= 0")
+    if cfg.population.islands < 1:
+        raise bad("population.islands", "must be >= 1")
+    if cfg.population.elites_per_island < 1:
+        raise bad("population.elites_per_island", "must be >= 1")
+    if cfg.evaluator.trials < 1:
+        raise bad("evaluator.trials", "must be >= 1")
+    if any(m.kind == "llm" for m in cfg.mutators) and not cfg.llm.models:
+        raise bad("llm.models", "must list at least one model when an llm mutator is used")

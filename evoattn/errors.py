@@ -1,0 +1,35 @@
+"""The tool's own faults (never a candidate's: those are `Verdict`s).
+
+    EvoattnError
+    ├── UsageError          bad input from the user: file, key, value
+    │   └── ConfigError     a config file key is unknown, mistyped or missing
+    ├── RunDirError         a run directory is missing, locked or from another config
+    ├── LlmError            the LLM endpoint failed after retries
+    └── BudgetExceeded      the run's cost budget is spent (stops the run cleanly)
+
+The CLI catches EvoattnError, prints `Name: message` on one line and exits non-zero.
+"""
+
+
+class EvoattnError(Exception):
+    """Base of every error the tool raises on purpose."""
+
+
+class UsageError(EvoattnError):
+    """Bad input from the user."""
+
+
+class ConfigError(UsageError):
+    """A configuration file is malformed (names file and key)."""
+
+
+class RunDirError(EvoattnError):
+    """A run directory cannot be used."""
+
+
+class LlmError(EvoattnError):
+    """The LLM endpoint failed after all retries."""
+
+
+class BudgetExceeded(EvoattnError):
+    """The configured LLM cost budget is spent."""

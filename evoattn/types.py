@@ -1,0 +1,107 @@
+"""Data that crosses the orchestrator's internal boundaries: programs, proposals, usage."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from typing import Any, Protocol, Sequence
+
+from evaluator.types import EvalResult
+
+
+def normalise_source(source: str) -> str:
+    """Returns the source with trailing whitespace and blank-line runs removed (cache key)."""
+    lines = [ln.rstrip() for ln in source.replace("\r\n", "\n").split("\n")]
+    text = "\n".join(lines).strip("\n")
+    return re.sub(r"\n{3,}", "\n\n", text) + "\n"
+
+
+def program_id(source: str) -> str:
+    """Returns the id of a program: a hash of its normalised source."""
+    return hashlib.sha256(normalise_source(source).encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A candidate program and, once evaluated, its result."""
+
+    id: str
+    source: str
+    suffix: str                         # ".py" or ".cu"
+    parent_id: str | None
+    iteration: int                      # the iteration that created it (0 = seed)
+    island: int
+    mutator: str                        # "seed", "knobs", "llm:<model>", ...
+    change: str                         # what the mutation changed, in words or a diff
+    result: EvalResult | None = None
+    second_parent_id: str | None = None  # crossover partner
+
+    @property
+    def fitness(self) -> float:
+        return self.result.fitness if self.result else 0.0
+
+    @property
+    def correct(self) -> bool:
+        return bool(self.result and self.result.correct)
+
+
+@dataclasses.dataclass(frozen=True)
+class LlmUsage:
+    """Tokens and cost of one LLM call."""
+
+    model: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost_usd: float = 0.0
+    latency_s: float = 0.0
+    attempts: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class MutationRequest:
+    """Everything a mutator may look at to propose a child of `parent`."""
+
+    parent: Program
+    inspirations: tuple[Program, ...]   # a few top programs (other islands / elites)
+    seed: int                            # the mutator's own randomness, drawn by the search
+    iteration: int
+    problem_contract: str = ""
+    gpu_info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    feedback: tuple[str, ...] = ()       # recent rejection reasons for this parent
+
+
+@dataclasses.dataclass(frozen=True)
+class Proposal:
+    """A mutator's answer: a new source, or a rejection with its reason (never silent)."""
+
+    parent_id: str
+    mutator: str
+    source: str | None                   # None when rejected
+    change: str = ""
+    rejected_reason: str | None = None
+    usage: LlmUsage | None = None
+    second_parent_id: str | None = None
+
+    @property
+    def rejected(self) -> bool:
+        return self.source is None
+
+
+class Mutator(Protocol):
+    """Proposes a variant of a parent program. Must not raise for a bad answer: reject."""
+
+    name: str
+
+    def propose(self, request: MutationRequest) -> Proposal: ...
+
+
+class Evaluator(Protocol):
+    """Evaluates one candidate source in isolation and returns its verdict."""
+
+    def evaluate(self, source: str, suffix: str, label: str) -> EvalResult: ...
+
+
+def top_programs(programs: Sequence[Program], k: int) -> list[Program]:
+    """Returns the k correct programs of highest fitness (ties broken by id, for determinism)."""
+    ok = [p for p in programs if p.correct]
+    return sorted(ok, key=lambda p: (-p.fitness, p.id))[:k]
