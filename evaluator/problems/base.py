@@ -105,6 +105,13 @@ class Problem:
         """Returns an uninitialised output buffer for the fast CUDA form."""
         raise NotImplementedError
 
+    random_inputs: tuple[str, ...] = ("q", "k", "v")   # refilled with fresh values per timed call
+
+    def refill(self, inputs: dict[str, Any], gen: Any) -> None:
+        """Refills the random input tensors in place with fresh values (same addresses)."""
+        for name in self.random_inputs:
+            inputs[name].normal_(generator=gen)
+
     def input_tensors(self, inputs: dict[str, Any]) -> list[Any]:
         """Returns the tensors a candidate must leave unchanged."""
         import torch

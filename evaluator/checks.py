@@ -1,0 +1,57 @@
+"""Correctness checks: output validity, error against the reference, untouched inputs."""
+from __future__ import annotations
+
+from typing import Any
+
+
+def output_problem(out: Any, like: Any) -> str | None:
+    """Returns why `out` is not an acceptable output shaped like `like`, or None."""
+    import torch
+    if type(out) is not torch.Tensor:
+        return (f"output must be a plain torch.Tensor, got {type(out).__module__}."
+                f"{type(out).__qualname__}")
+    if out.layout is not torch.strided or out.is_nested:
+        return f"output must be a dense strided tensor, got layout {out.layout}"
+    if tuple(out.shape) != tuple(like.shape):
+        return f"output shape {tuple(out.shape)} != expected {tuple(like.shape)}"
+    if out.dtype != like.dtype:
+        return f"output dtype {out.dtype} != expected {like.dtype}"
+    if out.device != like.device:
+        return f"output device {out.device} != expected {like.device}"
+    if out.numel() and not out.is_contiguous() and out.stride(-1) != 1:
+        return "output must be dense (last dimension contiguous)"
+    return None
+
+
+def max_abs_err(out: Any, ref: Any) -> float:
+    """Returns max |out - ref| in float32 (inf when out has NaN/Inf)."""
+    import torch
+    o = out.float()
+    if not bool(torch.isfinite(o).all()):
+        return float("inf")
+    if o.numel() == 0:
+        return 0.0
+    return float((o - ref.float()).abs().max())
+
+
+def checksum(tensors: list[Any]) -> list[tuple[Any, ...]]:
+    """Returns a cheap fingerprint of each tensor (pointer, shape, sums) to detect tampering."""
+    import torch
+    out = []
+    for t in tensors:
+        f = t.detach().float()
+        w = torch.arange(f.numel(), device=f.device, dtype=torch.float32).reshape(f.shape) % 7 + 1
+        out.append((t.data_ptr(), tuple(t.shape), t.dtype, float(f.sum()), float((f * w).sum()),
+                    float(f.abs().sum())))
+    return out
+
+
+def inputs_changed(before: list[Any], tensors: list[Any], clones: list[Any]) -> str | None:
+    """Returns which input was modified (compared with exact clones), or None."""
+    import torch
+    for i, (t, c) in enumerate(zip(tensors, clones)):
+        if t.data_ptr() != before[i][0]:
+            return f"input {i} was replaced"
+        if not torch.equal(t, c):
+            return f"input {i} was modified in place"
+    return None

@@ -1,0 +1,306 @@
+"""Integrity guards installed in the child before the candidate is imported.
+
+Each guard records what it saw into a `Violations` list instead of trusting
+the candidate to let an exception escape: a candidate that catches our
+PermissionError is still caught. See SECURITY.md for the threat model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+import threading
+from typing import Any, Callable
+
+from .types import Verdict
+
+# Library attention a kernel-only candidate may not use (class 5). Matched on source text.
+_LIBRARY_PATTERNS = [
+    (r"scaled_dot_product_attention", "torch scaled_dot_product_attention"),
+    (r"_scaled_dot_product_\w+", "torch SDPA backend op"),
+    (r"_flash_attention_forward|_efficient_attention_forward", "torch attention backend op"),
+    (r"\bflash_attn\b|flash_attn_func|flash_attn_interface", "flash-attn"),
+    (r"\bxformers\b", "xformers"),
+    (r"cudnn\w*(sdpa|attention|fmha|mha)|cudnnMultiHeadAttn|cudnn_frontend|cudnn\.h",
+     "cuDNN attention"),
+    (r"torch\.backends\.cuda\.(enable_|sdp_kernel)|sdpa_kernel|SDPBackend", "SDPA backend selection"),
+    (r"\bmulti_head_attention_forward\b|nn\.MultiheadAttention", "torch MultiheadAttention"),
+    (r"at::_?scaled_dot_product|at::_fused_sdp|at::native::\w*attention", "ATen attention op"),
+]
+_BLOCKED_MODULES = ("flash_attn", "xformers", "flash_attn_interface", "cudnn")
+
+# GPU kernel names that betray a library attention kernel in a profiled call (GPU only).
+LIBRARY_KERNEL_RE = re.compile(r"cudnn|fmha|pytorch_flash|flash_fwd|efficient_attention|"
+                               r"xformers|cutlassF", re.IGNORECASE)
+
+
+def scan_source(source: str) -> list[str]:
+    """Returns the library-attention uses found in candidate source text."""
+    found = []
+    for pat, what in _LIBRARY_PATTERNS:
+        m = re.search(pat, source)
+        if m:
+            line = source.count("\n", 0, m.start()) + 1
+            found.append(f"{what} ({m.group(0)!r} at line {line})")
+    return found
+
+
+@dataclasses.dataclass
+class Violations:
+    """What the guards saw; the worker turns the first one into the verdict."""
+
+    items: list[tuple[Verdict, str]] = dataclasses.field(default_factory=list)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def add(self, verdict: Verdict, reason: str) -> None:
+        with self.lock:
+            if (verdict, reason) not in self.items:
+                self.items.append((verdict, reason))
+
+    def first(self) -> tuple[Verdict, str] | None:
+        with self.lock:
+            return self.items[0] if self.items else None
+
+
+class LibraryGuard:
+    """Tripwires on torch's attention entry points, armed only while candidate code runs.
+
+    Disarmed, they call the original (the harness's own baseline uses them).
+    """
+
+    def __init__(self, violations: Violations) -> None:
+        self.violations = violations
+        self.armed = 0
+
+    def arm(self) -> None:
+        self.armed += 1
+
+    def disarm(self) -> None:
+        self.armed -= 1
+
+
+def install_library_guard(violations: Violations) -> LibraryGuard:
+    """Replaces torch's attention entry points with tripwires; returns the guard to arm."""
+    import torch
+    import torch.nn.functional as F
+
+    guard = LibraryGuard(violations)
+
+    def wire(original: Any, what: str) -> Any:
+        def tripwire(*args: Any, **kwargs: Any) -> Any:
+            if guard.armed <= 0:
+                return original(*args, **kwargs)
+            violations.add(Verdict.POLICY, f"called {what} (library attention is not allowed "
+                                           "under the kernel-only policy)")
+            raise RuntimeError("evoattn: library attention is not allowed (policy kernel-only)")
+        return tripwire
+
+    F.scaled_dot_product_attention = wire(F.scaled_dot_product_attention,
+                                          "torch scaled_dot_product_attention")
+    torch._C._nn.scaled_dot_product_attention = wire(
+        torch._C._nn.scaled_dot_product_attention, "torch scaled_dot_product_attention")
+    for op in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+               "_scaled_dot_product_cudnn_attention", "_flash_attention_forward",
+               "_efficient_attention_forward", "scaled_dot_product_attention",
+               "_scaled_dot_product_attention_math"):
+        for ns in (torch,):  # torch.ops.aten packets stay: torch internals need them
+            orig = getattr(ns, op, None)
+            if orig is not None:
+                try:
+                    setattr(ns, op, wire(orig, f"{op}"))
+                except (AttributeError, TypeError):
+                    pass
+
+    class _Blocker:
+        def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+            if name.split(".")[0] in _BLOCKED_MODULES:
+                violations.add(Verdict.POLICY, f"imported {name} (library attention)")
+                raise ImportError(f"evoattn: importing {name} is not allowed (policy kernel-only)")
+            return None
+
+    sys.meta_path.insert(0, _Blocker())
+    return guard
+
+
+class DispatchWatch:
+    """A TorchDispatchMode that records attention ops reaching the dispatcher (correctness calls)."""
+
+    _OPS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
+
+    def __init__(self, violations: Violations) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+                name = str(func)
+                if any(s in name for s in outer._OPS):
+                    violations.add(Verdict.POLICY, f"dispatched library attention op {name}")
+                return func(*args, **(kwargs or {}))
+
+        self.mode = _Mode()
+
+    def __enter__(self) -> "DispatchWatch":
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.mode.__exit__(*exc)
+
+
+# Executables Triton and our build legitimately spawn while compiling.
+_ALLOWED_EXES = {"ptxas", "cc", "gcc", "g++", "clang", "clang++", "ld", "ldconfig", "cuobjdump",
+                 "nvdisasm", "nvlink", "fatbinary", "nvcc", "c++", "x86_64-linux-gnu-gcc"}
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+
+def install_sandbox(violations: Violations, allowed_dirs: list[str]) -> None:
+    """Adds an audit hook: writes outside allowed_dirs, spawning programs, sockets, other /proc."""
+    roots = [os.path.realpath(d) for d in allowed_dirs] + ["/dev/null", "/dev/shm"]
+    own = {f"/proc/{os.getpid()}", "/proc/self", "/proc/thread-self"}
+
+    def allowed_write(path: str) -> bool:
+        real = os.path.realpath(path)
+        return any(real == r or real.startswith(r.rstrip("/") + "/") for r in roots)
+
+    def deny(reason: str) -> None:
+        violations.add(Verdict.SANDBOX, reason)
+        raise PermissionError(f"evoattn sandbox: {reason}")
+
+    def hook(event: str, args: tuple[Any, ...]) -> None:
+        if event == "open":
+            path, mode, flags = args
+            if not isinstance(path, (str, bytes)):
+                return
+            p = os.fsdecode(path)
+            writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or \
+                      (isinstance(flags, int) and flags & _WRITE_FLAGS)
+            if writing and not allowed_write(p):
+                deny(f"wrote outside its directory: {p}")
+            if p.startswith("/proc/") and not any(p.startswith(o) for o in own):
+                parts = p.split("/")
+                if len(parts) > 2 and parts[2].isdigit():
+                    deny(f"read another process's {p}")
+        elif event in ("subprocess.Popen", "os.posix_spawn", "os.exec"):
+            exe = args[0]
+            if isinstance(exe, (list, tuple)):
+                exe = exe[0] if exe else ""
+            name = os.path.basename(os.fsdecode(exe)) if exe else ""
+            if name not in _ALLOWED_EXES:
+                argv = args[1] if len(args) > 1 else ""
+                if not name and isinstance(argv, (list, tuple)) and argv:
+                    name = os.path.basename(os.fsdecode(argv[0]))
+                if name not in _ALLOWED_EXES:
+                    deny(f"spawned a process: {name or exe!r}")
+        elif event in ("os.system", "os.fork", "os.forkpty", "pty.spawn"):
+            deny(f"spawned a process ({event})")
+        elif event == "socket.connect":
+            deny("opened a network connection")
+        elif event in ("os.putenv", "os.unsetenv"):
+            pass
+
+    sys.addaudithook(hook)
+
+
+def harness_snapshot(extra_modules: list[Any]) -> dict[str, Any]:
+    """Returns identities of the timing/comparison functions a candidate must not replace."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    snap: dict[str, Any] = {
+        "time.perf_counter": time.perf_counter,
+        "time.perf_counter_ns": time.perf_counter_ns,
+        "torch.matmul": torch.matmul, "torch.softmax": torch.softmax,
+        "torch.isfinite": torch.isfinite, "torch.max": torch.max, "torch.abs": torch.abs,
+        "torch.Tensor.masked_fill": torch.Tensor.masked_fill, "torch.randn": torch.randn,
+        "torch.Tensor.float": torch.Tensor.float, "torch.Tensor.copy_": torch.Tensor.copy_,
+        "torch.Tensor.clone": torch.Tensor.clone, "torch.Tensor.sub": torch.Tensor.sub,
+        "torch.Tensor.__sub__": torch.Tensor.__sub__, "torch.equal": torch.equal,
+        "torch.Tensor.data_ptr": torch.Tensor.data_ptr, "F.softmax": F.softmax,
+        "F.scaled_dot_product_attention": F.scaled_dot_product_attention,
+        "torch.cuda.synchronize": torch.cuda.synchronize,
+        "torch.cuda.Event": torch.cuda.Event,
+        "torch.cuda.Event.elapsed_time": torch.cuda.Event.elapsed_time,
+        "torch.cuda.Event.record": torch.cuda.Event.record,
+        "torch.cuda.Event.synchronize": torch.cuda.Event.synchronize,
+        "torch.cuda.max_memory_allocated": torch.cuda.max_memory_allocated,
+        "torch.cuda.memory_allocated": torch.cuda.memory_allocated,
+        "torch.cuda.reset_peak_memory_stats": torch.cuda.reset_peak_memory_stats,
+        "torch.cuda.current_stream": torch.cuda.current_stream,
+    }
+    for mod in extra_modules:
+        for name, obj in vars(mod).items():
+            if callable(obj) and not name.startswith("__"):
+                snap[f"{mod.__name__}.{name}"] = obj
+    return snap
+
+
+def tampered(snapshot: dict[str, Any]) -> list[str]:
+    """Returns the names in the snapshot that no longer hold the same object."""
+    import importlib
+    changed = []
+    for key, obj in snapshot.items():
+        head, _, attr = key.rpartition(".")
+        try:
+            cur = _resolve(head, importlib)
+            now = getattr(cur, attr)
+        except Exception:  # noqa: BLE001 - a deleted attribute is tampering too
+            changed.append(key)
+            continue
+        if now is not obj and now != obj:
+            changed.append(key)
+    return changed
+
+
+def _resolve(dotted: str, importlib: Any) -> Any:
+    import torch
+    import torch.nn.functional as F
+    roots = {"torch": torch, "F": F, "sys": sys}
+    parts = dotted.split(".")
+    if parts[0] in roots:
+        obj = roots[parts[0]]
+        parts = parts[1:]
+    else:
+        obj = sys.modules.get(parts[0]) or importlib.import_module(parts[0])
+        parts = parts[1:]
+        # evaluator.sub.module: walk modules first
+        while parts and f"{obj.__name__}.{parts[0]}" in sys.modules:
+            obj = sys.modules[f"{obj.__name__}.{parts[0]}"]
+            parts = parts[1:]
+    for p in parts:
+        obj = getattr(obj, p)
+    return obj
+
+
+def candidate_threads(candidate_file: str) -> list[str]:
+    """Returns names of live threads whose current stack runs candidate code."""
+    frames = sys._current_frames()
+    me = threading.get_ident()
+    found = []
+    for t in threading.enumerate():
+        if t.ident == me or t.ident not in frames:
+            continue
+        f = frames[t.ident]
+        while f is not None:
+            if os.path.realpath(f.f_code.co_filename) == candidate_file:
+                found.append(t.name)
+                break
+            f = f.f_back
+        target = getattr(t, "_target", None)
+        code = getattr(target, "__code__", None)
+        if t.name not in found and code and os.path.realpath(code.co_filename) == candidate_file:
+            found.append(t.name)
+    return found
+
+
+def native_thread_count() -> int:
+    """Returns the number of OS threads of this process."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+

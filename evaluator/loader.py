@@ -1,0 +1,129 @@
+"""Turns a candidate file into a callable `run(inputs, cfg) -> output` (child process only).
+
+Three forms: a Python/Triton file defining the problem's entry function; a fast
+CUDA file (`extern "C"` symbol, built with nvcc, called through ctypes); a
+PyTorch-extension CUDA file (built with torch.utils.cpp_extension).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from .problems.base import Problem
+
+RunFn = Callable[[dict[str, Any], dict[str, Any]], Any]
+
+
+class LoadFailure(Exception):
+    """The candidate could not be built or imported; carries build/load verdict data."""
+
+    def __init__(self, kind: str, reason: str, log: str = "") -> None:
+        super().__init__(reason)
+        self.kind = kind          # "build" or "load"
+        self.reason = reason
+        self.log = log
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    run: RunFn
+    form: str                     # "python", "cuda-fast", "cuda-ext"
+    build_log: str = ""
+    build_cached: bool | None = None
+    build_seconds: float | None = None
+
+
+def cuda_form(source: str) -> str:
+    """Returns 'cuda-ext' for a PyTorch-extension source, else 'cuda-fast'."""
+    if re.search(r"#\s*include\s*[<\"](torch/extension\.h|torch/torch\.h|ATen/)", source) or \
+            re.search(r"torch::Tensor\s+attention\s*\(", source):
+        return "cuda-ext"
+    return "cuda-fast"
+
+
+def build_candidate(path: Path, problem: Problem, cache_dir: Path, build_timeout_s: float,
+                    arch: str | None) -> Callable[[], Loaded]:
+    """Builds a CUDA candidate now (before sandboxing); returns a loader to call after."""
+    source = path.read_text()
+    if path.suffix == ".py":
+        return lambda: _load_python(path, problem)
+    from . import build
+
+    arch = arch or build.detect_arch()
+    form = cuda_form(source)
+    if form == "cuda-fast":
+        if not problem.cuda_symbol:
+            raise LoadFailure("load", f"problem {problem.name} has no fast CUDA form")
+        if problem.cuda_symbol not in source:
+            raise LoadFailure("load", f"{path.name}: no extern \"C\" function "
+                                      f"{problem.cuda_symbol} (see the README's CUDA contract)")
+        res = build.build_fast(path, cache_dir, arch, build_timeout_s)
+    else:
+        res = build.build_extension(path, cache_dir, arch, build_timeout_s)
+    if not res.ok:
+        raise LoadFailure("build", _first_error(res.log) or "build failed", res.log)
+
+    def load() -> Loaded:
+        if form == "cuda-fast":
+            cfn = build.load_fast(res.path, problem.cuda_symbol)
+            run = _fast_runner(cfn, problem)
+        else:
+            try:
+                mod = build.load_extension(res.path)
+            except Exception as e:  # noqa: BLE001 - a candidate's failure is data
+                raise LoadFailure("load", f"extension failed to load: {e}") from None
+            fn = getattr(mod, "attention", None)
+            if fn is None:
+                raise LoadFailure("load", f"{path.name}: extension defines no attention()")
+            run = lambda inputs, cfg: problem.call(  # noqa: E731
+                lambda q, k, v, causal=False, scale=None: fn(q, k, v, bool(causal), float(scale)),
+                inputs, cfg)
+        return Loaded(run=run, form=form, build_log=res.log, build_cached=res.cached,
+                      build_seconds=res.seconds)
+
+    return load
+
+
+def _fast_runner(cfn: Any, problem: Problem) -> RunFn:
+    import torch
+
+    def run(inputs: dict[str, Any], cfg: dict[str, Any]) -> Any:
+        out = problem.output_like(inputs, cfg)
+        stream = torch.cuda.current_stream().cuda_stream
+        code = problem.call_cuda(cfn, inputs, cfg, out, stream)
+        if code != 0:
+            raise RuntimeError(f"{problem.cuda_symbol} returned error code {code}")
+        return out
+
+    return run
+
+
+def _load_python(path: Path, problem: Problem) -> Loaded:
+    name = f"evoattn_candidate_{abs(hash(str(path))) % 10**8}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise LoadFailure("load", f"{path.name}: cannot be imported as a Python module")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except SyntaxError as e:
+        raise LoadFailure("load", f"{path.name}:{e.lineno}: syntax error: {e.msg}") from None
+    except BaseException as e:  # noqa: BLE001 - includes SystemExit from a candidate
+        raise LoadFailure("load", f"{path.name}: raised at import: "
+                                  f"{type(e).__name__}: {e}") from None
+    fn = getattr(mod, problem.entry, None)
+    if not callable(fn):
+        raise LoadFailure("load", f"{path.name}: defines no function {problem.entry}()")
+    return Loaded(run=lambda inputs, cfg: problem.call(fn, inputs, cfg), form="python")
+
+
+def _first_error(log: str) -> str:
+    for line in log.splitlines():
+        if "error" in line.lower():
+            return line.strip()[:300]
+    return ""

@@ -1,0 +1,129 @@
+"""The timing protocol, in one place.
+
+GPU: each repetition flushes L2 (writes a 256 MB buffer), refills the inputs with
+fresh random values at the same addresses (so no work can be cached across timed
+calls), then records CUDA events around exactly one call; candidate and baseline
+repetitions are interleaved so both see the same clocks; the median is reported.
+A host-clock cross-check (back-to-back calls, device-wide sync) catches work
+hidden from the events on other streams or threads.
+CPU: perf_counter around each call, interleaved, median; labelled as CPU timing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable
+
+_perf = time.perf_counter          # captured before any candidate is imported
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    ms: dict[str, float]                       # median per function name
+    samples_ms: dict[str, list[float]]
+    host_ms_per_call: dict[str, float]         # back-to-back host cross-check
+    peak_mem_bytes: dict[str, int | None]
+    kept_outputs: list[tuple[int, Any, dict[str, Any]]]  # (rep, output, inputs snapshot) to re-check
+
+
+class GpuTimer:
+    """Times functions on CUDA with events, L2 flush and fresh inputs per repetition."""
+
+    def __init__(self) -> None:
+        import torch
+        self.torch = torch
+        self.Event = torch.cuda.Event
+        self.elapsed = torch.cuda.Event.elapsed_time
+        self.record = torch.cuda.Event.record
+        self.sync = torch.cuda.synchronize
+        self.flush_buf = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+        self.max_mem = torch.cuda.max_memory_allocated
+        self.mem = torch.cuda.memory_allocated
+        self.reset_peak = torch.cuda.reset_peak_memory_stats
+
+    def run(self, fns: dict[str, Callable[[dict[str, Any]], Any]], inputs: dict[str, Any],
+            refill: Callable[[dict[str, Any]], None], warmup: int, reps: int,
+            keep_reps: set[int], keep_name: str) -> Timing:
+        torch = self.torch
+        for _ in range(warmup):
+            for fn in fns.values():
+                fn(inputs)
+        self.sync()
+        samples: dict[str, list[float]] = {n: [] for n in fns}
+        kept = []
+        events = []
+        for rep in range(reps):
+            for name, fn in fns.items():
+                self.flush_buf.zero_()
+                refill(inputs)
+                start, end = self.Event(enable_timing=True), self.Event(enable_timing=True)
+                self.record(start)
+                out = fn(inputs)
+                self.record(end)
+                events.append((name, start, end))
+                if name == keep_name and rep in keep_reps:
+                    self.sync()
+                    snap = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                            for k, v in inputs.items()}
+                    kept.append((rep, out.clone(), snap))
+                del out
+        self.sync()
+        for name, start, end in events:
+            samples[name].append(self.elapsed(start, end))
+        host = {n: self._host_per_call(fn, inputs) for n, fn in fns.items()}
+        mem = {n: self._peak_mem(fn, inputs) for n, fn in fns.items()}
+        return Timing(ms={n: statistics.median(s) for n, s in samples.items()},
+                      samples_ms=samples, host_ms_per_call=host, peak_mem_bytes=mem,
+                      kept_outputs=kept)
+
+    def _host_per_call(self, fn: Callable[[dict[str, Any]], Any], inputs: dict[str, Any],
+                       n: int = 10) -> float:
+        self.sync()
+        t0 = _perf()
+        for _ in range(n):
+            fn(inputs)
+        self.sync()
+        return (_perf() - t0) * 1e3 / n
+
+    def _peak_mem(self, fn: Callable[[dict[str, Any]], Any], inputs: dict[str, Any]) -> int:
+        self.sync()
+        base = self.mem()
+        self.reset_peak()
+        out = fn(inputs)
+        self.sync()
+        peak = self.max_mem() - base - out.numel() * out.element_size()
+        del out
+        return max(0, int(peak))
+
+
+class CpuTimer:
+    """Times functions on the CPU with perf_counter (interpreter timings; labelled as CPU)."""
+
+    def run(self, fns: dict[str, Callable[[dict[str, Any]], Any]], inputs: dict[str, Any],
+            refill: Callable[[dict[str, Any]], None], warmup: int, reps: int,
+            keep_reps: set[int], keep_name: str) -> Timing:
+        import torch
+        for _ in range(warmup):
+            for fn in fns.values():
+                fn(inputs)
+        samples: dict[str, list[float]] = {n: [] for n in fns}
+        kept = []
+        for rep in range(reps):
+            for name, fn in fns.items():
+                refill(inputs)
+                t0 = _perf()
+                out = fn(inputs)
+                samples[name].append((_perf() - t0) * 1e3)
+                if name == keep_name and rep in keep_reps:
+                    snap = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                            for k, v in inputs.items()}
+                    kept.append((rep, out.clone(), snap))
+        med = {n: statistics.median(s) for n, s in samples.items()}
+        return Timing(ms=med, samples_ms=samples, host_ms_per_call=dict(med),
+                      peak_mem_bytes={n: None for n in fns}, kept_outputs=kept)
+
+
+def hidden_work(event_ms: float, host_ms: float) -> bool:
+    """Returns True when host time per call shows far more work than the events timed."""
+    return host_ms > 1.5 * event_ms + 0.05

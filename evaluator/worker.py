@@ -1,0 +1,50 @@
+"""Child-process entry: `python -m evaluator.worker --fd N`, request JSON on stdin.
+
+The result travels back as JSON lines on an inherited pipe (fd N), each line
+carrying the nonce from the request. stdout/stderr are only logs: the parent
+never parses them, so a candidate printing a forged result changes nothing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+class Channel:
+    """Writes framed messages to the parent over the result pipe."""
+
+    def __init__(self, fd: int, nonce: str) -> None:
+        self._fd = fd
+        self._nonce = nonce
+        self._write = os.write          # captured before the candidate is imported
+
+    def send(self, kind: str, payload: object) -> None:
+        line = json.dumps({"nonce": self._nonce, "type": kind, "payload": payload}) + "\n"
+        data = line.encode()
+        while data:
+            n = self._write(self._fd, data)
+            data = data[n:]
+
+
+def main() -> None:
+    fd = int(sys.argv[sys.argv.index("--fd") + 1])
+    request = json.loads(sys.stdin.read())
+    sys.stdin.close()
+    chan = Channel(fd, request.pop("nonce"))
+    from .harness import evaluate
+    from .types import EvalResult, Verdict
+    try:
+        result = evaluate(request, lambda stage: chan.send("stage", stage))
+    except BaseException as e:  # noqa: BLE001 - the harness itself failed; still answer
+        import traceback
+        traceback.print_exc()
+        result = EvalResult.failure(Verdict.CRASH, f"evaluation aborted: {type(e).__name__}: {e}")
+    chan.send("result", result.to_json())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)                        # skip candidate atexit hooks and destructors
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,251 @@
+"""Parent side of the evaluator boundary: one child process per candidate.
+
+The orchestrator never imports candidate code and never touches CUDA. Each
+candidate runs in `python -m evaluator.worker` in a fresh process session, in a
+temporary directory of its own, with an environment stripped of secrets, and
+under hard deadlines for build and run. Whatever happens to the child, the
+parent returns an EvalResult.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import secrets
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from evaluator.types import EvalResult, Verdict
+
+_ENV_KEEP = re.compile(r"^(PATH|LD_LIBRARY_PATH|LANG|LC_\w+|CUDA_\w+|NVIDIA_\w+|TRITON_\w+|"
+                       r"TORCH_\w+|PYTORCH_\w+|NCCL_\w+|CC|CXX|CUDAHOSTCXX|OMP_NUM_THREADS|"
+                       r"MKL_\w+|OPENBLAS_\w+|TERM|VIRTUAL_ENV|CONDA_PREFIX|NVCC_\w+|"
+                       r"TORCH_CUDA_ARCH_LIST|MAX_JOBS|TORCH_EXTENSIONS_DIR)$")
+_ENV_SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH|COOKIE|SESSION|PRIVATE",
+                         re.IGNORECASE)
+_STARTUP_S = 120.0   # importing torch and CUDA initialisation, before the build starts
+
+
+def child_env(base: dict[str, str], workdir: str, cache_dir: str, device: str,
+              extra_secret_names: tuple[str, ...] = ()) -> dict[str, str]:
+    """Returns the child's environment: an allow-list of the parent's, minus anything secret."""
+    env = {k: v for k, v in base.items()
+           if _ENV_KEEP.match(k) and not _ENV_SECRET.search(k) and k not in extra_secret_names}
+    repo_root = str(Path(__file__).resolve().parent.parent)
+    env.update(HOME=workdir, TMPDIR=workdir, PYTHONPATH=repo_root, PYTHONUNBUFFERED="1",
+               PYTHONDONTWRITEBYTECODE="1", TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"),
+               TORCH_EXTENSIONS_DIR=os.path.join(cache_dir, "torch_ext"))
+    if device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    else:
+        env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    """What to evaluate against: the request fields the child needs besides the candidate."""
+
+    problem: str = "sdpa"
+    configs: tuple[dict[str, Any], ...] | None = None
+    dtype: str | None = None
+    device: str = "cuda"
+    trials: int = 3
+    warmup: int | None = None
+    reps: int | None = None
+    tolerance: dict[str, Any] = dataclasses.field(default_factory=dict)
+    policy: str = "kernel-only"
+    all_backends: bool = False
+    build_timeout_s: float = 300.0
+    run_timeout_s: float = 600.0
+    max_host_mem_bytes: int = 32 * 2 ** 30
+    cache_dir: str = ""
+    gpu_index: int | None = None
+    secret_env_names: tuple[str, ...] = ()
+    check_only: bool = False
+
+
+class SubprocessEvaluator:
+    """Evaluates candidates in child processes (implements evoattn.types.Evaluator)."""
+
+    def __init__(self, settings: EvalSettings) -> None:
+        cache = settings.cache_dir or default_cache_dir()
+        os.makedirs(cache, exist_ok=True)
+        self.settings = dataclasses.replace(settings, cache_dir=os.path.realpath(cache))
+
+    def evaluate(self, source: str, suffix: str, label: str = "candidate") -> EvalResult:
+        """Returns the verdict on `source` (a .py or .cu program)."""
+        s = self.settings
+        work = tempfile.mkdtemp(prefix="evoattn-")
+        t0 = time.monotonic()
+        try:
+            cand = Path(work) / f"candidate{suffix}"
+            cand.write_text(source)
+            request = {
+                "candidate": str(cand), "problem": s.problem,
+                "configs": [dict(c) for c in s.configs] if s.configs else None,
+                "dtype": s.dtype, "device": s.device, "trials": s.trials,
+                "tolerance": s.tolerance, "policy": s.policy, "all_backends": s.all_backends,
+                "build_timeout_s": s.build_timeout_s, "cache_dir": s.cache_dir,
+                "allowed_dirs": [work, s.cache_dir], "secret_seed": secrets.randbits(62),
+                "check_only": s.check_only, "nonce": secrets.token_hex(16),
+            }
+            if s.warmup is not None:
+                request["warmup"] = s.warmup
+            if s.reps is not None:
+                request["reps"] = s.reps
+            result = self._run_child(request, work)
+            return dataclasses.replace(result, candidate=label,
+                                       duration_s=round(time.monotonic() - t0, 3))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    def _run_child(self, request: dict[str, Any], work: str) -> EvalResult:
+        s = self.settings
+        env = child_env(dict(os.environ), work, s.cache_dir, s.device, s.secret_env_names)
+        if s.gpu_index is not None and s.device == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = str(s.gpu_index)
+        log_path = Path(work) / "child.log"
+        rfd, wfd = os.pipe()
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "evaluator.worker", "--fd", str(wfd)],
+                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, cwd=work, env=env,
+                pass_fds=(wfd,), start_new_session=True)
+        os.close(wfd)
+        nonce = request["nonce"]
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps(request).encode())
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        stage, result, reason = "start", None, None
+        deadline = time.monotonic() + _STARTUP_S + s.build_timeout_s
+        buf = b""
+        try:
+            while True:
+                now = time.monotonic()
+                if now > deadline:
+                    reason = (Verdict.TIMEOUT, f"timed out in stage '{stage}' "
+                              f"(limit {s.build_timeout_s if stage in ('start', 'build') else s.run_timeout_s:.0f} s)")
+                    break
+                rss = _rss_bytes(proc.pid)
+                if rss > s.max_host_mem_bytes:
+                    reason = (Verdict.OOM, f"host memory {rss / 2**30:.1f} GiB over the limit "
+                              f"{s.max_host_mem_bytes / 2**30:.1f} GiB")
+                    break
+                ready, _, _ = select.select([rfd], [], [], min(0.5, max(0.0, deadline - now)))
+                if not ready:
+                    if proc.poll() is not None and not _readable(rfd):
+                        break
+                    continue
+                chunk = os.read(rfd, 1 << 20)
+                if not chunk:
+                    break
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    msg = _parse(line, nonce)
+                    if msg is None:
+                        continue
+                    if msg["type"] == "stage":
+                        stage = str(msg["payload"])
+                        if stage == "build":
+                            deadline = time.monotonic() + s.build_timeout_s
+                        elif stage == "reference":   # everything after the build
+                            deadline = time.monotonic() + s.run_timeout_s
+                    elif msg["type"] == "result" and result is None:
+                        result = msg["payload"]       # first result wins
+                if result is not None:
+                    break
+        finally:
+            os.close(rfd)
+            _kill_group(proc)
+        tail = _tail(log_path)
+        if reason is not None:
+            return EvalResult.failure(reason[0], reason[1], log_tail=tail, problem=s.problem)
+        if result is not None:
+            return dataclasses.replace(EvalResult.from_json(result), log_tail=tail)
+        return EvalResult.failure(*_classify_death(proc.returncode, tail, stage),
+                                  log_tail=tail, problem=s.problem)
+
+
+def default_cache_dir() -> str:
+    """Returns the build/Triton cache directory ($EVOATTN_CACHE or ~/.cache/evoattn)."""
+    return os.environ.get("EVOATTN_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "evoattn")
+
+
+def _parse(line: bytes, nonce: str) -> dict[str, Any] | None:
+    try:
+        msg = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(msg, dict) or msg.get("nonce") != nonce:
+        return None
+    return msg
+
+
+def _readable(fd: int) -> bool:
+    r, _, _ = select.select([fd], [], [], 0)
+    return bool(r)
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """Kills the child's whole process session and reaps it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _classify_death(code: int | None, tail: str, stage: str) -> tuple[Verdict, str]:
+    low = tail.lower()
+    if "out of memory" in low or "outofmemoryerror" in low or "cudaerrormemoryallocation" in low:
+        return Verdict.OOM, f"ran out of memory in stage '{stage}'"
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return Verdict.CRASH, f"child died with {name} in stage '{stage}'"
+    hint = next((ln.strip() for ln in reversed(tail.splitlines()) if ln.strip()), "")
+    return Verdict.CRASH, f"child exited with code {code} in stage '{stage}' without a result" + (
+        f": {hint[:200]}" if hint else "")
+
+
+def _tail(path: Path, lines: int = 40, max_bytes: int = 64 * 1024) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(data.splitlines()[-lines:])
