@@ -50,7 +50,8 @@ def evaluate(req: dict[str, Any], stage: Callable[[str], None]) -> EvalResult:
     cand_path = Path(req["candidate"]).resolve()
     info = devinfo.describe(dev)
     common = dict(problem=problem.name, candidate=cand_path.name, device=info["name"],
-                  timing_device=dev, versions=devinfo.versions())
+                  timing_device=dev, versions=devinfo.versions(),
+                  device_info={k: v for k, v in info.items() if k != "name"})
 
     def fail(verdict: Verdict, reason: str, **kw: Any) -> EvalResult:
         return EvalResult.failure(verdict, reason, duration_s=_now() - t_start, **common, **kw)
@@ -80,6 +81,8 @@ def evaluate(req: dict[str, Any], stage: Callable[[str], None]) -> EvalResult:
     cases = [_prepare_config(problem, cfg, dtype, device, rng, trials)
              for cfg in configs + domain]
     ceiling = devinfo.measured_matmul_tflops(dtype) if on_gpu and dtype != torch.float32 else None
+    if ceiling:
+        common["device_info"]["measured_matmul_tflops"] = round(ceiling, 1)
     if on_gpu:
         devinfo.poison_allocator([c["out_bytes"] for c in cases])
 

@@ -100,6 +100,7 @@ class EvalResult:
     device: str = ""                   # e.g. "NVIDIA H100 80GB HBM3" or "cpu"
     timing_device: str = "cuda"        # "cpu" timings are labelled as such everywhere
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
+    device_info: dict[str, Any] = dataclasses.field(default_factory=dict)  # SMs, smem, peaks
     flags: tuple[str, ...] = ()        # integrity flags raised (even when re-verified)
     build_log: str = ""
     log_tail: str = ""                 # last lines of the child's stdout/stderr
@@ -122,6 +123,7 @@ class EvalResult:
             "device": self.device,
             "timing_device": self.timing_device,
             "versions": self.versions,
+            "device_info": self.device_info,
             "flags": list(self.flags),
             "build_log": self.build_log,
             "log_tail": self.log_tail,
@@ -143,6 +145,7 @@ class EvalResult:
             device=d.get("device", ""),
             timing_device=d.get("timing_device", "cuda"),
             versions=dict(d.get("versions", {})),
+            device_info=dict(d.get("device_info", {})),
             flags=tuple(d.get("flags", ())),
             build_log=d.get("build_log", ""),
             log_tail=d.get("log_tail", ""),

@@ -249,3 +249,12 @@ def _tail(path: Path, lines: int = 40, max_bytes: int = 64 * 1024) -> str:
     except OSError:
         return ""
     return "\n".join(data.splitlines()[-lines:])
+
+
+def detect_device() -> str:
+    """Returns 'cuda' when an NVIDIA GPU is visible (without initialising CUDA here), else 'cpu'."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return "cpu"
+    if any(os.path.exists(f"/dev/nvidia{i}") for i in range(16)):
+        return "cuda"
+    return "cpu"

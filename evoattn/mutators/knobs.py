@@ -1,0 +1,127 @@
+"""The offline mutator: rewrites values of the tunable choices marked in the source.
+
+Grammar (one knob per line; the mutator changes only the value):
+    BLOCK_M = 128  # evoattn: choice(64, 128, 256)             Python / Triton
+    USE_TMA = True  # evoattn: choice(True, False)             structural switch
+    #define BLOCK_N 64  // evoattn: choice(32, 64, 128)        CUDA macro
+    constexpr int WARPS = 4;  // evoattn: choice(4, 8)         CUDA constant
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+from typing import Callable
+
+from ..types import MutationRequest, Proposal, program_id
+
+_PY = re.compile(r"^(?P<pre>\s*(?P<name>[A-Za-z_]\w*)\s*(?::\s*[\w\[\]., ]+)?=\s*)"
+                 r"(?P<val>[^#\n]+?)(?P<post>\s*#\s*evoattn:\s*choice\((?P<choices>[^)]*)\)[^\n]*)$")
+_DEFINE = re.compile(r"^(?P<pre>\s*#\s*define\s+(?P<name>\w+)\s+)(?P<val>\S+)"
+                     r"(?P<post>\s*//\s*evoattn:\s*choice\((?P<choices>[^)]*)\)[^\n]*)$")
+_CONST = re.compile(r"^(?P<pre>\s*(?:static\s+)?(?:constexpr|const)\s+[\w:<> ]+?\s+(?P<name>\w+)"
+                    r"\s*=\s*)(?P<val>[^;\n]+?)(?P<post>\s*;\s*//\s*evoattn:\s*choice\("
+                    r"(?P<choices>[^)]*)\)[^\n]*)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    """One marked choice: its name, line index, current value and allowed values."""
+
+    name: str
+    line: int
+    value: str
+    choices: tuple[str, ...]
+
+
+def find_knobs(source: str) -> list[Knob]:
+    """Returns the knobs marked in a source, in file order."""
+    knobs = []
+    for i, line in enumerate(source.split("\n")):
+        m = _DEFINE.match(line) or _CONST.match(line) or _PY.match(line)
+        if m:
+            choices = tuple(c.strip() for c in m.group("choices").split(",") if c.strip())
+            knobs.append(Knob(m.group("name"), i, m.group("val").strip(), choices))
+    return knobs
+
+
+def set_knobs(source: str, values: dict[str, str]) -> str:
+    """Returns the source with the named knobs set to the given values."""
+    lines = source.split("\n")
+    for k in find_knobs(source):
+        if k.name in values:
+            line = lines[k.line]
+            m = _DEFINE.match(line) or _CONST.match(line) or _PY.match(line)
+            assert m is not None
+            lines[k.line] = m.group("pre") + values[k.name] + m.group("post")
+    return "\n".join(lines)
+
+
+def space_size(source: str) -> int:
+    """Returns the number of knob settings a source allows."""
+    n = 1
+    for k in find_knobs(source):
+        n *= max(1, len(k.choices))
+    return n
+
+
+class KnobMutator:
+    """Mutates one or two knobs (neighbours preferred) or crosses knobs with another elite."""
+
+    name = "knobs"
+
+    def __init__(self, crossover_rate: float = 0.2, is_known: Callable[[str], bool] | None = None,
+                 attempts: int = 20) -> None:
+        self.crossover_rate = crossover_rate
+        self.is_known = is_known or (lambda pid: False)
+        self.attempts = attempts
+
+    def propose(self, request: MutationRequest) -> Proposal:
+        """Returns a child with changed knob values, or a rejection saying why none was found."""
+        parent = request.parent
+        knobs = find_knobs(parent.source)
+        if not knobs:
+            return Proposal(parent.id, self.name, None,
+                            rejected_reason="no '# evoattn: choice(...)' knobs in the parent")
+        rng = random.Random(request.seed)
+        partner = next((p for p in request.inspirations if p.id != parent.id and
+                        {k.name for k in find_knobs(p.source)} == {k.name for k in knobs}), None)
+        for _ in range(self.attempts):
+            use_cross = partner is not None and rng.random() < self.crossover_rate
+            values = (self._crossover(knobs, find_knobs(partner.source), rng) if use_cross
+                      else self._mutate(knobs, rng))
+            changed = {k.name: (k.value, values[k.name]) for k in knobs
+                       if values.get(k.name, k.value) != k.value}
+            if not changed:
+                continue
+            child = set_knobs(parent.source, values)
+            if self.is_known(program_id(child)):
+                continue
+            what = ", ".join(f"{n}: {a} -> {b}" for n, (a, b) in changed.items())
+            return Proposal(parent.id, self.name, child,
+                            change=("crossover: " if use_cross else "") + what,
+                            second_parent_id=partner.id if use_cross and partner else None)
+        return Proposal(parent.id, self.name, None,
+                        rejected_reason=f"no unevaluated knob setting found near the parent "
+                                        f"in {self.attempts} attempts")
+
+    @staticmethod
+    def _mutate(knobs: list[Knob], rng: random.Random) -> dict[str, str]:
+        values = {k.name: k.value for k in knobs}
+        n = 1 if rng.random() < 0.6 else 2 if rng.random() < 0.75 else 3
+        for k in rng.sample(knobs, k=min(n, len(knobs))):
+            others = [c for c in k.choices if c != k.value]
+            if not others:
+                continue
+            if k.value in k.choices and rng.random() < 0.6:   # prefer a neighbouring value
+                i = k.choices.index(k.value)
+                near = [k.choices[j] for j in (i - 1, i + 1) if 0 <= j < len(k.choices)]
+                values[k.name] = rng.choice(near)
+            else:
+                values[k.name] = rng.choice(others)
+        return values
+
+    @staticmethod
+    def _crossover(knobs: list[Knob], other: list[Knob], rng: random.Random) -> dict[str, str]:
+        theirs = {k.name: k.value for k in other}
+        return {k.name: (theirs[k.name] if rng.random() < 0.5 else k.value) for k in knobs}

@@ -1,0 +1,215 @@
+"""Wires a run together from its config: store, evaluator, mutators, view; then searches."""
+from __future__ import annotations
+
+import dataclasses
+import signal
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from .config import RunConfig, config_from_dict, config_to_dict, load_config
+from .errors import RunDirError, UsageError
+from .sandbox import EvalSettings, SubprocessEvaluator, detect_device
+
+DEFAULT_CONFIG = "configs/default.yaml"
+# Keys that may differ when a run is resumed (everything else must match the stored config).
+_RESUMABLE = {"iterations", "output", "max_wall_s", "target_fitness"}
+
+
+def start_run(*, config_path: str | None, iterations: int | None, output: str | None,
+              random_seed: int | None, device: str | None, resume_dir: str | None, quiet: bool,
+              console: Console) -> None:
+    """Runs (or resumes) a search and exports its best kernel into RUN_DIR/best."""
+    from .store import RunStore
+    cfg, resuming = _resolve_config(config_path, resume_dir, iterations, output, random_seed,
+                                    device)
+    dev = detect_device() if cfg.device == "auto" else cfg.device
+    cfg = dataclasses.replace(cfg, device=dev)
+    problem = _problem(cfg.problem)
+    seed_path = _find(cfg.seed, config_path)
+    if seed_path.suffix == ".cu" and dev == "cpu":
+        raise UsageError(f"{seed_path}: a CUDA seed needs a GPU; use a .py seed with device: cpu")
+    configs = _parse_configs(problem, cfg)
+    run_dir = Path(resume_dir or cfg.output)
+    if not resuming and (run_dir / "run.sqlite").is_file():
+        raise RunDirError(f"{run_dir}: already holds a run; continue it with "
+                          f"`evoattn run --resume {run_dir}` or choose another --output")
+    stored = config_to_dict(dataclasses.replace(cfg, device=cfg.device))
+    store = RunStore.open(run_dir, stored, create=not resuming)
+    try:
+        if resuming:
+            store.record_stop(None)
+        _search(cfg, store, problem, configs, seed_path, dev, quiet, console, run_dir)
+    finally:
+        store.close()
+
+
+def _search(cfg: RunConfig, store: Any, problem: Any, configs: Any, seed_path: Path, dev: str,
+            quiet: bool, console: Console, run_dir: Path) -> None:
+    from .export import export_run
+    from .mutators.knobs import KnobMutator
+    from .progress import EventLog, LiveView
+    from .search import Search
+
+    ev = cfg.evaluator
+    on_cpu = dev == "cpu"
+    settings = EvalSettings(
+        problem=cfg.problem, configs=configs, dtype=cfg.dtype, device=dev, trials=ev.trials,
+        warmup=1 if on_cpu else ev.warmup, reps=min(ev.reps, 3) if on_cpu else ev.reps,
+        tolerance={"factor": ev.tolerance_factor, "floor": ev.tolerance_floor,
+                   **({"max_abs": ev.max_abs} if ev.max_abs is not None else {})},
+        policy=ev.policy, all_backends=ev.all_backends, build_timeout_s=ev.build_timeout_s,
+        run_timeout_s=ev.run_timeout_s,
+        secret_env_names=tuple(m.api_key_env for m in cfg.llm.models))
+    evaluator = SubprocessEvaluator(settings)
+    meter = None
+    mutators: list[tuple[Any, float]] = []
+    search_ref: dict[str, Any] = {}
+    for m in cfg.mutators:
+        if m.kind == "knobs":
+            mutators.append((KnobMutator(cfg.population.crossover_rate,
+                                         is_known=lambda pid: pid in search_ref["s"].programs),
+                             m.weight))
+        else:
+            from .mutators.llm import CostMeter, LlmMutator
+            meter = meter or CostMeter(cfg.llm.budget_usd)
+            mutators.append((LlmMutator(cfg.llm, meter), m.weight))
+    events = EventLog(run_dir / "events.jsonl")
+
+    def llm_totals() -> dict[str, float]:
+        if meter is None:
+            return {}
+        return {"calls": meter.calls, "prompt_tokens": meter.prompt_tokens,
+                "completion_tokens": meter.completion_tokens, "cost_usd": meter.spent_usd}
+
+    if on_cpu:
+        console.print("[yellow]CPU mode[/yellow]: no GPU here, so candidates run through "
+                      "Triton's interpreter on small configs; speedups are CPU timings, "
+                      "not GPU performance.")
+    view = LiveView(console, quiet, events, dev)
+    search = Search(cfg, store, evaluator, mutators, seed_path.read_text(), seed_path.suffix,
+                    contract=problem.contract, on_progress=view.update,
+                    budget_exhausted=lambda: bool(meter and meter.exhausted),
+                    llm_totals=llm_totals,
+                    lookahead=cfg.llm.concurrency if meter is not None else 0)
+    search_ref["s"] = search
+    events.write("start", config=config_to_dict(cfg), device=dev, run_dir=str(run_dir))
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        with view:
+            outcome = search.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    events.write("stop", reason=outcome.stop_reason, iterations=outcome.iterations_done,
+                 best_id=outcome.best.id if outcome.best else None,
+                 best_fitness=outcome.best.fitness if outcome.best else None,
+                 elapsed_s=outcome.elapsed_s)
+    events.close()
+    _summary(console, outcome, search)
+    if outcome.best is not None:
+        export_run(store, run_dir / "best")
+        console.print(f"best kernel exported to {run_dir / 'best'} "
+                      f"(re-check it with `evoattn eval {run_dir / 'best'}/best{outcome.best.suffix}`)")
+
+
+def _summary(console: Console, outcome: Any, search: Any) -> None:
+    seed, best = outcome.seed, outcome.best
+    console.print(f"stopped after iteration {outcome.iterations_done}: {outcome.stop_reason}")
+    console.print(f"seed fitness {seed.fitness:.4f} -> best fitness "
+                  f"{best.fitness if best else 0.0:.4f} ({best.id if best else '-'}) in "
+                  f"{outcome.elapsed_s:.0f} s")
+    if best and best.result and seed.result:
+        by_cfg = {str(c.params): c.speedup for c in seed.result.configs}
+        for c in best.result.configs:
+            before = by_cfg.get(str(c.params))
+            console.print(f"  {c.params}: {before or 0:.3f}x -> {c.speedup or 0:.3f}x vs SDPA")
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _resolve_config(config_path: str | None, resume_dir: str | None, iterations: int | None,
+                    output: str | None, random_seed: int | None,
+                    device: str | None) -> tuple[RunConfig, bool]:
+    from .store import RunStore
+    resuming = False
+    if resume_dir:
+        if not (Path(resume_dir) / "run.sqlite").is_file():
+            raise RunDirError(f"{resume_dir}: not a run directory (no run.sqlite)")
+        st = RunStore.open_readonly(resume_dir)
+        try:
+            cfg = config_from_dict(st.stored_config(), f"{resume_dir}/run.sqlite")
+        finally:
+            st.close()
+        resuming = True
+        cfg = dataclasses.replace(cfg, output=resume_dir)
+    else:
+        path = config_path or DEFAULT_CONFIG
+        cfg = load_config(path)
+    over: dict[str, Any] = {}
+    if iterations is not None:
+        over["iterations"] = iterations
+    if output is not None and not resume_dir:
+        over["output"] = output
+    if random_seed is not None:
+        if resuming:
+            raise UsageError("--seed cannot change when resuming a run")
+        over["random_seed"] = random_seed
+    if device is not None:
+        over["device"] = device
+    cfg = dataclasses.replace(cfg, **over)
+    if not resuming and (Path(cfg.output) / "run.sqlite").is_file():
+        # Re-running with the same output continues the run if the config matches.
+        st = RunStore.open_readonly(cfg.output)
+        try:
+            stored = config_from_dict(st.stored_config(), f"{cfg.output}/run.sqlite")
+        finally:
+            st.close()
+        a = {k: v for k, v in config_to_dict(stored).items() if k not in _RESUMABLE | {"device"}}
+        b = {k: v for k, v in config_to_dict(cfg).items() if k not in _RESUMABLE | {"device"}}
+        if a != b:
+            diff = sorted(k for k in a if a[k] != b.get(k))
+            raise RunDirError(f"{cfg.output}: holds a run with a different config "
+                              f"(differs in: {', '.join(diff)}); use another --output")
+        resuming = True
+    return cfg, resuming
+
+
+def _problem(name: str) -> Any:
+    from evaluator.problems import UnknownProblem, get_problem
+    try:
+        return get_problem(name)
+    except UnknownProblem as e:
+        raise UsageError(f"problem: {e}") from None
+
+
+def _find(path: str, config_path: str | None) -> Path:
+    p = Path(path)
+    candidates = [p] if p.is_absolute() else [Path.cwd() / p]
+    if config_path and not p.is_absolute():
+        candidates.append(Path(config_path).resolve().parent / p)
+        candidates.append(Path(config_path).resolve().parent.parent / p)
+    for c in candidates:
+        if c.is_file():
+            if c.suffix not in (".py", ".cu"):
+                raise UsageError(f"{c}: seed must be a .py or .cu file")
+            return c
+    raise UsageError(f"seed program {path} not found" +
+                     (f" (config {config_path})" if config_path else ""))
+
+
+def _parse_configs(problem: Any, cfg: RunConfig) -> tuple[dict[str, Any], ...] | None:
+    if not cfg.configs:
+        return None
+    out: list[dict[str, Any]] = []
+    for i, spec in enumerate(cfg.configs):
+        try:
+            out += problem.parse_configs(spec)
+        except ValueError as e:
+            raise UsageError(f"configs[{i}]: {e}") from None
+    return tuple(out)
+
+
+__all__ = ["start_run"]

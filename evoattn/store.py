@@ -1,0 +1,399 @@
+"""The run's SQLite database, RUN_DIR/run.sqlite: programs, rejections, LLM calls, state.
+
+Every iteration is written by `commit_iteration` in ONE transaction: the new
+program (or the rejection), the LLM call and the search state (iteration, RNG,
+population). A `kill -9` at any instant therefore leaves the database at the
+previous iteration or the next, never between, and resume continues from it.
+
+Durability: WAL with synchronous=FULL. NORMAL would keep the database
+consistent too, but a power loss could drop the last commits, i.e. LLM calls
+already paid for; FULL costs one fsync per iteration, nothing next to an
+iteration's seconds of LLM and GPU time.
+
+One process writes a run at a time: `open` holds an exclusive `flock` on
+RUN_DIR/.lock until `close` (the kernel drops it if the process dies).
+Readers (`open_readonly`: export, report) take no lock; WAL lets them read
+while a run is writing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import fcntl
+import json
+import os
+import re
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from evaluator.types import EvalResult
+
+from .errors import RunDirError, UsageError
+from .types import LlmUsage, Program
+
+SCHEMA_VERSION = 1
+DB_NAME = "run.sqlite"
+LOCK_NAME = ".lock"
+
+_SCHEMA = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE programs (
+    id TEXT PRIMARY KEY, source TEXT NOT NULL, suffix TEXT NOT NULL,
+    parent_id TEXT, second_parent_id TEXT, iteration INTEGER NOT NULL,
+    island INTEGER NOT NULL, mutator TEXT NOT NULL, change TEXT NOT NULL,
+    verdict TEXT, fitness REAL, result_json TEXT, created_at TEXT NOT NULL);
+CREATE INDEX programs_verdict_fitness ON programs (verdict, fitness);
+CREATE TABLE rejections (
+    iteration INTEGER NOT NULL, parent_id TEXT, mutator TEXT NOT NULL,
+    reason TEXT NOT NULL, created_at TEXT NOT NULL);
+CREATE TABLE llm_calls (
+    iteration INTEGER NOT NULL, model TEXT NOT NULL, prompt_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL, cost_usd REAL NOT NULL, latency_s REAL NOT NULL,
+    attempts INTEGER NOT NULL, status TEXT NOT NULL, created_at TEXT NOT NULL);
+CREATE TABLE state (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+_PROGRAM_COLUMNS = ("id, source, suffix, parent_id, second_parent_id, iteration, island, "
+                    "mutator, change, result_json")
+
+# Config keys that could hold a credential; their values must be env var NAMES.
+_SECRET_KEY = re.compile(r"(api[_-]?key|token|secret|password|passwd|credential)", re.I)
+_ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlmTotals:
+    """Sums over a run's LLM calls."""
+
+    calls: int
+    prompt_tokens: int
+    completion_tokens: int
+    cost_usd: float
+    latency_s: float
+
+
+def scrub_secrets(obj: Any) -> Any:
+    """Returns a copy of a config dict without values that look like credentials."""
+    if isinstance(obj, dict):
+        out = {}
+        for key, value in obj.items():
+            if (_SECRET_KEY.search(str(key)) and isinstance(value, str)
+                    and not _ENV_NAME.match(value)):
+                continue                # a literal key, not the name of an env var: drop it
+            out[key] = scrub_secrets(value)
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [scrub_secrets(v) for v in obj]
+    return obj
+
+
+def rng_state_to_json(state: Any) -> list[Any]:
+    """Returns random.Random.getstate() as nested lists (JSON-safe)."""
+    version, internal, gauss_next = state
+    return [version, list(internal), gauss_next]
+
+
+def rng_state_from_json(data: list[Any]) -> tuple[Any, ...]:
+    """Returns the tuple random.Random.setstate() takes from its JSON form."""
+    version, internal, gauss_next = data
+    return (version, tuple(internal), gauss_next)
+
+
+class RunStore:
+    """One run directory's database; the search loop is its only writer."""
+
+    def __init__(self, run_dir: Path, conn: sqlite3.Connection, lock_fd: int | None,
+                 clock: Callable[[], float]) -> None:
+        self.run_dir = run_dir
+        self._conn = conn
+        self._lock_fd = lock_fd
+        self._clock = clock
+
+    # ---- opening -----------------------------------------------------------
+    @classmethod
+    def open(cls, run_dir: str | Path, config_dict: dict[str, Any] | None, create: bool,
+             clock: Callable[[], float] = time.time) -> "RunStore":
+        """Returns the locked store of a new (create=True) or existing run directory."""
+        run_dir = Path(run_dir)
+        db = run_dir / DB_NAME
+        if create:
+            if config_dict is None:
+                raise ValueError("a new run needs its config")
+            run_dir.mkdir(parents=True, exist_ok=True)
+        elif not db.is_file():
+            raise RunDirError(f"{run_dir}: not a run directory (no {DB_NAME})")
+        lock_fd = _lock(run_dir)
+        try:
+            if create and _holds_run(db):
+                raise RunDirError(f"{run_dir}: already holds a run; resume it or choose "
+                                  "another output directory")
+            store = cls(run_dir, _connect(db, readonly=False), lock_fd, clock)
+        except BaseException:
+            os.close(lock_fd)
+            raise
+        try:
+            if create:
+                store._create(config_dict or {})
+            else:
+                store._check_schema()
+        except BaseException:
+            store.close()
+            raise
+        return store
+
+    @classmethod
+    def open_readonly(cls, run_dir: str | Path) -> "RunStore":
+        """Returns a read-only store (no lock: a running search may keep writing)."""
+        run_dir = Path(run_dir)
+        db = run_dir / DB_NAME
+        if not db.is_file():
+            raise RunDirError(f"{run_dir}: not a run directory (no {DB_NAME})")
+        store = cls(run_dir, _connect(db, readonly=True), None, time.time)
+        try:
+            store._check_schema()
+        except BaseException:
+            store.close()
+            raise
+        return store
+
+    def _create(self, config_dict: dict[str, Any]) -> None:
+        config = scrub_secrets(config_dict)
+        meta = {"schema_version": str(SCHEMA_VERSION), "created_at": self._now(),
+                "config": json.dumps(config, sort_keys=True),
+                "problem": str(config.get("problem", "")), "seed": str(config.get("seed", ""))}
+        with self._transaction() as c:   # DDL is transactional in SQLite: all or nothing
+            for statement in filter(str.strip, _SCHEMA.split(";")):
+                c.execute(statement)
+            c.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", meta.items())
+
+    def _check_schema(self) -> None:
+        try:
+            row = self._conn.execute(
+                "SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        except sqlite3.DatabaseError as e:
+            raise RunDirError(f"{self.run_dir}: {DB_NAME} is not a run database ({e})") from None
+        if row is None or row[0] != str(SCHEMA_VERSION):
+            found = row[0] if row else "none"
+            raise RunDirError(f"{self.run_dir}: run database schema version {found}, "
+                              f"this evoattn reads version {SCHEMA_VERSION}")
+
+    def close(self) -> None:
+        """Closes the database and releases the run directory's lock."""
+        self._conn.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)     # closing the descriptor drops the flock
+            self._lock_fd = None
+
+    def __enter__(self) -> "RunStore":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- writing -------------------------------------------------------------
+    def commit_iteration(self, *, iteration: int, program: Program | None,
+                         rejection: tuple[str | None, str, str] | None,
+                         llm_usage: LlmUsage | None, rng_state: Any,
+                         population_snapshot: dict[str, Any],
+                         llm_status: str | None = None) -> None:
+        """Writes one iteration's program/rejection, LLM call and search state atomically."""
+        now = self._now()
+        with self._transaction() as c:
+            if program is not None:
+                self._insert_program(c, program, now)
+            if rejection is not None:
+                parent_id, mutator, reason = rejection
+                c.execute("INSERT INTO rejections VALUES (?, ?, ?, ?, ?)",
+                          (iteration, parent_id, mutator, reason, now))
+            if llm_usage is not None:
+                status = llm_status or ("rejected" if program is None else "ok")
+                u = llm_usage
+                c.execute("INSERT INTO llm_calls VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                          (iteration, u.model, u.prompt_tokens, u.completion_tokens,
+                           u.cost_usd, u.latency_s, u.attempts, status, now))
+            # Serialised inside the transaction: a failure here rolls back the rows above.
+            state = {"iteration": iteration, "rng_state": rng_state_to_json(rng_state),
+                     "population": population_snapshot}
+            c.executemany("INSERT OR REPLACE INTO state (key, value) VALUES (?, ?)",
+                          [(k, json.dumps(v, allow_nan=False)) for k, v in state.items()])
+
+    def record_stop(self, reason: str | None) -> None:
+        """Records why the run stopped (None clears it when a run resumes)."""
+        with self._transaction() as c:
+            c.execute("INSERT OR REPLACE INTO state (key, value) VALUES ('stop_reason', ?)",
+                      (json.dumps(reason),))
+
+    def _insert_program(self, c: sqlite3.Connection, p: Program, now: str) -> None:
+        result_json = json.dumps(p.result.to_json(), allow_nan=False) if p.result else None
+        verdict = p.result.verdict.value if p.result else None
+        fitness = p.result.fitness if p.result else None
+        try:
+            c.execute("INSERT INTO programs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                      (p.id, p.source, p.suffix, p.parent_id, p.second_parent_id, p.iteration,
+                       p.island, p.mutator, p.change, verdict, fitness, result_json, now))
+        except sqlite3.IntegrityError:
+            raise ValueError(f"program {p.id} is already stored (the search must skip "
+                             "duplicates)") from None
+
+    # ---- reading -------------------------------------------------------------
+    def load_programs(self) -> dict[str, Program]:
+        """Returns every stored program by id, in the order they were stored."""
+        rows = self._conn.execute(f"SELECT {_PROGRAM_COLUMNS} FROM programs ORDER BY rowid")
+        return {row[0]: _program(row) for row in rows}
+
+    def get_program(self, program_id: str) -> Program | None:
+        """Returns one stored program, or None."""
+        row = self._conn.execute(f"SELECT {_PROGRAM_COLUMNS} FROM programs WHERE id = ?",
+                                 (program_id,)).fetchone()
+        return _program(row) if row else None
+
+    def has_program(self, program_id: str) -> bool:
+        """Returns whether a program with this id is stored."""
+        return self._conn.execute("SELECT 1 FROM programs WHERE id = ?",
+                                  (program_id,)).fetchone() is not None
+
+    def load_state(self) -> dict[str, Any] | None:
+        """Returns {iteration, rng_state, population, stop_reason}, or None before iteration 0."""
+        values = {k: json.loads(v) for k, v in self._conn.execute("SELECT key, value FROM state")}
+        if "iteration" not in values:
+            return None
+        return {"iteration": values["iteration"],
+                "rng_state": rng_state_from_json(values["rng_state"]),
+                "population": values["population"],
+                "stop_reason": values.get("stop_reason")}
+
+    def stored_config(self) -> dict[str, Any]:
+        """Returns the config dict the run was created with."""
+        row = self._conn.execute("SELECT value FROM meta WHERE key = 'config'").fetchone()
+        return json.loads(row[0])
+
+    def meta(self) -> dict[str, str]:
+        """Returns the meta table (schema version, created_at, config, problem, seed)."""
+        return dict(self._conn.execute("SELECT key, value FROM meta"))
+
+    def counts_by_verdict(self) -> dict[str, int]:
+        """Returns how many stored programs got each verdict ("unevaluated" for none)."""
+        rows = self._conn.execute(
+            "SELECT COALESCE(verdict, 'unevaluated'), COUNT(*) FROM programs GROUP BY 1")
+        return dict(rows)
+
+    def rejection_count(self) -> int:
+        """Returns how many proposals did not apply."""
+        return self._conn.execute("SELECT COUNT(*) FROM rejections").fetchone()[0]
+
+    def llm_totals(self) -> LlmTotals:
+        """Returns the sums over every recorded LLM call."""
+        row = self._conn.execute(
+            "SELECT COUNT(*), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0),"
+            " COALESCE(SUM(cost_usd), 0.0), COALESCE(SUM(latency_s), 0.0) FROM llm_calls"
+        ).fetchone()
+        return LlmTotals(row[0], row[1], row[2], float(row[3]), float(row[4]))
+
+    def lineage(self, program_id: str) -> list[Program]:
+        """Returns the chain of first parents from the seed to the program, seed first."""
+        chain: list[Program] = []
+        seen: set[str] = set()
+        pid: str | None = program_id
+        while pid is not None and pid not in seen:
+            p = self.get_program(pid)
+            if p is None:
+                if not chain:
+                    raise UsageError(f"{self.run_dir}: no program with id {program_id}")
+                break                    # parent not stored (e.g. pruned): the chain starts here
+            seen.add(pid)
+            chain.append(p)
+            pid = p.parent_id
+        return chain[::-1]
+
+    def leaderboard(self, k: int) -> list[Program]:
+        """Returns the k correct programs of highest fitness (ties broken by id)."""
+        rows = self._conn.execute(
+            f"SELECT {_PROGRAM_COLUMNS} FROM programs WHERE verdict = 'pass' "
+            "ORDER BY fitness DESC, id ASC LIMIT ?", (k,))
+        return [_program(row) for row in rows]
+
+    # ---- plumbing --------------------------------------------------------------
+    def _transaction(self) -> "_Transaction":
+        return _Transaction(self._conn)
+
+    def _now(self) -> str:
+        return datetime.datetime.fromtimestamp(self._clock(), datetime.timezone.utc).isoformat(
+            timespec="milliseconds")
+
+
+class _Transaction:
+    """BEGIN IMMEDIATE … COMMIT, or ROLLBACK if the body raises."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+
+    def __enter__(self) -> sqlite3.Connection:
+        self._conn.execute("BEGIN IMMEDIATE")
+        return self._conn
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        if exc_type is None:
+            try:
+                self._conn.execute("COMMIT")
+                return
+            except BaseException:
+                # A failed COMMIT (disk full, I/O error) leaves the transaction open.
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
+                raise
+        if self._conn.in_transaction:
+            self._conn.execute("ROLLBACK")
+
+
+def _connect(db: Path, readonly: bool) -> sqlite3.Connection:
+    try:
+        return _connect_unchecked(db, readonly)
+    except sqlite3.DatabaseError as e:
+        raise RunDirError(f"{db}: cannot open the run database ({e})") from None
+
+
+def _connect_unchecked(db: Path, readonly: bool) -> sqlite3.Connection:
+    if readonly:
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, isolation_level=None)
+    else:
+        # isolation_level=None: no implicit transactions; _Transaction draws every boundary.
+        conn = sqlite3.connect(db, isolation_level=None)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=FULL")
+    conn.execute("PRAGMA busy_timeout=5000")
+    return conn
+
+
+def _holds_run(db: Path) -> bool:
+    # A database without a meta table is what a crash during creation leaves: reusable.
+    if not db.exists():
+        return False
+    conn = sqlite3.connect(db)
+    try:
+        return conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'meta'").fetchone() is not None
+    except sqlite3.DatabaseError as e:
+        raise RunDirError(f"{db}: exists and is not a run database ({e})") from None
+    finally:
+        conn.close()
+
+
+def _lock(run_dir: Path) -> int:
+    fd = os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RunDirError(f"{run_dir}: run directory is in use by another evoattn process") \
+            from None
+    return fd
+
+
+def _program(row: tuple[Any, ...]) -> Program:
+    (pid, source, suffix, parent_id, second_parent_id, iteration, island, mutator, change,
+     result_json) = row
+    result = EvalResult.from_json(json.loads(result_json)) if result_json else None
+    return Program(id=pid, source=source, suffix=suffix, parent_id=parent_id,
+                   iteration=iteration, island=island, mutator=mutator, change=change,
+                   result=result, second_parent_id=second_parent_id)

@@ -1,0 +1,162 @@
+"""Tests for evaluator.build: flags, cache keys, log trimming, and real nvcc builds."""
+from __future__ import annotations
+
+import ctypes
+import shutil
+from pathlib import Path
+
+import pytest
+
+from evaluator import build
+from evaluator.build import (BuildResult, LoadError, build_fast, cache_key, fast_flags,
+                             gencode_flags, load_fast, torch_arch_list, trim_log)
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+
+ARCH = "sm_90a"
+
+TINY = r"""
+#include <cuda_runtime.h>
+__global__ void copy_kernel(const float* a, float* b, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) b[i] = a[i] * %s;
+}
+extern "C" int evoattn_sdpa(const void* q, const void* k, const void* v, void* out, int B,
+                            int H, int S, int D, int dtype, int causal, float scale,
+                            void* stream) {
+  int n = B * H * S * D;
+  copy_kernel<<<(n + 127) / 128, 128, 0, (cudaStream_t)stream>>>((const float*)q, (float*)out, n);
+  return (int)cudaGetLastError();
+}
+"""
+
+
+def _write(tmp_path: Path, name: str, text: str) -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def _entries(cache: Path) -> list[str]:
+    return sorted(p.name for p in cache.iterdir()) if cache.exists() else []
+
+
+# ---- pure functions (no nvcc) ----------------------------------------------------
+
+def test_gencode_flags_name_the_arch_specific_target_explicitly():
+    assert gencode_flags("sm_90a") == ["-gencode=arch=compute_90a,code=sm_90a"]
+    assert gencode_flags("sm_86") == ["-gencode=arch=compute_86,code=sm_86"]
+    with pytest.raises(ValueError):
+        gencode_flags("hopper")
+
+
+def test_torch_arch_list_converts_sm_names():
+    assert torch_arch_list("sm_90a") == "9.0a"
+    assert torch_arch_list("sm_100a") == "10.0a"
+    assert torch_arch_list("sm_86") == "8.6"
+
+
+def test_fast_flags_never_use_fast_math():
+    flags = fast_flags(ARCH)
+    assert "--use_fast_math" not in flags and "-use_fast_math" not in flags
+    assert "-O3" in flags and "-lineinfo" in flags
+
+
+def test_cache_key_changes_with_arch_source_kind_and_toolchain():
+    src = TINY.encode()
+    base = cache_key(src, "fast", "sm_90a", fast_flags("sm_90a"), "tc1")
+    assert base == cache_key(src, "fast", "sm_90a", fast_flags("sm_90a"), "tc1")
+    assert base != cache_key(src, "fast", "sm_80", fast_flags("sm_80"), "tc1")
+    assert base != cache_key(src, "fast", "sm_80", fast_flags("sm_90a"), "tc1")
+    assert base != cache_key(src + b" ", "fast", "sm_90a", fast_flags("sm_90a"), "tc1")
+    assert base != cache_key(src, "extension", "sm_90a", fast_flags("sm_90a"), "tc1")
+    assert base != cache_key(src, "fast", "sm_90a", fast_flags("sm_90a"), "tc2")
+
+
+def test_trim_log_puts_errors_first_and_respects_the_limit():
+    noise = [f"note: line {i} of chatter that nobody needs to read" for i in range(300)]
+    text = "\n".join(noise[:200] + ["kernel.cu(42): error: identifier \"x\" is undefined",
+                                    "    x = 1;", "    ^"] + noise[200:])
+    out = trim_log(text, limit=1000)
+    assert len(out) <= 1000
+    assert out.splitlines()[0] == "kernel.cu(42): error: identifier \"x\" is undefined"
+    assert "    x = 1;" in out
+    assert out.endswith("more lines trimmed]")
+
+
+def test_trim_log_keeps_a_short_log_whole():
+    assert trim_log("a\nb error\nc\n") == "a\nb error\nc"
+
+
+def test_load_fast_rejects_a_symbol_with_no_known_signature(tmp_path):
+    with pytest.raises(KeyError):
+        load_fast(str(tmp_path / "lib.so"), "no_such_entry")
+
+
+def test_load_fast_reports_an_unloadable_library_as_load_error(tmp_path):
+    bogus = _write(tmp_path, "lib.so", "not an ELF file")
+    with pytest.raises(LoadError):
+        load_fast(str(bogus), "evoattn_sdpa")
+
+
+def test_missing_source_is_a_failed_build_not_an_exception(tmp_path):
+    r = build_fast(tmp_path / "absent.cu", tmp_path / "cache", ARCH, 60)
+    assert isinstance(r, BuildResult) and not r.ok and "cannot read source" in r.log
+
+
+# ---- real nvcc builds ------------------------------------------------------------
+
+@needs_nvcc
+def test_build_then_cache_hit_without_running_nvcc(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    src = _write(tmp_path, "tiny.cu", TINY % "2.0f")
+    first = build_fast(src, cache, ARCH, 120)
+    assert first.ok, first.log
+    assert not first.cached and Path(first.path).is_file()
+
+    def no_nvcc(*a, **kw):
+        raise AssertionError("nvcc ran for a cached build")
+    monkeypatch.setattr(build, "_run_group", no_nvcc)
+    second = build_fast(src, cache, ARCH, 120)
+    assert second.ok and second.cached and second.path == first.path
+    assert not [e for e in _entries(cache) if e.startswith(".tmp-")]
+
+
+@needs_nvcc
+def test_built_library_exports_the_typed_entry_point(tmp_path):
+    src = _write(tmp_path, "tiny.cu", TINY % "3.0f")
+    r = build_fast(src, tmp_path / "cache", ARCH, 120)
+    assert r.ok, r.log
+    fn = load_fast(r.path, "evoattn_sdpa")
+    assert fn.restype is ctypes.c_int and len(fn.argtypes) == 12
+    assert fn.argtypes[10] is ctypes.c_float
+
+
+@needs_nvcc
+def test_changed_source_rebuilds_into_a_new_entry(tmp_path):
+    cache = tmp_path / "cache"
+    a = build_fast(_write(tmp_path, "a.cu", TINY % "2.0f"), cache, ARCH, 120)
+    b = build_fast(_write(tmp_path, "b.cu", TINY % "4.0f"), cache, ARCH, 120)
+    assert a.ok and b.ok
+    assert not b.cached and a.path != b.path
+    assert len(_entries(cache)) == 2
+
+
+@needs_nvcc
+def test_syntax_error_fails_with_the_error_line_in_the_log(tmp_path):
+    cache = tmp_path / "cache"
+    bad = TINY % "2.0f" + "\nint broken( {\n"
+    r = build_fast(_write(tmp_path, "bad.cu", bad), cache, ARCH, 120)
+    assert not r.ok and r.path is None and not r.cached
+    n = bad.count("\n") + 1
+    assert "error" in r.log and any(f"bad.cu({k})" in r.log for k in (n - 1, n))
+    assert str(tmp_path) not in r.log.replace(str(cache), "")   # temp dir paths stripped
+    assert _entries(cache) == []
+
+
+@needs_nvcc
+def test_timeout_kills_the_build_and_leaves_no_cache_entry(tmp_path):
+    cache = tmp_path / "cache"
+    r = build_fast(_write(tmp_path, "slow.cu", TINY % "5.0f"), cache, ARCH, 0.05)
+    assert not r.ok and "timed out after 0.05s" in r.log
+    assert _entries(cache) == []

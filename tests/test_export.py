@@ -1,0 +1,173 @@
+"""export_run: files, best source, lineage, leaderboard, README, atomic out dir."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from evaluator.types import ConfigResult, EvalResult, Verdict
+from evoattn import export as export_mod
+from evoattn.config import RunConfig, config_to_dict
+from evoattn.errors import RunDirError
+from evoattn.export import export_run
+from evoattn.store import RunStore
+from evoattn.types import Program
+
+PARAMS = {"B": 1, "H": 2, "S": 128, "D": 64, "causal": False}
+
+
+def result(fitness: float, verdict: Verdict = Verdict.PASS) -> EvalResult:
+    cfgs = (ConfigResult(params=PARAMS, dtype="float16", verdict=verdict, ms=1.0,
+                         baseline_ms=fitness * 0.9, speedup=fitness * 0.9),
+            ConfigResult(params={**PARAMS, "causal": True}, dtype="float16", verdict=verdict,
+                         ms=1.0, baseline_ms=fitness * 1.1, speedup=fitness * 1.1))
+    return EvalResult(verdict=verdict, reason="", fitness=fitness if verdict.is_pass else 0.0,
+                      configs=cfgs, device="NVIDIA H100", timing_device="cuda")
+
+
+def make(pid: str, parent: str | None, fitness: float, iteration: int,
+         verdict: Verdict = Verdict.PASS, suffix: str = ".py", source: str | None = None,
+         change: str = "") -> Program:
+    return Program(id=pid, source=source or f"def attention(q, k, v, causal, scale):  # {pid}\n",
+                   suffix=suffix, parent_id=parent, iteration=iteration, island=0,
+                   mutator="seed" if parent is None else "llm:m", change=change or f"did {pid}",
+                   result=result(fitness, verdict))
+
+
+def build_run(run_dir, programs: list[Program]) -> None:
+    with RunStore.open(run_dir, config_to_dict(RunConfig()), create=True) as s:
+        for i, p in enumerate(programs):
+            s.commit_iteration(iteration=i, program=p, rejection=None, llm_usage=None,
+                               rng_state=random.Random(i).getstate(), population_snapshot={})
+
+
+@pytest.fixture
+def run(tmp_path):
+    progs = [make("seed", None, 1.0, 0),
+             make("a1", "seed", 1.2, 1, change="--- a\n+++ b\n@@ -1 +1 @@\n-BLOCK_M=64\n+BLOCK_M=128"),
+             make("zz", "seed", 50.0, 2, verdict=Verdict.INCORRECT),
+             make("a2", "a1", 1.5, 3),
+             make("best", "a2", 2.0, 4, source="def attention(q, k, v, causal, scale):\n"
+                                               "    return 'the best'\n")]
+    progs += [make(f"f{i:02d}", "seed", 1.0 + i / 100, 5 + i) for i in range(12)]
+    run_dir = tmp_path / "run"
+    build_run(run_dir, progs)
+    return run_dir
+
+
+def test_export_writes_every_file_with_the_best_source(run, tmp_path):
+    out = tmp_path / "out"
+    summary = export_run(run, out)
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["best.py", "best_eval.json", "lineage.md", "lineage.json", "leaderboard.md",
+         "leaderboard.json", "README.md"])
+    assert summary.best_id == "best" and summary.best_fitness == 2.0
+    assert summary.best_source.read_text() == "def attention(q, k, v, causal, scale):\n" \
+                                              "    return 'the best'\n"
+    ev = json.loads(summary.best_eval.read_text())
+    assert ev["verdict"] == "pass" and ev["fitness"] == 2.0 and len(ev["configs"]) == 2
+    readme = summary.readme.read_text()
+    assert "from best import attention" in readme and "evoattn eval best.py" in readme
+
+
+def test_lineage_runs_from_seed_to_best(run, tmp_path):
+    s = export_run(run, tmp_path / "out")
+    steps = json.loads(s.lineage_json.read_text())
+    assert [x["id"] for x in steps] == ["seed", "a1", "a2", "best"]
+    assert [x["fitness"] for x in steps] == [1.0, 1.2, 1.5, 2.0]
+    assert steps[1]["mutator"] == "llm:m" and "+BLOCK_M=128" in steps[1]["change"]
+    md = s.lineage_md.read_text()
+    assert md.index("`seed`") < md.index("`a1`") < md.index("`a2`") < md.index("`best`")
+    assert "```diff" in md
+
+
+def test_leaderboard_has_at_most_ten_sorted_correct_rows(run, tmp_path):
+    s = export_run(run, tmp_path / "out")
+    rows = json.loads(s.leaderboard_json.read_text())
+    assert len(rows) == 10
+    assert [r["rank"] for r in rows] == list(range(1, 11))
+    fit = [r["fitness"] for r in rows]
+    assert fit == sorted(fit, reverse=True) and rows[0]["id"] == "best"
+    assert all(r["verdict"] == "pass" for r in rows) and "zz" not in {r["id"] for r in rows}
+    assert [c["speedup"] for c in rows[0]["speedups"]] == pytest.approx([1.8, 2.2])
+    assert rows[0]["speedups"][1]["config"] == "(1,2,128,64) causal"
+    md = s.leaderboard_md.read_text().splitlines()
+    table = [ln for ln in md if ln.startswith("| ") and "rank" not in ln]
+    assert len(table) == 10 and "`best`" in table[0] and "2.200×" in table[0]
+
+
+def test_cuda_best_gets_a_build_recipe(tmp_path):
+    src = 'extern "C" int evoattn_sdpa(const void* q) { return 0; }\n'
+    build_run(tmp_path / "run", [make("seed", None, 1.0, 0, suffix=".cu", source=src)])
+    s = export_run(tmp_path / "run", tmp_path / "out")
+    assert s.best_source.name == "best.cu" and s.best_source.read_text() == src
+    readme = s.readme.read_text()
+    assert "nvcc" in readme and "evoattn_sdpa" in readme and "evoattn eval best.cu" in readme
+
+
+def test_export_accepts_an_open_store(run, tmp_path):
+    with RunStore.open(run, None, create=False) as store:
+        assert export_run(store, tmp_path / "out").best_id == "best"
+
+
+def test_no_correct_program_is_a_run_dir_error_and_writes_nothing(tmp_path):
+    build_run(tmp_path / "run", [make("seed", None, 1.0, 0, verdict=Verdict.INCORRECT)])
+    out = tmp_path / "out"
+    with pytest.raises(RunDirError, match="no correct program to export .*1 incorrect"):
+        export_run(tmp_path / "run", out)
+    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_failure_mid_write_leaves_no_partial_directory(run, tmp_path, monkeypatch):
+    def boom(best, problem):
+        raise OSError("disk full")
+    monkeypatch.setattr(export_mod, "_readme", boom)
+    with pytest.raises(OSError):
+        export_run(run, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_failure_while_writing_files_cleans_the_temp_dir(run, tmp_path, monkeypatch):
+    calls = []
+    real = export_mod.Path.write_text
+
+    def flaky(self, text, *a, **kw):
+        calls.append(self.name)
+        if len(calls) == 3:
+            raise OSError("disk full")
+        return real(self, text, *a, **kw)
+    monkeypatch.setattr(export_mod.Path, "write_text", flaky)
+    with pytest.raises(OSError, match="disk full"):
+        export_run(run, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_reexport_replaces_a_previous_export(run, tmp_path):
+    out = tmp_path / "out"
+    export_run(run, out)
+    (out / "best.py").write_text("stale")
+    export_run(run, out)
+    assert "the best" in (out / "best.py").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]
+
+
+def test_refuses_to_replace_a_directory_with_foreign_files(run, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "thesis.tex").write_text("precious")
+    with pytest.raises(RunDirError, match="thesis.tex"):
+        export_run(run, out)
+    assert (out / "thesis.tex").read_text() == "precious"
+
+
+def test_cpu_timings_are_labelled(tmp_path):
+    p = make("seed", None, 1.0, 0)
+    p = Program(**{**p.__dict__, "result": EvalResult(
+        verdict=Verdict.PASS, reason="", fitness=1.0, configs=p.result.configs,
+        device="cpu", timing_device="cpu")})
+    build_run(tmp_path / "run", [p])
+    s = export_run(tmp_path / "run", tmp_path / "out")
+    assert "Timed on CPU" in s.leaderboard_md.read_text()
+    assert "taken on CPU" in s.readme.read_text()

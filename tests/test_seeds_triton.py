@@ -1,0 +1,299 @@
+"""Checks the `sdpa` seeds (naive_torch, flash_triton) against a float64 reference.
+
+The checks run in a child process: this file, run as a script. Triton reads
+TRITON_INTERPRET when it is first imported, other test modules may import it
+before this one, and setting the variable in the pytest process would make any
+later GPU test run interpreted. So only the child gets TRITON_INTERPRET=1 (for
+CPU tensors), set in its environment before it imports torch or triton.
+
+Knob combinations of flash_triton are tested on rewritten temporary copies of the
+file, the way the mutator changes it: only the value on a `# evoattn:` line.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SEEDS_DIR = Path(__file__).resolve().parents[1] / "seeds" / "sdpa"
+# Max abs error allowed against float64, per input dtype. A flash kernel rounds p to the input
+# dtype before P·V (unit roundoff 2^-11 in float16, 2^-8 in bfloat16), so these are a few times
+# the error seen at these sizes; a mask or rescaling bug gives errors of 0.1 and more.
+TOLERANCE = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2}
+KNOB_LINE = re.compile(r"^(?P<name>[A-Z][A-Z0-9_]*) = (?P<value>\S+)  # evoattn: choice\((?P<choices>[^)]*)\)$",
+                       re.MULTILINE)
+# Errors that count as failing cleanly on a GPU (a setting Triton cannot build), not as bugs.
+CLEAN_FAILURES = ("WarpSpecializeError", "OutOfResources")
+
+
+# ---- child side ---------------------------------------------------------------------
+def knob_values(text: str) -> dict[str, tuple[str, list[str]]]:
+    """Returns {knob: (current value, choices)} for the annotated lines of a seed's source."""
+    return {m["name"]: (m["value"], [c.strip() for c in m["choices"].split(",")])
+            for m in KNOB_LINE.finditer(text)}
+
+
+def set_knobs(text: str, knobs: dict[str, Any]) -> str:
+    """Returns the source with the values of the named knob lines replaced, as the mutator does."""
+    known = knob_values(text)
+    for name, value in knobs.items():
+        if name not in known:
+            raise KeyError(f"no knob line for {name}")
+        if str(value) not in known[name][1]:
+            raise ValueError(f"{name}={value} is not among its choices {known[name][1]}")
+        text = re.sub(rf"^{name} = \S+(?=  # evoattn:)", f"{name} = {value}", text,
+                      count=1, flags=re.MULTILINE)
+    return text
+
+
+def load_seed(case: dict[str, Any], workdir: Path, index: int) -> Any:
+    """Imports a (possibly rewritten) copy of the case's seed file as a fresh module."""
+    text = (SEEDS_DIR / f"{case['seed']}.py").read_text()
+    text = set_knobs(text, case.get("knobs", {}))
+    if "mutation" in case:
+        old, new = case["mutation"]
+        if text.count(old) != 1:
+            raise ValueError(f"mutation target {old!r} found {text.count(old)} times")
+        text = text.replace(old, new)
+    path = workdir / f"seed_{index}.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(f"seed_{index}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_case(case: dict[str, Any], device: str, workdir: Path, index: int) -> dict[str, Any]:
+    """Runs one case; returns its error against float64 and whether it is within tolerance."""
+    import torch
+    B, H, S, D = case["shape"]
+    dtype = getattr(torch, case["dtype"])
+    gen = torch.Generator().manual_seed(1000 + index)
+    q, k, v = (torch.randn(B, H, S, D, generator=gen).to(dtype).to(device) for _ in range(3))
+    before = [t.clone() for t in (q, k, v)]
+    scale = case.get("scale")
+    causal = case["causal"]
+    result: dict[str, Any] = {"case": case, "ok": False}
+    t0 = time.perf_counter()
+    try:
+        module = load_seed(case, workdir, index)
+        if case.get("path") == "tma":   # the TMA kernel, forced (the public entry uses it on sm_90+)
+            out = module._forward(q, k, v, causal, scale if scale is not None else D ** -0.5,
+                                  use_tma=True, warp_specialize=False)
+        else:
+            out = module.attention(q, k, v, causal=causal, scale=scale)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    except Exception as exc:  # a failure is a result here; the test decides if it is allowed
+        result["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        return result
+    result["seconds"] = time.perf_counter() - t0
+    problems = []
+    if type(out) is not torch.Tensor:
+        problems.append(f"returned {type(out).__name__}")
+    elif out.shape != q.shape or out.dtype != dtype or out.device != q.device:
+        problems.append(f"returned {tuple(out.shape)} {out.dtype} on {out.device}")
+    elif any(out.data_ptr() == t.data_ptr() for t in (q, k, v)):
+        problems.append("output aliases an input")
+    if any(not torch.equal(a, b) for a, b in zip(before, (q, k, v))):
+        problems.append("modified its inputs")
+    if problems:
+        result["error"] = "; ".join(problems)
+        return result
+    ref = reference(q, k, v, causal, scale)
+    err = (out.double() - ref).abs().max().item()
+    tol = TOLERANCE[case["dtype"]]
+    result.update(max_abs_err=err, tolerance=tol, ok=math.isfinite(err) and err <= tol)
+    return result
+
+
+def reference(q: Any, k: Any, v: Any, causal: bool, scale: float | None) -> Any:
+    """Returns attention in float64 on the CPU from the (rounded) inputs the candidate saw."""
+    import torch
+    q, k, v = (t.detach().cpu().double() for t in (q, k, v))
+    S, D = q.shape[-2], q.shape[-1]
+    s = q @ k.transpose(-1, -2) * (scale if scale is not None else 1.0 / math.sqrt(D))
+    if causal:
+        s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    return (torch.softmax(s, dim=-1) @ v).to(q.device)
+
+
+def child_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description="Runs seed test cases (JSON) and writes results.")
+    parser.add_argument("cases", type=Path)
+    parser.add_argument("results", type=Path)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    cases = json.loads(args.cases.read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        results = [run_case(c, args.device, Path(tmp), i) for i, c in enumerate(cases)]
+    args.results.write_text(json.dumps(results))
+
+
+# ---- parent side --------------------------------------------------------------------
+def run_cases(cases: list[dict[str, Any]], device: str = "cpu", timeout_s: float = 300) -> list[dict]:
+    """Runs cases in a child process (interpreted on CPU) and returns their results in order."""
+    env = dict(os.environ)
+    if device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env.pop("TRITON_INTERPRET", None)
+    with tempfile.TemporaryDirectory() as tmp:
+        cases_path, results_path = Path(tmp, "cases.json"), Path(tmp, "results.json")
+        cases_path.write_text(json.dumps(cases))
+        proc = subprocess.run([sys.executable, __file__, str(cases_path), str(results_path),
+                               "--device", device],
+                              env=env, capture_output=True, text=True, timeout=timeout_s)
+        if proc.returncode != 0 or not results_path.exists():
+            raise AssertionError(f"child failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        return json.loads(results_path.read_text())
+
+
+def describe(result: dict[str, Any]) -> str:
+    c = result["case"]
+    what = (f"{c['seed']} {c.get('knobs', {})} {c.get('path', 'public')} {tuple(c['shape'])} "
+            f"{c['dtype']} causal={c['causal']} scale={c.get('scale')}")
+    if "error" in result:
+        return f"{what}: {result['error']}"
+    return f"{what}: err {result['max_abs_err']:.2e} (tol {result['tolerance']:.0e})"
+
+
+def assert_all_pass(results: list[dict[str, Any]]) -> None:
+    bad = [describe(r) for r in results if not r["ok"]]
+    assert not bad, f"{len(bad)} of {len(results)} cases failed:\n" + "\n".join(bad)
+
+
+def case(seed: str, shape: tuple[int, ...], dtype: str, causal: bool, scale: float | None = None,
+         **extra: Any) -> dict[str, Any]:
+    return {"seed": seed, "shape": list(shape), "dtype": dtype, "causal": causal,
+            "scale": scale, **extra}
+
+
+def contract_cases(seed: str) -> list[dict[str, Any]]:
+    """The shapes the brief names: the CPU benchmark shape, odd tails, D=128, every dtype."""
+    out = [case(seed, (1, 2, 128, 64), "float16", c) for c in (False, True)]
+    for (S, D), dtype, causal in itertools.product([(77, 64), (33, 128)],
+                                                   ["bfloat16", "float32"], [False, True]):
+        out.append(case(seed, (1, 2, S, D), dtype, causal, scale=0.3))
+    out.append(case(seed, (2, 1, 77, 128), "float16", True, scale=-0.2))   # negative scale
+    out.append(case(seed, (1, 1, 1, 64), "float32", False))                # S = 1
+    out.append(case(seed, (1, 1, 1, 128), "float16", True))
+    return out
+
+
+def knob_cases(knobs: dict[str, Any], path: str = "public") -> list[dict[str, Any]]:
+    """A small, sensitive set of cases for one knob setting: odd S, both D, causal or not."""
+    return [case("flash_triton", (1, 2, 77, 64), "float32", True, knobs=knobs, path=path),
+            case("flash_triton", (1, 2, 77, 64), "float32", False, 0.3, knobs=knobs, path=path),
+            case("flash_triton", (1, 1, 130, 128), "float32", True, knobs=knobs, path=path),
+            case("flash_triton", (1, 1, 128, 64), "float16", True, knobs=knobs, path=path)]
+
+
+# Settings that change what the interpreter computes (warps, stages, TMA and warp
+# specialisation do not change it on CPU; the TMA kernel is covered by path="tma").
+KNOB_COMBINATIONS = [
+    {},
+    {"BLOCK_M_D64": 32, "BLOCK_N_D64": 64, "BLOCK_M_D128": 32, "BLOCK_N_D128": 128},
+    {"BLOCK_M_D64": 128, "BLOCK_N_D64": 32, "CAUSAL_SPLIT": False},
+    {"BLOCK_M_D64": 256, "BLOCK_N_D64": 128, "BLOCK_M_D128": 256, "BLOCK_N_D128": 32},
+    {"USE_EXP2": False, "BLOCK_M_D128": 64, "BLOCK_N_D128": 128},
+    {"USE_EXP2": False, "CAUSAL_SPLIT": False, "BLOCK_N_D64": 32},
+    {"PERSISTENT": True, "HEAD_MAJOR": False, "CAUSAL_HEAVY_FIRST": False},
+    {"PERSISTENT": True, "BLOCK_M_D64": 32, "BLOCK_M_D128": 32, "CAUSAL_SPLIT": False},
+    {"HEAD_MAJOR": False, "CAUSAL_HEAVY_FIRST": True, "BLOCK_N_D64": 128},
+]
+
+
+@pytest.mark.slow
+def test_naive_torch_matches_float64_reference():
+    assert_all_pass(run_cases(contract_cases("naive_torch")))
+
+
+@pytest.mark.slow
+def test_flash_triton_matches_float64_reference_in_interpreter():
+    assert_all_pass(run_cases(contract_cases("flash_triton")))
+
+
+@pytest.mark.slow
+def test_flash_triton_knob_combinations_stay_correct():
+    cases = [c for knobs in KNOB_COMBINATIONS for c in knob_cases(knobs)]
+    # The TMA kernel (3-D descriptors, clipped stores) through the interpreter, forced.
+    cases += [c for knobs in KNOB_COMBINATIONS[:4] + KNOB_COMBINATIONS[6:7]
+              for c in knob_cases(knobs, path="tma")]
+    cases.append(case("flash_triton", (1, 2, 33, 128), "bfloat16", True, 0.3, path="tma"))
+    assert_all_pass(run_cases(cases))
+
+
+@pytest.mark.slow
+def test_checks_catch_broken_masks():
+    """The harness above can fail: an off-by-one causal mask and a key-tail mask one too wide."""
+    mutations = [("keep = keep & (cols[None, :] <= offs_m[:, None])",
+                  "keep = keep & (cols[None, :] < offs_m[:, None] + 2)"),
+                 ("keep = cols[None, :] < S", "keep = cols[None, :] < S + 1")]
+    cases = [case("flash_triton", (1, 2, 77, 64), "float32", True, mutation=list(mutations[0])),
+             case("flash_triton", (1, 2, 77, 64), "float32", False, mutation=list(mutations[1]))]
+    results = run_cases(cases)
+    passed = [describe(r) for r in results if r["ok"] or "error" in r]
+    assert not passed, "a broken kernel passed (or crashed instead of computing):\n" + "\n".join(passed)
+
+
+def test_every_flash_knob_value_is_one_of_its_choices():
+    known = knob_values((SEEDS_DIR / "flash_triton.py").read_text())
+    assert {"BLOCK_M_D64", "BLOCK_N_D128", "CAUSAL_SPLIT", "USE_EXP2", "USE_TMA",
+            "WARP_SPECIALIZE", "PERSISTENT"} <= set(known)
+    for name, (value, choices) in known.items():
+        assert value in choices, f"{name} = {value} not in {choices}"
+
+
+def test_set_knobs_rewrites_only_the_value_and_rejects_unknown_values():
+    text = "BLOCK_M_D64 = 64  # evoattn: choice(32, 64, 128)\nX = 1\n"
+    assert set_knobs(text, {"BLOCK_M_D64": 32}) == text.replace("= 64 ", "= 32 ")
+    with pytest.raises(ValueError):
+        set_knobs(text, {"BLOCK_M_D64": 48})
+    with pytest.raises(KeyError):
+        set_knobs(text, {"X": 2})
+
+
+def gpu_cases() -> list[dict[str, Any]]:
+    """Knob settings that only a Hopper GPU exercises: TMA, warp specialisation, warps, stages."""
+    settings = [{}, {"USE_TMA": False}, {"USE_TMA": True, "PERSISTENT": True},
+                {"NUM_STAGES_D64": 1, "NUM_WARPS_D64": 8, "NUM_STAGES_D128": 4,
+                 "NUM_WARPS_D128": 4, "BLOCK_M_D128": 64},
+                {"BLOCK_M_D64": 128, "BLOCK_N_D64": 128, "NUM_WARPS_D64": 8,
+                 "BLOCK_M_D128": 128, "BLOCK_N_D128": 128, "NUM_STAGES_D128": 2},
+                {"WARP_SPECIALIZE": True},
+                {"WARP_SPECIALIZE": True, "USE_TMA": False}]
+    shapes = [((2, 3, 1000, 64), "float16"), ((1, 2, 77, 128), "bfloat16"),
+              ((1, 2, 300, 64), "float32")]
+    return [case("flash_triton", shape, dtype, causal, 0.125, knobs=k)
+            for k in settings for shape, dtype in shapes for causal in (False, True)]
+
+
+@pytest.mark.gpu
+def test_flash_triton_gpu_settings_are_correct_or_fail_cleanly():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    results = run_cases(contract_cases("flash_triton") + gpu_cases(), device="cuda", timeout_s=900)
+    bad = [describe(r) for r in results
+           if not r["ok"] and not (r["case"].get("knobs", {}).get("WARP_SPECIALIZE")
+                                   and r.get("error", "").startswith(CLEAN_FAILURES))]
+    assert not bad, f"{len(bad)} of {len(results)} cases failed:\n" + "\n".join(bad)
+    defaults = [r for r in results if not r["case"].get("knobs")]
+    assert all(r["ok"] for r in defaults)
+
+
+if __name__ == "__main__":
+    child_main(sys.argv[1:])
