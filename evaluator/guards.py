@@ -35,9 +35,36 @@ LIBRARY_KERNEL_RE = re.compile(r"cudnn|fmha|pytorch_flash|flash_fwd|efficient_at
                                r"xformers|cutlassF", re.IGNORECASE)
 
 
+def strip_comments(source: str) -> str:
+    """Returns the source without comments and docstrings (Python) or // and /* */ (CUDA)."""
+    import ast
+    import io
+    import tokenize
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return re.sub(r"/\*.*?\*/|//[^\n]*", "", source, flags=re.S)
+    lines = source.split("\n")
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and \
+                isinstance(getattr(body[0], "value", None), ast.Constant) and \
+                isinstance(body[0].value.value, str):
+            doc = body[0]
+            for i in range(doc.lineno - 1, (doc.end_lineno or doc.lineno)):
+                lines[i] = ""
+    text = "\n".join(lines)
+    out = []
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type != tokenize.COMMENT:
+            out.append(tok)
+    return tokenize.untokenize(out)
+
+
 def scan_source(source: str) -> list[str]:
-    """Returns the library-attention uses found in candidate source text."""
+    """Returns the library-attention uses found in candidate code (comments and docstrings aside)."""
     found = []
+    source = strip_comments(source)
     for pat, what in _LIBRARY_PATTERNS:
         m = re.search(pat, source)
         if m:
@@ -154,6 +181,16 @@ class DispatchWatch:
 _ALLOWED_EXES = {"ptxas", "cc", "gcc", "g++", "clang", "clang++", "ld", "ldconfig", "cuobjdump",
                  "nvdisasm", "nvlink", "fatbinary", "nvcc", "c++", "x86_64-linux-gnu-gcc"}
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+# Audit events that change the file system at path arguments (index of each path checked).
+_PATH_EVENTS = {"os.rename": (0, 1), "os.link": (0, 1), "os.symlink": (1,), "os.remove": (0,),
+                "os.rmdir": (0,), "os.mkdir": (0,), "os.chmod": (0,), "os.chown": (0,),
+                "os.utime": (0,), "os.truncate": (0,), "shutil.rmtree": (0,),
+                "shutil.copyfile": (1,), "shutil.move": (0, 1)}
+# libc symbols that spawn processes or touch files behind the audit hook, looked up via ctypes.
+_NATIVE_DENY = {"system", "popen", "fork", "vfork", "clone", "clone3", "syscall", "execv",
+                "execve", "execvp", "execvpe", "execl", "execlp", "execle", "fexecve",
+                "posix_spawn", "posix_spawnp", "open", "open64", "openat", "openat64", "creat",
+                "fopen", "fopen64", "rename", "unlink", "unlinkat", "mkdir", "socket"}
 
 
 def install_sandbox(violations: Violations, allowed_dirs: list[str]) -> None:
@@ -179,10 +216,21 @@ def install_sandbox(violations: Violations, allowed_dirs: list[str]) -> None:
                       (isinstance(flags, int) and flags & _WRITE_FLAGS)
             if writing and not allowed_write(p):
                 deny(f"wrote outside its directory: {p}")
-            if p.startswith("/proc/") and not any(p.startswith(o) for o in own):
-                parts = p.split("/")
+            real = os.path.realpath(p)         # /proc/self/../<ppid>/environ is not "self"
+            if real.startswith("/proc/") and not any(real == o or real.startswith(o + "/")
+                                                     for o in own):
+                parts = real.split("/")
                 if len(parts) > 2 and parts[2].isdigit():
                     deny(f"read another process's {p}")
+        elif event in _PATH_EVENTS:
+            for i in _PATH_EVENTS[event]:
+                if i < len(args) and isinstance(args[i], (str, bytes)) and \
+                        not allowed_write(os.fsdecode(args[i])):
+                    deny(f"changed files outside its directory ({event} {os.fsdecode(args[i])})")
+        elif event == "ctypes.dlsym" and len(args) > 1 and args[1] in _NATIVE_DENY:
+            deny(f"looked up native {args[1]}() through ctypes (bypasses the sandbox)")
+        elif event in ("gc.get_objects", "gc.get_referrers", "gc.get_referents"):
+            deny(f"inspected the garbage collector ({event}): harness state is off limits")
         elif event in ("subprocess.Popen", "os.posix_spawn", "os.exec"):
             exe = args[0]
             if isinstance(exe, (list, tuple)):
@@ -196,12 +244,33 @@ def install_sandbox(violations: Violations, allowed_dirs: list[str]) -> None:
                     deny(f"spawned a process: {name or exe!r}")
         elif event in ("os.system", "os.fork", "os.forkpty", "pty.spawn"):
             deny(f"spawned a process ({event})")
-        elif event == "socket.connect":
-            deny("opened a network connection")
+        elif event in ("socket.connect", "socket.sendto", "socket.sendmsg", "socket.bind"):
+            deny(f"used the network ({event})")
         elif event in ("os.putenv", "os.unsetenv"):
             pass
 
     sys.addaudithook(hook)
+    _wrap_fork_exec(deny)
+
+
+def _wrap_fork_exec(deny: Callable[[str], None]) -> None:
+    """Guards _posixsubprocess.fork_exec, which spawns without the subprocess.Popen audit event.
+
+    subprocess binds its own reference at import, so its (audited) path is unaffected.
+    """
+    try:
+        import _posixsubprocess
+    except ImportError:
+        return
+    original = _posixsubprocess.fork_exec
+
+    def fork_exec(args: Any, *rest: Any) -> Any:
+        exe = os.path.basename(os.fsdecode(args[0])) if args else ""
+        if exe not in _ALLOWED_EXES:
+            deny(f"spawned a process: {exe!r} (_posixsubprocess.fork_exec)")
+        return original(args, *rest)
+
+    _posixsubprocess.fork_exec = fork_exec
 
 
 def harness_snapshot(extra_modules: list[Any]) -> dict[str, Any]:
@@ -236,6 +305,8 @@ def harness_snapshot(extra_modules: list[Any]) -> dict[str, Any]:
         for name, obj in vars(mod).items():
             if callable(obj) and not name.startswith("__"):
                 snap[f"{mod.__name__}.{name}"] = obj
+                if hasattr(obj, "__code__"):    # swapping __code__ keeps the function's identity
+                    snap[f"{mod.__name__}.{name}.__code__"] = obj.__code__
     return snap
 
 

@@ -15,7 +15,7 @@ from . import checks, device as devinfo, guards
 from .loader import LoadFailure, build_candidate
 from .problems import get_problem
 from .problems.base import Problem, Tolerance
-from .timing import CpuTimer, GpuTimer, hidden_work
+from .timing import CpuTimer, GpuTimer, LazyOutput, hidden_work
 from .types import ConfigResult, EvalResult, Verdict, geometric_mean
 
 _now = time.perf_counter
@@ -168,6 +168,9 @@ def evaluate(req: dict[str, Any], stage: Callable[[str], None]) -> EvalResult:
         except _Fail as f:
             return fail(f.verdict, f"{problem.label(case['cfg'])}: {f.reason}",
                         configs=tuple(out_results), flags=tuple(flags))
+        except LazyOutput as e:
+            return fail(Verdict.HIDDEN_WORK, f"{problem.label(case['cfg'])}: {e}",
+                        configs=tuple(out_results), flags=tuple(flags))
         except torch.OutOfMemoryError as e:
             return fail(Verdict.OOM, f"{problem.label(case['cfg'])}: out of memory while timing: "
                         f"{str(e).splitlines()[0]}", configs=tuple(out_results))
@@ -236,6 +239,8 @@ def _check_case(problem: Problem, case: dict[str, Any], run: Callable[..., Any],
             raise _Fail(*bad)
         why = checks.output_problem(out, _Meta(case["like"].shape, case["like"].dtype,
                                                trial["ref"].device))
+        if isinstance(out, torch.Tensor) and type(out) is not torch.Tensor:  # may defer work
+            raise _Fail(Verdict.HIDDEN_WORK, f"lazy output: {why}")
         if why:
             raise _Fail(Verdict.INCORRECT, why)
         if on_gpu:
@@ -366,7 +371,8 @@ def _reverify(problem: Problem, case: dict[str, Any], run: Callable[..., Any],
         problem.refill(inputs, gen)
         ref = problem.reference(inputs, cfg)
         out = run(inputs, cfg)
-        err = checks.max_abs_err(out, ref)
+        why = checks.output_problem(out, _Meta(ref.shape, case["like"].dtype, ref.device))
+        err = float("inf") if why else checks.max_abs_err(out, ref)
         if not err <= case["bound"]:
             raise _Fail(Verdict.IMPLAUSIBLE, f"implausibly fast and wrong on fresh inputs "
                         f"(error {err:.3g})")

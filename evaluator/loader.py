@@ -52,8 +52,10 @@ def build_candidate(path: Path, problem: Problem, cache_dir: Path, build_timeout
     if path.suffix == ".py":
         return lambda: _load_python(path, problem)
     from . import build
+    import torch
 
-    arch = arch or build.detect_arch()
+    has_gpu = torch.cuda.is_available()
+    arch = arch or (build.detect_arch() if has_gpu else "sm_90a")
     form = cuda_form(source)
     if form == "cuda-fast":
         if not problem.cuda_symbol:
@@ -68,6 +70,10 @@ def build_candidate(path: Path, problem: Problem, cache_dir: Path, build_timeout
         raise LoadFailure("build", _first_error(res.log) or "build failed", res.log)
 
     def load() -> Loaded:
+        if not has_gpu:
+            raise LoadFailure("load", f"{path.name}: compiled for {arch} "
+                              f"({'cached' if res.cached else 'built'}), but CUDA candidates "
+                              "need a GPU to run", res.log)
         if form == "cuda-fast":
             cfn = build.load_fast(res.path, problem.cuda_symbol)
             run = _fast_runner(cfn, problem)

@@ -18,6 +18,17 @@ from typing import Any, Callable
 _perf = time.perf_counter          # captured before any candidate is imported
 
 
+class LazyOutput(Exception):
+    """A timed call returned something other than a plain tensor: work could run after the timer."""
+
+
+def _plain(name: str, out: Any, tensor_type: Any) -> None:
+    # A Tensor subclass (or proxy) can defer its work to the first use, after the clock stops.
+    if type(out) is not tensor_type:
+        raise LazyOutput(f"{name} returned {type(out).__module__}.{type(out).__qualname__} from a "
+                         "timed call, not a plain torch.Tensor (work deferred past the timer)")
+
+
 @dataclasses.dataclass(frozen=True)
 class Timing:
     ms: dict[str, float]                       # median per function name
@@ -61,6 +72,7 @@ class GpuTimer:
                 self.record(start)
                 out = fn(inputs)
                 self.record(end)
+                _plain(name, out, torch.Tensor)
                 events.append((name, start, end))
                 if name == keep_name and rep in keep_reps:
                     self.sync()
@@ -115,6 +127,7 @@ class CpuTimer:
                 t0 = _perf()
                 out = fn(inputs)
                 samples[name].append((_perf() - t0) * 1e3)
+                _plain(name, out, torch.Tensor)
                 if name == keep_name and rep in keep_reps:
                     snap = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
                             for k, v in inputs.items()}

@@ -17,7 +17,9 @@ def label(params: dict[str, Any]) -> str:
     """Returns a short label for a config's params."""
     if {"B", "H", "S", "D"} <= params.keys():
         c = " causal" if params.get("causal") else ""
-        return f"({params['B']},{params['H']},{params['S']},{params['D']}){c}"
+        rest = "".join(f" {k}={v}" for k, v in params.items()
+                       if k not in ("B", "H", "S", "D", "causal"))
+        return f"({params['B']},{params['H']},{params['S']},{params['D']}){c}{rest}"
     return ",".join(f"{k}={v}" for k, v in params.items())
 
 

@@ -154,7 +154,8 @@ def test_malformed_edit_is_rejected_and_its_reason_reaches_the_next_prompt(serve
     second = mut.propose(request(seed=8, feedback=(first.rejected_reason,)))
     assert not second.rejected
     prompt = server.requests[1].prompt
-    assert "your last edit did not apply because" in prompt and first.rejected_reason in prompt
+    assert "Earlier answers for this program failed" in prompt
+    assert f"- {first.rejected_reason}" in prompt
     assert first.rejected_reason not in server.requests[0].prompt
 
 

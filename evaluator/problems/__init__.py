@@ -2,9 +2,15 @@
 from __future__ import annotations
 
 from .base import Config, Problem, Tolerance
+from .gqa import Gqa
+from .masked import Masked
+from .mha import Mha
 from .sdpa import Sdpa
+from .sliding_window import SlidingWindow
+from .strided import Strided
 
-_BUILTIN: dict[str, type[Problem]] = {"sdpa": Sdpa}
+_BUILTIN: dict[str, type[Problem]] = {p.name: p for p in (Sdpa, Mha, Strided, Masked, Gqa,
+                                                           SlidingWindow)}
 
 
 class UnknownProblem(ValueError):

@@ -357,7 +357,7 @@ class LlmMutator:
         return rng.choices(self.cfg.models, weights=[m.weight for m in self.cfg.models])[0]
 
     def propose(self, request: MutationRequest) -> Proposal:
-        """Returns a child of request.parent, or a rejection saying why; raises only on fatal endpoint errors."""
+        """Returns a child of the parent, or a rejection saying why; raises ChatError only when fatal."""
         parent = request.parent
         if self.meter.exhausted:
             return Proposal(parent.id, self.name, None, rejected_reason=BUDGET_EXHAUSTED)

@@ -120,9 +120,11 @@ def _feedback(feedback: tuple[str, ...], limits: PromptLimits) -> str:
     if not feedback:
         return ""
     recent = feedback[-limits.feedback_items:]
-    lines = ["## Your previous answers for this program were rejected",
+    # Reasons are edits that did not apply and children that failed evaluation alike.
+    lines = ["## Earlier answers for this program failed (most recent last)",
+             "Your previous answers were rejected or produced failing programs. "
              "Avoid repeating these mistakes:"]
-    lines += [f"- your last edit did not apply because: {excerpt(r, limits.reason_chars)}" for r in recent]
+    lines += [f"- {excerpt(r, limits.reason_chars)}" for r in recent]
     return "\n".join(lines) + "\n\n"
 
 

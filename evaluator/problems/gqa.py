@@ -1,0 +1,104 @@
+"""`gqa`: grouped-query / multi-query attention, q (B, Hq, S, D) against k, v (B, Hkv, S, D)."""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+from .base import Config, Problem, Tolerance
+from .common import check_dtype, default_scale, masked_attention, randn, sdpa
+
+
+def _cfgs(shapes: list[tuple[int, int, int, int, int]]) -> tuple[Config, ...]:
+    return tuple({"B": b, "Hq": hq, "Hkv": hkv, "S": s, "D": d, "causal": c}
+                 for (b, hq, hkv, s, d) in shapes for c in (False, True))
+
+
+def _has_enable_gqa() -> bool:
+    import torch.nn.functional as F
+    try:
+        return "enable_gqa" in inspect.signature(F.scaled_dot_product_attention).parameters
+    except (TypeError, ValueError):      # a builtin without a signature: read the docstring
+        return "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+class Gqa(Problem):
+    name = "gqa"
+    summary = "grouped-query attention: q (B, Hq, S, D), k/v (B, Hkv, S, D), Hq % Hkv == 0"
+    contract = (
+        "Compute out[:, h] = softmax(q[:, h] @ k[:, h // G]^T * scale [+ causal mask]) "
+        "@ v[:, h // G] with G = Hq // Hkv, for q of shape (B, Hq, S, D) and k, v of shape "
+        "(B, Hkv, S, D), contiguous, dtype float16/bfloat16/float32; Hq % Hkv == 0 (Hkv == 1 "
+        "is multi-query attention). With causal=True query i attends to keys 0..i. Call: "
+        "attention(q, k, v, causal=bool, scale=float). The output has the shape, dtype and "
+        "device of q. Must be correct for any S >= 1, D in {64, 128}, any Hq, Hkv with "
+        "Hq % Hkv == 0. Inputs must not be modified; do not materialise repeated k/v if you "
+        "want to beat the baseline. Accumulate in float32. FLOPs: 4 * B * Hq * S^2 * D, halved "
+        "for causal (the sdpa convention). Baseline: PyTorch SDPA with enable_gqa=True."
+    )
+    default_configs = _cfgs([(2, 32, 8, 4096, 64), (2, 32, 1, 4096, 64), (4, 32, 8, 2048, 128)])
+    cpu_configs = ({"B": 1, "Hq": 4, "Hkv": 2, "S": 128, "D": 64, "causal": False},
+                   {"B": 1, "Hq": 4, "Hkv": 1, "S": 128, "D": 64, "causal": True})
+    domain_configs = (
+        {"B": 1, "Hq": 6, "Hkv": 2, "S": 77, "D": 64, "causal": True},
+        {"B": 2, "Hq": 4, "Hkv": 4, "S": 1000, "D": 128, "causal": False},
+        {"B": 1, "Hq": 8, "Hkv": 1, "S": 1, "D": 64, "causal": True},
+        {"B": 1, "Hq": 12, "Hkv": 3, "S": 1000, "D": 64, "causal": True},
+    )
+    cpu_domain_configs = ({"B": 1, "Hq": 6, "Hkv": 2, "S": 77, "D": 64, "causal": True},
+                          {"B": 1, "Hq": 2, "Hkv": 2, "S": 33, "D": 128, "causal": False})
+    domain = "any B >= 1; Hq % Hkv == 0; any S >= 1; D in {64, 128}; causal or not"
+    tolerance = Tolerance(factor=2.0, floor=1e-5)
+    baseline_name = "sdpa enable_gqa=True"
+
+    def label(self, cfg: Config) -> str:
+        c = " causal" if cfg["causal"] else ""
+        return f"({cfg['B']},{cfg['Hq']}/{cfg['Hkv']},{cfg['S']},{cfg['D']}){c}"
+
+    def flops(self, cfg: Config) -> float:
+        f = 4.0 * cfg["B"] * cfg["Hq"] * cfg["S"] ** 2 * cfg["D"]
+        return f / 2 if cfg["causal"] else f
+
+    def make_inputs(self, cfg: Config, dtype: Any, device: Any, gen: Any) -> dict[str, Any]:
+        check_dtype(self, dtype)
+        if cfg["Hq"] % cfg["Hkv"]:
+            raise ValueError(f"gqa config {cfg}: Hq must be a multiple of Hkv")
+        b, s, d = cfg["B"], cfg["S"], cfg["D"]
+        q = randn((b, cfg["Hq"], s, d), gen, device, dtype)
+        k = randn((b, cfg["Hkv"], s, d), gen, device, dtype)
+        v = randn((b, cfg["Hkv"], s, d), gen, device, dtype)
+        return {"q": q, "k": k, "v": v, "causal": bool(cfg["causal"]), "scale": default_scale(d)}
+
+    def _keep(self, inputs: dict[str, Any]) -> Any:
+        if not inputs["causal"]:
+            return None
+        import torch
+        s = inputs["q"].shape[2]
+        return torch.ones(s, s, dtype=torch.bool, device=inputs["q"].device).tril()
+
+    def reference(self, inputs: dict[str, Any], cfg: Config) -> Any:
+        return masked_attention(inputs["q"], inputs["k"], inputs["v"], inputs["scale"],
+                                keep=self._keep(inputs))
+
+    def baseline(self, inputs: dict[str, Any], cfg: Config) -> Any:
+        if _has_enable_gqa():
+            return sdpa(inputs["q"], inputs["k"], inputs["v"], is_causal=inputs["causal"],
+                        scale=inputs["scale"], enable_gqa=True)
+        return _repeat_then_sdpa(inputs, cfg)
+
+    def extra_baselines(self) -> dict[str, Callable[[dict[str, Any], Config], Any]]:
+        def naive(inputs: dict[str, Any], cfg: Config) -> Any:
+            q = inputs["q"]
+            return masked_attention(q, inputs["k"], inputs["v"], inputs["scale"],
+                                    keep=self._keep(inputs), compute_dtype=q.dtype)
+        return {"repeat_interleave": _repeat_then_sdpa, "naive": naive}
+
+    def call(self, fn: Callable[..., Any], inputs: dict[str, Any], cfg: Config) -> Any:
+        return fn(inputs["q"], inputs["k"], inputs["v"], causal=inputs["causal"],
+                  scale=inputs["scale"])
+
+
+def _repeat_then_sdpa(inputs: dict[str, Any], cfg: Config) -> Any:
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    g = q.shape[1] // k.shape[1]
+    return sdpa(q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1),
+                is_causal=inputs["causal"], scale=inputs["scale"])

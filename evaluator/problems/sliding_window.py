@@ -1,0 +1,91 @@
+"""`sliding_window`: causal attention over the last W keys (query i sees keys i-W+1 .. i)."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .base import Config, Problem, Tolerance
+from .common import DeviceCache, check_dtype, default_scale, flops_for_pairs, masked_attention, \
+    randn, sdpa
+
+
+def _cfg(b: int, h: int, s: int, d: int, window: int) -> Config:
+    return {"B": b, "H": h, "S": s, "D": d, "window": window}
+
+
+def visible_pairs(S: int, window: int) -> int:
+    """Returns the number of (i, j) with max(0, i-W+1) <= j <= i < S."""
+    return sum(min(i + 1, window) for i in range(S))
+
+
+class SlidingWindow(Problem):
+    name = "sliding_window"
+    summary = "causal sliding-window attention: query i sees keys max(0, i-W+1) .. i"
+    contract = (
+        "Compute out = softmax(q @ k^T * scale + M) @ v for q, k, v of shape (B, H, S, D), "
+        "contiguous, dtype float16/bfloat16/float32, where M[i, j] = 0 if "
+        "i - window < j <= i, else -inf: query i attends to the `window` keys "
+        "max(0, i-window+1) .. i (itself included, so no row is empty). Call: "
+        "attention(q, k, v, window=int, scale=float). The output has the shape, dtype and "
+        "device of q. Must be correct for any S >= 1 and window >= 1 (window >= S is plain "
+        "causal attention), D in {64, 128}. Inputs must not be modified. Accumulate in "
+        "float32. FLOPs count only the visible pairs: 4 * B * H * D * sum_i min(i+1, window). "
+        "Baseline: PyTorch SDPA with a boolean attn_mask (it computes the full S x S)."
+    )
+    default_configs = (_cfg(2, 32, 4096, 64, 512), _cfg(2, 32, 4096, 64, 1024),
+                       _cfg(1, 32, 8192, 64, 512), _cfg(4, 16, 4096, 128, 256))
+    cpu_configs = (_cfg(1, 2, 128, 64, 32),)
+    domain_configs = (_cfg(1, 3, 77, 64, 16), _cfg(2, 2, 1000, 128, 100), _cfg(1, 1, 1, 64, 8),
+                      _cfg(1, 2, 300, 64, 1), _cfg(1, 2, 200, 64, 512))
+    cpu_domain_configs = (_cfg(1, 1, 77, 64, 10), _cfg(1, 1, 40, 128, 64), _cfg(1, 1, 20, 64, 1))
+    domain = "any B, H >= 1; any S >= 1; any window >= 1; D in {64, 128}"
+    tolerance = Tolerance(factor=2.0, floor=1e-5)
+    baseline_name = "sdpa with a boolean attn_mask"
+    implausible_speedup = 40.0      # a 512-of-8192 window skips 94% of the causal work
+
+    def __init__(self) -> None:
+        self._masks = DeviceCache()
+
+    def label(self, cfg: Config) -> str:
+        return f"({cfg['B']},{cfg['H']},{cfg['S']},{cfg['D']}) window {cfg['window']}"
+
+    def flops(self, cfg: Config) -> float:
+        return flops_for_pairs(visible_pairs(cfg["S"], cfg["window"]), cfg["B"] * cfg["H"],
+                               cfg["D"])
+
+    def keep(self, S: int, window: int, device: Any) -> Any:
+        """Returns the (S, S) boolean mask of visible keys (cached per process)."""
+        def make() -> Any:
+            import torch
+            i = torch.arange(S, device=device)[:, None]
+            j = torch.arange(S, device=device)[None, :]
+            return (j <= i) & (j > i - window)
+        return self._masks.get((S, window, str(device)), make)
+
+    def make_inputs(self, cfg: Config, dtype: Any, device: Any, gen: Any) -> dict[str, Any]:
+        check_dtype(self, dtype)
+        shape = (cfg["B"], cfg["H"], cfg["S"], cfg["D"])
+        q, k, v = (randn(shape, gen, device, dtype) for _ in range(3))
+        return {"q": q, "k": k, "v": v, "window": int(cfg["window"]),
+                "scale": default_scale(cfg["D"])}
+
+    def reference(self, inputs: dict[str, Any], cfg: Config) -> Any:
+        q = inputs["q"]
+        return masked_attention(q, inputs["k"], inputs["v"], inputs["scale"],
+                                keep=self.keep(q.shape[2], inputs["window"], q.device))
+
+    def baseline(self, inputs: dict[str, Any], cfg: Config) -> Any:
+        q = inputs["q"]
+        return sdpa(q, inputs["k"], inputs["v"], scale=inputs["scale"],
+                    attn_mask=self.keep(q.shape[2], inputs["window"], q.device))
+
+    def extra_baselines(self) -> dict[str, Callable[[dict[str, Any], Config], Any]]:
+        def naive(inputs: dict[str, Any], cfg: Config) -> Any:
+            q = inputs["q"]
+            return masked_attention(q, inputs["k"], inputs["v"], inputs["scale"],
+                                    keep=self.keep(q.shape[2], inputs["window"], q.device),
+                                    compute_dtype=q.dtype)
+        return {"naive": naive}
+
+    def call(self, fn: Callable[..., Any], inputs: dict[str, Any], cfg: Config) -> Any:
+        return fn(inputs["q"], inputs["k"], inputs["v"], window=inputs["window"],
+                  scale=inputs["scale"])

@@ -1,0 +1,91 @@
+"""`strided`: causal strided sparse attention, query i sees keys j <= i with j % stride == 0."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .base import Config, Problem, Tolerance
+from .common import DeviceCache, check_dtype, default_scale, flops_for_pairs, masked_attention, \
+    randn, sdpa
+
+
+def _cfg(b: int, h: int, s: int, d: int, stride: int) -> Config:
+    return {"B": b, "H": h, "S": s, "D": d, "stride": stride}
+
+
+def visible_pairs(S: int, stride: int) -> int:
+    """Returns the number of (i, j) with j <= i < S and j % stride == 0."""
+    return sum(i // stride + 1 for i in range(S))
+
+
+class Strided(Problem):
+    name = "strided"
+    summary = "strided sparse causal attention: query i sees keys j <= i with j % stride == 0"
+    contract = (
+        "Compute out = softmax(q @ k^T * scale + M) @ v for q, k, v of shape (B, H, S, D), "
+        "contiguous, dtype float16/bfloat16/float32, where M[i, j] = 0 if j <= i and "
+        "j % stride == 0, else -inf (query i attends only to keys 0, stride, 2*stride, ... up "
+        "to i; key 0 is always visible, so no row is empty). Call: attention(q, k, v, "
+        "stride=int, scale=float). The output has the shape, dtype and device of q. Must be "
+        "correct for any S >= 1, stride >= 1, D in {64, 128}. Inputs must not be modified. "
+        "Accumulate in float32. FLOPs count only the visible (query, key) pairs: "
+        "4 * B * H * D * sum_i (i // stride + 1). Baseline: PyTorch SDPA with a boolean "
+        "attn_mask (its best for an arbitrary mask; it computes the full S x S)."
+    )
+    default_configs = tuple(_cfg(2, 32, 4096, 64, st) for st in (2, 4, 8)) + \
+        (_cfg(4, 16, 2048, 128, 4),)
+    cpu_configs = (_cfg(1, 2, 128, 64, 2), _cfg(1, 2, 128, 64, 8))
+    domain_configs = (_cfg(1, 3, 77, 64, 3), _cfg(2, 2, 1000, 128, 8), _cfg(1, 1, 1, 64, 4),
+                      _cfg(1, 2, 1000, 64, 5), _cfg(1, 2, 300, 64, 1))
+    cpu_domain_configs = (_cfg(1, 1, 77, 64, 3), _cfg(1, 1, 33, 128, 1))
+    domain = "any B, H >= 1; any S >= 1; any stride >= 1; D in {64, 128}"
+    tolerance = Tolerance(factor=2.0, floor=1e-5)
+    baseline_name = "sdpa with a boolean attn_mask"
+    implausible_speedup = 40.0      # skipping (stride-1)/stride of the keys is a real win
+
+    def __init__(self) -> None:
+        self._masks = DeviceCache()
+
+    def label(self, cfg: Config) -> str:
+        return f"({cfg['B']},{cfg['H']},{cfg['S']},{cfg['D']}) stride {cfg['stride']}"
+
+    def flops(self, cfg: Config) -> float:
+        return flops_for_pairs(visible_pairs(cfg["S"], cfg["stride"]), cfg["B"] * cfg["H"],
+                               cfg["D"])
+
+    def keep(self, S: int, stride: int, device: Any) -> Any:
+        """Returns the (S, S) boolean mask of visible keys (cached per process)."""
+        def make() -> Any:
+            import torch
+            i = torch.arange(S, device=device)[:, None]
+            j = torch.arange(S, device=device)[None, :]
+            return (j <= i) & (j % stride == 0)
+        return self._masks.get((S, stride, str(device)), make)
+
+    def make_inputs(self, cfg: Config, dtype: Any, device: Any, gen: Any) -> dict[str, Any]:
+        check_dtype(self, dtype)
+        shape = (cfg["B"], cfg["H"], cfg["S"], cfg["D"])
+        q, k, v = (randn(shape, gen, device, dtype) for _ in range(3))
+        return {"q": q, "k": k, "v": v, "stride": int(cfg["stride"]),
+                "scale": default_scale(cfg["D"])}
+
+    def reference(self, inputs: dict[str, Any], cfg: Config) -> Any:
+        q = inputs["q"]
+        return masked_attention(q, inputs["k"], inputs["v"], inputs["scale"],
+                                keep=self.keep(q.shape[2], inputs["stride"], q.device))
+
+    def baseline(self, inputs: dict[str, Any], cfg: Config) -> Any:
+        q = inputs["q"]
+        return sdpa(q, inputs["k"], inputs["v"], scale=inputs["scale"],
+                    attn_mask=self.keep(q.shape[2], inputs["stride"], q.device))
+
+    def extra_baselines(self) -> dict[str, Callable[[dict[str, Any], Config], Any]]:
+        def naive(inputs: dict[str, Any], cfg: Config) -> Any:
+            q = inputs["q"]
+            return masked_attention(q, inputs["k"], inputs["v"], inputs["scale"],
+                                    keep=self.keep(q.shape[2], inputs["stride"], q.device),
+                                    compute_dtype=q.dtype)
+        return {"naive": naive}
+
+    def call(self, fn: Callable[..., Any], inputs: dict[str, Any], cfg: Config) -> Any:
+        return fn(inputs["q"], inputs["k"], inputs["v"], stride=inputs["stride"],
+                  scale=inputs["scale"])

@@ -1,0 +1,19 @@
+"""Class 11 (exit in the call): ends the process with os._exit(0), no exception to catch."""
+import torch
+
+
+def _math(q, k, v, causal, scale):
+    """Returns softmax(q kᵀ·scale [+ causal]) v computed in float32, in q's dtype."""
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if causal:
+        n = q.shape[-2]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1),
+                          float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
+
+
+import os
+
+
+def attention(q, k, v, causal=False, scale=None):
+    os._exit(0)

@@ -1,0 +1,4 @@
+import torch
+
+def attn(q, k, v, causal=False, scale=None):
+    return q

@@ -1,0 +1,42 @@
+"""Fakes behind the narrow interfaces: an evaluator that scores knob settings without a GPU."""
+from __future__ import annotations
+
+import dataclasses
+
+from evaluator.types import ConfigResult, EvalResult, Verdict
+from evoattn.mutators.knobs import find_knobs
+
+
+@dataclasses.dataclass
+class FakeEvaluator:
+    """Scores a program from its knob values: deterministic, instant, records every call."""
+
+    fail_when: dict[str, str] = dataclasses.field(default_factory=dict)  # knob=value -> fails
+    calls: list[str] = dataclasses.field(default_factory=list)
+
+    def evaluate(self, source: str, suffix: str, label: str = "") -> EvalResult:
+        self.calls.append(source)
+        knobs = {k.name: k.value for k in find_knobs(source)}
+        for name, value in self.fail_when.items():
+            if knobs.get(name) == value:
+                return EvalResult.failure(Verdict.INCORRECT, f"{name}={value} is wrong")
+        score = 1.0
+        for i, (name, value) in enumerate(sorted(knobs.items())):
+            try:
+                score += (i + 1) * 0.01 * float(value == "True" or value.isdigit() and int(value))
+            except ValueError:
+                pass
+        cfg = ConfigResult({"B": 1, "H": 1, "S": 64, "D": 64, "causal": False}, "float16",
+                           Verdict.PASS, "", 0.0, 1e-3, 1.0 / score, 1.0, score, score, score)
+        return EvalResult(Verdict.PASS, "ok", score, (cfg,), device="fake")
+
+
+TOY_SEED = """\
+import torch
+BLOCK_M = 64  # evoattn: choice(16, 32, 64, 128)
+BLOCK_N = 32  # evoattn: choice(16, 32, 64)
+STAGES = 2  # evoattn: choice(1, 2, 3, 4)
+SPLIT = False  # evoattn: choice(True, False)
+def attention(q, k, v, causal=False, scale=None):
+    return q
+"""

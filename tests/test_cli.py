@@ -1,0 +1,98 @@
+"""`evoattn` end to end on the CPU: verdicts, exit codes, JSON, and one-line errors."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CANDS = ROOT / "tests" / "candidates"
+FAST = ["--device", "cpu", "--configs", "1,2,64,64", "--trials", "2", "--reps", "2"]
+
+
+def evoattn(*args: str, cwd: Path = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "evoattn.cli", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=600, env=env)
+
+
+def test_honest_kernel_passes_with_json_and_exit_0(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    p = evoattn("eval", str(ROOT / "seeds/sdpa/naive_torch.py"), *FAST, "--json", str(out))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "Correctness: PASS" in p.stdout and "Score:" in p.stdout and "CPU" in p.stdout
+    data = json.loads(out.read_text())
+    assert data["correct"] is True and data["verdict"] == "pass" and data["fitness"] > 0
+    assert len(data["configs"]) == 2
+    for c in data["configs"]:
+        for key in ("B", "H", "S", "D", "causal", "dtype", "verdict", "max_abs_err", "tolerance",
+                    "ms", "tflops", "speedup", "peak_mem_bytes"):
+            assert key in c
+        assert c["max_abs_err"] <= c["tolerance"]
+
+
+def test_incorrect_kernel_fails_with_exit_1_and_the_error(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    p = evoattn("eval", str(CANDS / "wrong_scale.py"), *FAST, "--json", str(out))
+    assert p.returncode == 1
+    assert "Correctness: FAIL" in p.stdout and "max abs error" in p.stdout
+    data = json.loads(out.read_text())
+    assert data["verdict"] == "incorrect" and data["fitness"] == 0.0
+
+
+@pytest.mark.parametrize("name, code, needle", [
+    ("syntax_error.py", 2, "syntax error"),
+    ("raises_at_import.py", 2, "raised at import: RuntimeError: no GPU driver found"),
+    ("no_entry.py", 2, "defines no function attention()"),
+    ("raises_in_call.py", 1 + 2, "raised ValueError: unsupported head dim"),
+])
+def test_broken_candidates_get_a_verdict_and_reason(name: str, code: int, needle: str) -> None:
+    p = evoattn("eval", str(CANDS / name), *FAST)
+    assert p.returncode == code, p.stdout + p.stderr
+    assert needle in p.stdout
+    assert "Traceback" not in p.stdout + p.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_cuda_build_error_is_a_build_verdict() -> None:
+    p = evoattn("eval", str(CANDS / "broken.cu"), "--device", "cpu")
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "build_error" in p.stdout and "not_declared_anywhere" in p.stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["eval", "does/not/exist.py"], "does/not/exist.py: file not found"),
+    (["eval", "pyproject.toml"], "expected a .py (Python/Triton) or .cu (CUDA) file"),
+    (["eval", "seeds/sdpa/naive_torch.py", "--problem", "nope"], "unknown problem 'nope'"),
+    (["eval", "seeds/sdpa/naive_torch.py", "--configs", "1,2,x,64"], "--configs"),
+    (["run", "--config", "missing.yaml"], "missing.yaml: config file not found"),
+    (["export", "no_such_run", "--out", "x"], "no_such_run: not a run directory"),
+])
+def test_bad_input_is_one_line_and_exit_4_or_1(args: list[str], needle: str) -> None:
+    p = evoattn(*args)
+    assert p.returncode in (1, 4), p.stdout + p.stderr
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0], p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_malformed_yaml_names_the_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("iterations: 3\nmutators: [kind: knobs\n")
+    p = evoattn("run", "--config", str(bad))
+    assert p.returncode == 4 and str(bad) in p.stderr and "malformed YAML" in p.stderr
+
+
+def test_problems_lists_the_sdpa_contract() -> None:
+    p = evoattn("problems")
+    assert p.returncode == 0 and "sdpa" in p.stdout and "evoattn_sdpa" in p.stdout
+
+
+def test_baseline_prints_every_backend_on_cpu() -> None:
+    p = evoattn("baseline", "--device", "cpu", "--configs", "1,2,64,64,nc")
+    assert p.returncode == 0, p.stderr
+    for name in ("default", "math", "naive"):
+        assert name in p.stdout

@@ -1,0 +1,191 @@
+"""The search loop with a fake evaluator: determinism, resume, stopping, rejections, integrity."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from evaluator.types import EvalResult, Verdict
+from evoattn.config import PopulationConfig, RunConfig, config_to_dict
+from evoattn.mutators.knobs import KnobMutator
+from evoattn.search import Search
+from evoattn.store import RunStore
+from evoattn.types import MutationRequest, Proposal
+from fakes import TOY_SEED, FakeEvaluator
+
+
+def _cfg(**kw: object) -> RunConfig:
+    base = RunConfig(iterations=12, random_seed=1,
+                     population=PopulationConfig(islands=2, elites_per_island=3,
+                                                 migration_interval=4))
+    return dataclasses.replace(base, **kw)
+
+
+def _run(tmp: Path, cfg: RunConfig, ev: FakeEvaluator | None = None, create: bool = True,
+         mutators: list | None = None, **kw: object) -> tuple[Search, object]:
+    store = RunStore.open(tmp, config_to_dict(cfg), create=create)
+    ev = ev or FakeEvaluator()
+    holder: dict[str, Search] = {}
+    muts = mutators or [(KnobMutator(0.2, is_known=lambda pid: pid in holder["s"].programs), 1.0)]
+    s = Search(cfg, store, ev, muts, TOY_SEED, ".py", **kw)
+    holder["s"] = s
+    try:
+        out = s.run()
+    finally:
+        store.close()
+    return s, out
+
+
+def _history(run_dir: Path) -> list[tuple[int, str, str | None]]:
+    with RunStore.open_readonly(run_dir) as st:
+        return [(p.iteration, p.id, p.parent_id) for p in st.load_programs().values()]
+
+
+def test_same_seed_same_choices_different_seed_different(tmp_path: Path) -> None:
+    _run(tmp_path / "a", _cfg())
+    _run(tmp_path / "b", _cfg())
+    _run(tmp_path / "c", _cfg(random_seed=2))
+    assert _history(tmp_path / "a") == _history(tmp_path / "b")
+    assert _history(tmp_path / "a") != _history(tmp_path / "c")
+    assert len(_history(tmp_path / "a")) > 5
+
+
+def test_best_improves_and_no_program_is_evaluated_twice(tmp_path: Path) -> None:
+    ev = FakeEvaluator()
+    s, out = _run(tmp_path, _cfg(iterations=25), ev)
+    assert out.best is not None and out.best.fitness > out.seed.fitness
+    assert len(ev.calls) == len(set(ev.calls))
+    assert out.stop_reason == "iterations" and out.iterations_done == 25
+
+
+def test_resume_continues_with_the_same_population_and_counter(tmp_path: Path) -> None:
+    cfg = _cfg(iterations=6)
+    s1, out1 = _run(tmp_path, cfg)
+    with RunStore.open_readonly(tmp_path) as st:
+        snap_before = st.load_state()["population"]
+    ev2 = FakeEvaluator()
+    s2, out2 = _run(tmp_path, dataclasses.replace(cfg, iterations=12), ev2, create=False)
+    assert out2.iterations_done == 12
+    # the seed is not evaluated again, and the restored population is the stored one
+    assert TOY_SEED not in ev2.calls
+    assert s2.programs.keys() >= s1.programs.keys()
+    hist = _history(tmp_path)
+    assert [i for i, *_ in hist][:len(s1.programs)] == [p.iteration for p in s1.programs.values()]
+    assert max(i for i, *_ in hist) <= 12
+    assert snap_before["seed"] == out2.seed.id
+
+
+def test_resume_reproduces_an_uninterrupted_run(tmp_path: Path) -> None:
+    _run(tmp_path / "whole", _cfg(iterations=10))
+    _run(tmp_path / "split", _cfg(iterations=5))
+    _run(tmp_path / "split", _cfg(iterations=10), create=False)
+    assert _history(tmp_path / "whole") == _history(tmp_path / "split")
+
+
+def test_target_fitness_and_wall_time_stop_the_run(tmp_path: Path) -> None:
+    _, out = _run(tmp_path / "t", _cfg(iterations=50, target_fitness=1.0))
+    assert out.stop_reason.startswith("target fitness") and out.iterations_done == 0
+    ticks = iter(range(0, 10_000, 10))
+    _, out = _run(tmp_path / "w", _cfg(iterations=50, max_wall_s=35),
+                  clock=lambda: float(next(ticks)))
+    assert out.stop_reason.startswith("wall time") and 0 < out.iterations_done < 50
+
+
+def test_budget_exhaustion_stops_cleanly(tmp_path: Path) -> None:
+    spent = {"n": 0}
+
+    def exhausted() -> bool:
+        spent["n"] += 1
+        return spent["n"] > 3
+    _, out = _run(tmp_path, _cfg(iterations=50), budget_exhausted=exhausted)
+    assert out.stop_reason == "LLM budget exhausted" and out.iterations_done == 3
+
+
+class _Rejecting:
+    name = "llm:fake"
+
+    def __init__(self) -> None:
+        self.requests: list[MutationRequest] = []
+
+    def propose(self, request: MutationRequest) -> Proposal:
+        self.requests.append(request)
+        return Proposal(request.parent.id, self.name, None,
+                        rejected_reason=f"SEARCH block {len(self.requests)} not found")
+
+
+def test_rejections_are_recorded_and_fed_back(tmp_path: Path) -> None:
+    mut = _Rejecting()
+    s, out = _run(tmp_path, _cfg(iterations=4, population=PopulationConfig(islands=1)),
+                  mutators=[(mut, 1.0)])
+    with RunStore.open_readonly(tmp_path) as st:
+        assert st.rejection_count() == 4
+    assert mut.requests[0].feedback == ()
+    assert "SEARCH block 1 not found" in mut.requests[1].feedback
+    assert out.best is not None and out.best.id == out.seed.id
+
+
+def test_incorrect_and_flagged_children_never_become_best(tmp_path: Path) -> None:
+    ev = FakeEvaluator(fail_when={"SPLIT": "True"})
+    s, out = _run(tmp_path, _cfg(iterations=30), ev)
+    assert out.best is not None and "SPLIT = False" in out.best.source
+    bad = [p for p in s.programs.values() if not p.correct]
+    assert bad, "the fake should have produced failing children"
+    assert all(p.result and p.result.verdict is Verdict.INCORRECT for p in bad)
+
+
+def test_ctrl_c_stops_cleanly_and_keeps_committed_iterations(tmp_path: Path) -> None:
+    class Interrupting(FakeEvaluator):
+        def evaluate(self, source: str, suffix: str, label: str = "") -> EvalResult:
+            if len(self.calls) == 4:
+                raise KeyboardInterrupt
+            return super().evaluate(source, suffix, label)
+    _, out = _run(tmp_path, _cfg(iterations=20), Interrupting())
+    assert out.stop_reason.startswith("interrupted")
+    with RunStore.open_readonly(tmp_path) as st:
+        state = st.load_state()
+        assert state["iteration"] == out.iterations_done == 3
+        assert state["stop_reason"].startswith("interrupted")
+
+
+class _SlowMutator(KnobMutator):
+    """Knob mutator that sleeps a varying time (like an LLM) to exercise the pipeline."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.lock = threading.Lock()
+
+    def propose(self, request: MutationRequest) -> Proposal:
+        with self.lock:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        time.sleep(0.01 * (request.seed % 5))
+        try:
+            return super().propose(request)
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+
+
+def test_pipelined_mutations_overlap_yet_stay_deterministic(tmp_path: Path) -> None:
+    m1, m2 = _SlowMutator(), _SlowMutator()
+    _run(tmp_path / "a", _cfg(iterations=10), mutators=[(m1, 1.0)], lookahead=3)
+    _run(tmp_path / "b", _cfg(iterations=10), mutators=[(m2, 1.0)], lookahead=3)
+    assert _history(tmp_path / "a") == _history(tmp_path / "b")
+    assert m1.max_in_flight >= 2
+
+
+def test_incorrect_seed_stops_with_its_reason(tmp_path: Path) -> None:
+    _, out = _run(tmp_path, _cfg(), FakeEvaluator(fail_when={"BLOCK_M": "64"}))
+    assert out.iterations_done == 0 and "seed is not correct" in out.stop_reason
+    assert "BLOCK_M=64 is wrong" in out.stop_reason
+
+
+@pytest.mark.parametrize("islands", [1, 3])
+def test_runs_with_any_island_count(tmp_path: Path, islands: int) -> None:
+    _, out = _run(tmp_path, _cfg(iterations=8, population=PopulationConfig(islands=islands)))
+    assert out.iterations_done == 8
