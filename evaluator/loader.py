@@ -75,7 +75,10 @@ def build_candidate(path: Path, problem: Problem, cache_dir: Path, build_timeout
                               f"({'cached' if res.cached else 'built'}), but CUDA candidates "
                               "need a GPU to run", res.log)
         if form == "cuda-fast":
-            cfn = build.load_fast(res.path, problem.cuda_symbol)
+            try:
+                cfn = build.load_fast(res.path, problem.cuda_symbol)
+            except build.LoadError as e:
+                raise LoadFailure("load", f"{path.name}: {e}") from None
             run = _fast_runner(cfn, problem)
         else:
             try:
