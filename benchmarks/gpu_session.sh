@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One GPU session: install, evaluate every sdpa seed, check timing stability and the build
+# cache, time the baselines, run the gpu-marked tests, then search for the time that is left.
+# Usage (on the GPU machine, repo root): OUT=/some/dir SEARCH_S=240 bash benchmarks/gpu_session.sh
+set -u
+export PYTHONUNBUFFERED=1
+R=$OUT/res; mkdir -p "$R"
+T0=$(date +%s)
+log() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || pip install --no-deps --no-build-isolation -e .
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv > "$R/gpu.txt"
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" >> "$R/gpu.txt"
+date -u >> "$R/gpu.txt"; cat "$R/gpu.txt"
+export EVOATTN_CACHE=/tmp/evoattn-cache
+ev() { local name=$1; shift; log "eval $name"; timeout 300 evoattn eval "$@" --json "$R/$name.json" > "$R/$name.txt" 2>&1; echo "exit $?" >> "$R/$name.txt"; tail -4 "$R/$name.txt"; }
+ev flash_triton seeds/sdpa/flash_triton.py --all-backends
+ev flash_triton_2 seeds/sdpa/flash_triton.py
+ev mma_flash seeds/sdpa/mma_flash.cu
+ev mma_flash_2 seeds/sdpa/mma_flash.cu
+ev fused seeds/sdpa/fused.cu --reps 5
+ev naive_cu seeds/sdpa/naive.cu --reps 3
+ev naive_torch seeds/sdpa/naive_torch.py --reps 5
+log baseline; timeout 200 evoattn baseline --json "$R/baseline.json" > "$R/baseline.txt" 2>&1; tail -3 "$R/baseline.txt"
+log "gpu tests"; timeout 240 python -m pytest -m gpu -q -p no:cacheprovider tests > "$R/gpu_tests.txt" 2>&1; tail -5 "$R/gpu_tests.txt"
+ev ext_naive seeds/sdpa/ext_naive.cu --reps 5 --configs "2,32,2048,64;1,8,512,64"
+if [ "${SEARCH_S:-0}" -gt 0 ]; then
+  log "search for ${SEARCH_S}s"
+  timeout $(( SEARCH_S + 90 )) evoattn run --config configs/default.yaml --iterations 100 \
+     --output gpu_runs/default --quiet > "$R/run.txt" 2>&1
+  echo "exit $?" >> "$R/run.txt"; tail -25 "$R/run.txt"
+  cp gpu_runs/default/run.sqlite "$OUT/run.sqlite" 2>/dev/null
+  cp gpu_runs/default/events.jsonl "$R/events.jsonl" 2>/dev/null
+  [ -d gpu_runs/default/best ] && cp -r gpu_runs/default/best "$R/best"
+fi
+tar -czf "$OUT/results.tgz" -C "$OUT" res
+log done

@@ -1,0 +1,84 @@
+"""Turns `evoattn eval --json` / `evoattn baseline --json` files into BENCHMARKS.md tables.
+
+    python benchmarks/tables.py eval RESULT.json [...]     # per-config table per file
+    python benchmarks/tables.py baseline BASELINE.json
+    python benchmarks/tables.py stability A.json B.json    # per-config median spread
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _label(c: dict) -> str:
+    if {"B", "H", "S", "D"} <= c.keys():
+        return f"({c['B']},{c['H']},{c['S']},{c['D']})" + (" causal" if c.get("causal") else "")
+    keys = [k for k in c.get("params", {})]
+    return ",".join(f"{k}={c['params'][k]}" for k in keys)
+
+
+def _num(x: object, fmt: str) -> str:
+    return format(x, fmt) if isinstance(x, (int, float)) else "-"
+
+
+def eval_table(path: str) -> str:
+    """Returns a markdown table of one evaluation."""
+    d = json.loads(Path(path).read_text())
+    head = (f"**{d['candidate']}** — {d['verdict']} ({d.get('reason', '')}), fitness "
+            f"{d['fitness']:.3f}, {d['device']}, torch {d['versions'].get('torch')}, "
+            f"triton {d['versions'].get('triton')}\n\n")
+    extra = sorted({n for c in d["configs"] for n in c.get("extra_baselines_ms", {})})
+    cols = ["config", "verdict", "max err / tol", "ms", "SDPA ms", "TFLOP/s", "SDPA TFLOP/s",
+            "speedup", "mem MB (SDPA)"] + [f"{n} ms" for n in extra]
+    rows = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for c in d["configs"]:
+        mem = (f"{c['peak_mem_bytes'] / 2**20:.1f} ({c['baseline_peak_mem_bytes'] / 2**20:.1f})"
+               if isinstance(c.get("peak_mem_bytes"), int) and
+               isinstance(c.get("baseline_peak_mem_bytes"), int) else "-")
+        cells = [_label(c), c["verdict"],
+                 f"{_num(c.get('max_abs_err'), '.1e')} / {_num(c.get('tolerance'), '.1e')}",
+                 _num(c.get("ms"), ".4f"), _num(c.get("baseline_ms"), ".4f"),
+                 _num(c.get("tflops"), ".1f"), _num(c.get("baseline_tflops"), ".1f"),
+                 _num(c.get("speedup"), ".3f"), mem]
+        cells += [_num(c.get("extra_baselines_ms", {}).get(n), ".4f") for n in extra]
+        rows.append("| " + " | ".join(cells) + " |")
+    return head + "\n".join(rows) + "\n"
+
+
+def baseline_table(path: str) -> str:
+    """Returns a markdown table of `evoattn baseline --json`."""
+    d = json.loads(Path(path).read_text())
+    names = ["default"] + sorted({n for r in d["rows"] for n in r["ms"]} - {"default"})
+    rows = [f"{d['device']}, torch {d['versions'].get('torch')} (TFLOP/s)\n",
+            "| config | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
+    for r in d["rows"]:
+        cells = [f"{r['flops'] / r['ms'][n] / 1e9:.1f}" if r["ms"].get(n) else "n/a"
+                 for n in names]
+        rows.append(f"| {_label(r['cfg'])} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def stability(a: str, b: str) -> str:
+    """Returns per-config relative differences of candidate medians between two evaluations."""
+    da, db = (json.loads(Path(p).read_text()) for p in (a, b))
+    rows = ["| config | run 1 ms | run 2 ms | difference |", "|---|---|---|---|"]
+    worst = 0.0
+    for ca, cb in zip(da["configs"], db["configs"]):
+        if ca.get("ms") and cb.get("ms"):
+            diff = abs(ca["ms"] - cb["ms"]) / min(ca["ms"], cb["ms"])
+            worst = max(worst, diff)
+            rows.append(f"| {_label(ca)} | {ca['ms']:.4f} | {cb['ms']:.4f} | {diff * 100:.2f}% |")
+    return "\n".join(rows) + f"\n\nlargest difference: {worst * 100:.2f}%\n"
+
+
+if __name__ == "__main__":
+    kind, *files = sys.argv[1:]
+    if kind == "eval":
+        print("\n".join(eval_table(f) for f in files))
+    elif kind == "baseline":
+        print(baseline_table(files[0]))
+    elif kind == "stability":
+        print(stability(*files))
+    else:
+        sys.exit(f"unknown kind {kind!r}")
