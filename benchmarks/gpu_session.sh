@@ -25,7 +25,7 @@ log "gpu tests"; timeout 240 python -m pytest -m gpu -q -p no:cacheprovider test
 ev ext_naive seeds/sdpa/ext_naive.cu --reps 5 --configs "2,32,2048,64;1,8,512,64"
 if [ "${SEARCH_S:-0}" -gt 0 ]; then
   log "search for ${SEARCH_S}s"
-  timeout $(( SEARCH_S + 90 )) evoattn run --config configs/default.yaml --iterations 100 \
+  timeout $(( SEARCH_S + 120 )) evoattn run --config configs/default.yaml --iterations 100 --max-wall-s $SEARCH_S \
      --output gpu_runs/default --quiet > "$R/run.txt" 2>&1
   echo "exit $?" >> "$R/run.txt"; tail -25 "$R/run.txt"
   cp gpu_runs/default/run.sqlite "$OUT/run.sqlite" 2>/dev/null

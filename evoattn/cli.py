@@ -41,6 +41,11 @@ def main() -> None:
     """Evolve fast CUDA and Triton attention kernels, checked and timed against PyTorch SDPA."""
 
 
+def _problem_ref(name: str) -> str:
+    """Returns a built-in name as is, a problem .py path made absolute (the child runs elsewhere)."""
+    return str(Path(name).resolve()) if name.endswith(".py") else name
+
+
 def _problem(name: str) -> Any:
     from evaluator.problems import UnknownProblem, get_problem
     if name.endswith(".py") and not Path(name).is_file():
@@ -105,7 +110,7 @@ def eval_cmd(path: str, problem: str, configs: str | None, dtype: str | None, de
         tol["max_abs"] = max_abs
     if tolerance_factor is not None:
         tol["factor"] = tolerance_factor
-    settings = EvalSettings(problem=problem, configs=_configs(prob, configs), dtype=dtype,
+    settings = EvalSettings(problem=_problem_ref(problem), configs=_configs(prob, configs), dtype=dtype,
                             device=dev, trials=trials, reps=reps, tolerance=tol, policy=policy,
                             all_backends=all_backends, run_timeout_s=timeout)
     if dev == "cpu":
@@ -131,7 +136,7 @@ def baseline(problem: str, configs: str | None, dtype: str | None, device: str,
     prob = _problem(problem)
     cfgs = _configs(prob, configs)
     dev = _device(device)
-    req = {"problem": problem, "configs": list(cfgs) if cfgs else None, "dtype": dtype,
+    req = {"problem": _problem_ref(problem), "configs": list(cfgs) if cfgs else None, "dtype": dtype,
            "device": dev}
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
     with console.status("timing PyTorch baselines ..."):
@@ -147,11 +152,12 @@ def baseline(problem: str, configs: str | None, dtype: str | None, device: str,
 
 
 @main.command()
-def problems() -> None:
-    """List the problems with their configs and contracts."""
-    from evaluator.problems import builtin_names, get_problem
-    for name in builtin_names():
-        p = get_problem(name)
+@click.argument("paths", nargs=-1, type=click.Path(dir_okay=False))
+def problems(paths: tuple[str, ...]) -> None:
+    """List the built-in problems (and any problem .py files given) with their contracts."""
+    from evaluator.problems import builtin_names
+    for name in list(builtin_names()) + list(paths):
+        p = _problem(name)
         console.print(f"[bold]{p.name}[/bold] — {p.summary}")
         console.print(f"  contract: {p.contract}")
         if p.cuda_symbol:
@@ -160,6 +166,8 @@ def problems() -> None:
         console.print(f"  dtypes: {', '.join(p.dtypes)} (default {p.default_dtype})")
         console.print("  configs: " + "; ".join(p.label(c) for c in p.default_configs))
         console.print(f"  baseline: {p.baseline_name}\n")
+    console.print("user-defined problems: pass a problem .py file as --problem "
+                  "(see examples/README.md)")
 
 
 @main.command()
@@ -171,14 +179,16 @@ def problems() -> None:
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]))
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False),
               help="continue the run in this directory")
+@click.option("--max-wall-s", type=float, help="stop after this many seconds (wall time)")
 @click.option("--quiet", is_flag=True, help="log lines instead of the live view")
 def run(config_path: str | None, iterations: int | None, output: str | None,
-        random_seed: int | None, device: str | None, resume_dir: str | None, quiet: bool) -> None:
+        random_seed: int | None, device: str | None, resume_dir: str | None,
+        max_wall_s: float | None, quiet: bool) -> None:
     """Evolve kernels from a seed program (the main job)."""
     from .runner import start_run
     start_run(config_path=config_path, iterations=iterations, output=output,
               random_seed=random_seed, device=device, resume_dir=resume_dir, quiet=quiet,
-              console=console)
+              console=console, max_wall_s=max_wall_s)
 
 
 @main.command()

