@@ -1,0 +1,331 @@
+"""Cheating and crashing candidates get a verdict that names the cause; honest ones pass unflagged.
+
+Each candidate in tests/adversarial/ really tries its cheat (SECURITY.md lists the
+classes). Every evaluation is a child process (about 5 s on CPU), so evaluators are
+shared per module and each candidate is evaluated once. GPU-only classes carry the
+`gpu` marker and are skipped, with a reason, where CUDA is absent.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import re
+import secrets
+from pathlib import Path
+
+import pytest
+
+from evoattn.sandbox import EvalSettings, SubprocessEvaluator
+from evaluator.types import EvalResult, Verdict
+
+ROOT = Path(__file__).resolve().parents[1]
+ADV = ROOT / "tests" / "adversarial"
+SEEDS = ROOT / "seeds" / "sdpa"
+
+gpu = pytest.mark.gpu
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+needs_cuda = pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU (run on the H100)")
+
+
+def read(path: Path, **subs: str) -> str:
+    """Returns a candidate's source with __NAME__ placeholders replaced."""
+    text = path.read_text()
+    for key, val in subs.items():
+        text = text.replace(f"__{key}__", val)
+    return text
+
+
+def evaluate(ev: SubprocessEvaluator, path: Path, **subs: str) -> EvalResult:
+    return ev.evaluate(read(path, **subs), path.suffix, path.name)
+
+
+def assert_verdict(result: EvalResult, verdict: Verdict, reason_pattern: str) -> None:
+    """Asserts a non-passing verdict whose reason matches the pattern (the cause is named)."""
+    why = f"{result.verdict.value}: {result.reason}\n--- log tail ---\n{result.log_tail}"
+    assert result.verdict is verdict, why
+    assert re.search(reason_pattern, result.reason), why
+    assert result.fitness == 0.0
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("evoattn-cache"))
+
+
+@pytest.fixture(scope="module")
+def cpu_eval(cache_dir: str) -> SubprocessEvaluator:
+    return SubprocessEvaluator(EvalSettings(device="cpu", cache_dir=cache_dir))
+
+
+# ---- honest kernels are not flagged ------------------------------------------------------
+@pytest.mark.parametrize("path", [SEEDS / "naive_torch.py", SEEDS / "flash_triton.py",
+                                  ADV / "honest_torch.py", ADV / "honest_triton.py"],
+                         ids=lambda p: p.name)
+def test_honest_candidate_passes_without_flags(cpu_eval: SubprocessEvaluator, path: Path) -> None:
+    result = evaluate(cpu_eval, path)
+    assert result.verdict is Verdict.PASS, f"{result.reason}\n{result.log_tail}"
+    assert result.flags == ()
+    assert result.fitness > 0
+
+
+def test_library_attention_passes_under_allow_library_policy(cache_dir: str) -> None:
+    ev = SubprocessEvaluator(EvalSettings(device="cpu", cache_dir=cache_dir,
+                                          policy="allow-library"))
+    result = evaluate(ev, ADV / "honest_sdpa.py")
+    assert result.verdict is Verdict.PASS, f"{result.reason}\n{result.log_tail}"
+
+
+# ---- one cheat per candidate, caught with the cause named ---------------------------------
+CHEATS = [
+    # 1. stale / cached output: right on every correctness call, stale once timed
+    ("stale_cache.py", Verdict.INCORRECT, r"timed call \d+ returned a wrong output.*stale"),
+    # 2. leftover memory: half the output left as whatever torch.empty held
+    ("leftover_memory.py", Verdict.INCORRECT, r"NaN or Inf|max abs error"),
+    # 3. input tampering
+    ("tamper_inputs.py", Verdict.TAMPERING, r"input 2 was modified in place"),
+    # 4. work hidden from the timer
+    ("thread_fill.py", Verdict.HIDDEN_WORK,
+     r"threads still running after return|output changed after the call returned"),
+    ("lazy_subclass.py", Verdict.HIDDEN_WORK, r"lazy output: .*plain torch\.Tensor"),
+    ("lazy_when_timed.py", Verdict.HIDDEN_WORK, r"_Lazy from a timed call"),
+    # 5. library attention: static scan, runtime tripwires, dispatcher watch, import blocker
+    ("sdpa_direct.py", Verdict.POLICY, r"kernel-only policy: torch scaled_dot_product_attention"),
+    ("sdpa_getattr.py", Verdict.POLICY, r"called torch scaled_dot_product_attention"),
+    ("sdpa_try_fallback.py", Verdict.POLICY, r"called torch scaled_dot_product_attention"),
+    ("sdpa_aten_op.py", Verdict.POLICY, r"dispatched library attention op aten\._scaled_dot"),
+    ("flash_attn_import.py", Verdict.POLICY, r"imported flash_attn"),
+    # 6. precision cut in float16: float8 q/k, bfloat16 P
+    ("precision_fp8.py", Verdict.INCORRECT, r"max abs error .* > tolerance"),
+    ("precision_bf16_p.py", Verdict.INCORRECT, r"max abs error .* > tolerance"),
+    # 7. shape specialisation, caught on a domain shape (S = 77)
+    ("tail_drop.py", Verdict.INCORRECT, r"\(1,1,77,64\) causal \[domain shape\]: max abs error"),
+    # 8. harness tampering by code swap (attribute replacement: its own test below)
+    ("tamper_code.py", Verdict.TAMPERING, r"evaluator\.checks\.max_abs_err\.__code__"),
+    # 10. non-determinism
+    ("nondeterministic.py", Verdict.NONDETERMINISTIC, r"two runs on the same inputs differ"),
+    # 11. crashes are contained and named
+    ("raise_import.py", Verdict.LOAD_ERROR, r"raised at import: RuntimeError"),
+    ("raise_call.py", Verdict.CRASH, r"raised ValueError: candidate failed in the call"),
+    ("system_exit.py", Verdict.CRASH, r"raised SystemExit"),
+    ("hard_exit.py", Verdict.CRASH, r"exited with code 0 in stage 'check' without a result"),
+    ("segfault.py", Verdict.CRASH, r"SIGSEGV in stage 'check'"),
+]
+
+
+@pytest.mark.parametrize("name,verdict,pattern", CHEATS, ids=[c[0] for c in CHEATS])
+def test_cheat_is_caught_with_its_cause(cpu_eval: SubprocessEvaluator, name: str,
+                                        verdict: Verdict, pattern: str) -> None:
+    assert_verdict(evaluate(cpu_eval, ADV / name), verdict, pattern)
+
+
+def test_float32_problem_computed_in_bfloat16_is_incorrect(cache_dir: str) -> None:
+    ev = SubprocessEvaluator(EvalSettings(device="cpu", cache_dir=cache_dir, dtype="float32"))
+    result = evaluate(ev, ADV / "precision_bf16.py")
+    assert_verdict(result, Verdict.INCORRECT, r"max abs error .* > tolerance")
+    assert result.configs[0].dtype == "float32"
+
+
+def test_replacing_clocks_sync_and_checks_is_tampering(cpu_eval: SubprocessEvaluator) -> None:
+    result = evaluate(cpu_eval, ADV / "tamper_harness.py")
+    assert_verdict(result, Verdict.TAMPERING, r"replaced harness functions")
+    for name in ("time.perf_counter", "torch.cuda.synchronize", "torch.cuda.Event.elapsed_time",
+                 "evaluator.checks.max_abs_err"):
+        assert name in result.reason
+
+
+def test_forged_results_on_stdout_files_and_fds_are_ignored(
+        cpu_eval: SubprocessEvaluator) -> None:
+    result = evaluate(cpu_eval, ADV / "forge_result.py")
+    assert_verdict(result, Verdict.INCORRECT, r"max abs error")
+    assert '"fitness": 1000.0' in result.log_tail          # it did print its forgery
+
+
+# ---- 9. secrets and the sandbox ------------------------------------------------------------
+def _tree_contains(root: str, needle: bytes) -> list[str]:
+    hits = []
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(dirpath, f)
+            try:
+                if needle in Path(p).read_bytes():
+                    hits.append(p)
+            except OSError:
+                pass
+    return hits
+
+
+def test_secret_never_reaches_the_candidate(cpu_eval: SubprocessEvaluator, cache_dir: str,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    secret = f"sk-evoattn-test-{secrets.token_hex(12)}"
+    monkeypatch.setenv("OPENAI_API_KEY", secret)
+    result = evaluate(cpu_eval, ADV / "snoop_secrets.py")
+    assert_verdict(result, Verdict.SANDBOX, r"read another process's /proc/\d+/environ")
+    assert "no-key-in-env" in result.log_tail            # it looked, and found nothing
+    assert secret not in json.dumps(result.to_json())
+    assert secret not in result.log_tail
+    assert _tree_contains(cache_dir, secret.encode()) == []
+
+
+def test_writes_outside_the_temp_dir_are_refused(cpu_eval: SubprocessEvaluator) -> None:
+    token = secrets.token_hex(8)
+    targets = [f"/tmp/evoattn_escape_{token}{s}" for s in ("", "_renamed", "_dir")]
+    try:
+        result = evaluate(cpu_eval, ADV / "escape_write.py", TOKEN=token)
+        assert_verdict(result, Verdict.SANDBOX, r"wrote outside its directory: /tmp/evoattn_escape")
+        assert [t for t in targets if os.path.exists(t)] == []
+    finally:
+        for t in targets:
+            if os.path.isdir(t):
+                os.rmdir(t)
+            elif os.path.exists(t):
+                os.remove(t)
+
+
+def test_spawning_processes_is_refused(cpu_eval: SubprocessEvaluator) -> None:
+    token = secrets.token_hex(8)
+    targets = [f"/tmp/evoattn_escape_{token}_{s}" for s in ("subprocess", "system", "libc")]
+    try:
+        result = evaluate(cpu_eval, ADV / "spawn_process.py", TOKEN=token)
+        assert_verdict(result, Verdict.SANDBOX, r"spawned a process: 'sh'")
+        assert [t for t in targets if os.path.exists(t)] == []
+    finally:
+        for t in targets:
+            if os.path.exists(t):
+                os.remove(t)
+
+
+# ---- 11. resource exhaustion is contained ---------------------------------------------------
+def test_host_memory_hog_is_killed(cache_dir: str) -> None:
+    ev = SubprocessEvaluator(EvalSettings(device="cpu", cache_dir=cache_dir,
+                                          max_host_mem_bytes=3 * 2 ** 29))   # 1.5 GiB
+    assert_verdict(evaluate(ev, ADV / "memory_hog.py"), Verdict.OOM, r"host memory .* over the limit")
+
+
+def test_hang_times_out_and_the_next_candidate_still_passes(cache_dir: str) -> None:
+    ev = SubprocessEvaluator(EvalSettings(device="cpu", cache_dir=cache_dir, run_timeout_s=20))
+    assert_verdict(evaluate(ev, ADV / "hang.py"), Verdict.TIMEOUT,
+                   r"timed out in stage 'check' \(limit 20 s\)")
+    after = evaluate(ev, SEEDS / "naive_torch.py")
+    assert after.verdict is Verdict.PASS, after.reason
+
+
+# ---- 12. implausible speed: the rule itself, with a fake timer --------------------------------
+# No honest CPU candidate is 10x faster than SDPA (call overhead alone is ~1/3 of SDPA's time
+# at S = 1), so the flag-and-re-verify path is driven with a timer that reports any speed we ask.
+class _FakeTimer:
+    def __init__(self, candidate_ms: float, baseline_ms: float) -> None:
+        self.ms = {"candidate": candidate_ms, "baseline": baseline_ms}
+
+    def run(self, fns, inputs, refill, warmup, reps, keep_reps, keep_name):  # noqa: ANN001
+        from evaluator.timing import Timing
+        return Timing(ms=dict(self.ms), samples_ms={n: [v] for n, v in self.ms.items()},
+                      host_ms_per_call=dict(self.ms), peak_mem_bytes={n: None for n in self.ms},
+                      kept_outputs=[])
+
+
+def _load_entry(path: Path):  # noqa: ANN202
+    spec = importlib.util.spec_from_file_location(f"adv_{path.stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.attention
+
+
+def _time_with(entry, candidate_ms: float, ceiling: float | None = None):  # noqa: ANN001, ANN202
+    """Runs the harness's timing step for one CPU config with a fake timer; returns (result, flags)."""
+    import torch
+
+    from evaluator import harness
+    from evaluator.problems import get_problem
+    from evaluator.types import ConfigResult
+
+    problem = get_problem("sdpa")
+    cfg = dict(problem.cpu_configs[0])
+    rng = random.Random(1234)
+    case = harness._prepare_config(problem, cfg, torch.float16, torch.device("cpu"), rng, 1)
+    case["bound"] = problem.tolerance.bound(case["torch_err"])
+    run = lambda inputs, c: problem.call(entry, inputs, c)  # noqa: E731
+    run(case["trials"][0]["inputs"], cfg)                   # the correctness pass calls it first
+    flags: list[str] = []
+    checked = ConfigResult(cfg, "float16", Verdict.PASS, "", 0.0, case["bound"])
+    out = harness._time_case(problem, case, run, _FakeTimer(candidate_ms, 1.0), {}, rng,
+                             {"name": "cpu"}, "float16", problem.tolerance, ceiling, False,
+                             checked, flags)
+    return out, flags
+
+
+def test_implausibly_fast_correct_candidate_is_flagged_and_reverified() -> None:
+    out, flags = _time_with(_load_entry(ADV / "honest_torch.py"), candidate_ms=0.01)
+    assert out.verdict is Verdict.PASS and out.speedup == pytest.approx(100.0)
+    assert len(flags) == 1 and "implausible 100.0x" in flags[0] and "re-verified" in flags[0]
+
+
+def test_implausibly_fast_candidate_wrong_on_fresh_inputs_is_implausible() -> None:
+    from evaluator.harness import _Fail
+    with pytest.raises(_Fail) as info:
+        _time_with(_load_entry(ADV / "stale_cache.py"), candidate_ms=0.01)
+    assert info.value.verdict is Verdict.IMPLAUSIBLE
+    assert "wrong on fresh inputs" in info.value.reason
+
+
+def test_speed_above_the_measured_ceiling_is_implausible() -> None:
+    from evaluator.harness import _Fail
+    with pytest.raises(_Fail) as info:
+        _time_with(_load_entry(ADV / "honest_torch.py"), candidate_ms=0.5, ceiling=1e-6)
+    assert info.value.verdict is Verdict.IMPLAUSIBLE
+    assert "exceeds the measured ceiling" in info.value.reason
+
+
+def test_ordinary_speed_is_not_flagged() -> None:
+    out, flags = _time_with(_load_entry(ADV / "honest_torch.py"), candidate_ms=0.5)
+    assert out.verdict is Verdict.PASS and flags == []
+
+
+# ---- GPU-only classes (run by the lead on an H100) -----------------------------------------
+GPU_CONFIGS = ({"B": 2, "H": 4, "S": 512, "D": 64, "causal": False},
+               {"B": 2, "H": 4, "S": 512, "D": 64, "causal": True})
+
+
+@pytest.fixture(scope="module")
+def gpu_eval(cache_dir: str) -> SubprocessEvaluator:
+    return SubprocessEvaluator(EvalSettings(device="cuda", cache_dir=cache_dir,
+                                            configs=GPU_CONFIGS, reps=20, warmup=3))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("path", [SEEDS / "naive_torch.py", SEEDS / "flash_triton.py",
+                                  SEEDS / "naive.cu", ADV / "honest_triton.py"],
+                         ids=lambda p: p.name)
+def test_honest_candidate_passes_on_gpu(gpu_eval: SubprocessEvaluator, path: Path) -> None:
+    result = evaluate(gpu_eval, path)
+    assert result.verdict is Verdict.PASS, f"{result.reason}\n{result.log_tail}"
+    assert result.flags == ()
+
+
+GPU_CHEATS = [
+    ("gpu_side_stream.py", Verdict.HIDDEN_WORK, r"output changed after the call returned|"
+                                                r"work escaped the timer"),
+    ("leftover_memory.py", Verdict.INCORRECT, r"NaN or Inf|max abs error"),  # NaN-poisoned
+    ("stale_cache.py", Verdict.INCORRECT, r"stale or cached"),
+    ("gpu_oom.py", Verdict.OOM, r"out of memory"),
+    ("gpu_oob.cu", Verdict.CRASH, r"illegal memory access|CUDA error|error code|SIG"),
+]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("name,verdict,pattern", GPU_CHEATS, ids=[c[0] for c in GPU_CHEATS])
+def test_gpu_cheat_is_caught_with_its_cause(gpu_eval: SubprocessEvaluator, name: str,
+                                            verdict: Verdict, pattern: str) -> None:
+    assert_verdict(evaluate(gpu_eval, ADV / name), verdict, pattern)

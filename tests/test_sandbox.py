@@ -1,0 +1,75 @@
+"""The parent side of the evaluator boundary: environment scrub, framing, death classification.
+
+These run without a child except the last two tests, which each start one (~3 s on CPU).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import signal
+import tempfile
+
+import pytest
+
+from evoattn import sandbox
+from evoattn.sandbox import EvalSettings, SubprocessEvaluator, child_env
+from evaluator.types import Verdict
+
+
+def test_child_env_drops_secrets_and_keeps_the_allow_list() -> None:
+    parent = {"PATH": "/usr/bin", "OPENAI_API_KEY": "sk-1", "CUDA_HOME": "/cuda",
+              "HF_TOKEN": "hf-1", "AWS_SECRET_ACCESS_KEY": "a", "TORCH_AUTH_TOKEN": "t",
+              "MY_PRIVATE_THING": "p", "HOME": "/root", "RANDOM_VAR": "x", "LANG": "C.UTF-8"}
+    env = child_env(parent, "/work/dir", "/cache", "cuda")
+    assert env["PATH"] == "/usr/bin" and env["CUDA_HOME"] == "/cuda" and env["LANG"] == "C.UTF-8"
+    for name in ("OPENAI_API_KEY", "HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "TORCH_AUTH_TOKEN",
+                 "MY_PRIVATE_THING", "RANDOM_VAR"):
+        assert name not in env
+    assert env["HOME"] == env["TMPDIR"] == "/work/dir"
+
+
+def test_child_env_drops_named_secrets_even_on_the_allow_list() -> None:
+    env = child_env({"TRITON_SPECIAL": "s"}, "/w", "/c", "cpu", extra_secret_names=("TRITON_SPECIAL",))
+    assert "TRITON_SPECIAL" not in env
+
+
+def test_cpu_child_runs_triton_interpreted_with_no_gpu_visible() -> None:
+    env = child_env({}, "/w", "/c", "cpu")
+    assert env["TRITON_INTERPRET"] == "1" and env["CUDA_VISIBLE_DEVICES"] == ""
+    assert "TRITON_INTERPRET" not in child_env({"TRITON_INTERPRET": "1"}, "/w", "/c", "cuda")
+
+
+def test_messages_without_the_nonce_are_ignored() -> None:
+    nonce = "ab" * 16
+    good = json.dumps({"nonce": nonce, "type": "result", "payload": {}}).encode()
+    assert sandbox._parse(good, nonce)["type"] == "result"
+    assert sandbox._parse(json.dumps({"nonce": "0" * 32, "type": "result"}).encode(), nonce) is None
+    assert sandbox._parse(json.dumps({"type": "result", "payload": {}}).encode(), nonce) is None
+    assert sandbox._parse(b"not json", nonce) is None
+    assert sandbox._parse(b"[1, 2]", nonce) is None
+
+
+@pytest.mark.parametrize("code,tail,verdict,fragment", [
+    (-signal.SIGSEGV, "", Verdict.CRASH, "SIGSEGV in stage 'check'"),
+    (-signal.SIGKILL, "", Verdict.CRASH, "SIGKILL"),
+    (1, "torch.OutOfMemoryError: CUDA out of memory", Verdict.OOM, "out of memory"),
+    (0, "last words", Verdict.CRASH, "exited with code 0 in stage 'check' without a result: last"),
+])
+def test_child_death_is_classified(code: int, tail: str, verdict: Verdict, fragment: str) -> None:
+    got, reason = sandbox._classify_death(code, tail, "check")
+    assert got is verdict and fragment in reason
+
+
+def test_work_dir_is_removed_after_each_evaluation(tmp_path) -> None:  # noqa: ANN001
+    before = set(glob.glob(f"{tempfile.gettempdir()}/evoattn-*"))
+    ev = SubprocessEvaluator(EvalSettings(device="cpu", cache_dir=str(tmp_path)))
+    result = ev.evaluate("raise RuntimeError('at import')\n", ".py", "broken")
+    assert result.verdict is Verdict.LOAD_ERROR and "at import" in result.reason
+    assert result.candidate == "broken"
+    assert set(glob.glob(f"{tempfile.gettempdir()}/evoattn-*")) <= before
+
+
+def test_a_missing_entry_point_is_a_load_error(tmp_path) -> None:  # noqa: ANN001
+    ev = SubprocessEvaluator(EvalSettings(device="cpu", cache_dir=str(tmp_path)))
+    result = ev.evaluate("import torch\n\ndef not_attention(q, k, v):\n    return q\n", ".py")
+    assert result.verdict is Verdict.LOAD_ERROR and "defines no function attention" in result.reason
