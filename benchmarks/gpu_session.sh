@@ -17,12 +17,12 @@ ev flash_triton seeds/sdpa/flash_triton.py --all-backends
 ev flash_triton_2 seeds/sdpa/flash_triton.py
 ev mma_flash seeds/sdpa/mma_flash.cu
 ev mma_flash_2 seeds/sdpa/mma_flash.cu
-ev fused seeds/sdpa/fused.cu --reps 5
-ev naive_cu seeds/sdpa/naive.cu --reps 3
-ev naive_torch seeds/sdpa/naive_torch.py --reps 5
+ev fused seeds/sdpa/fused.cu --reps 5 --warmup 2
+ev naive_cu seeds/sdpa/naive.cu --reps 3 --warmup 1
+ev naive_torch seeds/sdpa/naive_torch.py --reps 5 --warmup 2
 log baseline; timeout 200 evoattn baseline --json "$R/baseline.json" > "$R/baseline.txt" 2>&1; tail -3 "$R/baseline.txt"
 log "gpu tests"; timeout 240 python -m pytest -m gpu -q -p no:cacheprovider tests > "$R/gpu_tests.txt" 2>&1; tail -5 "$R/gpu_tests.txt"
-ev ext_naive seeds/sdpa/ext_naive.cu --reps 5 --configs "2,32,2048,64;1,8,512,64"
+ev ext_naive seeds/sdpa/ext_naive.cu --reps 5 --warmup 2 --configs "2,32,2048,64;1,8,512,64"
 if [ "${SEARCH_S:-0}" -gt 0 ]; then
   log "search for ${SEARCH_S}s"
   timeout $(( SEARCH_S + 120 )) evoattn run --config configs/default.yaml --iterations 100 --max-wall-s $SEARCH_S \

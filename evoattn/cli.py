@@ -82,6 +82,7 @@ def _device(device: str) -> str:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the result")
 @click.option("--trials", type=int, default=3, show_default=True)
 @click.option("--reps", type=int, help="timed repetitions per config")
+@click.option("--warmup", type=int, help="untimed calls per config before timing")
 @click.option("--policy", type=click.Choice(["kernel-only", "allow-library"]),
               default="kernel-only", show_default=True)
 @click.option("--max-abs", type=float, help="fixed absolute tolerance instead of the relative rule")
@@ -89,7 +90,8 @@ def _device(device: str) -> str:
 @click.option("--all-backends", is_flag=True, help="also time every SDPA backend")
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="run limit, s")
 def eval_cmd(path: str, problem: str, configs: str | None, dtype: str | None, device: str,
-             json_path: str | None, trials: int, reps: int | None, policy: str,
+             json_path: str | None, trials: int, reps: int | None, warmup: int | None,
+             policy: str,
              max_abs: float | None, tolerance_factor: float | None, all_backends: bool,
              timeout: float) -> None:
     """Check one kernel file against the reference and time it against SDPA."""
@@ -111,7 +113,8 @@ def eval_cmd(path: str, problem: str, configs: str | None, dtype: str | None, de
     if tolerance_factor is not None:
         tol["factor"] = tolerance_factor
     settings = EvalSettings(problem=_problem_ref(problem), configs=_configs(prob, configs), dtype=dtype,
-                            device=dev, trials=trials, reps=reps, tolerance=tol, policy=policy,
+                            device=dev, trials=trials, reps=reps, warmup=warmup, tolerance=tol,
+                            policy=policy,
                             all_backends=all_backends, run_timeout_s=timeout)
     if dev == "cpu":
         console.print("[yellow]CPU mode[/yellow]: Triton runs in its interpreter; "

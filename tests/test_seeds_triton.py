@@ -34,7 +34,8 @@ SEEDS_DIR = Path(__file__).resolve().parents[1] / "seeds" / "sdpa"
 TOLERANCE = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2}
 KNOB_LINE = re.compile(r"^(?P<name>[A-Z][A-Z0-9_]*) = (?P<value>\S+)  # evoattn: choice\((?P<choices>[^)]*)\)$",
                        re.MULTILINE)
-# Errors that count as failing cleanly on a GPU (a setting Triton cannot build), not as bugs.
+# Errors that count as failing cleanly on a GPU (a knob setting Triton cannot build for that
+# dtype: too much shared memory, a warp-specialisation pass failure), not as bugs.
 CLEAN_FAILURES = ("WarpSpecializeError", "OutOfResources")
 
 
@@ -210,7 +211,7 @@ KNOB_COMBINATIONS = [
     {"BLOCK_M_D64": 256, "BLOCK_N_D64": 128, "BLOCK_M_D128": 256, "BLOCK_N_D128": 32},
     {"USE_EXP2": False, "BLOCK_M_D128": 64, "BLOCK_N_D128": 128},
     {"USE_EXP2": False, "CAUSAL_SPLIT": False, "BLOCK_N_D64": 32},
-    {"PERSISTENT": True, "HEAD_MAJOR": False, "CAUSAL_HEAVY_FIRST": False},
+    {"PERSISTENT": True, "PROGRAMS_PER_SM": 1, "HEAD_MAJOR": False, "CAUSAL_HEAVY_FIRST": False},
     {"PERSISTENT": True, "BLOCK_M_D64": 32, "BLOCK_M_D128": 32, "CAUSAL_SPLIT": False},
     {"HEAD_MAJOR": False, "CAUSAL_HEAVY_FIRST": True, "BLOCK_N_D64": 128},
 ]
@@ -273,6 +274,9 @@ def gpu_cases() -> list[dict[str, Any]]:
                  "NUM_WARPS_D128": 4, "BLOCK_M_D128": 64},
                 {"BLOCK_M_D64": 128, "BLOCK_N_D64": 128, "NUM_WARPS_D64": 8,
                  "BLOCK_M_D128": 128, "BLOCK_N_D128": 128, "NUM_STAGES_D128": 2},
+                {"BLOCK_M_D64": 256, "BLOCK_N_D64": 32, "NUM_WARPS_D64": 8,
+                 "BLOCK_M_D128": 256, "BLOCK_N_D128": 32, "NUM_WARPS_D128": 8},
+                {"PERSISTENT": True, "PROGRAMS_PER_SM": 1, "HEAD_MAJOR": False},
                 {"WARP_SPECIALIZE": True},
                 {"WARP_SPECIALIZE": True, "USE_TMA": False}]
     shapes = [((2, 3, 1000, 64), "float16"), ((1, 2, 77, 128), "bfloat16"),
@@ -287,12 +291,13 @@ def test_flash_triton_gpu_settings_are_correct_or_fail_cleanly():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     results = run_cases(contract_cases("flash_triton") + gpu_cases(), device="cuda", timeout_s=900)
+    # The defaults must work everywhere; another setting may also fail cleanly, never compute wrong.
     bad = [describe(r) for r in results
-           if not r["ok"] and not (r["case"].get("knobs", {}).get("WARP_SPECIALIZE")
+           if not r["ok"] and not (r["case"].get("knobs")
                                    and r.get("error", "").startswith(CLEAN_FAILURES))]
     assert not bad, f"{len(bad)} of {len(results)} cases failed:\n" + "\n".join(bad)
-    defaults = [r for r in results if not r["case"].get("knobs")]
-    assert all(r["ok"] for r in defaults)
+    clean = [describe(r) for r in results if not r["ok"]]
+    print(f"{len(clean)} cases failed cleanly:\n" + "\n".join(clean))
 
 
 if __name__ == "__main__":
