@@ -8,12 +8,14 @@ export PYTHONUNBUFFERED=1
 R=$OUT/res; mkdir -p "$R"
 T0=$(date +%s)
 log() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
-pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || pip install --no-deps --no-build-isolation -e .
+python -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || python -m pip install --no-deps --no-build-isolation -e .
+python -c "import click, rich, yaml, pytest" 2>/dev/null || { python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site; }
+which python; python -c "import click, rich, yaml; print(\"deps ok\")"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv > "$R/gpu.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" >> "$R/gpu.txt"
 date -u >> "$R/gpu.txt"; cat "$R/gpu.txt"
 export EVOATTN_CACHE=/tmp/evoattn-cache
-ev() { local name=$1; shift; log "eval $name"; timeout 300 evoattn eval "$@" --json "$R/$name.json" > "$R/$name.txt" 2>&1; echo "exit $?" >> "$R/$name.txt"; tail -4 "$R/$name.txt"; }
+ev() { local name=$1; shift; log "eval $name"; timeout 300 python -m evoattn.cli eval "$@" --json "$R/$name.json" > "$R/$name.txt" 2>&1; echo "exit $?" >> "$R/$name.txt"; tail -4 "$R/$name.txt"; }
 if [ "${EVALS:-1}" = 1 ]; then
 ev flash_triton seeds/sdpa/flash_triton.py --all-backends
 ev flash_triton_2 seeds/sdpa/flash_triton.py
@@ -22,7 +24,7 @@ ev mma_flash_2 seeds/sdpa/mma_flash.cu
 ev fused seeds/sdpa/fused.cu --reps 5 --warmup 2
 ev naive_cu seeds/sdpa/naive.cu --reps 3 --warmup 1
 ev naive_torch seeds/sdpa/naive_torch.py --reps 5 --warmup 2
-[ "${EVALS:-1}" = 1 ] && log baseline && timeout 200 evoattn baseline --json "$R/baseline.json" > "$R/baseline.txt" 2>&1; tail -3 "$R/baseline.txt"
+[ "${EVALS:-1}" = 1 ] && log baseline && timeout 200 python -m evoattn.cli baseline --json "$R/baseline.json" > "$R/baseline.txt" 2>&1; tail -3 "$R/baseline.txt"
 ev ext_naive seeds/sdpa/ext_naive.cu --reps 5 --warmup 2 --configs "2,32,2048,64;1,8,512,64"
 fi
 if [ "${GPU_TESTS:-0}" = 1 ]; then
@@ -31,7 +33,7 @@ fi
 SEARCH_S=$(( ${DEADLINE:-0} - ($(date +%s) - T0) - 45 ))
 if [ "$SEARCH_S" -gt 30 ]; then
   log "search for ${SEARCH_S}s"
-  timeout $(( SEARCH_S + 30 )) evoattn run --config configs/default.yaml --iterations 100 --max-wall-s $SEARCH_S \
+  timeout $(( SEARCH_S + 30 )) python -m evoattn.cli run --config configs/default.yaml --iterations 100 --max-wall-s $SEARCH_S \
      --output gpu_runs/default --quiet > "$R/run.txt" 2>&1
   echo "exit $?" >> "$R/run.txt"; tail -25 "$R/run.txt"
   cp gpu_runs/default/run.sqlite "$OUT/run.sqlite" 2>/dev/null

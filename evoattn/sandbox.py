@@ -40,7 +40,8 @@ def child_env(base: dict[str, str], workdir: str, cache_dir: str, device: str,
     env = {k: v for k, v in base.items()
            if _ENV_KEEP.match(k) and not _ENV_SECRET.search(k) and k not in extra_secret_names}
     repo_root = str(Path(__file__).resolve().parent.parent)
-    env.update(HOME=workdir, TMPDIR=workdir, PYTHONPATH=repo_root, PYTHONUNBUFFERED="1",
+    pythonpath = os.pathsep.join(p for p in [repo_root, base.get("PYTHONPATH", "")] if p)
+    env.update(HOME=workdir, TMPDIR=workdir, PYTHONPATH=pythonpath, PYTHONUNBUFFERED="1",
                PYTHONDONTWRITEBYTECODE="1", TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"),
                TORCH_EXTENSIONS_DIR=os.path.join(cache_dir, "torch_ext"))
     if device == "cpu":
