@@ -16,9 +16,11 @@ python -c "import torch, triton; print('torch', torch.__version__, 'triton', tri
 date -u >> "$R/gpu.txt"; cat "$R/gpu.txt"
 export EVOATTN_CACHE=/tmp/evoattn-cache
 ev() { local name=$1; shift; log "eval $name"; timeout 300 python -m evoattn.cli eval "$@" --json "$R/$name.json" > "$R/$name.txt" 2>&1; echo "exit $?" >> "$R/$name.txt"; tail -4 "$R/$name.txt"; }
-if [ "${EVALS:-1}" = 1 ]; then
+if [ "${EVALS:-1}" != 0 ]; then   # EVALS=flash: only the Triton seed (twice: stability)
 ev flash_triton seeds/sdpa/flash_triton.py --all-backends
 ev flash_triton_2 seeds/sdpa/flash_triton.py
+fi
+if [ "${EVALS:-1}" = 1 ]; then
 ev mma_flash seeds/sdpa/mma_flash.cu
 ev mma_flash_2 seeds/sdpa/mma_flash.cu
 ev fused seeds/sdpa/fused.cu --reps 5 --warmup 2
@@ -26,6 +28,11 @@ ev naive_cu seeds/sdpa/naive.cu --reps 3 --warmup 1
 ev naive_torch seeds/sdpa/naive_torch.py --reps 5 --warmup 2
 [ "${EVALS:-1}" = 1 ] && log baseline && timeout 200 python -m evoattn.cli baseline --json "$R/baseline.json" > "$R/baseline.txt" 2>&1; tail -3 "$R/baseline.txt"
 ev ext_naive seeds/sdpa/ext_naive.cu --reps 5 --warmup 2 --configs "2,32,2048,64;1,8,512,64"
+fi
+if [ -n "${PROBLEMS:-}" ]; then     # PROBLEMS="strided gqa ...": each problem's seeds, fewer reps
+  for p in $PROBLEMS; do for f in seeds/$p/*; do
+    ev "${p}_$(basename $f .py)" "$f" --problem "$p" --reps 10 --warmup 3
+  done; done
 fi
 if [ "${GPU_TESTS:-0}" = 1 ]; then
   log "gpu tests"; timeout 300 python -m pytest -m gpu -q -p no:cacheprovider tests/test_adversarial.py tests/test_build.py > "$R/gpu_tests.txt" 2>&1; tail -5 "$R/gpu_tests.txt"

@@ -180,6 +180,7 @@ class DispatchWatch:
 # Executables Triton and our build legitimately spawn while compiling.
 _ALLOWED_EXES = {"ptxas", "cc", "gcc", "g++", "clang", "clang++", "ld", "ldconfig", "cuobjdump",
                  "nvdisasm", "nvlink", "fatbinary", "nvcc", "c++", "x86_64-linux-gnu-gcc"}
+_STDLIB = os.path.dirname(os.__file__) + "/"
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 # Audit events that change the file system at path arguments (index of each path checked).
 _PATH_EVENTS = {"os.rename": (0, 1), "os.link": (0, 1), "os.symlink": (1,), "os.remove": (0,),
@@ -193,9 +194,36 @@ _NATIVE_DENY = {"system", "popen", "fork", "vfork", "clone", "clone3", "syscall"
                 "fopen", "fopen64", "rename", "unlink", "unlinkat", "mkdir", "socket"}
 
 
+def spawned_by_candidate(candidate_roots: list[str]) -> bool:
+    """Returns True when the code asking to spawn is the candidate's, not a library's.
+
+    Walks out from the caller past the standard library, this module and exec'd code
+    ('<string>' frames); the first real frame decides. Triton and torch spawn ptxas,
+    cc, file, ldconfig ... from their own files; a candidate's own call comes from its
+    directory.
+    """
+    f = sys._getframe(1)
+    while f is not None:
+        name = f.f_code.co_filename
+        if name.startswith("<") or name == __file__ or _is_stdlib(name):
+            f = f.f_back
+            continue
+        real = os.path.realpath(name)
+        return any(real.startswith(r.rstrip("/") + "/") for r in candidate_roots)
+    return False
+
+
+def _is_stdlib(filename: str) -> bool:
+    return filename.startswith(_STDLIB) and "-packages" not in filename
+
+
 def install_sandbox(violations: Violations, allowed_dirs: list[str]) -> None:
-    """Adds an audit hook: writes outside allowed_dirs, spawning programs, sockets, other /proc."""
+    """Adds an audit hook: writes outside allowed_dirs, spawning programs, sockets, other /proc.
+
+    allowed_dirs[0] is the candidate's own directory: code from there is the candidate's.
+    """
     roots = [os.path.realpath(d) for d in allowed_dirs] + ["/dev/null", "/dev/shm"]
+    candidate_roots = roots[:1]
     own = {f"/proc/{os.getpid()}", "/proc/self", "/proc/thread-self"}
 
     def allowed_write(path: str) -> bool:
@@ -236,24 +264,25 @@ def install_sandbox(violations: Violations, allowed_dirs: list[str]) -> None:
             if isinstance(exe, (list, tuple)):
                 exe = exe[0] if exe else ""
             name = os.path.basename(os.fsdecode(exe)) if exe else ""
-            if name not in _ALLOWED_EXES:
+            if not name:
                 argv = args[1] if len(args) > 1 else ""
-                if not name and isinstance(argv, (list, tuple)) and argv:
+                if isinstance(argv, (list, tuple)) and argv:
                     name = os.path.basename(os.fsdecode(argv[0]))
-                if name not in _ALLOWED_EXES:
-                    deny(f"spawned a process: {name or exe!r}")
+            if name not in _ALLOWED_EXES and spawned_by_candidate(candidate_roots):
+                deny(f"spawned a process: {name or exe!r}")
         elif event in ("os.system", "os.fork", "os.forkpty", "pty.spawn"):
-            deny(f"spawned a process ({event})")
+            if spawned_by_candidate(candidate_roots):
+                deny(f"spawned a process ({event})")
         elif event in ("socket.connect", "socket.sendto", "socket.sendmsg", "socket.bind"):
             deny(f"used the network ({event})")
         elif event in ("os.putenv", "os.unsetenv"):
             pass
 
     sys.addaudithook(hook)
-    _wrap_fork_exec(deny)
+    _wrap_fork_exec(deny, candidate_roots)
 
 
-def _wrap_fork_exec(deny: Callable[[str], None]) -> None:
+def _wrap_fork_exec(deny: Callable[[str], None], candidate_roots: list[str]) -> None:
     """Guards _posixsubprocess.fork_exec, which spawns without the subprocess.Popen audit event.
 
     subprocess binds its own reference at import, so its (audited) path is unaffected.
@@ -266,7 +295,7 @@ def _wrap_fork_exec(deny: Callable[[str], None]) -> None:
 
     def fork_exec(args: Any, *rest: Any) -> Any:
         exe = os.path.basename(os.fsdecode(args[0])) if args else ""
-        if exe not in _ALLOWED_EXES:
+        if exe not in _ALLOWED_EXES and spawned_by_candidate(candidate_roots):
             deny(f"spawned a process: {exe!r} (_posixsubprocess.fork_exec)")
         return original(args, *rest)
 

@@ -42,7 +42,7 @@ def main() -> None:
 
 
 def _problem_ref(name: str) -> str:
-    """Returns a built-in name as is, a problem .py path made absolute (the child runs elsewhere)."""
+    """Returns a built-in name as is, or a problem .py path made absolute (for the child)."""
     return str(Path(name).resolve()) if name.endswith(".py") else name
 
 
@@ -112,10 +112,10 @@ def eval_cmd(path: str, problem: str, configs: str | None, dtype: str | None, de
         tol["max_abs"] = max_abs
     if tolerance_factor is not None:
         tol["factor"] = tolerance_factor
-    settings = EvalSettings(problem=_problem_ref(problem), configs=_configs(prob, configs), dtype=dtype,
-                            device=dev, trials=trials, reps=reps, warmup=warmup, tolerance=tol,
-                            policy=policy,
-                            all_backends=all_backends, run_timeout_s=timeout)
+    settings = EvalSettings(problem=_problem_ref(problem), configs=_configs(prob, configs),
+                            dtype=dtype, device=dev, trials=trials, reps=reps, warmup=warmup,
+                            tolerance=tol, policy=policy, all_backends=all_backends,
+                            run_timeout_s=timeout)
     if dev == "cpu":
         console.print("[yellow]CPU mode[/yellow]: Triton runs in its interpreter; "
                       "timings are CPU timings, not GPU performance.")
@@ -139,8 +139,8 @@ def baseline(problem: str, configs: str | None, dtype: str | None, device: str,
     prob = _problem(problem)
     cfgs = _configs(prob, configs)
     dev = _device(device)
-    req = {"problem": _problem_ref(problem), "configs": list(cfgs) if cfgs else None, "dtype": dtype,
-           "device": dev}
+    req = {"problem": _problem_ref(problem), "configs": list(cfgs) if cfgs else None,
+           "dtype": dtype, "device": dev}
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
     with console.status("timing PyTorch baselines ..."):
         proc = subprocess.run([sys.executable, "-m", "evaluator.baseline"], input=json.dumps(req),

@@ -33,21 +33,22 @@ def _attend(x: Any, w: dict[str, Any], n_head: int, use_sdpa: bool) -> Any:
     import torch.nn.functional as F
     B, T, C = x.shape
     q, k, v = F.linear(x, w["c_attn.weight"], w["c_attn.bias"]).split(C, dim=2)
-    q, k, v = (t.view(B, T, n_head, C // n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+    # (B, nh, T, hs) each
+    q, k, v = (t.view(B, T, n_head, C // n_head).transpose(1, 2) for t in (q, k, v))
     if use_sdpa:
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     else:
         att = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
         att = torch.softmax(att.masked_fill(~causal, float("-inf")), dim=-1)
-        y = torch.matmul(att, v)                                                         # (B, nh, T, hs)
+        y = torch.matmul(att, v)                                   # (B, nh, T, hs)
     y = y.transpose(1, 2).contiguous().view(B, T, C)
     return F.linear(y, w["c_proj.weight"], w["c_proj.bias"])
 
 
 class Mha(Problem):
     name = "mha"
-    summary = "causal multi-head self-attention module (QKV + output projections), weco/Kapso contract"
+    summary = "causal multi-head self-attention module with QKV and output projections (weco/Kapso)"
     contract = (
         "Define `class Model(torch.nn.Module)` with `__init__(self, n_embd, n_head, attn_pdrop, "
         "resid_pdrop, max_seqlen)` and `forward(self, x)`: x of shape (batch, seq_len, n_embd), "

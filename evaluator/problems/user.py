@@ -21,7 +21,7 @@ Module-level names (see examples/README.md for a worked example):
     DOMAIN_CONFIGS, CPU_DOMAIN_CONFIGS  list[dict]  correctness-only shapes (default: none)
     TOLERANCE       dict                   keys factor, floor, max_abs (default 2.0, 1e-5, None)
     DTYPES          list[str]              among float16, bfloat16, float32 (default: all three)
-    DEFAULT_DTYPE   str                    one of DTYPES (default: float16 if allowed, else the first)
+    DEFAULT_DTYPE   str                    one of DTYPES (default: float16 if listed, else the first)
     ENTRY           str                    the function a candidate defines (default "attention")
     random_inputs   tuple[str, ...]        input names refilled with fresh normal values before
                                            each timed call (default ("q", "k", "v"))

@@ -89,7 +89,7 @@ def _gqa_fwd(Q, K, V, O, S, HQ, HKV, qk_scale,
              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              CAUSAL: tl.constexpr, SPLIT: tl.constexpr, EXP2: tl.constexpr,
              DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """Q, O: contiguous (B, Hq, S, D); K, V: contiguous (B, Hkv, S, D); grid (query blocks, B*Hq)."""
+    """Q, O: contiguous (B, Hq, S, D); K, V: (B, Hkv, S, D); grid (query blocks, B*Hq)."""
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b = bh // HQ
