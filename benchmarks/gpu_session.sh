@@ -31,11 +31,11 @@ ev ext_naive seeds/sdpa/ext_naive.cu --reps 5 --warmup 2 --configs "2,32,2048,64
 fi
 if [ -n "${PROBLEMS:-}" ]; then     # PROBLEMS="strided gqa ...": each problem's seeds, fewer reps
   for p in $PROBLEMS; do for f in seeds/$p/*; do
-    ev "${p}_$(basename $f .py)" "$f" --problem "$p" --reps 10 --warmup 3
+    ev "${p}_$(basename $f .py)" "$f" --problem "$p" --reps 10 --warmup 3 --trials 2
   done; done
 fi
 if [ "${GPU_TESTS:-0}" = 1 ]; then
-  log "gpu tests"; timeout 300 python -m pytest -m gpu -q -p no:cacheprovider tests/test_adversarial.py tests/test_build.py > "$R/gpu_tests.txt" 2>&1; tail -5 "$R/gpu_tests.txt"
+  log "gpu tests"; timeout ${GPU_TESTS_S:-300} python -m pytest -m gpu -q -p no:cacheprovider tests/test_adversarial.py tests/test_build.py > "$R/gpu_tests.txt" 2>&1; tail -5 "$R/gpu_tests.txt"
 fi
 SEARCH_S=$(( ${DEADLINE:-0} - ($(date +%s) - T0) - 45 ))
 if [ "$SEARCH_S" -gt 30 ]; then

@@ -342,9 +342,12 @@ def _time_case(problem: Problem, case: dict[str, Any], run: Callable[..., Any], 
             raise _Fail(Verdict.INCORRECT, f"timed call {rep} returned a wrong output "
                         f"(error {err:.3g} > {bound:.3g}): stale or cached result?")
     ms, base_ms = timing.ms["candidate"], timing.ms["baseline"]
-    if on_gpu and hidden_work(ms, timing.host_ms_per_call["candidate"]):
-        raise _Fail(Verdict.HIDDEN_WORK, f"events timed {ms:.4f} ms but the host saw "
-                    f"{timing.host_ms_per_call['candidate']:.4f} ms per call: work escaped the timer")
+    host_ms = timing.host_ms_per_call["candidate"]
+    launch_ms = timing.launch_ms.get("candidate", 0.0)
+    if on_gpu and hidden_work(ms, host_ms, launch_ms):
+        raise _Fail(Verdict.HIDDEN_WORK, f"events timed {ms:.4f} ms and calls return in "
+                    f"{launch_ms:.4f} ms, but the host saw {host_ms:.4f} ms per call: "
+                    "work escaped the timer")
     flops = problem.flops(cfg)
     tflops = flops / (ms * 1e-3) / 1e12 if ms > 0 else float("inf")
     speedup = base_ms / ms if ms > 0 else float("inf")
