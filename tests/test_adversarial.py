@@ -95,6 +95,7 @@ CHEATS = [
     # 3. input tampering
     ("tamper_inputs.py", Verdict.TAMPERING, r"input 2 was modified in place"),
     # 4. work hidden from the timer
+    ("thread_pool_leak.py", Verdict.HIDDEN_WORK, r"new OS threads"),
     ("thread_fill.py", Verdict.HIDDEN_WORK,
      r"threads still running after return|output changed after the call returned"),
     ("lazy_subclass.py", Verdict.HIDDEN_WORK, r"lazy output: .*plain torch\.Tensor"),
