@@ -12,10 +12,12 @@ from pathlib import Path
 
 
 def _label(c: dict) -> str:
-    if {"B", "H", "S", "D"} <= c.keys():
-        return f"({c['B']},{c['H']},{c['S']},{c['D']})" + (" causal" if c.get("causal") else "")
-    keys = [k for k in c.get("params", {})]
-    return ",".join(f"{k}={c['params'][k]}" for k in keys)
+    p = c.get("params") or c
+    if {"B", "H", "S", "D"} <= p.keys():
+        extra = "".join(f" {k}={v}" for k, v in p.items() if k not in "BHSD" and k != "causal")
+        return (f"({p['B']},{p['H']},{p['S']},{p['D']})" + (" causal" if p.get("causal") else "")
+                + extra)
+    return ",".join(f"{k}={v}" for k, v in p.items())
 
 
 def _num(x: object, fmt: str) -> str:
@@ -29,8 +31,8 @@ def eval_table(path: str) -> str:
             f"{d['fitness']:.3f}, {d['device']}, torch {d['versions'].get('torch')}, "
             f"triton {d['versions'].get('triton')}\n\n")
     extra = sorted({n for c in d["configs"] for n in c.get("extra_baselines_ms", {})})
-    cols = ["config", "verdict", "max err / tol", "ms", "SDPA ms", "TFLOP/s", "SDPA TFLOP/s",
-            "speedup", "mem MB (SDPA)"] + [f"{n} ms" for n in extra]
+    cols = ["config", "verdict", "max err / tol", "ms", "baseline ms", "TFLOP/s", "baseline TFLOP/s",
+            "speedup", "mem MB (baseline)"] + [f"{n} ms" for n in extra]
     rows = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for c in d["configs"]:
         mem = (f"{c['peak_mem_bytes'] / 2**20:.1f} ({c['baseline_peak_mem_bytes'] / 2**20:.1f})"
