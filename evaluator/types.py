@@ -96,6 +96,7 @@ class EvalResult:
     fitness: float                     # geometric-mean speedup; 0 unless correct
     configs: tuple[ConfigResult, ...] = ()
     problem: str = "sdpa"
+    baseline: str = "sdpa"             # what speedups are measured against
     candidate: str = ""
     device: str = ""                   # e.g. "NVIDIA H100 80GB HBM3" or "cpu"
     timing_device: str = "cuda"        # "cpu" timings are labelled as such everywhere
@@ -119,6 +120,7 @@ class EvalResult:
             "reason": self.reason,
             "fitness": self.fitness,
             "problem": self.problem,
+            "baseline": self.baseline,
             "candidate": self.candidate,
             "device": self.device,
             "timing_device": self.timing_device,
@@ -141,6 +143,7 @@ class EvalResult:
             fitness=float(d.get("fitness", 0.0)),
             configs=tuple(ConfigResult.from_json(c) for c in d.get("configs", [])),
             problem=d.get("problem", "sdpa"),
+            baseline=d.get("baseline", "sdpa"),
             candidate=d.get("candidate", ""),
             device=d.get("device", ""),
             timing_device=d.get("timing_device", "cuda"),

@@ -55,11 +55,11 @@ def render(p: Progress, device: str) -> Group:
     head.add_row("last", p.last_note[:110], "", "", "", "")
     parts: list[Any] = [head]
     if best and best.result and best.result.configs:
-        t = Table(title=f"best vs SDPA on {device}" +
+        t = Table(title=f"best vs {best.result.baseline} on {device}" +
                   (" (CPU timings)" if best.result.timing_device == "cpu" else ""))
         t.add_column("config")
         t.add_column("ms", justify="right")
-        t.add_column("SDPA ms", justify="right")
+        t.add_column("baseline ms", justify="right")
         t.add_column("speedup", justify="right")
         for c in best.result.configs:
             t.add_row(label(c.params), f"{c.ms:.4f}" if c.ms else "-",

@@ -26,10 +26,10 @@ def label(params: dict[str, Any]) -> str:
 def eval_table(result: EvalResult) -> Table:
     """Returns the per-config table of one evaluation."""
     cpu = result.timing_device == "cpu"
-    t = Table(title=f"{result.candidate} on {result.device}"
+    t = Table(title=f"{result.candidate} on {result.device}, baseline: {result.baseline}"
                     + (" — CPU timings (Triton interpreter), not GPU performance" if cpu else ""))
-    for col in ("config", "dtype", "verdict", "max err", "tol", "ms", "SDPA ms", "TFLOP/s",
-                "SDPA TFLOP/s", "speedup", "% peak", "mem MB", "SDPA mem MB"):
+    for col in ("config", "dtype", "verdict", "max err", "tol", "ms", "baseline ms", "TFLOP/s",
+                "baseline TFLOP/s", "speedup", "% peak", "mem MB", "baseline mem MB"):
         t.add_column(col, justify="left" if col in ("config", "verdict", "dtype") else "right")
     for c in result.configs:
         style = "green" if c.verdict is Verdict.PASS else "red"
@@ -81,7 +81,7 @@ def print_eval(console: Console, result: EvalResult) -> None:
     timed = [c.speedup for c in result.configs if c.speedup]
     if ok and timed:
         unit = " (CPU timing)" if result.timing_device == "cpu" else ""
-        console.print(f"Speedup: {result.fitness:.2f}x vs SDPA (geometric mean over "
+        console.print(f"Speedup: {result.fitness:.2f}x vs {result.baseline} (geometric mean over "
                       f"{len(timed)} configs){unit}")
     console.print(f"Score: {result.fitness:.4f}")
 

@@ -10,6 +10,7 @@ from rich.console import Console
 
 from .config import RunConfig, config_from_dict, config_to_dict, load_config
 from .errors import RunDirError, UsageError
+from .report import label
 from .sandbox import EvalSettings, SubprocessEvaluator, detect_device
 
 DEFAULT_CONFIG = "configs/default.yaml"
@@ -113,8 +114,12 @@ def _search(cfg: RunConfig, store: Any, problem: Any, problem_ref: str, configs:
     _summary(console, outcome, search)
     if outcome.best is not None:
         export_run(store, run_dir / "best")
-        console.print(f"best kernel exported to {run_dir / 'best'} "
-                      f"(re-check it with `evoattn eval {run_dir / 'best'}/best{outcome.best.suffix}`)")
+        extra = "" if problem_ref == "sdpa" else f" --problem {problem_ref}"
+        extra += f" --device {dev}" if dev == "cpu" else ""
+        if configs:
+            extra += " --configs '" + ";".join(_config_spec(c) for c in configs) + "'"
+        console.print(f"best kernel exported to {run_dir / 'best'} (re-check it with "
+                      f"`evoattn eval {run_dir / 'best'}/best{outcome.best.suffix}{extra}`)")
 
 
 def _summary(console: Console, outcome: Any, search: Any) -> None:
@@ -127,7 +132,15 @@ def _summary(console: Console, outcome: Any, search: Any) -> None:
         by_cfg = {str(c.params): c.speedup for c in seed.result.configs}
         for c in best.result.configs:
             before = by_cfg.get(str(c.params))
-            console.print(f"  {c.params}: {before or 0:.3f}x -> {c.speedup or 0:.3f}x vs SDPA")
+            console.print(f"  {label(c.params)}: {before or 0:.3f}x -> {c.speedup or 0:.3f}x "
+                          f"vs {best.result.baseline}")
+
+
+def _config_spec(cfg: dict[str, Any]) -> str:
+    """Returns the `--configs` text for one config."""
+    if set(cfg) == {"B", "H", "S", "D", "causal"}:
+        return f"{cfg['B']},{cfg['H']},{cfg['S']},{cfg['D']},{'causal' if cfg['causal'] else 'nc'}"
+    return ",".join(f"{k}={v}" for k, v in cfg.items())
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
