@@ -119,13 +119,15 @@ def evaluate(req: dict[str, Any], stage: Callable[[str], None]) -> EvalResult:
     if bad:
         return fail(*bad)
 
-    # 5. Correctness on every config and the extra domain shapes; stop at the first failure.
+    # 5. Correctness on every config and the extra domain shapes; with `screen` (the
+    # default) stop at the first failure, else check them all to report every failing one.
     stage("check")
+    screen = bool(req.get("screen", True))
     results: dict[int, ConfigResult] = {}
     failed: tuple[Verdict, str] | None = None
     for i, case in enumerate(cases):
         cfg = case["cfg"]
-        if failed:
+        if failed and screen:
             results[i] = ConfigResult(cfg, dtype_name, Verdict.SKIPPED, "an earlier check failed")
             continue
         try:
@@ -134,7 +136,7 @@ def evaluate(req: dict[str, Any], stage: Callable[[str], None]) -> EvalResult:
             results[i] = ConfigResult(cfg, dtype_name, Verdict.PASS, "", err, bound)
         except _Fail as f:
             label = problem.label(cfg) + (" [domain shape]" if i >= len(configs) else "")
-            failed = (f.verdict, f"{label}: {f.reason}")
+            failed = failed or (f.verdict, f"{label}: {f.reason}")
             results[i] = ConfigResult(cfg, dtype_name, f.verdict, f.reason, f.err, case["bound"])
             if f.verdict in (Verdict.CRASH, Verdict.OOM):
                 break                          # the CUDA context may be unusable now

@@ -88,12 +88,13 @@ def _device(device: str) -> str:
 @click.option("--max-abs", type=float, help="fixed absolute tolerance instead of the relative rule")
 @click.option("--tolerance-factor", type=float, help="factor x torch's own error (default 2)")
 @click.option("--all-backends", is_flag=True, help="also time every SDPA backend")
+@click.option("--no-screen", is_flag=True, help="check every config even after one fails")
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="run limit, s")
 def eval_cmd(path: str, problem: str, configs: str | None, dtype: str | None, device: str,
              json_path: str | None, trials: int, reps: int | None, warmup: int | None,
              policy: str,
              max_abs: float | None, tolerance_factor: float | None, all_backends: bool,
-             timeout: float) -> None:
+             no_screen: bool, timeout: float) -> None:
     """Check one kernel file against the reference and time it against SDPA."""
     from .sandbox import EvalSettings, SubprocessEvaluator
     p = Path(path)
@@ -115,7 +116,7 @@ def eval_cmd(path: str, problem: str, configs: str | None, dtype: str | None, de
     settings = EvalSettings(problem=_problem_ref(problem), configs=_configs(prob, configs),
                             dtype=dtype, device=dev, trials=trials, reps=reps, warmup=warmup,
                             tolerance=tol, policy=policy, all_backends=all_backends,
-                            run_timeout_s=timeout)
+                            run_timeout_s=timeout, screen=not no_screen)
     if dev == "cpu":
         console.print("[yellow]CPU mode[/yellow]: Triton runs in its interpreter; "
                       "timings are CPU timings, not GPU performance.")

@@ -66,7 +66,7 @@ class EvaluatorConfig:
     warmup: int = 10
     reps: int = 50
     policy: str = "kernel-only"        # or "allow-library"
-    screen: bool = True                # check one config first; skip the rest if it fails
+    screen: bool = True                # stop a candidate's checks at its first failing config
     all_backends: bool = False
 
 

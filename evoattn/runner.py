@@ -65,7 +65,7 @@ def _search(cfg: RunConfig, store: Any, problem: Any, problem_ref: str, configs:
         tolerance={"factor": ev.tolerance_factor, "floor": ev.tolerance_floor,
                    **({"max_abs": ev.max_abs} if ev.max_abs is not None else {})},
         policy=ev.policy, all_backends=ev.all_backends, build_timeout_s=ev.build_timeout_s,
-        run_timeout_s=ev.run_timeout_s,
+        run_timeout_s=ev.run_timeout_s, screen=ev.screen,
         secret_env_names=tuple(m.api_key_env for m in cfg.llm.models))
     evaluator = SubprocessEvaluator(settings)
     meter = None

@@ -73,6 +73,7 @@ class EvalSettings:
     gpu_index: int | None = None
     secret_env_names: tuple[str, ...] = ()
     check_only: bool = False
+    screen: bool = True               # stop checking at the first failing config
 
 
 class SubprocessEvaluator:
@@ -98,7 +99,8 @@ class SubprocessEvaluator:
                 "tolerance": s.tolerance, "policy": s.policy, "all_backends": s.all_backends,
                 "build_timeout_s": s.build_timeout_s, "cache_dir": s.cache_dir,
                 "allowed_dirs": [work, s.cache_dir], "secret_seed": secrets.randbits(62),
-                "check_only": s.check_only, "nonce": secrets.token_hex(16),
+                "check_only": s.check_only, "screen": s.screen,
+                "nonce": secrets.token_hex(16),
             }
             if s.warmup is not None:
                 request["warmup"] = s.warmup

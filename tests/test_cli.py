@@ -96,3 +96,12 @@ def test_baseline_prints_every_backend_on_cpu() -> None:
     assert p.returncode == 0, p.stderr
     for name in ("default", "math", "naive"):
         assert name in p.stdout
+
+
+def test_no_screen_reports_every_failing_config(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    p = evoattn("eval", str(CANDS / "wrong_scale.py"), "--device", "cpu", "--configs",
+                "1,2,64,64", "--trials", "1", "--no-screen", "--json", str(out))
+    assert p.returncode == 1
+    verdicts = [c["verdict"] for c in json.loads(out.read_text())["configs"]]
+    assert verdicts == ["incorrect", "incorrect"]          # screened, the second is "skipped"
