@@ -204,40 +204,35 @@ def _problem(name: str) -> Any:
         raise UsageError(f"problem: {type(e).__name__}: {e}") from None
 
 
-def _problem_ref(name: str, config_path: str | None) -> str:
-    """Returns a built-in name as is, or a problem .py path made absolute.
-
-    A relative path is looked up like the seed: the working directory first, then the
-    config's directory and its parent. The evaluator's child runs in a temporary
-    directory, so it must get an absolute path.
-    """
-    if not name.endswith(".py"):
-        return name
-    p = Path(name)
-    candidates = [p] if p.is_absolute() else [Path.cwd() / p]
-    if config_path and not p.is_absolute():
-        candidates.append(Path(config_path).resolve().parent / p)
-        candidates.append(Path(config_path).resolve().parent.parent / p)
-    for c in candidates:
-        if c.is_file():
-            return str(c.resolve())
-    raise UsageError(f"problem file {name} not found" +
-                     (f" (config {config_path})" if config_path else ""))
-
-
-def _find(path: str, config_path: str | None) -> Path:
+def _locate(path: str, config_path: str | None, what: str) -> Path:
+    """Returns an existing file: the path itself, else relative to the config's dir or its parent."""
     p = Path(path)
     candidates = [p] if p.is_absolute() else [Path.cwd() / p]
     if config_path and not p.is_absolute():
-        candidates.append(Path(config_path).resolve().parent / p)
-        candidates.append(Path(config_path).resolve().parent.parent / p)
+        here = Path(config_path).resolve().parent
+        candidates += [here / p, here.parent / p]
     for c in candidates:
         if c.is_file():
-            if c.suffix not in (".py", ".cu"):
-                raise UsageError(f"{c}: seed must be a .py or .cu file")
-            return c
-    raise UsageError(f"seed program {path} not found" +
+            return c.resolve()
+    raise UsageError(f"{what} {path} not found" +
                      (f" (config {config_path})" if config_path else ""))
+
+
+def _problem_ref(name: str, config_path: str | None) -> str:
+    """Returns a built-in name as is, or a problem .py path made absolute.
+
+    The evaluator's child runs in a temporary directory, so it must get an absolute path.
+    """
+    if not name.endswith(".py"):
+        return name
+    return str(_locate(name, config_path, "problem file"))
+
+
+def _find(path: str, config_path: str | None) -> Path:
+    found = _locate(path, config_path, "seed program")
+    if found.suffix not in (".py", ".cu"):
+        raise UsageError(f"{found}: seed must be a .py or .cu file")
+    return found
 
 
 def _parse_configs(problem: Any, cfg: RunConfig) -> tuple[dict[str, Any], ...] | None:
