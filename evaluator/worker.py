@@ -27,10 +27,8 @@ class Channel:
             data = data[n:]
 
 
-def main() -> None:
-    fd = int(sys.argv[sys.argv.index("--fd") + 1])
-    request = json.loads(sys.stdin.read())
-    sys.stdin.close()
+def serve(fd: int, request: dict) -> None:
+    """Evaluates one request, sends the result on fd, and exits this process."""
     chan = Channel(fd, request.pop("nonce"))
     from .harness import evaluate
     from .types import EvalResult, Verdict
@@ -44,6 +42,13 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)                        # skip candidate atexit hooks and destructors
+
+
+def main() -> None:
+    fd = int(sys.argv[sys.argv.index("--fd") + 1])
+    request = json.loads(sys.stdin.read())
+    sys.stdin.close()
+    serve(fd, request)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ import secrets
 import select
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from evaluator.types import EvalResult, Verdict
+
+from .launch import LaunchError, PopenChild, Zygote
 
 _ENV_KEEP = re.compile(r"^(PATH|LD_LIBRARY_PATH|LANG|LC_\w+|CUDA_\w+|NVIDIA_\w+|TRITON_\w+|"
                        r"TORCH_\w+|PYTORCH_\w+|NCCL_\w+|CC|CXX|CUDAHOSTCXX|OMP_NUM_THREADS|"
@@ -74,6 +75,9 @@ class EvalSettings:
     secret_env_names: tuple[str, ...] = ()
     check_only: bool = False
     screen: bool = True               # stop checking at the first failing config
+    # Fork candidates from a warm zygote (torch imported once); EVOATTN_ZYGOTE=0 turns it off.
+    zygote: bool = dataclasses.field(
+        default_factory=lambda: os.environ.get("EVOATTN_ZYGOTE", "1") != "0")
 
 
 class SubprocessEvaluator:
@@ -83,6 +87,8 @@ class SubprocessEvaluator:
         cache = settings.cache_dir or default_cache_dir()
         os.makedirs(cache, exist_ok=True)
         self.settings = dataclasses.replace(settings, cache_dir=os.path.realpath(cache))
+        self._zygote: Zygote | None = None
+        self._zygote_failed = False
 
     def evaluate(self, source: str, suffix: str, label: str = "candidate") -> EvalResult:
         """Returns the verdict on `source` (a .py or .cu program)."""
@@ -112,48 +118,57 @@ class SubprocessEvaluator:
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
+    def close(self) -> None:
+        """Stops the zygote, if one was started."""
+        if self._zygote is not None:
+            self._zygote.close()
+            self._zygote = None
+
+    def _launch(self, request: dict[str, Any], work: str, env: dict[str, str],
+                log_path: Path) -> Any:
+        """Starts the candidate's process: a zygote fork when possible, else a fresh one."""
+        if self.settings.zygote and not self._zygote_failed:
+            try:
+                if self._zygote is None or not self._zygote.alive():
+                    template = child_env(dict(os.environ), work, self.settings.cache_dir,
+                                         self.settings.device, self.settings.secret_env_names)
+                    self._zygote = Zygote(template)
+                return self._zygote.launch(request, work, env, log_path)
+            except LaunchError:
+                self._zygote_failed = True     # say so once, then use fresh interpreters
+                print("evoattn: the zygote failed; starting each candidate in a fresh "
+                      "interpreter", file=sys.stderr)
+        return PopenChild(request, work, env, log_path)
+
     def _run_child(self, request: dict[str, Any], work: str) -> EvalResult:
         s = self.settings
         env = child_env(dict(os.environ), work, s.cache_dir, s.device, s.secret_env_names)
         if s.gpu_index is not None and s.device == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = str(s.gpu_index)
         log_path = Path(work) / "child.log"
-        rfd, wfd = os.pipe()
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "evaluator.worker", "--fd", str(wfd)],
-                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, cwd=work, env=env,
-                pass_fds=(wfd,), start_new_session=True)
-        os.close(wfd)
         nonce = request["nonce"]
-        try:
-            assert proc.stdin is not None
-            proc.stdin.write(json.dumps(request).encode())
-            proc.stdin.close()
-        except BrokenPipeError:
-            pass
+        child = self._launch(request, work, env, log_path)
+        rfd = child.result_fd
         stage, result, reason = "start", None, None
         deadline = time.monotonic() + _STARTUP_S + s.build_timeout_s
         buf = b""
         try:
-            while True:
+            while result is None:
                 now = time.monotonic()
                 if now > deadline:
-                    reason = (Verdict.TIMEOUT, f"timed out in stage '{stage}' "
-                              f"(limit {s.build_timeout_s if stage in ('start', 'build') else s.run_timeout_s:.0f} s)")
+                    limit = s.build_timeout_s if stage in ("start", "build") else s.run_timeout_s
+                    reason = (Verdict.TIMEOUT, f"timed out in stage '{stage}' (limit {limit:.0f} s)")
                     break
-                rss = _rss_bytes(proc.pid)
+                rss = _rss_bytes(child.pid)
                 if rss > s.max_host_mem_bytes:
                     reason = (Verdict.OOM, f"host memory {rss / 2**30:.1f} GiB over the limit "
                               f"{s.max_host_mem_bytes / 2**30:.1f} GiB")
                     break
-                ready, _, _ = select.select([rfd], [], [], min(0.5, max(0.0, deadline - now)))
-                if not ready:
-                    if proc.poll() is not None and not _readable(rfd):
-                        break
-                    continue
-                chunk = os.read(rfd, 1 << 20)
-                if not chunk:
+                dead = child.returncode() is not None
+                ready, _, _ = select.select([rfd], [], [], 0 if dead else
+                                            min(0.2, max(0.0, deadline - now)))
+                chunk = _read(rfd) if ready else b""
+                if chunk is None:                     # EOF: every writer has gone
                     break
                 buf += chunk
                 while b"\n" in buf:
@@ -169,18 +184,27 @@ class SubprocessEvaluator:
                             deadline = time.monotonic() + s.run_timeout_s
                     elif msg["type"] == "result" and result is None:
                         result = msg["payload"]       # first result wins
-                if result is not None:
+                if dead and not chunk:
                     break
         finally:
-            os.close(rfd)
-            _kill_group(proc)
+            child.kill()
+            child.close()
         tail = _tail(log_path)
         if reason is not None:
             return EvalResult.failure(reason[0], reason[1], log_tail=tail, problem=s.problem)
         if result is not None:
             return dataclasses.replace(EvalResult.from_json(result), log_tail=tail)
-        return EvalResult.failure(*_classify_death(proc.returncode, tail, stage),
+        return EvalResult.failure(*_classify_death(child.returncode(), tail, stage),
                                   log_tail=tail, problem=s.problem)
+
+
+def _read(fd: int) -> bytes | None:
+    """Returns what is readable on fd (b"" when nothing), or None at end of file."""
+    try:
+        chunk = os.read(fd, 1 << 20)
+    except BlockingIOError:
+        return b""
+    return chunk or None
 
 
 def default_cache_dir() -> str:
@@ -199,11 +223,6 @@ def _parse(line: bytes, nonce: str) -> dict[str, Any] | None:
     return msg
 
 
-def _readable(fd: int) -> bool:
-    r, _, _ = select.select([fd], [], [], 0)
-    return bool(r)
-
-
 def _rss_bytes(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -213,18 +232,6 @@ def _rss_bytes(pid: int) -> int:
     except OSError:
         pass
     return 0
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """Kills the child's whole process session and reaps it."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 def _classify_death(code: int | None, tail: str, stage: str) -> tuple[Verdict, str]:

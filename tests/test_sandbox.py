@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import signal
+import os
 import tempfile
 
 import pytest
@@ -60,16 +61,39 @@ def test_child_death_is_classified(code: int, tail: str, verdict: Verdict, fragm
     assert got is verdict and fragment in reason
 
 
-def test_work_dir_is_removed_after_each_evaluation(tmp_path) -> None:  # noqa: ANN001
-    before = set(glob.glob(f"{tempfile.gettempdir()}/evoattn-*"))
+def test_work_dir_is_removed_after_each_evaluation(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    made: list[str] = []
+    real_mkdtemp = tempfile.mkdtemp
+
+    def recording_mkdtemp(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        made.append(real_mkdtemp(*args, **kwargs))
+        return made[-1]
+    monkeypatch.setattr(tempfile, "mkdtemp", recording_mkdtemp)
     ev = SubprocessEvaluator(EvalSettings(device="cpu", cache_dir=str(tmp_path)))
     result = ev.evaluate("raise RuntimeError('at import')\n", ".py", "broken")
     assert result.verdict is Verdict.LOAD_ERROR and "at import" in result.reason
     assert result.candidate == "broken"
-    assert set(glob.glob(f"{tempfile.gettempdir()}/evoattn-*")) <= before
+    work = [d for d in made if "zygote" not in d]
+    assert work and not any(os.path.exists(d) for d in work)
+    ev.close()                                  # and the zygote's own directory goes too
+    assert not any(os.path.exists(d) for d in made)
 
 
 def test_a_missing_entry_point_is_a_load_error(tmp_path) -> None:  # noqa: ANN001
     ev = SubprocessEvaluator(EvalSettings(device="cpu", cache_dir=str(tmp_path)))
     result = ev.evaluate("import torch\n\ndef not_attention(q, k, v):\n    return q\n", ".py")
     assert result.verdict is Verdict.LOAD_ERROR and "defines no function attention" in result.reason
+
+
+def test_zygote_and_fresh_interpreter_give_the_same_verdicts(tmp_path) -> None:  # noqa: ANN001
+    ok = "import torch\n\ndef attention(q, k, v, causal=False, scale=None):\n    return q\n"
+    for zygote in (True, False):
+        ev = SubprocessEvaluator(EvalSettings(device="cpu", cache_dir=str(tmp_path),
+                                              zygote=zygote))
+        try:
+            assert ev.evaluate(ok, ".py").verdict is Verdict.INCORRECT
+            r = ev.evaluate("import os\nos._exit(3)\n", ".py")
+            assert r.verdict is Verdict.CRASH and "code 3" in r.reason
+            assert (ev._zygote is not None) is zygote
+        finally:
+            ev.close()

@@ -1,0 +1,101 @@
+"""`python -m evaluator.zygote`: a fork server that saves each candidate the import of torch.
+
+It imports torch, Triton and the harness once, never touches CUDA, then forks one
+fresh process per candidate on request. The forked child starts a session of its
+own, moves into the candidate's directory, takes the candidate's environment,
+keeps only its log and its result FIFO open, and runs `worker.serve`. The zygote
+itself was started with the scrubbed child environment, so it holds no secrets.
+
+Protocol (one JSON object or word per line):
+    parent -> zygote   {"workdir", "env", "fifo", "log", "request"}   (request: a file path)
+    zygote -> parent   "ready" | "pid N" | "exit N STATUS" | "error TEXT"
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import sys
+
+
+def _child(job: dict) -> None:
+    """Becomes the candidate's process: never returns."""
+    try:
+        os.setsid()
+        os.chdir(job["workdir"])
+        log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        fd = os.open(job["fifo"], os.O_WRONLY)
+        keep = os.dup2(fd, 3)          # the result channel is fd 3; nothing else stays open
+        os.closerange(4, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 4096)
+        os.environ.clear()
+        os.environ.update(job["env"])
+        with open(job["request"]) as f:
+            request = json.load(f)
+        os.unlink(job["request"])      # the nonce lives only in this process from here on
+        from .worker import serve
+        serve(keep, request)
+    except BaseException as e:  # noqa: BLE001 - report on the log, then die without a result
+        try:
+            os.write(2, f"evoattn zygote child failed: {type(e).__name__}: {e}\n".encode())
+        finally:
+            os._exit(70)
+    os._exit(0)
+
+
+def main() -> None:
+    import torch  # noqa: F401  (the point of the zygote: imported once, CUDA untouched)
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except ImportError:
+        pass
+    from . import harness, worker  # noqa: F401
+
+    out = sys.stdout
+
+    def say(line: str) -> None:
+        out.write(line + "\n")
+        out.flush()
+
+    say("ready")
+    stdin = sys.stdin.fileno()
+    buf = b""
+    while True:
+        ready, _, _ = select.select([stdin], [], [], 0.1)
+        while True:                                # reap and report finished children
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            say(f"exit {pid} {status}")
+        if not ready:
+            continue
+        chunk = os.read(stdin, 1 << 16)
+        if not chunk:                              # the parent went away: tidy up and go
+            here = os.getcwd()
+            if os.path.basename(here).startswith("evoattn-zygote-"):
+                import shutil
+                shutil.rmtree(here, ignore_errors=True)
+            return
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            try:
+                job = json.loads(line)
+            except ValueError:
+                say("error malformed job")
+                continue
+            pid = os.fork()
+            if pid == 0:
+                _child(job)
+            say(f"pid {pid}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""Starting a candidate's process: a fresh interpreter, or a fork of a warm zygote.
+
+Both give the evaluator the same handle: the child's pid (the leader of its own
+session), a file descriptor the result arrives on, its exit code once it has
+died, and a kill that ends the whole session. The zygote (evaluator/zygote.py)
+saves each candidate the seconds of importing torch and Triton; it never touches
+CUDA, so every candidate still gets a CUDA context of its own.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+_ZYGOTE_START_S = 180.0
+
+
+class LaunchError(Exception):
+    """The zygote could not start a child (the caller falls back to a fresh interpreter)."""
+
+
+class PopenChild:
+    """A candidate process started as `python -m evaluator.worker`."""
+
+    def __init__(self, request: dict[str, Any], work: str, env: dict[str, str],
+                 log_path: Path) -> None:
+        rfd, wfd = os.pipe()
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "evaluator.worker", "--fd", str(wfd)],
+                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, cwd=work, env=env,
+                pass_fds=(wfd,), start_new_session=True)
+        os.close(wfd)
+        self.pid = self.proc.pid
+        self.result_fd = rfd
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps(request).encode())
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass
+
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+    def kill(self) -> None:
+        _killpg(self.pid)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def close(self) -> None:
+        os.close(self.result_fd)
+
+
+class ZygoteChild:
+    """A candidate process forked by the zygote; its exit status comes from the zygote."""
+
+    def __init__(self, zygote: "Zygote", pid: int, rfd: int, keepalive_fd: int) -> None:
+        self.zygote = zygote
+        self.pid = pid
+        self.result_fd = rfd
+        self._keepalive = keepalive_fd     # our own writer: the FIFO never reads as EOF
+
+    def returncode(self) -> int | None:
+        status = self.zygote.exit_status(self.pid)
+        return None if status is None else os.waitstatus_to_exitcode(status)
+
+    def kill(self) -> None:
+        _killpg(self.pid)
+        deadline = time.monotonic() + 10
+        while self.returncode() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        os.close(self.result_fd)
+        os.close(self._keepalive)
+
+
+class Zygote:
+    """The parent's end of one `python -m evaluator.zygote` process."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self._dir = tempfile.mkdtemp(prefix="evoattn-zygote-")
+        env = dict(env, HOME=self._dir, TMPDIR=self._dir)
+        self.proc = subprocess.Popen([sys.executable, "-m", "evaluator.zygote"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, cwd=self._dir, env=env,
+                                     start_new_session=True)
+        assert self.proc.stdout is not None and self.proc.stdin is not None
+        self._out = self.proc.stdout.fileno()
+        os.set_blocking(self._out, False)
+        self._buf = b""
+        self._exits: dict[int, int] = {}
+        self._pending: list[str] = []
+        if self._next_line(_ZYGOTE_START_S) != "ready":
+            self.close()
+            raise LaunchError("the zygote did not start")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def launch(self, request: dict[str, Any], work: str, env: dict[str, str],
+               log_path: Path) -> ZygoteChild:
+        """Forks a child for this request; raises LaunchError if the zygote fails."""
+        req_path = Path(work) / "request.json"
+        fd = os.open(req_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(request, f)
+        fifo = Path(work) / "result.fifo"
+        os.mkfifo(fifo, 0o600)
+        rfd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        keep = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        job = {"workdir": work, "env": env, "fifo": str(fifo), "log": str(log_path),
+               "request": str(req_path)}
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write((json.dumps(job) + "\n").encode())
+            self.proc.stdin.flush()
+            deadline = time.monotonic() + 30
+            while True:
+                line = self._next_line(max(0.0, deadline - time.monotonic()))
+                if line is None:
+                    raise LaunchError("the zygote did not answer")
+                if line.startswith("pid "):
+                    return ZygoteChild(self, int(line.split()[1]), rfd, keep)
+        except (OSError, LaunchError, ValueError) as e:
+            os.close(rfd)
+            os.close(keep)
+            req_path.unlink(missing_ok=True)
+            raise LaunchError(f"zygote launch failed: {e}") from None
+
+    def exit_status(self, pid: int) -> int | None:
+        """Returns a child's raw wait status once the zygote has reaped it."""
+        self._pump()
+        return self._exits.get(pid)
+
+    def close(self) -> None:
+        try:
+            if self.proc.stdin:
+                self.proc.stdin.close()
+        except OSError:
+            pass
+        _killpg(self.proc.pid)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        import shutil
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _pump(self) -> None:
+        """Reads what the zygote said so far; records exit lines."""
+        while True:
+            try:
+                chunk = os.read(self._out, 1 << 16)
+            except BlockingIOError:
+                return
+            if not chunk:
+                return
+            self._buf += chunk
+            self._collect()
+
+    def _collect(self) -> None:
+        while b"\n" in self._buf:
+            line, self._buf = self._buf.split(b"\n", 1)
+            text = line.decode(errors="replace")
+            if text.startswith("exit "):
+                _, pid, status = text.split()
+                self._exits[int(pid)] = int(status)
+            else:
+                self._pending.append(text)
+
+    def _next_line(self, timeout: float) -> str | None:
+        """Returns the next line that is not an exit report, waiting up to timeout seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._pump()
+            if self._pending:
+                return self._pending.pop(0)
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.alive():
+                return None
+            select.select([self._out], [], [], min(left, 0.2))
+
+
+def _killpg(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
