@@ -47,13 +47,19 @@ def _child(job: dict) -> None:
 
 
 def main() -> None:
-    import torch  # noqa: F401  (the point of the zygote: imported once, CUDA untouched)
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except ImportError:
-        pass
+    import torch  # (the point of the zygote: imported once, CUDA untouched)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        # Triton is preloaded only for the CPU interpreter: on a GPU its driver must
+        # be initialised in the candidate's own process, never before a fork.
+        try:
+            import triton  # noqa: F401
+            import triton.language  # noqa: F401
+        except ImportError:
+            pass
     from . import harness, worker  # noqa: F401
+    if torch.cuda.is_initialized():        # a fork would share a CUDA context: refuse
+        print("error CUDA was initialised in the zygote", flush=True)
+        return
 
     out = sys.stdout
 
