@@ -33,6 +33,8 @@ class _Group(click.Group):
             _die(e, EXIT_USAGE)
         except EvoattnError as e:
             _die(e, 1)
+        except OSError as e:    # an unwritable --output or --out, a full disk: one line too
+            _die(e, 1)
 
 
 @click.group(cls=_Group)

@@ -7,6 +7,7 @@ with `dataclasses.replace`.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from pathlib import Path
@@ -88,6 +89,8 @@ class RunConfig:
     evaluator: EvaluatorConfig = EvaluatorConfig()
 
 
+# An env var name; upper case only, so a literal key (mixed case) never passes for one.
+ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
 _CHOICES = {
     "device": ("auto", "cuda", "cpu"),
     "mutators.kind": ("knobs", "llm"),
@@ -115,7 +118,7 @@ def load_config(path: str | Path) -> RunConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: top level must be a mapping of keys, got {type(raw).__name__}")
     cfg = _build(RunConfig, raw, str(p), "")
-    _check(cfg, str(p))
+    check_config(cfg, str(p))
     return cfg
 
 
@@ -131,7 +134,7 @@ def config_to_dict(cfg: Any) -> Any:
 def config_from_dict(raw: dict[str, Any], origin: str = "<stored config>") -> RunConfig:
     """Returns a RunConfig from a dict (as saved in a run directory)."""
     cfg = _build(RunConfig, raw, origin, "")
-    _check(cfg, origin)
+    check_config(cfg, origin)
     return cfg
 
 
@@ -185,7 +188,8 @@ def _tname(v: Any) -> str:
     return "null" if v is None else f"{type(v).__name__} {v!r}"
 
 
-def _check(cfg: RunConfig, origin: str) -> None:
+def check_config(cfg: RunConfig, origin: str) -> None:
+    """Raises ConfigError if a value is out of range (also used after CLI overrides)."""
     def bad(key: str, msg: str) -> ConfigError:
         return ConfigError(f"{origin}: key '{key}' {msg}")
 
@@ -214,3 +218,7 @@ def _check(cfg: RunConfig, origin: str) -> None:
         raise bad("evaluator.trials", "must be >= 1")
     if any(m.kind == "llm" for m in cfg.mutators) and not cfg.llm.models:
         raise bad("llm.models", "must list at least one model when an llm mutator is used")
+    for i, model in enumerate(cfg.llm.models):
+        if not ENV_NAME.match(model.api_key_env):   # never echo it: it may be the key itself
+            raise bad(f"llm.models[{i}].api_key_env", "must be the NAME of an environment "
+                      "variable (A-Z, 0-9, _) that holds the key, not the key")

@@ -15,6 +15,7 @@ from typing import Any
 from evaluator.types import ConfigResult
 
 from .errors import RunDirError
+from .report import label
 from .store import RunStore
 from .types import Program
 
@@ -112,13 +113,6 @@ def _dump(obj: Any) -> str:
     return json.dumps(obj, indent=2, allow_nan=False) + "\n"
 
 
-def _config_label(params: dict[str, Any]) -> str:
-    if {"B", "H", "S", "D"} <= params.keys():
-        label = f"({params['B']},{params['H']},{params['S']},{params['D']})"
-        return label + (" causal" if params.get("causal") else "")
-    return ",".join(f"{k}={v}" for k, v in params.items())
-
-
 def _configs(p: Program) -> tuple[ConfigResult, ...]:
     return p.result.configs if p.result else ()
 
@@ -154,7 +148,7 @@ def _board_entry(rank: int, p: Program) -> dict[str, Any]:
             "verdict": p.result.verdict.value if p.result else None,
             "mutator": p.mutator, "iteration": p.iteration,
             "timing_device": p.result.timing_device if p.result else None,
-            "speedups": [{"config": _config_label(c.params), "params": c.params,
+            "speedups": [{"config": label(c.params), "params": c.params,
                           "dtype": c.dtype, "speedup": c.speedup, "ms": c.ms,
                           "baseline_ms": c.baseline_ms} for c in _configs(p)]}
 
@@ -163,8 +157,8 @@ def _leaderboard_md(board: list[Program]) -> str:
     labels: list[str] = []
     for p in board:
         for c in _configs(p):
-            if _config_label(c.params) not in labels:
-                labels.append(_config_label(c.params))
+            if label(c.params) not in labels:
+                labels.append(label(c.params))
     head = ["rank", "id", "fitness", "verdict", "mutator", "iteration"] + labels
     lines = ["# Leaderboard", "", "Top correct programs; speedups are baseline time / "
              "candidate time per config.", ""]
@@ -172,7 +166,7 @@ def _leaderboard_md(board: list[Program]) -> str:
         lines += ["**Timed on CPU**: these speedups say nothing about GPU performance.", ""]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for rank, p in enumerate(board, 1):
-        speed = {_config_label(c.params): c.speedup for c in _configs(p)}
+        speed = {label(c.params): c.speedup for c in _configs(p)}
         cells = [str(rank), f"`{p.id}`", f"{p.fitness:.4f}",
                  p.result.verdict.value if p.result else "", p.mutator, str(p.iteration)]
         cells += [f"{speed[l]:.3f}×" if speed.get(l) is not None else "—" for l in labels]

@@ -8,8 +8,8 @@ from typing import Any
 
 from rich.console import Console
 
-from .config import RunConfig, config_from_dict, config_to_dict, load_config
-from .errors import RunDirError, UsageError
+from .config import RunConfig, check_config, config_from_dict, config_to_dict, load_config
+from .errors import EvoattnError, RunDirError, UsageError
 from .report import label
 from .sandbox import EvalSettings, SubprocessEvaluator, detect_device
 
@@ -36,13 +36,13 @@ def start_run(*, config_path: str | None, iterations: int | None, output: str | 
         raise UsageError(f"{seed_path}: a CUDA seed needs a GPU; use a .py seed with device: cpu")
     configs = _parse_configs(problem, cfg)
     run_dir = Path(resume_dir or cfg.output)
-    if not resuming and (run_dir / "run.sqlite").is_file():
-        raise RunDirError(f"{run_dir}: already holds a run; continue it with "
-                          f"`evoattn run --resume {run_dir}` or choose another --output")
-    stored = config_to_dict(dataclasses.replace(cfg, device=cfg.device))
-    store = RunStore.open(run_dir, stored, create=not resuming)
+    store = RunStore.open(run_dir, config_to_dict(cfg), create=not resuming)
     try:
         if resuming:
+            was = store.stored_config().get("device")
+            if was != dev:   # CPU and GPU speedups must not compete in one population
+                raise RunDirError(f"{run_dir}: this run was timed on {was}; it cannot "
+                                  f"continue on {dev} (use --device {was}, or a new --output)")
             store.record_stop(None)
         _search(cfg, store, problem, problem_ref, configs, seed_path, dev, quiet, console,
                 run_dir)
@@ -78,7 +78,10 @@ def _search(cfg: RunConfig, store: Any, problem: Any, problem_ref: str, configs:
                              m.weight))
         else:
             from .mutators.llm import CostMeter, LlmMutator
-            meter = meter or CostMeter(cfg.llm.budget_usd)
+            if meter is None:     # a resumed run keeps counting its earlier calls and spend
+                meter = CostMeter(cfg.llm.budget_usd)
+                t = store.llm_totals()
+                meter.carry_over(t.calls, t.prompt_tokens, t.completion_tokens, t.cost_usd)
             mutators.append((LlmMutator(cfg.llm, meter), m.weight))
     events = EventLog(run_dir / "events.jsonl")
 
@@ -112,14 +115,15 @@ def _search(cfg: RunConfig, store: Any, problem: Any, problem_ref: str, configs:
                  elapsed_s=outcome.elapsed_s)
     events.close()
     _summary(console, outcome, search)
-    if outcome.best is not None:
-        export_run(store, run_dir / "best")
-        extra = "" if problem_ref == "sdpa" else f" --problem {problem_ref}"
-        extra += f" --device {dev}" if dev == "cpu" else ""
-        if configs:
-            extra += " --configs '" + ";".join(_config_spec(c) for c in configs) + "'"
-        console.print(f"best kernel exported to {run_dir / 'best'} (re-check it with "
-                      f"`evoattn eval {run_dir / 'best'}/best{outcome.best.suffix}{extra}`)")
+    if outcome.best is None:
+        raise EvoattnError(f"no correct program, nothing exported ({outcome.stop_reason})")
+    export_run(store, run_dir / "best")
+    extra = "" if problem_ref == "sdpa" else f" --problem {problem_ref}"
+    extra += f" --device {dev}" if dev == "cpu" else ""
+    if configs:
+        extra += " --configs '" + ";".join(_config_spec(c) for c in configs) + "'"
+    console.print(f"best kernel exported to {run_dir / 'best'} (re-check it with "
+                  f"`evoattn eval {run_dir / 'best'}/best{outcome.best.suffix}{extra}`)")
 
 
 def _summary(console: Console, outcome: Any, search: Any) -> None:
@@ -152,6 +156,9 @@ def _resolve_config(config_path: str | None, resume_dir: str | None, iterations:
                     device: str | None) -> tuple[RunConfig, bool]:
     from .store import RunStore
     resuming = False
+    if resume_dir and (config_path or output):
+        raise UsageError("--resume continues a run with its stored config; "
+                         "it takes no --config or --output")
     if resume_dir:
         if not (Path(resume_dir) / "run.sqlite").is_file():
             raise RunDirError(f"{resume_dir}: not a run directory (no run.sqlite)")
@@ -164,11 +171,12 @@ def _resolve_config(config_path: str | None, resume_dir: str | None, iterations:
         cfg = dataclasses.replace(cfg, output=resume_dir)
     else:
         path = config_path or DEFAULT_CONFIG
-        cfg = load_config(path)
+        # Stored with absolute seed and problem paths, so --resume works from any directory.
+        cfg = _absolute_paths(load_config(path), path)
     over: dict[str, Any] = {}
     if iterations is not None:
         over["iterations"] = iterations
-    if output is not None and not resume_dir:
+    if output is not None:
         over["output"] = output
     if random_seed is not None:
         if resuming:
@@ -177,6 +185,7 @@ def _resolve_config(config_path: str | None, resume_dir: str | None, iterations:
     if device is not None:
         over["device"] = device
     cfg = dataclasses.replace(cfg, **over)
+    check_config(cfg, "command line")
     if not resuming and (Path(cfg.output) / "run.sqlite").is_file():
         # Re-running with the same output continues the run if the config matches.
         st = RunStore.open_readonly(cfg.output)
@@ -184,6 +193,8 @@ def _resolve_config(config_path: str | None, resume_dir: str | None, iterations:
             stored = config_from_dict(st.stored_config(), f"{cfg.output}/run.sqlite")
         finally:
             st.close()
+        if not Path(stored.seed).is_absolute():   # a run stored before paths were absolute
+            stored = _absolute_paths(stored, path)
         a = {k: v for k, v in config_to_dict(stored).items() if k not in _RESUMABLE | {"device"}}
         b = {k: v for k, v in config_to_dict(cfg).items() if k not in _RESUMABLE | {"device"}}
         if a != b:
@@ -216,6 +227,12 @@ def _locate(path: str, config_path: str | None, what: str) -> Path:
             return c.resolve()
     raise UsageError(f"{what} {path} not found" +
                      (f" (config {config_path})" if config_path else ""))
+
+
+def _absolute_paths(cfg: RunConfig, config_path: str) -> RunConfig:
+    """Returns cfg with its seed and problem file found relative to the config, made absolute."""
+    return dataclasses.replace(cfg, seed=str(_find(cfg.seed, config_path)),
+                               problem=_problem_ref(cfg.problem, config_path))
 
 
 def _problem_ref(name: str, config_path: str | None) -> str:

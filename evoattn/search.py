@@ -33,7 +33,6 @@ class Progress:
     iterations: int
     best: Program | None
     seed_fitness: float
-    last: Program | None
     last_note: str
     counts: dict[str, int]
     flags: int
@@ -90,9 +89,11 @@ class Search:
         state = self.store.load_state()
         self.programs = self.store.load_programs()
         if state is not None:
-            from .store import rng_state_from_json
             self.iteration = int(state["iteration"])
-            self.rng.setstate(rng_state_from_json(state["rng_state"]))
+            self.rng.setstate(state["rng_state"])
+            # The view's counters cover the whole run, not only this session.
+            cached = self.store.rejection_count(_DUPLICATE)
+            self._stats.update(rejected=self.store.rejection_count() - cached, cached=cached)
             pop = Population.restore(state["population"], self.programs, self.cfg.population)
             return pop, pop.seed
         result = self.evaluator.evaluate(self.seed_source, self.suffix, "seed")
@@ -177,7 +178,7 @@ class Search:
         pid = program_id(proposal.source)
         if pid in self.programs:
             self._stats["cached"] += 1
-            reason = f"duplicate of program {pid} (not evaluated again)"
+            reason = f"{_DUPLICATE} {pid} (not evaluated again)"
             self._commit(pop, iteration, None, (parent.id, proposal.mutator, reason), proposal)
             return f"{proposal.mutator}: {reason}"
         result = self.evaluator.evaluate(proposal.source, self.suffix, pid)
@@ -192,15 +193,16 @@ class Search:
             self.feedback.setdefault(parent.id, collections.deque(maxlen=3)).append(
                 f"a child ({proposal.change[:200]}) failed: {result.verdict.value}: "
                 f"{result.reason[:300]}")
-        if self.cfg.population.migration_interval and \
-                iteration % self.cfg.population.migration_interval == 0:
-            pop.migrate()
         self._commit(pop, iteration, child, None, proposal)
         return (f"{proposal.mutator}: {result.verdict.value} fitness {result.fitness:.3f} "
                 f"({proposal.change[:80]})")
 
     def _commit(self, pop: Population, iteration: int, program: Program | None,
                 rejection: tuple[str, str, str] | None, proposal: Proposal) -> None:
+        # Every iteration counts towards migration, whether or not its child was evaluated.
+        if self.cfg.population.migration_interval and \
+                iteration % self.cfg.population.migration_interval == 0:
+            pop.migrate()
         self.store.commit_iteration(iteration=iteration, program=program, rejection=rejection,
                                     llm_usage=proposal.usage, rng_state=self.rng.getstate(),
                                     population_snapshot=pop.snapshot())
@@ -227,7 +229,7 @@ class Search:
                       (p.result.flags or p.result.verdict in _INTEGRITY))
         self.on_progress(Progress(
             iteration=self.iteration, iterations=self.cfg.iterations, best=pop.best(),
-            seed_fitness=seed.fitness, last=None, last_note=note, counts=dict(counts),
+            seed_fitness=seed.fitness, last_note=note, counts=dict(counts),
             flags=flagged, rejected=self._stats["rejected"], cached=self._stats["cached"],
             elapsed_s=self.clock() - t0, evaluated=self._stats["evaluated"],
             llm=self.llm_totals()))
@@ -237,6 +239,7 @@ class Search:
             self.gpu_info = {"name": seed.result.device, **seed.result.device_info}
 
 
+_DUPLICATE = "duplicate of program"    # how a rejection for an already-stored program starts
 _INTEGRITY = {Verdict.POLICY, Verdict.TAMPERING, Verdict.HIDDEN_WORK, Verdict.NONDETERMINISTIC,
               Verdict.IMPLAUSIBLE, Verdict.SANDBOX}
 

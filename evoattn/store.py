@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 from evaluator.types import EvalResult
 
+from .config import ENV_NAME
 from .errors import RunDirError, UsageError
 from .types import LlmUsage, Program
 
@@ -60,7 +61,6 @@ _PROGRAM_COLUMNS = ("id, source, suffix, parent_id, second_parent_id, iteration,
 
 # Config keys that could hold a credential; their values must be env var NAMES.
 _SECRET_KEY = re.compile(r"(api[_-]?key|token|secret|password|passwd|credential)", re.I)
-_ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +80,7 @@ def scrub_secrets(obj: Any) -> Any:
         out = {}
         for key, value in obj.items():
             if (_SECRET_KEY.search(str(key)) and isinstance(value, str)
-                    and not _ENV_NAME.match(value)):
+                    and not ENV_NAME.match(value)):
                 continue                # a literal key, not the name of an env var: drop it
             out[key] = scrub_secrets(value)
         return out
@@ -279,9 +279,11 @@ class RunStore:
             "SELECT COALESCE(verdict, 'unevaluated'), COUNT(*) FROM programs GROUP BY 1")
         return dict(rows)
 
-    def rejection_count(self) -> int:
-        """Returns how many proposals did not apply."""
-        return self._conn.execute("SELECT COUNT(*) FROM rejections").fetchone()[0]
+    def rejection_count(self, reason_prefix: str = "") -> int:
+        """Returns how many proposals were not evaluated (those whose reason starts so)."""
+        return self._conn.execute(
+            "SELECT COUNT(*) FROM rejections WHERE substr(reason, 1, ?) = ?",
+            (len(reason_prefix), reason_prefix)).fetchone()[0]
 
     def llm_totals(self) -> LlmTotals:
         """Returns the sums over every recorded LLM call."""

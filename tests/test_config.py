@@ -51,6 +51,13 @@ def test_mistakes_name_the_file_and_key(tmp_path: Path, text: str, needle: str) 
     assert "\n" not in str(e.value)
 
 
+def test_a_key_pasted_into_api_key_env_is_refused_without_echoing_it(tmp_path: Path) -> None:
+    p = _write(tmp_path, "llm:\n  models:\n    - name: m\n      api_key_env: sk-live-Abc123\n")
+    with pytest.raises(ConfigError, match=r"llm.models\[0\].api_key_env' must be the NAME") as e:
+        load_config(p)
+    assert "Abc123" not in str(e.value)
+
+
 def test_missing_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "nope.yaml")

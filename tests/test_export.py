@@ -1,6 +1,7 @@
 """export_run: files, best source, lineage, leaderboard, README, atomic out dir."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -171,3 +172,14 @@ def test_cpu_timings_are_labelled(tmp_path):
     s = export_run(tmp_path / "run", tmp_path / "out")
     assert "Timed on CPU" in s.leaderboard_md.read_text()
     assert "taken on CPU" in s.readme.read_text()
+
+
+def test_leaderboard_keeps_configs_that_differ_only_in_extra_params(tmp_path):
+    cfgs = tuple(ConfigResult(params={"B": 1, "H": 2, "S": 256, "D": 64, "window": w},
+                              dtype="float16", verdict=Verdict.PASS, ms=1.0, baseline_ms=s,
+                              speedup=s) for w, s in ((32, 0.5), (64, 3.0)))
+    res = EvalResult(verdict=Verdict.PASS, reason="", fitness=1.2, configs=cfgs, device="d")
+    build_run(tmp_path / "run", [dataclasses.replace(make("seed", None, 1.2, 0), result=res)])
+    export_run(tmp_path / "run", tmp_path / "out")
+    md = (tmp_path / "out" / "leaderboard.md").read_text()
+    assert "window=32" in md and "0.500×" in md and "window=64" in md and "3.000×" in md

@@ -189,3 +189,39 @@ def test_incorrect_seed_stops_with_its_reason(tmp_path: Path) -> None:
 def test_runs_with_any_island_count(tmp_path: Path, islands: int) -> None:
     _, out = _run(tmp_path, _cfg(iterations=8, population=PopulationConfig(islands=islands)))
     assert out.iterations_done == 8
+
+
+class _Scripted:
+    """Proposes the given sources in turn (None: a rejection)."""
+
+    name = "scripted"
+
+    def __init__(self, sources: list[str | None]) -> None:
+        self.sources = list(sources)
+
+    def propose(self, request: MutationRequest) -> Proposal:
+        src = self.sources.pop(0)
+        if src is None:
+            return Proposal(request.parent.id, self.name, None, rejected_reason="no edit")
+        return Proposal(request.parent.id, self.name, src, change="scripted")
+
+
+def test_migration_happens_on_schedule_even_when_that_iteration_is_rejected(
+        tmp_path: Path) -> None:
+    child = TOY_SEED.replace("BLOCK_M = 64 ", "BLOCK_M = 128 ")
+    cfg = _cfg(iterations=2, population=PopulationConfig(islands=2, elites_per_island=3,
+                                                         migration_interval=2))
+    s, _ = _run(tmp_path, cfg, mutators=[(_Scripted([child, None]), 1.0)])
+    with RunStore.open_readonly(tmp_path) as st:
+        islands = st.load_state()["population"]["islands"]
+    cid = next(p.id for p in s.programs.values() if p.iteration == 1)
+    assert cid in islands[1] and cid in islands[0]     # iteration 2 migrated island 1's best
+
+
+def test_the_view_counts_rejections_of_earlier_sessions_after_resume(tmp_path: Path) -> None:
+    seen: list = []
+    cfg = _cfg(iterations=3, population=PopulationConfig(islands=1))
+    _run(tmp_path, cfg, mutators=[(_Scripted([None, TOY_SEED, None]), 1.0)])
+    _run(tmp_path, dataclasses.replace(cfg, iterations=4), create=False,
+         mutators=[(_Scripted([None]), 1.0)], on_progress=seen.append)
+    assert (seen[-1].rejected, seen[-1].cached) == (3, 1)

@@ -287,6 +287,15 @@ class CostMeter:
             self._completion += rec.completion_tokens
             self._pending.append(rec)
 
+    def carry_over(self, calls: int, prompt_tokens: int, completion_tokens: int,
+                   cost_usd: float) -> None:
+        """Adds the totals of a resumed run's earlier sessions (nothing to drain)."""
+        with self._lock:
+            self._calls += calls
+            self._prompt += prompt_tokens
+            self._completion += completion_tokens
+            self._spent += cost_usd
+
     def drain(self) -> tuple[CallRecord, ...]:
         """Returns the calls recorded since the last drain, and forgets them."""
         with self._lock:
