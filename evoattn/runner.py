@@ -109,6 +109,7 @@ def _search(cfg: RunConfig, store: Any, problem: Any, problem_ref: str, configs:
             outcome = search.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
+        evaluator.close()                       # stops the zygote
     events.write("stop", reason=outcome.stop_reason, iterations=outcome.iterations_done,
                  best_id=outcome.best.id if outcome.best else None,
                  best_fitness=outcome.best.fitness if outcome.best else None,

@@ -125,7 +125,9 @@ class Search:
                 while next_iter <= self.cfg.iterations and len(pending) <= self.lookahead:
                     req, mut = self._prepare(pop, seed, next_iter)
                     fut: cf.Future[Proposal]
-                    if pool is None:
+                    if pool is None or not getattr(mut, "blocking_io", False):
+                        # Local mutators answer here, in order, seeing the state as it is
+                        # now: only requests that wait on the network go to the pool.
                         fut = cf.Future()
                         fut.set_result(_safe_propose(mut, req))
                     else:

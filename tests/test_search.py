@@ -153,6 +153,8 @@ def test_ctrl_c_stops_cleanly_and_keeps_committed_iterations(tmp_path: Path) -> 
 class _SlowMutator(KnobMutator):
     """Knob mutator that sleeps a varying time (like an LLM) to exercise the pipeline."""
 
+    blocking_io = True
+
     def __init__(self) -> None:
         super().__init__()
         self.in_flight = 0
@@ -225,3 +227,21 @@ def test_the_view_counts_rejections_of_earlier_sessions_after_resume(tmp_path: P
     _run(tmp_path, dataclasses.replace(cfg, iterations=4), create=False,
          mutators=[(_Scripted([None]), 1.0)], on_progress=seen.append)
     assert (seen[-1].rejected, seen[-1].cached) == (3, 1)
+
+
+def test_mixed_local_and_pooled_mutators_stay_deterministic(tmp_path: Path) -> None:
+    histories = []
+    for name in ("a", "b"):
+        holder: dict[str, Search] = {}
+        knobs = KnobMutator(0.2, is_known=lambda pid: pid in holder["s"].programs)
+        cfg = _cfg(iterations=12)
+        store = RunStore.open(tmp_path / name, config_to_dict(cfg), create=True)
+        s = Search(cfg, store, FakeEvaluator(), [(knobs, 1.0), (_SlowMutator(), 1.0)],
+                   TOY_SEED, ".py", lookahead=3)
+        holder["s"] = s
+        try:
+            s.run()
+        finally:
+            store.close()
+        histories.append(_history(tmp_path / name))
+    assert histories[0] == histories[1]

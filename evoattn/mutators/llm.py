@@ -19,6 +19,7 @@ OpenAIChatClient and scrubbed from every error text.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import email.utils
 import logging
@@ -270,12 +271,16 @@ class CostMeter:
     reached may overshoot it by at most `concurrency` calls.
     """
 
+    KEEP_RECORDS = 1024
+
     def __init__(self, budget_usd: float | None = None) -> None:
         self.budget_usd = budget_usd
         self._lock = threading.Lock()
         self._spent, self._calls, self._attempts = 0.0, 0, 0
         self._prompt, self._completion = 0, 0
-        self._pending: list[CallRecord] = []
+        # The latest records for `drain` (bounded: a run that never drains must not grow).
+        self._pending: collections.deque[CallRecord] = collections.deque(
+            maxlen=self.KEEP_RECORDS)
 
     def record(self, rec: CallRecord) -> None:
         """Adds one call to the totals and to the records awaiting `drain`."""
@@ -299,7 +304,8 @@ class CostMeter:
     def drain(self) -> tuple[CallRecord, ...]:
         """Returns the calls recorded since the last drain, and forgets them."""
         with self._lock:
-            out, self._pending = tuple(self._pending), []
+            out = tuple(self._pending)
+            self._pending.clear()
             return out
 
     @property
@@ -349,6 +355,7 @@ class LlmMutator:
     """Proposes a child by asking a model (picked by weight) to edit the parent."""
 
     name = "llm"
+    blocking_io = True     # the search prepares these requests ahead, in a thread pool
 
     def __init__(self, cfg: LlmConfig, meter: CostMeter, client: ChatClient | None = None,
                  sleep: Callable[[float], None] = time.sleep) -> None:
