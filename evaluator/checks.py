@@ -34,23 +34,11 @@ def max_abs_err(out: Any, ref: Any) -> float:
     return float((o - ref.float()).abs().max())
 
 
-def checksum(tensors: list[Any]) -> list[tuple[Any, ...]]:
-    """Returns a cheap fingerprint of each tensor (pointer, shape, sums) to detect tampering."""
-    import torch
-    out = []
-    for t in tensors:
-        f = t.detach().float()
-        w = torch.arange(f.numel(), device=f.device, dtype=torch.float32).reshape(f.shape) % 7 + 1
-        out.append((t.data_ptr(), tuple(t.shape), t.dtype, float(f.sum()), float((f * w).sum()),
-                    float(f.abs().sum())))
-    return out
-
-
-def inputs_changed(before: list[Any], tensors: list[Any], clones: list[Any]) -> str | None:
-    """Returns which input was modified (compared with exact clones), or None."""
+def inputs_changed(pointers: list[int], tensors: list[Any], clones: list[Any]) -> str | None:
+    """Returns which input was replaced (data pointer moved) or modified (vs exact clones), or None."""
     import torch
     for i, (t, c) in enumerate(zip(tensors, clones)):
-        if t.data_ptr() != before[i][0]:
+        if t.data_ptr() != pointers[i]:
             return f"input {i} was replaced"
         if not torch.equal(t, c):
             return f"input {i} was modified in place"

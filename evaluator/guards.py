@@ -302,78 +302,66 @@ def _wrap_fork_exec(deny: Callable[[str], None], candidate_roots: list[str]) -> 
     _posixsubprocess.fork_exec = fork_exec
 
 
-def harness_snapshot(extra_modules: list[Any]) -> dict[str, Any]:
-    """Returns identities of the timing/comparison functions a candidate must not replace."""
+def harness_snapshot(modules: list[Any]) -> Callable[[], list[str]]:
+    """Returns a check listing the harness names that no longer hold the object they hold now.
+
+    Covers every global of `modules` (functions, classes, the modules the harness calls
+    through, constants), every attribute of the classes they define (a problem's
+    `baseline`, `Violations.add`), each function's `__code__`, and the torch functions
+    the checks and timers use. Only identity counts (`is`): a stand-in object cannot
+    pass by overriding `__eq__`. The check is a closure that binds `getattr` itself and
+    never looks up a module global, so replacing this module's functions (or
+    `guards.tampered`) does not blind it; the caller must keep the returned function.
+    """
     import time
 
     import torch
     import torch.nn.functional as F
 
-    snap: dict[str, Any] = {
-        "time.perf_counter": time.perf_counter,
-        "time.perf_counter_ns": time.perf_counter_ns,
-        "torch.matmul": torch.matmul, "torch.softmax": torch.softmax,
-        "torch.isfinite": torch.isfinite, "torch.max": torch.max, "torch.abs": torch.abs,
-        "torch.Tensor.masked_fill": torch.Tensor.masked_fill, "torch.randn": torch.randn,
-        "torch.Tensor.float": torch.Tensor.float, "torch.Tensor.copy_": torch.Tensor.copy_,
-        "torch.Tensor.clone": torch.Tensor.clone, "torch.Tensor.sub": torch.Tensor.sub,
-        "torch.Tensor.__sub__": torch.Tensor.__sub__, "torch.equal": torch.equal,
-        "torch.Tensor.data_ptr": torch.Tensor.data_ptr, "F.softmax": F.softmax,
-        "F.scaled_dot_product_attention": F.scaled_dot_product_attention,
-        "torch.cuda.synchronize": torch.cuda.synchronize,
-        "torch.cuda.Event": torch.cuda.Event,
-        "torch.cuda.Event.elapsed_time": torch.cuda.Event.elapsed_time,
-        "torch.cuda.Event.record": torch.cuda.Event.record,
-        "torch.cuda.Event.synchronize": torch.cuda.Event.synchronize,
-        "torch.cuda.max_memory_allocated": torch.cuda.max_memory_allocated,
-        "torch.cuda.memory_allocated": torch.cuda.memory_allocated,
-        "torch.cuda.reset_peak_memory_stats": torch.cuda.reset_peak_memory_stats,
-        "torch.cuda.current_stream": torch.cuda.current_stream,
-    }
-    for mod in extra_modules:
-        for name, obj in vars(mod).items():
-            if callable(obj) and not name.startswith("__"):
-                snap[f"{mod.__name__}.{name}"] = obj
-                if hasattr(obj, "__code__"):    # swapping __code__ keeps the function's identity
-                    snap[f"{mod.__name__}.{name}.__code__"] = obj.__code__
-    return snap
+    torch_attrs = [
+        ("time", time, ("perf_counter", "perf_counter_ns")),
+        ("torch", torch, ("matmul", "softmax", "isfinite", "max", "abs", "randn", "equal")),
+        ("torch.Tensor", torch.Tensor, ("masked_fill", "float", "copy_", "clone", "sub",
+                                        "__sub__", "data_ptr", "normal_")),
+        ("F", F, ("softmax", "scaled_dot_product_attention")),
+        ("torch.cuda", torch.cuda, ("synchronize", "Event", "max_memory_allocated",
+                                    "memory_allocated", "reset_peak_memory_stats",
+                                    "current_stream")),
+        ("torch.cuda.Event", torch.cuda.Event, ("elapsed_time", "record", "synchronize")),
+    ]
+    attrs = [(f"{label}.{name}", owner, name, getattr(owner, name))
+             for label, owner, names in torch_attrs for name in names]
+    spaces: list[tuple[str, Any]] = []                  # (prefix, module or class)
+    for mod in modules:
+        spaces.append((mod.__name__, mod))
+        spaces += [(f"{mod.__name__}.{name}", obj) for name, obj in vars(mod).items()
+                   if isinstance(obj, type) and obj.__module__ == mod.__name__]
+    slots: list[tuple[str, Any, str, Any]] = []         # (name, its namespace mapping, key, object)
+    codes: list[tuple[str, Any, Any]] = []
+    for prefix, space in spaces:
+        for name, obj in vars(space).items():
+            has_code = hasattr(obj, "__code__")
+            if name.startswith("__") and not has_code:
+                continue                                # __doc__, __dict__, __module__ ...
+            slots.append((f"{prefix}.{name}", vars(space), name, obj))
+            if has_code:                                # swapping __code__ keeps the identity
+                codes.append((f"{prefix}.{name}.__code__", obj, obj.__code__))
+    getattr_, missing = getattr, object()
 
+    def tampered() -> list[str]:
+        changed = []
+        for name, owner, key, obj in attrs:
+            if getattr_(owner, key, missing) is not obj:
+                changed.append(name)
+        for name, space, key, obj in slots:
+            if space.get(key, missing) is not obj:
+                changed.append(name)
+        for name, fn, code in codes:
+            if fn.__code__ is not code:
+                changed.append(name)
+        return changed
 
-def tampered(snapshot: dict[str, Any]) -> list[str]:
-    """Returns the names in the snapshot that no longer hold the same object."""
-    import importlib
-    changed = []
-    for key, obj in snapshot.items():
-        head, _, attr = key.rpartition(".")
-        try:
-            cur = _resolve(head, importlib)
-            now = getattr(cur, attr)
-        except Exception:  # noqa: BLE001 - a deleted attribute is tampering too
-            changed.append(key)
-            continue
-        if now is not obj and now != obj:
-            changed.append(key)
-    return changed
-
-
-def _resolve(dotted: str, importlib: Any) -> Any:
-    import torch
-    import torch.nn.functional as F
-    roots = {"torch": torch, "F": F, "sys": sys}
-    parts = dotted.split(".")
-    if parts[0] in roots:
-        obj = roots[parts[0]]
-        parts = parts[1:]
-    else:
-        obj = sys.modules.get(parts[0]) or importlib.import_module(parts[0])
-        parts = parts[1:]
-        # evaluator.sub.module: walk modules first
-        while parts and f"{obj.__name__}.{parts[0]}" in sys.modules:
-            obj = sys.modules[f"{obj.__name__}.{parts[0]}"]
-            parts = parts[1:]
-    for p in parts:
-        obj = getattr(obj, p)
-    return obj
+    return tampered
 
 
 def candidate_threads(candidate_file: str) -> list[str]:

@@ -7,6 +7,7 @@ then poisoned with NaN; guards are installed; only then does candidate code run.
 from __future__ import annotations
 
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -85,12 +86,16 @@ def evaluate(req: dict[str, Any], stage: Callable[[str], None]) -> EvalResult:
         common["device_info"]["measured_matmul_tflops"] = round(ceiling, 1)
     if on_gpu:
         devinfo.poison_allocator([c["out_bytes"] for c in cases])
+    timer = GpuTimer() if on_gpu else CpuTimer()     # binds the clocks before any candidate code
 
     # 4. Guards, then import.
     violations = guards.Violations()
     lib_guard = guards.install_library_guard(violations) if kernel_only else None
     import evaluator.checks as m1, evaluator.timing as m2, evaluator.harness as m3  # noqa: E401
-    snapshot = guards.harness_snapshot([m1, m2, m3, guards])
+    from .problems import base as p_base, common as p_common
+    # Held in this frame only: a candidate that replaces guards' functions cannot blind it.
+    tampered = guards.harness_snapshot([m1, m2, m3, guards, p_base, p_common,
+                                        sys.modules[type(problem).__module__]])
     guards.install_sandbox(violations, req.get("allowed_dirs", []))
     stage("load")
     try:
@@ -101,7 +106,7 @@ def evaluate(req: dict[str, Any], stage: Callable[[str], None]) -> EvalResult:
                   build_seconds=loaded.build_seconds)
 
     def integrity() -> tuple[Verdict, str] | None:
-        changed = guards.tampered(snapshot)
+        changed = tampered()
         if changed:
             return Verdict.TAMPERING, "replaced harness functions: " + ", ".join(changed[:5])
         return violations.first()
@@ -160,7 +165,6 @@ def evaluate(req: dict[str, Any], stage: Callable[[str], None]) -> EvalResult:
 
     # 6. Timing, interleaved with the baseline; timed outputs re-checked.
     stage("time")
-    timer = GpuTimer() if on_gpu else CpuTimer()
     out_results: list[ConfigResult] = []
     flags: list[str] = []
     for i, case in enumerate(cases[:len(configs)]):
@@ -170,16 +174,19 @@ def evaluate(req: dict[str, Any], stage: Callable[[str], None]) -> EvalResult:
         except _Fail as f:
             return fail(f.verdict, f"{problem.label(case['cfg'])}: {f.reason}",
                         configs=tuple(out_results), flags=tuple(flags))
-        except LazyOutput as e:
-            return fail(Verdict.HIDDEN_WORK, f"{problem.label(case['cfg'])}: {e}",
-                        configs=tuple(out_results), flags=tuple(flags))
-        except torch.OutOfMemoryError as e:
-            return fail(Verdict.OOM, f"{problem.label(case['cfg'])}: out of memory while timing: "
-                        f"{str(e).splitlines()[0]}", configs=tuple(out_results))
-        except Exception as e:  # noqa: BLE001 - a crash while timing is the candidate's
-            return fail(Verdict.CRASH, f"{problem.label(case['cfg'])}: raised while timing: "
-                        f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
-                        configs=tuple(out_results))
+        except BaseException as e:  # noqa: BLE001 - SystemExit from a candidate too
+            label, done = problem.label(case["cfg"]), tuple(out_results)
+            bad = integrity()        # a tripwire or sandbox refusal is the cause, not a crash
+            if bad:
+                return fail(*bad, configs=done, flags=tuple(flags))
+            if isinstance(e, LazyOutput):
+                return fail(Verdict.HIDDEN_WORK, f"{label}: {e}", configs=done, flags=tuple(flags))
+            first = str(e).splitlines()[0] if str(e) else ""
+            if isinstance(e, torch.OutOfMemoryError):
+                return fail(Verdict.OOM, f"{label}: out of memory while timing: {first}",
+                            configs=done)
+            return fail(Verdict.CRASH, f"{label}: raised while timing: "
+                        f"{type(e).__name__}: {first[:300]}", configs=done)
         out_results.append(cr)
         bad = integrity()
         if bad:
@@ -223,7 +230,7 @@ def _check_case(problem: Problem, case: dict[str, Any], run: Callable[..., Any],
     for t, trial in enumerate(case["trials"]):  # torch) start their worker threads on first use
         inputs = trial["inputs"]
         tensors = problem.input_tensors(inputs)
-        before = checks.checksum(tensors)
+        before = [x.data_ptr() for x in tensors]
         clones = [x.clone() for x in tensors]
         out = _call(run, inputs, cfg, watch=kernel_only and t == 0, violations=violations)
         if on_gpu:
@@ -338,9 +345,10 @@ def _time_case(problem: Problem, case: dict[str, Any], run: Callable[..., Any], 
                        keep, "candidate")
     for rep, out, snap in timing.kept_outputs:       # class 1: stale / cached output
         ref = problem.reference(snap, cfg)
-        # These are new inputs: the bound uses torch's own error on them too.
-        bound = tol.bound(max(case["torch_err"],
-                              checks.max_abs_err(problem.torch_in_dtype(snap, cfg), ref)))
+        bound = _fresh_bound(problem, case, snap, ref, tol)
+        why = checks.output_problem(out, _Meta(ref.shape, case["like"].dtype, ref.device))
+        if why:                                      # an empty tensor's error would read 0
+            raise _Fail(Verdict.INCORRECT, f"timed call {rep} returned a bad output: {why}")
         err = checks.max_abs_err(out, ref)
         if not err <= bound:
             raise _Fail(Verdict.INCORRECT, f"timed call {rep} returned a wrong output "
@@ -359,7 +367,7 @@ def _time_case(problem: Problem, case: dict[str, Any], run: Callable[..., Any], 
     if (ceiling and tflops > 1.05 * ceiling) or speedup > problem.implausible_speedup:
         flags.append(f"{problem.label(cfg)}: implausible {speedup:.1f}x / {tflops:.0f} TFLOP/s, "
                      "re-verified")
-        _reverify(problem, case, run, rng)
+        _reverify(problem, case, run, rng, tol)
         if ceiling and tflops > 1.05 * ceiling:
             raise _Fail(Verdict.IMPLAUSIBLE, f"{tflops:.0f} TFLOP/s exceeds the measured ceiling "
                         f"{ceiling:.0f} TFLOP/s")
@@ -371,8 +379,15 @@ def _time_case(problem: Problem, case: dict[str, Any], run: Callable[..., Any], 
         timing.peak_mem_bytes["baseline"], extras)
 
 
+def _fresh_bound(problem: Problem, case: dict[str, Any], inputs: dict[str, Any], ref: Any,
+                 tol: Tolerance) -> float:
+    """Returns the tolerance on new inputs: torch's own error on them counts too."""
+    probe = problem.torch_in_dtype(inputs, case["cfg"])
+    return tol.bound(max(case["torch_err"], checks.max_abs_err(probe, ref)))
+
+
 def _reverify(problem: Problem, case: dict[str, Any], run: Callable[..., Any],
-              rng: random.Random) -> None:
+              rng: random.Random, tol: Tolerance) -> None:
     """Re-checks an implausibly fast candidate on fresh inputs; raises _Fail if wrong."""
     cfg = case["cfg"]
     gen = case["gen"]
@@ -381,10 +396,11 @@ def _reverify(problem: Problem, case: dict[str, Any], run: Callable[..., Any],
         inputs = case["trials"][0]["inputs"]
         problem.refill(inputs, gen)
         ref = problem.reference(inputs, cfg)
+        bound = _fresh_bound(problem, case, inputs, ref, tol)
         out = run(inputs, cfg)
         why = checks.output_problem(out, _Meta(ref.shape, case["like"].dtype, ref.device))
         err = float("inf") if why else checks.max_abs_err(out, ref)
-        if not err <= case["bound"]:
+        if not err <= bound:
             raise _Fail(Verdict.IMPLAUSIBLE, f"implausibly fast and wrong on fresh inputs "
                         f"(error {err:.3g})")
 

@@ -48,9 +48,9 @@ def cuda_form(source: str) -> str:
 def build_candidate(path: Path, problem: Problem, cache_dir: Path, build_timeout_s: float,
                     arch: str | None) -> Callable[[], Loaded]:
     """Builds a CUDA candidate now (before sandboxing); returns a loader to call after."""
-    source = path.read_text()
     if path.suffix == ".py":
         return lambda: _load_python(path, problem)
+    source = path.read_text(errors="replace")   # bad bytes are nvcc's to report, not a crash
     from . import build
     import torch
 

@@ -106,6 +106,7 @@ CHEATS = [
     ("sdpa_try_fallback.py", Verdict.POLICY, r"called torch scaled_dot_product_attention"),
     ("sdpa_aten_op.py", Verdict.POLICY, r"dispatched library attention op aten\._scaled_dot"),
     ("flash_attn_import.py", Verdict.POLICY, r"imported flash_attn"),
+    ("sdpa_when_timed.py", Verdict.POLICY, r"called torch scaled_dot_product_attention"),
     # 6. precision cut in float16: float8 q/k, bfloat16 P
     ("precision_fp8.py", Verdict.INCORRECT, r"max abs error .* > tolerance"),
     ("precision_bf16_p.py", Verdict.INCORRECT, r"max abs error .* > tolerance"),
@@ -113,12 +114,16 @@ CHEATS = [
     ("tail_drop.py", Verdict.INCORRECT, r"\(1,1,77,64\) causal \[domain shape\]: max abs error"),
     # 8. harness tampering by code swap (attribute replacement: its own test below)
     ("tamper_code.py", Verdict.TAMPERING, r"evaluator\.checks\.max_abs_err\.__code__"),
+    # ... by swapping the module the harness calls through, or a method of the problem class
+    ("tamper_module.py", Verdict.TAMPERING, r"replaced harness functions: evaluator\.harness\.checks"),
+    ("tamper_baseline.py", Verdict.TAMPERING, r"evaluator\.problems\.sdpa\.Sdpa\.baseline"),
     # 10. non-determinism
     ("nondeterministic.py", Verdict.NONDETERMINISTIC, r"two runs on the same inputs differ"),
     # 11. crashes are contained and named
     ("raise_import.py", Verdict.LOAD_ERROR, r"raised at import: RuntimeError"),
     ("raise_call.py", Verdict.CRASH, r"raised ValueError: candidate failed in the call"),
     ("system_exit.py", Verdict.CRASH, r"raised SystemExit"),
+    ("raise_when_timed.py", Verdict.CRASH, r"raised while timing: RuntimeError"),
     ("hard_exit.py", Verdict.CRASH, r"exited with code 0 in stage 'check' without a result"),
     ("segfault.py", Verdict.CRASH, r"SIGSEGV in stage 'check'"),
 ]
@@ -225,14 +230,16 @@ def test_hang_times_out_and_the_next_candidate_still_passes(cache_dir: str) -> N
 # No honest CPU candidate is 10x faster than SDPA (call overhead alone is ~1/3 of SDPA's time
 # at S = 1), so the flag-and-re-verify path is driven with a timer that reports any speed we ask.
 class _FakeTimer:
-    def __init__(self, candidate_ms: float, baseline_ms: float) -> None:
+    def __init__(self, candidate_ms: float, baseline_ms: float, kept_out=None) -> None:  # noqa: ANN001
         self.ms = {"candidate": candidate_ms, "baseline": baseline_ms}
+        self.kept_out = kept_out            # a timed output to hand back for re-checking
 
     def run(self, fns, inputs, refill, warmup, reps, keep_reps, keep_name):  # noqa: ANN001
         from evaluator.timing import Timing
+        kept = [] if self.kept_out is None else [(0, self.kept_out, dict(inputs))]
         return Timing(ms=dict(self.ms), samples_ms={n: [v] for n, v in self.ms.items()},
                       host_ms_per_call=dict(self.ms), peak_mem_bytes={n: None for n in self.ms},
-                      kept_outputs=[])
+                      kept_outputs=kept)
 
 
 def _load_entry(path: Path):  # noqa: ANN202
@@ -242,8 +249,12 @@ def _load_entry(path: Path):  # noqa: ANN202
     return mod.attention
 
 
-def _time_with(entry, candidate_ms: float, ceiling: float | None = None):  # noqa: ANN001, ANN202
-    """Runs the harness's timing step for one CPU config with a fake timer; returns (result, flags)."""
+def _time_with(entry, candidate_ms: float, ceiling: float | None = None,  # noqa: ANN001, ANN202
+               kept_out=None, torch_err: float | None = None):  # noqa: ANN001
+    """Runs the harness's timing step for one CPU config with a fake timer; returns (result, flags).
+
+    kept_out: a timed output the fake timer hands back; torch_err: overrides torch's error
+    measured in the correctness pass (and so the bound)."""
     import torch
 
     from evaluator import harness
@@ -254,12 +265,15 @@ def _time_with(entry, candidate_ms: float, ceiling: float | None = None):  # noq
     cfg = dict(problem.cpu_configs[0])
     rng = random.Random(1234)
     case = harness._prepare_config(problem, cfg, torch.float16, torch.device("cpu"), rng, 1)
+    if torch_err is not None:
+        case["torch_err"] = torch_err
     case["bound"] = problem.tolerance.bound(case["torch_err"])
     run = lambda inputs, c: problem.call(entry, inputs, c)  # noqa: E731
     run(case["trials"][0]["inputs"], cfg)                   # the correctness pass calls it first
     flags: list[str] = []
     checked = ConfigResult(cfg, "float16", Verdict.PASS, "", 0.0, case["bound"])
-    out = harness._time_case(problem, case, run, _FakeTimer(candidate_ms, 1.0), {}, rng,
+    timer = _FakeTimer(candidate_ms, 1.0, kept_out)
+    out = harness._time_case(problem, case, run, timer, {}, rng,
                              {"name": "cpu"}, "float16", problem.tolerance, ceiling, False,
                              checked, flags)
     return out, flags
@@ -285,6 +299,25 @@ def test_speed_above_the_measured_ceiling_is_implausible() -> None:
         _time_with(_load_entry(ADV / "honest_torch.py"), candidate_ms=0.5, ceiling=1e-6)
     assert info.value.verdict is Verdict.IMPLAUSIBLE
     assert "exceeds the measured ceiling" in info.value.reason
+
+
+def test_reverification_bound_counts_torch_error_on_the_fresh_inputs() -> None:
+    # The correctness pass saw torch err 0 (bound = the 1e-5 floor); fresh float16 inputs give
+    # torch itself ~1e-3 of error, so the honest candidate must still pass re-verification.
+    out, flags = _time_with(_load_entry(ADV / "honest_torch.py"), candidate_ms=0.01,
+                            torch_err=0.0)
+    assert out.verdict is Verdict.PASS and len(flags) == 1
+
+
+def test_empty_timed_output_is_incorrect() -> None:
+    import torch
+
+    from evaluator.harness import _Fail
+    with pytest.raises(_Fail) as info:      # max_abs_err of an empty tensor is 0: shape first
+        _time_with(_load_entry(ADV / "honest_torch.py"), candidate_ms=0.5,
+                   kept_out=torch.empty(0, dtype=torch.float16))
+    assert info.value.verdict is Verdict.INCORRECT
+    assert "timed call 0 returned a bad output: output shape (0,)" in info.value.reason
 
 
 def test_ordinary_speed_is_not_flagged() -> None:

@@ -160,3 +160,13 @@ def test_timeout_kills_the_build_and_leaves_no_cache_entry(tmp_path):
     r = build_fast(_write(tmp_path, "slow.cu", TINY % "5.0f"), cache, ARCH, 0.05)
     assert not r.ok and "timed out after 0.05s" in r.log
     assert _entries(cache) == []
+
+
+def test_python_candidate_with_a_latin1_comment_loads(tmp_path):
+    # Python accepts the stray byte in a comment; reading the file as UTF-8 text must not crash.
+    from evaluator.loader import build_candidate
+    from evaluator.problems import get_problem
+    path = tmp_path / "latin1.py"
+    path.write_bytes(b"# caf\xe9\ndef attention(q, k, v, causal=False, scale=None):\n    return q\n")
+    loaded = build_candidate(path, get_problem("sdpa"), tmp_path / "cache", 10.0, None)()
+    assert loaded.form == "python"

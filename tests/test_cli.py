@@ -70,6 +70,7 @@ def test_cuda_build_error_is_a_build_verdict() -> None:
     (["eval", "seeds/sdpa/naive_torch.py", "--configs", "1,2,x,64"], "--configs"),
     (["run", "--config", "missing.yaml"], "missing.yaml: config file not found"),
     (["export", "no_such_run", "--out", "x"], "no_such_run: not a run directory"),
+    (["run", "--config", "configs/cpu.yaml", "--output", "pyproject.toml"], "File exists"),
 ])
 def test_bad_input_is_one_line_and_exit_4_or_1(args: list[str], needle: str) -> None:
     p = evoattn(*args)

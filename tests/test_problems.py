@@ -70,6 +70,28 @@ def test_masks_never_hide_a_whole_row() -> None:
         assert bool((full > float("-inf")).any(-1).all()), cfg
 
 
+def test_gqa_baseline_keeps_enable_gqa_behind_the_tripwire(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Under kernel-only, F.scaled_dot_product_attention is a (*args, **kwargs) tripwire once the
+    # candidate is imported; the timed baseline must still be SDPA with enable_gqa=True.
+    import torch
+    import torch.nn.functional as F
+
+    problem = get_problem("gqa")
+    cfg = problem.cpu_configs[0]
+    inputs = problem.make_inputs(cfg, torch.float16, torch.device("cpu"),
+                                 torch.Generator().manual_seed(0))
+    problem.baseline(inputs, cfg)                 # the reference pass, before the guards
+    original, seen = F.scaled_dot_product_attention, []
+
+    def tripwire(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        seen.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", tripwire)
+    problem.baseline(inputs, cfg)
+    assert seen and seen[-1].get("enable_gqa") is True
+
+
 def test_cli_lists_every_problem() -> None:
     res = CliRunner().invoke(main, ["problems", str(ROOT / "examples/alibi/problem.py")])
     assert res.exit_code == 0, res.output
