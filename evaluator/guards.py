@@ -251,6 +251,9 @@ def install_sandbox(violations: Violations, allowed_dirs: list[str]) -> None:
                 if len(parts) > 2 and parts[2].isdigit():
                     deny(f"read another process's {p}")
         elif event in _PATH_EVENTS:
+            if event == "os.mkdir" and args and isinstance(args[0], (str, bytes)) and \
+                    os.path.isdir(os.fsdecode(args[0])):
+                return                  # makedirs(existing, exist_ok=True) changes nothing
             for i in _PATH_EVENTS[event]:
                 if i < len(args) and isinstance(args[i], (str, bytes)) and \
                         not allowed_write(os.fsdecode(args[i])):

@@ -152,8 +152,12 @@ def evaluate(req: dict[str, Any], stage: Callable[[str], None]) -> EvalResult:
         return fail(*failed, configs=tuple(results[i] for i in range(len(configs))))
 
     if on_gpu and kernel_only:
-        lib_kernels = _library_kernels(lambda: run(cases[0]["trials"][0]["inputs"],
-                                                   cases[0]["cfg"]))
+        try:
+            lib_kernels = _library_kernels(lambda: run(cases[0]["trials"][0]["inputs"],
+                                                       cases[0]["cfg"]))
+        except BaseException as e:  # noqa: BLE001 - the candidate's failure is data
+            return fail(*(violations.first() or (Verdict.CRASH, "raised under the profiler: "
+                                                 f"{type(e).__name__}: {e}"[:300])))
         if lib_kernels:
             return fail(Verdict.POLICY, "launched library attention kernels: "
                         + ", ".join(sorted(lib_kernels)[:3]))
@@ -340,7 +344,8 @@ def _time_case(problem: Problem, case: dict[str, Any], run: Callable[..., Any], 
     if req.get("all_backends"):
         for name, fn in problem.extra_baselines().items():
             fns[name] = (lambda f: (lambda inp: f(inp, cfg)))(fn)
-        fns = {n: f for n, f in fns.items() if _works(f, inputs)}
+        # Drop only the PyTorch backends that do not support this config.
+        fns = {n: f for n, f in fns.items() if n in ("candidate", "baseline") or _works(f, inputs)}
     timing = timer.run(fns, inputs, lambda inp: problem.refill(inp, gen), warmup, reps,
                        keep, "candidate")
     for rep, out, snap in timing.kept_outputs:       # class 1: stale / cached output

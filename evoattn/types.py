@@ -100,6 +100,9 @@ class Evaluator(Protocol):
 
     def evaluate(self, source: str, suffix: str, label: str) -> EvalResult: ...
 
+    def close(self) -> None:
+        """Releases what the evaluator holds (its zygote process, say)."""
+
 
 def top_programs(programs: Sequence[Program], k: int) -> list[Program]:
     """Returns the k correct programs of highest fitness (ties broken by id, for determinism)."""

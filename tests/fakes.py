@@ -14,6 +14,11 @@ class FakeEvaluator:
     fail_when: dict[str, str] = dataclasses.field(default_factory=dict)  # knob=value -> fails
     calls: list[str] = dataclasses.field(default_factory=list)
 
+    closed: bool = False
+
+    def close(self) -> None:
+        self.closed = True
+
     def evaluate(self, source: str, suffix: str, label: str = "") -> EvalResult:
         self.calls.append(source)
         knobs = {k.name: k.value for k in find_knobs(source)}

@@ -70,7 +70,8 @@ def cpu_eval(cache_dir: str) -> SubprocessEvaluator:
 
 # ---- honest kernels are not flagged ------------------------------------------------------
 @pytest.mark.parametrize("path", [SEEDS / "naive_torch.py", SEEDS / "flash_triton.py",
-                                  ADV / "honest_torch.py", ADV / "honest_triton.py"],
+                                  ADV / "honest_torch.py", ADV / "honest_triton.py",
+                                  ADV / "honest_makedirs.py"],
                          ids=lambda p: p.name)
 def test_honest_candidate_passes_without_flags(cpu_eval: SubprocessEvaluator, path: Path) -> None:
     result = evaluate(cpu_eval, path)

@@ -96,3 +96,12 @@ def test_the_llm_budget_counts_spend_from_before_a_resume(tmp_path: Path) -> Non
     events = (tmp_path / "run" / "events.jsonl").read_text().splitlines()
     assert json.loads(events[-1])["reason"] == "LLM budget exhausted"
     assert _iteration(tmp_path / "run") == 0
+
+
+def test_the_evaluator_is_closed_when_the_run_ends(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[FakeEvaluator] = []
+    monkeypatch.setattr(runner, "SubprocessEvaluator",
+                        lambda settings: made.append(FakeEvaluator()) or made[-1])
+    _start(_config(tmp_path))
+    assert len(made) == 1 and made[0].closed and made[0].calls
