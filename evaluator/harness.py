@@ -50,8 +50,8 @@ def evaluate(req: dict[str, Any], stage: Callable[[str], None]) -> EvalResult:
     kernel_only = req.get("policy", "kernel-only") == "kernel-only"
     cand_path = Path(req["candidate"]).resolve()
     info = devinfo.describe(dev)
-    common = dict(problem=problem.name, baseline=problem.baseline_name, candidate=cand_path.name, device=info["name"],
-                  timing_device=dev, versions=devinfo.versions(),
+    common = dict(problem=problem.name, baseline=problem.baseline_name,
+                  candidate=cand_path.name, device=info["name"], timing_device=dev, versions=devinfo.versions(),
                   device_info={k: v for k, v in info.items() if k != "name"})
 
     def fail(verdict: Verdict, reason: str, **kw: Any) -> EvalResult:

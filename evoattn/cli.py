@@ -15,6 +15,7 @@ from evaluator.types import EXIT_USAGE, exit_code_for
 
 from . import report
 from .errors import EvoattnError, UsageError
+from .problems import load_problem
 
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 err_console = Console(stderr=True, highlight=False)
@@ -49,15 +50,7 @@ def _problem_ref(name: str) -> str:
 
 
 def _problem(name: str) -> Any:
-    from evaluator.problems import UnknownProblem, get_problem
-    if name.endswith(".py") and not Path(name).is_file():
-        raise UsageError(f"{name}: problem file not found")
-    try:
-        return get_problem(name)
-    except UnknownProblem as e:
-        raise UsageError(str(e)) from None
-    except Exception as e:  # noqa: BLE001 - a user problem file that fails to load
-        raise UsageError(f"{name}: cannot load problem: {type(e).__name__}: {e}") from None
+    return load_problem(name)
 
 
 def _configs(problem: Any, spec: str | None) -> tuple[dict[str, Any], ...] | None:

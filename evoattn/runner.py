@@ -10,6 +10,7 @@ from rich.console import Console
 
 from .config import RunConfig, check_config, config_from_dict, config_to_dict, load_config
 from .errors import EvoattnError, RunDirError, UsageError
+from .problems import load_problem
 from .report import label
 from .sandbox import EvalSettings, SubprocessEvaluator, detect_device
 
@@ -207,13 +208,7 @@ def _resolve_config(config_path: str | None, resume_dir: str | None, iterations:
 
 
 def _problem(name: str) -> Any:
-    from evaluator.problems import UnknownProblem, get_problem
-    try:
-        return get_problem(name)
-    except UnknownProblem as e:
-        raise UsageError(f"problem: {e}") from None
-    except Exception as e:  # noqa: BLE001 - a user problem file that fails to load
-        raise UsageError(f"problem: {type(e).__name__}: {e}") from None
+    return load_problem(name, where="problem: ")
 
 
 def _locate(path: str, config_path: str | None, what: str) -> Path:
