@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One GPU session: install, evaluate every sdpa seed, check timing stability and the build
 # cache, time the baselines, run the gpu-marked tests, then search for the time that is left.
-# Usage (GPU machine, repo root): OUT=dir DEADLINE=seconds [EVALS=1] [GPU_TESTS=1] bash benchmarks/gpu_session.sh
-# The search gets whatever time is left before DEADLINE; it resumes gpu_runs/default if present.
+# Usage (GPU machine, repo root): OUT=dir DEADLINE=seconds [EVALS=1|flash|0] [GPU_TESTS=1]
+#   [PROBLEMS="strided gqa ..."] [RUNS="strided gqa ..." RUN_S=60] bash benchmarks/gpu_session.sh
+# The sdpa search gets whatever time is left before DEADLINE; it resumes gpu_runs/default
+# if present (carry gpu_runs/ between calls to continue a run).
 set -u
 export PYTHONUNBUFFERED=1
 R=$OUT/res; mkdir -p "$R"
@@ -36,6 +38,15 @@ if [ -n "${PROBLEMS:-}" ]; then     # PROBLEMS="strided gqa ...": each problem's
 fi
 if [ "${GPU_TESTS:-0}" = 1 ]; then
   log "gpu tests"; timeout ${GPU_TESTS_S:-300} python -m pytest -m gpu -q -p no:cacheprovider tests/test_adversarial.py tests/test_build.py > "$R/gpu_tests.txt" 2>&1; tail -5 "$R/gpu_tests.txt"
+fi
+if [ -n "${RUNS:-}" ]; then         # RUNS="strided gqa ...": a short offline search per problem
+  for p in $RUNS; do
+    log "run $p for ${RUN_S:-60}s"
+    timeout $(( ${RUN_S:-60} + 60 )) python -m evoattn.cli run --config configs/$p.yaml \
+      --iterations ${RUN_ITERS:-100} --max-wall-s ${RUN_S:-60} --output gpu_runs/$p --quiet \
+      > "$R/run_$p.txt" 2>&1; echo "exit $?" >> "$R/run_$p.txt"; tail -12 "$R/run_$p.txt"
+    [ -f gpu_runs/$p/best/best_eval.json ] && cp gpu_runs/$p/best/best_eval.json "$R/run_${p}_best.json"
+  done
 fi
 SEARCH_S=$(( ${DEADLINE:-0} - ($(date +%s) - T0) - 45 ))
 if [ "$SEARCH_S" -gt 30 ]; then
