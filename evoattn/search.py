@@ -112,7 +112,7 @@ class Search:
         t0 = self.clock()
         pop, seed = self._start()
         self._gpu_info_from(seed)
-        stop = self._stop_reason(pop, t0) if self.iteration < self.cfg.iterations else "iterations"
+        stop = self._stop_reason(pop, t0)
         if not seed.correct and stop is None:
             stop = f"the seed is not correct ({seed.result.verdict.value if seed.result else '?'}" \
                    f": {seed.result.reason if seed.result else ''})"
@@ -123,7 +123,7 @@ class Search:
         try:
             while stop is None:
                 while next_iter <= self.cfg.iterations and len(pending) <= self.lookahead:
-                    req, mut = self._prepare(pop, seed, next_iter)
+                    req, mut = self._prepare(pop, next_iter)
                     fut: cf.Future[Proposal]
                     if pool is None or not getattr(mut, "blocking_io", False):
                         # Local mutators answer here, in order, seeing the state as it is
@@ -153,8 +153,7 @@ class Search:
         self.store.record_stop(stop)
         return Outcome(pop.best(), seed, self.iteration, stop, self.clock() - t0)
 
-    def _prepare(self, pop: Population, seed: Program, iteration: int
-                 ) -> tuple[MutationRequest, Mutator]:
+    def _prepare(self, pop: Population, iteration: int) -> tuple[MutationRequest, Mutator]:
         island = pop.island_of_next(iteration)
         parent = pop.select_parent(island, self.rng)
         insp = pop.inspirations(island, self.cfg.llm.inspirations, self.rng, exclude_id=parent.id)
@@ -173,7 +172,7 @@ class Search:
         parent = req.parent
         if proposal.rejected or proposal.source is None:
             reason = proposal.rejected_reason or "rejected"
-            self.feedback.setdefault(parent.id, collections.deque(maxlen=3)).append(reason)
+            self._remember(parent.id, reason)
             self._stats["rejected"] += 1
             self._commit(pop, iteration, None, (parent.id, proposal.mutator, reason), proposal)
             return f"{proposal.mutator}: rejected: {reason}"
@@ -185,19 +184,20 @@ class Search:
             return f"{proposal.mutator}: {reason}"
         result = self.evaluator.evaluate(proposal.source, self.suffix, pid)
         self._stats["evaluated"] += 1
-        if result.flags:
-            self._stats["flags"] += 1
         child = Program(pid, proposal.source, self.suffix, parent.id, iteration, island,
                         proposal.mutator, proposal.change, result, proposal.second_parent_id)
         self.programs[pid] = child
         pop.add(child)
         if not child.correct:
-            self.feedback.setdefault(parent.id, collections.deque(maxlen=3)).append(
-                f"a child ({proposal.change[:200]}) failed: {result.verdict.value}: "
-                f"{result.reason[:300]}")
+            self._remember(parent.id, f"a child ({proposal.change[:200]}) failed: "
+                                      f"{result.verdict.value}: {result.reason[:300]}")
         self._commit(pop, iteration, child, None, proposal)
         return (f"{proposal.mutator}: {result.verdict.value} fitness {result.fitness:.3f} "
                 f"({proposal.change[:80]})")
+
+    def _remember(self, parent_id: str, text: str) -> None:
+        """Keeps the last few failures of a parent's children for its next prompts."""
+        self.feedback.setdefault(parent_id, collections.deque(maxlen=3)).append(text)
 
     def _commit(self, pop: Population, iteration: int, program: Program | None,
                 rejection: tuple[str, str, str] | None, proposal: Proposal) -> None:
