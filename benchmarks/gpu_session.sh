@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session: install, evaluate every sdpa seed, check timing stability and the build
 # cache, time the baselines, run the gpu-marked tests, then search for the time that is left.
-# Usage (GPU machine, repo root): OUT=dir DEADLINE=seconds [EVALS=1|flash|0] [GPU_TESTS=1]
+# Usage (GPU machine, repo root): OUT=dir DEADLINE=seconds [EVALS=1|cuda|flash|0] [GPU_TESTS=1]
 #   [PROBLEMS="strided gqa ..."] [RUNS="strided gqa ..." RUN_S=60] bash benchmarks/gpu_session.sh
 # The sdpa search gets whatever time is left before DEADLINE; it resumes gpu_runs/default
 # if present (carry gpu_runs/ between calls to continue a run).
@@ -18,17 +18,22 @@ python -c "import torch, triton; print('torch', torch.__version__, 'triton', tri
 date -u >> "$R/gpu.txt"; cat "$R/gpu.txt"
 export EVOATTN_CACHE=/tmp/evoattn-cache
 ev() { local name=$1; shift; log "eval $name"; timeout 300 python -m evoattn.cli eval "$@" --json "$R/$name.json" > "$R/$name.txt" 2>&1; echo "exit $?" >> "$R/$name.txt"; tail -4 "$R/$name.txt"; }
-if [ "${EVALS:-1}" != 0 ]; then   # EVALS=flash: only the Triton seed (twice: stability)
+# EVALS=flash: the Triton seed twice (cold, then warm Triton cache: stability and cost);
+# EVALS=cuda: that, the tensor-core and fused CUDA seeds and the baselines; EVALS=1: every seed.
+if [ "${EVALS:-1}" != 0 ]; then
 ev flash_triton seeds/sdpa/flash_triton.py --all-backends
 ev flash_triton_2 seeds/sdpa/flash_triton.py
+find "$EVOATTN_CACHE" -name "*.cubin" | wc -l | sed 's/^/triton kernels compiled: /' | tee -a "$R/gpu.txt"
 fi
-if [ "${EVALS:-1}" = 1 ]; then
+if [ "${EVALS:-1}" = 1 ] || [ "${EVALS:-1}" = cuda ]; then
 ev mma_flash seeds/sdpa/mma_flash.cu
 ev mma_flash_2 seeds/sdpa/mma_flash.cu
 ev fused seeds/sdpa/fused.cu --reps 5 --warmup 2
+log baseline; timeout 200 python -m evoattn.cli baseline --json "$R/baseline.json" > "$R/baseline.txt" 2>&1; tail -3 "$R/baseline.txt"
+fi
+if [ "${EVALS:-1}" = 1 ]; then
 ev naive_cu seeds/sdpa/naive.cu --reps 3 --warmup 1
 ev naive_torch seeds/sdpa/naive_torch.py --reps 5 --warmup 2
-[ "${EVALS:-1}" = 1 ] && log baseline && timeout 200 python -m evoattn.cli baseline --json "$R/baseline.json" > "$R/baseline.txt" 2>&1; tail -3 "$R/baseline.txt"
 ev ext_naive seeds/sdpa/ext_naive.cu --reps 5 --warmup 2 --configs "2,32,2048,64;1,8,512,64"
 fi
 if [ -n "${PROBLEMS:-}" ]; then     # PROBLEMS="strided gqa ...": each problem's seeds, fewer reps
@@ -60,4 +65,5 @@ if [ "$SEARCH_S" -gt 30 ]; then
   [ -d gpu_runs/default/best ] && cp -r gpu_runs/default/best "$R/best"
 fi
 tar -czf "$OUT/results.tgz" -C "$OUT" res
+[ -d gpu_runs ] && tar -czf "$OUT/gpu_runs.tgz" --exclude='*/best' gpu_runs   # carry it back to resume
 log done

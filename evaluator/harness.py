@@ -81,6 +81,7 @@ def evaluate(req: dict[str, Any], stage: Callable[[str], None]) -> EvalResult:
     device = torch.device(dev)
     cases = [_prepare_config(problem, cfg, dtype, device, rng, trials)
              for cfg in configs + domain]
+    stage("ceiling")
     ceiling = devinfo.measured_matmul_tflops(dtype) if on_gpu and dtype != torch.float32 else None
     if ceiling:
         common["device_info"]["measured_matmul_tflops"] = round(ceiling, 1)
@@ -152,6 +153,7 @@ def evaluate(req: dict[str, Any], stage: Callable[[str], None]) -> EvalResult:
         return fail(*failed, configs=tuple(results[i] for i in range(len(configs))))
 
     if on_gpu and kernel_only:
+        stage("profile")
         try:
             lib_kernels = _library_kernels(lambda: run(cases[0]["trials"][0]["inputs"],
                                                        cases[0]["cfg"]))

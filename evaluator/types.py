@@ -108,6 +108,7 @@ class EvalResult:
     build_cached: bool | None = None
     build_seconds: float | None = None
     duration_s: float = 0.0
+    stage_s: dict[str, float] = dataclasses.field(default_factory=dict)  # wall time per stage
 
     @property
     def correct(self) -> bool:
@@ -132,6 +133,7 @@ class EvalResult:
             "build_cached": self.build_cached,
             "build_seconds": self.build_seconds,
             "duration_s": self.duration_s,
+            "stage_s": self.stage_s,
             "configs": [c.to_json() for c in self.configs],
         })
 
@@ -155,6 +157,7 @@ class EvalResult:
             build_cached=d.get("build_cached"),
             build_seconds=d.get("build_seconds"),
             duration_s=float(d.get("duration_s", 0.0)),
+            stage_s={str(k): float(v) for k, v in (d.get("stage_s") or {}).items()},
         )
 
     @classmethod

@@ -46,19 +46,25 @@ def _child(job: dict) -> None:
     os._exit(0)
 
 
+def _cuda_driver_initialised() -> bool:
+    """Returns True if Triton's CUDA driver object was created in this process."""
+    config = getattr(sys.modules.get("triton.runtime.driver"), "driver", None)
+    return any(getattr(config, name, None) is not None for name in ("_default", "_active"))
+
+
 def main() -> None:
     import torch  # (the point of the zygote: imported once, CUDA untouched)
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        # Triton is preloaded only for the CPU interpreter: on a GPU its driver must
-        # be initialised in the candidate's own process, never before a fork.
-        try:
-            import triton  # noqa: F401
-            import triton.language  # noqa: F401
-        except ImportError:
-            pass
+    # Triton's modules are imported here too; its driver is initialised lazily, on the first
+    # launch, so that happens in the candidate's own process (checked below with torch's).
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except ImportError:
+        pass
+    import torch.profiler  # noqa: F401  (the harness's library-kernel check)
     from . import harness, worker  # noqa: F401
-    if torch.cuda.is_initialized():        # a fork would share a CUDA context: refuse
-        print("error CUDA was initialised in the zygote", flush=True)
+    if torch.cuda.is_initialized() or _cuda_driver_initialised():
+        print("error CUDA was initialised in the zygote", flush=True)   # a fork would share it
         return
 
     out = sys.stdout

@@ -73,6 +73,9 @@ def print_eval(console: Console, result: EvalResult) -> None:
     if result.build_cached is not None:
         console.print(f"build: {'cached (skipped)' if result.build_cached else 'built'}"
                       + (f" in {result.build_seconds:.1f} s" if result.build_seconds else ""))
+    if result.stage_s:
+        console.print(f"time: {result.duration_s:.1f} s (" + ", ".join(
+            f"{k} {v:.1f}" for k, v in result.stage_s.items()) + ")")
     for flag in result.flags:
         console.print(f"[yellow]flag[/yellow]: {flag}")
     ok = result.correct

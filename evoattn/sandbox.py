@@ -112,8 +112,8 @@ class SubprocessEvaluator:
                 request["warmup"] = s.warmup
             if s.reps is not None:
                 request["reps"] = s.reps
-            result = self._run_child(request, work)
-            return dataclasses.replace(result, candidate=label,
+            result, stages = self._run_child(request, work)
+            return dataclasses.replace(result, candidate=label, stage_s=stages,
                                        duration_s=round(time.monotonic() - t0, 3))
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -140,13 +140,16 @@ class SubprocessEvaluator:
                       "interpreter", file=sys.stderr)
         return PopenChild(request, work, env, log_path)
 
-    def _run_child(self, request: dict[str, Any], work: str) -> EvalResult:
+    def _run_child(self, request: dict[str, Any], work: str
+                   ) -> tuple[EvalResult, dict[str, float]]:
+        """Returns the child's result and the wall seconds spent in each stage it reported."""
         s = self.settings
         env = child_env(dict(os.environ), work, s.cache_dir, s.device, s.secret_env_names)
         if s.gpu_index is not None and s.device == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = str(s.gpu_index)
         log_path = Path(work) / "child.log"
         nonce = request["nonce"]
+        marks: list[tuple[str, float]] = [("start", time.monotonic())]   # zygote start too
         child = self._launch(request, work, env, log_path)
         rfd = child.result_fd
         stage, result, reason = "start", None, None
@@ -177,7 +180,8 @@ class SubprocessEvaluator:
                     if msg is None:
                         continue
                     if msg["type"] == "stage":
-                        stage = str(msg["payload"])
+                        stage = str(msg["payload"])[:40]
+                        marks.append((stage, time.monotonic()))
                         if stage == "build":
                             deadline = time.monotonic() + s.build_timeout_s
                         elif stage == "reference":   # everything after the build
@@ -189,13 +193,24 @@ class SubprocessEvaluator:
         finally:
             child.kill()
             child.close()
+        stages = _stage_seconds(marks, time.monotonic())
         tail = _tail(log_path)
         if reason is not None:
-            return EvalResult.failure(reason[0], reason[1], log_tail=tail, problem=s.problem)
+            return (EvalResult.failure(reason[0], reason[1], log_tail=tail, problem=s.problem),
+                    stages)
         if result is not None:
-            return dataclasses.replace(EvalResult.from_json(result), log_tail=tail)
+            return dataclasses.replace(EvalResult.from_json(result), log_tail=tail), stages
         return EvalResult.failure(*_classify_death(child.returncode(), tail, stage),
-                                  log_tail=tail, problem=s.problem)
+                                  log_tail=tail, problem=s.problem), stages
+
+
+def _stage_seconds(marks: list[tuple[str, float]], end: float) -> dict[str, float]:
+    """Turns (stage, time it began) marks into wall seconds per stage ('start': the launch
+    and imports before the child's first report)."""
+    out: dict[str, float] = {}
+    for (name, t), nxt in zip(marks, [m[1] for m in marks[1:]] + [end]):
+        out[name] = round(out.get(name, 0.0) + nxt - t, 3)
+    return out
 
 
 def _read(fd: int) -> bytes | None:

@@ -97,3 +97,27 @@ def test_zygote_and_fresh_interpreter_give_the_same_verdicts(tmp_path) -> None: 
             assert (ev._zygote is not None) is zygote
         finally:
             ev.close()
+
+
+def test_stage_seconds_splits_the_wall_time_between_reported_stages() -> None:
+    marks = [("start", 0.0), ("build", 1.0), ("reference", 1.5), ("check", 4.0), ("check", 5.0)]
+    assert sandbox._stage_seconds(marks, 10.0) == {"start": 1.0, "build": 0.5,
+                                                    "reference": 2.5, "check": 6.0}
+
+
+def test_an_evaluation_reports_where_its_time_went(tmp_path) -> None:  # noqa: ANN001
+    ok = ("import torch\n\ndef attention(q, k, v, causal=False, scale=None):\n"
+          "    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,"
+          " scale=scale)\n")
+    ev = SubprocessEvaluator(EvalSettings(device="cpu", cache_dir=str(tmp_path),
+                                          policy="allow-library", reps=2, warmup=1))
+    try:
+        r = ev.evaluate(ok, ".py")
+    finally:
+        ev.close()
+    assert r.verdict is Verdict.PASS, r.reason
+    assert {"start", "build", "reference", "load", "check", "time"} <= r.stage_s.keys()
+    assert all(v >= 0 for v in r.stage_s.values())
+    assert sum(r.stage_s.values()) <= r.duration_s + 0.05
+    assert sum(r.stage_s.values()) > 0.5 * r.duration_s
+    assert r.from_json(r.to_json()).stage_s == r.stage_s

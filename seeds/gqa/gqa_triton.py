@@ -84,7 +84,9 @@ def _inner(acc, l_i, m_i, q, K, V, kv_head, offs_m, lo, hi, S, qk_scale,
     return acc, l_i, m_i
 
 
-@triton.jit
+# Sequence lengths are not specialised: one compiled kernel serves every S (a
+# candidate compiles 2-4 kernels, not one per divisibility class of S).
+@triton.jit(do_not_specialize=["S"])
 def _gqa_fwd(Q, K, V, O, S, HQ, HKV, qk_scale,
              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              CAUSAL: tl.constexpr, SPLIT: tl.constexpr, EXP2: tl.constexpr,

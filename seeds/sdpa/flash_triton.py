@@ -231,7 +231,9 @@ def _tile_coords(tile, num_m, BH, CAUSAL: tl.constexpr, HEAD_MAJOR: tl.constexpr
     return m_idx, off_hz
 
 
-@triton.jit
+# Sequence lengths are not specialised: one compiled kernel serves every S (a
+# candidate compiles 2-4 kernels, not one per divisibility class of S).
+@triton.jit(do_not_specialize=["S", "BH"])
 def _attn_fwd(Q, K, V, O, S, BH, qk_scale,
               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               CAUSAL: tl.constexpr, CAUSAL_SPLIT: tl.constexpr, SCALE_NONNEG: tl.constexpr,

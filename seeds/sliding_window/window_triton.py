@@ -82,7 +82,9 @@ def _inner(acc, l_i, m_i, q, K, V, head, offs_m, lo, hi, S, window, qk_scale,
     return acc, l_i, m_i
 
 
-@triton.jit
+# Sequence lengths are not specialised: one compiled kernel serves every S (a
+# candidate compiles 2-4 kernels, not one per divisibility class of S).
+@triton.jit(do_not_specialize=["S"])
 def _window_fwd(Q, K, V, O, S, window, qk_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 EXP2: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
