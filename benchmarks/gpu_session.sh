@@ -2,7 +2,7 @@
 # One GPU session: install, evaluate every sdpa seed, check timing stability and the build
 # cache, time the baselines, run the gpu-marked tests, then search for the time that is left.
 # Usage (GPU machine, repo root): OUT=dir DEADLINE=seconds [EVALS=1|cuda|flash|0] [GPU_TESTS=1]
-#   [PROBLEMS="strided gqa ..."] [RUNS="strided gqa ..." RUN_S=60] bash benchmarks/gpu_session.sh
+#   [PROFILE=1] [PROBLEMS="strided gqa ..."] [RUNS="strided gqa ..." RUN_S=60] bash benchmarks/gpu_session.sh
 # The sdpa search gets whatever time is left before DEADLINE; it resumes gpu_runs/default
 # if present (carry gpu_runs/ between calls to continue a run).
 set -u
@@ -35,6 +35,9 @@ if [ "${EVALS:-1}" = 1 ]; then
 ev naive_cu seeds/sdpa/naive.cu --reps 3 --warmup 1
 ev naive_torch seeds/sdpa/naive_torch.py --reps 5 --warmup 2
 ev ext_naive seeds/sdpa/ext_naive.cu --reps 5 --warmup 2 --configs "2,32,2048,64;1,8,512,64"
+fi
+if [ "${PROFILE:-0}" = 1 ]; then    # where one evaluation's time goes (warm Triton cache)
+  log profile; timeout 180 python benchmarks/profile_eval.py seeds/sdpa/flash_triton.py --top 45 > "$R/profile.txt" 2>&1; head -3 "$R/profile.txt"
 fi
 if [ -n "${PROBLEMS:-}" ]; then     # PROBLEMS="strided gqa ...": each problem's seeds, fewer reps
   for p in $PROBLEMS; do for f in seeds/$p/*; do

@@ -52,6 +52,17 @@ def _cuda_driver_initialised() -> bool:
     return any(getattr(config, name, None) is not None for name in ("_default", "_active"))
 
 
+def _warm_imports(torch, guards) -> None:  # noqa: ANN001
+    """Imports, on a CPU tensor, what every candidate's first checked call would import
+    (the dispatch watch pulls in torch._dynamo and sympy: seconds per candidate otherwise)."""
+    try:
+        import triton.experimental.gluon  # noqa: F401  (Triton's launcher imports it lazily)
+    except ImportError:
+        pass
+    with guards.DispatchWatch(guards.Violations()):
+        torch.empty(2).add_(1)
+
+
 def main() -> None:
     import torch  # (the point of the zygote: imported once, CUDA untouched)
     # Triton's modules are imported here too; its driver is initialised lazily, on the first
@@ -62,7 +73,8 @@ def main() -> None:
     except ImportError:
         pass
     import torch.profiler  # noqa: F401  (the harness's library-kernel check)
-    from . import harness, worker  # noqa: F401
+    from . import guards, harness, worker  # noqa: F401
+    _warm_imports(torch, guards)
     if torch.cuda.is_initialized() or _cuda_driver_initialised():
         print("error CUDA was initialised in the zygote", flush=True)   # a fork would share it
         return
