@@ -56,7 +56,7 @@ if [ -n "${RUNS:-}" ]; then         # RUNS="strided gqa ...": a short offline se
     [ -f gpu_runs/$p/best/best_eval.json ] && cp gpu_runs/$p/best/best_eval.json "$R/run_${p}_best.json"
   done
 fi
-SEARCH_S=$(( ${DEADLINE:-0} - ($(date +%s) - T0) - 45 ))
+SEARCH_S=$(( ${DEADLINE:-0} - ($(date +%s) - T0) - ${SEARCH_RESERVE_S:-45} ))
 if [ "$SEARCH_S" -gt 30 ]; then
   log "search for ${SEARCH_S}s"
   timeout $(( SEARCH_S + 30 )) python -m evoattn.cli run --config configs/default.yaml --iterations 100 --max-wall-s $SEARCH_S \
@@ -66,6 +66,9 @@ if [ "$SEARCH_S" -gt 30 ]; then
   cp gpu_runs/default/run.sqlite-wal "$OUT/run.sqlite-wal" 2>/dev/null
   cp gpu_runs/default/events.jsonl "$R/events.jsonl" 2>/dev/null
   [ -d gpu_runs/default/best ] && cp -r gpu_runs/default/best "$R/best"
+  if [ "${BEST_EVAL:-0}" = 1 ] && [ -f gpu_runs/default/best/best.py ]; then   # re-check, every backend
+    ev best_all_backends gpu_runs/default/best/best.py --all-backends
+  fi
 fi
 tar -czf "$OUT/results.tgz" -C "$OUT" res
 [ -d gpu_runs ] && tar -czf "$OUT/gpu_runs.tgz" --exclude='*/best' gpu_runs   # carry it back to resume

@@ -35,6 +35,8 @@ def main() -> None:
     from evoattn.sandbox import child_env
     os.environ.update(child_env(dict(os.environ), work, cache, a.device))   # as a child has it
     tempfile.tempdir = None
+    a.candidate = os.path.abspath(a.candidate)
+    os.chdir(work)                     # relative paths resolve where a child's would
     req = {"candidate": os.path.abspath(a.candidate), "problem": a.problem, "device": a.device,
            "cache_dir": cache, "allowed_dirs": [work, cache, os.environ["TRITON_CACHE_DIR"]],
            "secret_seed": secrets.randbits(62), "reps": a.reps, "warmup": a.warmup}

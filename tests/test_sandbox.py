@@ -121,3 +121,21 @@ def test_an_evaluation_reports_where_its_time_went(tmp_path) -> None:  # noqa: A
     assert sum(r.stage_s.values()) <= r.duration_s + 0.05
     assert sum(r.stage_s.values()) > 0.5 * r.duration_s
     assert r.from_json(r.to_json()).stage_s == r.stage_s
+
+
+def test_a_zygote_child_makes_temp_files_in_its_own_directory(tmp_path) -> None:  # noqa: ANN001
+    # Triton writes its launcher sources with tempfile; an import in the zygote had cached the
+    # zygote's TMPDIR, so every forked candidate wrote outside its own directory.
+    src = ("import tempfile\nimport torch\n\n"
+           "def attention(q, k, v, causal=False, scale=None):\n"
+           "    tempfile.mkdtemp()\n"
+           "    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,"
+           " scale=scale)\n")
+    ev = SubprocessEvaluator(EvalSettings(device="cpu", cache_dir=str(tmp_path), zygote=True,
+                                          policy="allow-library", reps=2, warmup=1))
+    try:
+        r = ev.evaluate(src, ".py")
+        assert ev._zygote is not None
+    finally:
+        ev.close()
+    assert r.verdict is Verdict.PASS, r.reason
