@@ -3,6 +3,8 @@
     python benchmarks/tables.py eval RESULT.json [...]     # per-config table per file
     python benchmarks/tables.py baseline BASELINE.json
     python benchmarks/tables.py stability A.json B.json    # per-config median spread
+    python benchmarks/tables.py compare SEED.json BEST.json  # per-config seed vs best
+    python benchmarks/tables.py summary A.json [...]       # one row per file: fitness, speedups
 """
 from __future__ import annotations
 
@@ -74,6 +76,32 @@ def stability(a: str, b: str) -> str:
     return "\n".join(rows) + f"\n\nlargest difference: {worst * 100:.2f}%\n"
 
 
+def compare(seed: str, best: str) -> str:
+    """Returns per-config seed and best times and speedups (each against the SDPA of its run)."""
+    ds, db = (json.loads(Path(p).read_text()) for p in (seed, best))
+    rows = ["| config | seed ms | seed speedup | best ms | best speedup | best TFLOP/s | "
+            "baseline TFLOP/s (best's run) | best / seed |", "|" + "---|" * 8]
+    for cs, cb in zip(ds["configs"], db["configs"]):
+        gain = cs["ms"] / cb["ms"] if cs.get("ms") and cb.get("ms") else None
+        rows.append(f"| {_label(cb)} | {_num(cs.get('ms'), '.4f')} | {_num(cs.get('speedup'), '.3f')}"
+                    f" | {_num(cb.get('ms'), '.4f')} | {_num(cb.get('speedup'), '.3f')} | "
+                    f"{_num(cb.get('tflops'), '.1f')} | {_num(cb.get('baseline_tflops'), '.1f')} | "
+                    f"{_num(gain, '.2f')}× |")
+    return (f"seed fitness {ds['fitness']:.3f} -> best fitness {db['fitness']:.3f}\n\n"
+            + "\n".join(rows) + "\n")
+
+
+def summary(files: list[str]) -> str:
+    """Returns one row per evaluation: candidate, verdict, fitness, per-config speedups."""
+    rows = ["| file | candidate | verdict | fitness | per-config speedups |", "|---|---|---|---|---|"]
+    for f in files:
+        d = json.loads(Path(f).read_text())
+        sp = " / ".join(_num(c.get("speedup"), ".3f") for c in d["configs"])
+        rows.append(f"| `{Path(f).name}` | {d['candidate']} | {d['verdict']} | "
+                    f"{d['fitness']:.4f} | {sp} |")
+    return "\n".join(rows) + "\n"
+
+
 if __name__ == "__main__":
     kind, *files = sys.argv[1:]
     if kind == "eval":
@@ -82,5 +110,9 @@ if __name__ == "__main__":
         print(baseline_table(files[0]))
     elif kind == "stability":
         print(stability(*files))
+    elif kind == "compare":
+        print(compare(*files))
+    elif kind == "summary":
+        print(summary(files))
     else:
         sys.exit(f"unknown kind {kind!r}")
