@@ -14,8 +14,8 @@ import io
 import os
 import pstats
 import secrets
-import tempfile
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,9 +35,10 @@ def main() -> None:
     from evoattn.sandbox import child_env
     os.environ.update(child_env(dict(os.environ), work, cache, a.device))   # as a child has it
     tempfile.tempdir = None
-    a.candidate = os.path.abspath(a.candidate)
+    candidate = os.path.abspath(a.candidate)
+    problem = os.path.abspath(a.problem) if a.problem.endswith(".py") else a.problem
     os.chdir(work)                     # relative paths resolve where a child's would
-    req = {"candidate": os.path.abspath(a.candidate), "problem": a.problem, "device": a.device,
+    req = {"candidate": candidate, "problem": problem, "device": a.device,
            "cache_dir": cache, "allowed_dirs": [work, cache, os.environ["TRITON_CACHE_DIR"]],
            "secret_seed": secrets.randbits(62), "reps": a.reps, "warmup": a.warmup}
     marks: list[tuple[str, float]] = [("start", time.perf_counter())]

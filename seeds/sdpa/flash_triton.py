@@ -46,8 +46,8 @@ except ImportError:  # Triton older than 3.3
     HAS_TENSOR_DESC = False
 
 # ---- knobs (one per line; the mutator rewrites only the value) ------------------------
-# Defaults: a plain FlashAttention-2 kernel, as Triton's tutorial starts it (128x64 tiles, 4
-# warps, 3 stages, pointer loads, exp, one masked causal loop). Finding the Hopper structure
+# Defaults: a plain FlashAttention-2 kernel (128x64 tiles, 4 warps, 3 stages, pointer loads,
+# exp, one masked loop for causal attention). Finding the Hopper structure
 # (TMA, the causal split, exp2) and the tile sizes is left to the search; the settings a hand
 # sweep found are in the notes at the end.
 BLOCK_M_D64 = 128  # evoattn: choice(32, 64, 128, 256)
