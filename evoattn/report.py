@@ -63,6 +63,21 @@ def extra_backends_table(result: EvalResult) -> Table | None:
     return t
 
 
+def cost_summary(results: list[EvalResult]) -> str:
+    """Returns one line on what the evaluations cost: count, mean seconds, the main stages."""
+    timed = [r for r in results if r.stage_s]
+    if not timed:
+        return ""
+    mean = sum(r.duration_s for r in timed) / len(timed)
+    stages: dict[str, float] = {}
+    for r in timed:
+        for name, sec in r.stage_s.items():
+            stages[name] = stages.get(name, 0.0) + sec / len(timed)
+    top = sorted(stages.items(), key=lambda kv: -kv[1])[:4]
+    return (f"evaluations: {len(timed)}, {mean:.1f} s each on average ("
+            + ", ".join(f"{name} {sec:.1f}" for name, sec in top) + ")")
+
+
 def print_eval(console: Console, result: EvalResult) -> None:
     """Prints the table and the closing block (Correctness / Speedup / Score)."""
     if result.configs:

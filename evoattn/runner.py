@@ -11,7 +11,7 @@ from rich.console import Console
 from .config import RunConfig, check_config, config_from_dict, config_to_dict, load_config
 from .errors import EvoattnError, RunDirError, UsageError
 from .problems import load_problem
-from .report import label
+from .report import cost_summary, label
 from .sandbox import EvalSettings, SubprocessEvaluator, detect_device
 
 DEFAULT_CONFIG = "configs/default.yaml"
@@ -140,6 +140,9 @@ def _summary(console: Console, outcome: Any, search: Any) -> None:
             before = by_cfg.get(str(c.params))
             console.print(f"  {label(c.params)}: {before or 0:.3f}x -> {c.speedup or 0:.3f}x "
                           f"vs {best.result.baseline}")
+    cost = cost_summary([p.result for p in search.programs.values() if p.result is not None])
+    if cost:
+        console.print(cost)
 
 
 def _config_spec(cfg: dict[str, Any]) -> str:

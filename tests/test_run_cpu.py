@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -50,6 +51,7 @@ def test_knob_search_runs_exports_and_the_export_gets_the_same_verdict(tmp_path:
     p = _evoattn("run", "--config", str(cfg), "--quiet")
     assert p.returncode == 0, p.stdout + p.stderr
     assert "CPU" in p.stdout and "stopped after iteration 3: iterations" in p.stdout
+    assert re.search(r"evaluations: [1-4], \d+\.\d s each on average \(\w+ \d", p.stdout), p.stdout
     run = tmp_path / "run"
     rows = _rows(run / "run.sqlite", "SELECT iteration, verdict, mutator FROM programs")
     assert rows[0][:2] == (0, "pass") and len(rows) + _rows(

@@ -139,3 +139,14 @@ def test_a_zygote_child_makes_temp_files_in_its_own_directory(tmp_path) -> None:
     finally:
         ev.close()
     assert r.verdict is Verdict.PASS, r.reason
+
+
+def test_cost_summary_averages_each_stage_over_the_evaluations() -> None:
+    from evaluator.types import EvalResult
+    from evoattn.report import cost_summary
+    rs = [EvalResult(Verdict.PASS, "", 1.0, duration_s=d,
+                     stage_s={"reference": ref, "check": 1.0, "time": 0.5, "load": 0.0})
+          for d, ref in ((6.0, 4.0), (10.0, 8.0))]
+    line = cost_summary(rs + [EvalResult(Verdict.CRASH, "no stages", 0.0)])
+    assert line == "evaluations: 2, 8.0 s each on average (reference 6.0, check 1.0, time 0.5, load 0.0)"
+    assert cost_summary([]) == ""
