@@ -4,7 +4,6 @@ These run without a child except the last two tests, which each start one (~3 s 
 """
 from __future__ import annotations
 
-import glob
 import json
 import signal
 import os
