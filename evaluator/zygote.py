@@ -61,12 +61,12 @@ def _warm_imports(torch, guards) -> None:  # noqa: ANN001
         import triton.experimental.gluon  # noqa: F401  (Triton's launcher imports it lazily)
     except ImportError:
         pass
-    with guards.DispatchWatch(guards.Violations()):
-        torch.empty(2).add_(1)
     try:
+        with guards.DispatchWatch(guards.Violations()):
+            torch.empty(2).add_(1)
         from triton.runtime.cache import triton_key
-        triton_key()                   # hashes Triton's own files (cached): ~0.7 s once
-    except Exception:  # noqa: BLE001 - only a speed-up
+        triton_key()                   # hashes Triton's own files (cached): ~0.6 s once
+    except Exception:  # noqa: BLE001 - only a speed-up: the candidates import what is missing
         pass
 
 
