@@ -3,8 +3,10 @@
 # cache, time the baselines, run the gpu-marked tests, then search for the time that is left.
 # Usage (GPU machine, repo root): OUT=dir DEADLINE=seconds [EVALS=1|cuda|flash|0] [GPU_TESTS=1]
 #   [PROFILE=1] [PROBLEMS="strided gqa ..."] [RUNS="strided gqa ..." RUN_S=60] bash benchmarks/gpu_session.sh
-# The sdpa search gets whatever time is left before DEADLINE; it resumes gpu_runs/default
-# if present (carry gpu_runs/ between calls to continue a run).
+# The sdpa search gets whatever time is left before DEADLINE, less SEARCH_RESERVE_S (45); it
+# resumes gpu_runs/default if present (carry gpu_runs/ between calls to continue a run, the
+# script leaves it in $OUT/gpu_runs.tgz). BEST_EVAL=1 re-checks the run's best afterwards
+# against every SDPA backend.
 set -u
 export PYTHONUNBUFFERED=1
 R=$OUT/res; mkdir -p "$R"
