@@ -44,20 +44,21 @@ def strip_comments(source: str) -> str:
         tree = ast.parse(source)
     except SyntaxError:
         return re.sub(r"/\*.*?\*/|//[^\n]*", "", source, flags=re.S)
-    lines = source.split("\n")
-    for node in ast.walk(tree):
+    docs = []          # (start, end) of each docstring: only its string tokens are dropped,
+    for node in ast.walk(tree):     # not code that shares a line with it
         body = getattr(node, "body", None)
         if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and \
                 isinstance(getattr(body[0], "value", None), ast.Constant) and \
                 isinstance(body[0].value.value, str):
             doc = body[0]
-            for i in range(doc.lineno - 1, (doc.end_lineno or doc.lineno)):
-                lines[i] = ""
-    text = "\n".join(lines)
+            docs.append(((doc.lineno, doc.col_offset),
+                         (doc.end_lineno or doc.lineno, doc.end_col_offset or 0)))
     out = []
-    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
-        if tok.type != tokenize.COMMENT:
-            out.append(tok)
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT or (tok.type == tokenize.STRING and any(
+                a <= tok.start and tok.end <= b for a, b in docs)):
+            continue
+        out.append(tok)
     return tokenize.untokenize(out)
 
 

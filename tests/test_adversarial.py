@@ -364,3 +364,23 @@ GPU_CHEATS = [
 def test_gpu_cheat_is_caught_with_its_cause(gpu_eval: SubprocessEvaluator, name: str,
                                             verdict: Verdict, pattern: str) -> None:
     assert_verdict(evaluate(gpu_eval, ADV / name), verdict, pattern)
+
+
+# ---- the static scan: comments and docstrings aside, never code -----------------------------
+
+def test_static_scan_ignores_comments_and_docstrings() -> None:
+    from evaluator.guards import scan_source
+    src = ('"""Faster than F.scaled_dot_product_attention."""\n'
+           "def attention(q, k, v, causal=False, scale=None):\n"
+           '    """Not scaled_dot_product_attention: a kernel of our own."""\n'
+           "    return q  # was F.scaled_dot_product_attention(q, k, v)\n")
+    assert scan_source(src) == []
+
+
+def test_static_scan_sees_code_that_shares_a_line_with_a_docstring() -> None:
+    from evaluator.guards import scan_source
+    src = ("import torch.nn.functional as F\n"
+           'def attention(q, k, v, causal=False, scale=None): "doc"; '
+           "return F.scaled_dot_product_attention(q, k, v)\n")
+    assert scan_source(src) == ["torch scaled_dot_product_attention "
+                                "('scaled_dot_product_attention' at line 2)"]
