@@ -32,7 +32,7 @@ def main() -> None:
     a = ap.parse_args()
     cache = os.environ.get("EVOATTN_CACHE") or tempfile.mkdtemp(prefix="evoattn-prof-")
     work = tempfile.mkdtemp(prefix="evoattn-prof-work-")
-    from evoattn.sandbox import child_env
+    from evoattn.sandbox import _stage_seconds, child_env
     os.environ.update(child_env(dict(os.environ), work, cache, a.device))   # as a child has it
     tempfile.tempdir = None
     candidate = os.path.abspath(a.candidate)
@@ -49,8 +49,8 @@ def main() -> None:
     prof.disable()
     end = time.perf_counter()
     print(f"verdict {result.verdict.value} fitness {result.fitness:.4f} {result.reason}")
-    print("stages: " + ", ".join(f"{n} {t1 - t0:.2f} s" for (n, t0), t1 in
-                                 zip(marks, [m[1] for m in marks[1:]] + [end])))
+    print("stages: " + ", ".join(f"{n} {sec:.2f} s"
+                                 for n, sec in _stage_seconds(marks, end).items()))
     for key in ("cumulative", "tottime"):
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(a.top)

@@ -9,17 +9,16 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from evoattn.report import label  # noqa: E402  (one config label for the tool and its tables)
+
 
 def _label(c: dict) -> str:
-    p = c.get("params") or c
-    if {"B", "H", "S", "D"} <= p.keys():
-        extra = "".join(f" {k}={v}" for k, v in p.items() if k not in "BHSD" and k != "causal")
-        return (f"({p['B']},{p['H']},{p['S']},{p['D']})" + (" causal" if p.get("causal") else "")
-                + extra)
-    return ",".join(f"{k}={v}" for k, v in p.items())
+    return label(c.get("params") or c)
 
 
 def _num(x: object, fmt: str) -> str:

@@ -132,10 +132,9 @@ def evaluate(req: dict[str, Any], stage: Callable[[str], None]) -> EvalResult:
     results: dict[int, ConfigResult] = {}
     failed: tuple[Verdict, str] | None = None
     for i, case in enumerate(cases):
-        cfg = case["cfg"]
         if failed and screen:
-            results[i] = ConfigResult(cfg, dtype_name, Verdict.SKIPPED, "an earlier check failed")
-            continue
+            break                              # the rest are marked skipped below
+        cfg = case["cfg"]
         try:
             err, bound = _check_case(problem, case, run, tol, on_gpu, cand_path, kernel_only,
                                      violations, integrity)

@@ -16,6 +16,7 @@ from evaluator.types import EXIT_USAGE, exit_code_for
 from . import report
 from .errors import EvoattnError, UsageError
 from .problems import load_problem
+from .sandbox import resolve_device
 
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 err_console = Console(stderr=True, highlight=False)
@@ -49,10 +50,6 @@ def _problem_ref(name: str) -> str:
     return str(Path(name).resolve()) if name.endswith(".py") else name
 
 
-def _problem(name: str) -> Any:
-    return load_problem(name)
-
-
 def _configs(problem: Any, spec: str | None) -> tuple[dict[str, Any], ...] | None:
     if not spec:
         return None
@@ -60,11 +57,6 @@ def _configs(problem: Any, spec: str | None) -> tuple[dict[str, Any], ...] | Non
         return tuple(problem.parse_configs(spec))
     except ValueError as e:
         raise UsageError(f"--configs: {e}") from None
-
-
-def _device(device: str) -> str:
-    from .sandbox import detect_device
-    return detect_device() if device == "auto" else device
 
 
 @main.command("eval")
@@ -97,8 +89,8 @@ def eval_cmd(path: str, problem: str, configs: str | None, dtype: str | None, de
         raise UsageError(f"{path}: file not found")
     if p.suffix not in (".py", ".cu"):
         raise UsageError(f"{path}: expected a .py (Python/Triton) or .cu (CUDA) file")
-    prob = _problem(problem)
-    dev = _device(device)
+    prob = load_problem(problem)
+    dev = resolve_device(device)
     if p.suffix == ".cu" and dev == "cpu":
         console.print("[yellow]no GPU[/yellow]: a .cu candidate is only compiled here, not run")
     if trials < 1:
@@ -132,9 +124,9 @@ def eval_cmd(path: str, problem: str, configs: str | None, dtype: str | None, de
 def baseline(problem: str, configs: str | None, dtype: str | None, device: str,
              json_path: str | None) -> None:
     """Time every PyTorch implementation (SDPA backends, naive) per config."""
-    prob = _problem(problem)
+    prob = load_problem(problem)
     cfgs = _configs(prob, configs)
-    dev = _device(device)
+    dev = resolve_device(device)
     req = {"problem": _problem_ref(problem), "configs": list(cfgs) if cfgs else None,
            "dtype": dtype, "device": dev}
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
@@ -156,7 +148,7 @@ def problems(paths: tuple[str, ...]) -> None:
     """List the built-in problems (and any problem .py files given) with their contracts."""
     from evaluator.problems import builtin_names
     for name in list(builtin_names()) + list(paths):
-        p = _problem(name)
+        p = load_problem(name)
         console.print(f"[bold]{p.name}[/bold] — {p.summary}")
         console.print(f"  contract: {p.contract}")
         if p.cuda_symbol:

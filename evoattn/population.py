@@ -45,21 +45,10 @@ class Population:
                 elites.append(seed)
 
     # ---- reading ---------------------------------------------------------
-    @property
-    def num_islands(self) -> int:
-        return len(self._islands)
-
     def elites(self, island: int) -> list[Program]:
         """Returns an island's elites, best first."""
         return list(self._islands[island])
 
-    def all_elites(self) -> list[Program]:
-        """Returns every distinct elite over all islands, best first."""
-        seen: dict[str, Program] = {}
-        for elites in self._islands:
-            for p in elites:
-                seen.setdefault(p.id, p)
-        return sorted(seen.values(), key=_rank_key)
 
     def best(self) -> Program | None:
         """Returns the best elite anywhere, or None if no correct program exists."""

@@ -12,7 +12,7 @@ from .config import RunConfig, check_config, config_from_dict, config_to_dict, l
 from .errors import EvoattnError, RunDirError, UsageError
 from .problems import load_problem
 from .report import cost_summary, label
-from .sandbox import EvalSettings, SubprocessEvaluator, detect_device
+from .sandbox import EvalSettings, SubprocessEvaluator, resolve_device
 
 DEFAULT_CONFIG = "configs/default.yaml"
 # Keys that may differ when a run is resumed (everything else must match the stored config).
@@ -28,7 +28,7 @@ def start_run(*, config_path: str | None, iterations: int | None, output: str | 
                                     device)
     if max_wall_s is not None:
         cfg = dataclasses.replace(cfg, max_wall_s=max_wall_s)
-    dev = detect_device() if cfg.device == "auto" else cfg.device
+    dev = resolve_device(cfg.device)
     cfg = dataclasses.replace(cfg, device=dev)
     problem_ref = _problem_ref(cfg.problem, config_path)
     problem = _problem(problem_ref)
@@ -71,12 +71,10 @@ def _search(cfg: RunConfig, store: Any, problem: Any, problem_ref: str, configs:
     evaluator = SubprocessEvaluator(settings)
     meter = None
     mutators: list[tuple[Any, float]] = []
-    search_ref: dict[str, Any] = {}
     for m in cfg.mutators:
-        if m.kind == "knobs":
+        if m.kind == "knobs":     # every evaluated program is committed before the next proposal
             mutators.append((KnobMutator(cfg.population.crossover_rate,
-                                         is_known=lambda pid: pid in search_ref["s"].programs),
-                             m.weight))
+                                         is_known=store.has_program), m.weight))
         else:
             from .mutators.llm import CostMeter, LlmMutator
             if meter is None:     # a resumed run keeps counting its earlier calls and spend
@@ -102,7 +100,6 @@ def _search(cfg: RunConfig, store: Any, problem: Any, problem_ref: str, configs:
                     budget_exhausted=lambda: bool(meter and meter.exhausted),
                     llm_totals=llm_totals,
                     lookahead=cfg.llm.concurrency if meter is not None else 0)
-    search_ref["s"] = search
     events.write("start", config=config_to_dict(cfg), device=dev, run_dir=str(run_dir))
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
@@ -156,22 +153,25 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+def _stored_config(run_dir: str) -> RunConfig:
+    """Returns the config a run directory was started with (RunDirError if it holds no run)."""
+    from .store import RunStore
+    st = RunStore.open_readonly(run_dir)
+    try:
+        return config_from_dict(st.stored_config(), f"{run_dir}/run.sqlite")
+    finally:
+        st.close()
+
+
 def _resolve_config(config_path: str | None, resume_dir: str | None, iterations: int | None,
                     output: str | None, random_seed: int | None,
                     device: str | None) -> tuple[RunConfig, bool]:
-    from .store import RunStore
     resuming = False
     if resume_dir and (config_path or output):
         raise UsageError("--resume continues a run with its stored config; "
                          "it takes no --config or --output")
     if resume_dir:
-        if not (Path(resume_dir) / "run.sqlite").is_file():
-            raise RunDirError(f"{resume_dir}: not a run directory (no run.sqlite)")
-        st = RunStore.open_readonly(resume_dir)
-        try:
-            cfg = config_from_dict(st.stored_config(), f"{resume_dir}/run.sqlite")
-        finally:
-            st.close()
+        cfg = _stored_config(resume_dir)
         resuming = True
         cfg = dataclasses.replace(cfg, output=resume_dir)
     else:
@@ -193,11 +193,7 @@ def _resolve_config(config_path: str | None, resume_dir: str | None, iterations:
     check_config(cfg, "command line")
     if not resuming and (Path(cfg.output) / "run.sqlite").is_file():
         # Re-running with the same output continues the run if the config matches.
-        st = RunStore.open_readonly(cfg.output)
-        try:
-            stored = config_from_dict(st.stored_config(), f"{cfg.output}/run.sqlite")
-        finally:
-            st.close()
+        stored = _stored_config(cfg.output)
         if not Path(stored.seed).is_absolute():   # a run stored before paths were absolute
             stored = _absolute_paths(stored, path)
         a = {k: v for k, v in config_to_dict(stored).items() if k not in _RESUMABLE | {"device"}}

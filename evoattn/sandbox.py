@@ -283,3 +283,8 @@ def detect_device() -> str:
     if any(os.path.exists(f"/dev/nvidia{i}") for i in range(16)):
         return "cuda"
     return "cpu"
+
+
+def resolve_device(device: str) -> str:
+    """Returns the device to run on: 'auto' becomes what detect_device() finds."""
+    return detect_device() if device == "auto" else device

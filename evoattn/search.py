@@ -118,7 +118,7 @@ class Search:
                    f": {seed.result.reason if seed.result else ''})"
         pending: collections.deque[tuple[int, MutationRequest, Mutator, cf.Future[Proposal]]] = \
             collections.deque()
-        pool = cf.ThreadPoolExecutor(max_workers=max(1, self.lookahead)) if self.lookahead else None
+        pool = cf.ThreadPoolExecutor(max_workers=self.lookahead) if self.lookahead else None
         next_iter = self.iteration + 1
         try:
             while stop is None:
@@ -170,7 +170,7 @@ class Search:
         """Evaluates one proposal and commits the iteration; returns a note for the view."""
         island = pop.island_of_next(iteration)
         parent = req.parent
-        if proposal.rejected or proposal.source is None:
+        if proposal.source is None:        # a rejection
             reason = proposal.rejected_reason or "rejected"
             self._remember(parent.id, reason)
             self._stats["rejected"] += 1

@@ -196,8 +196,7 @@ class RunStore:
     def commit_iteration(self, *, iteration: int, program: Program | None,
                          rejection: tuple[str | None, str, str] | None,
                          llm_usage: LlmUsage | None, rng_state: Any,
-                         population_snapshot: dict[str, Any],
-                         llm_status: str | None = None) -> None:
+                         population_snapshot: dict[str, Any]) -> None:
         """Writes one iteration's program/rejection, LLM call and search state atomically."""
         now = self._now()
         with self._transaction() as c:
@@ -208,7 +207,7 @@ class RunStore:
                 c.execute("INSERT INTO rejections VALUES (?, ?, ?, ?, ?)",
                           (iteration, parent_id, mutator, reason, now))
             if llm_usage is not None:
-                status = llm_status or ("rejected" if program is None else "ok")
+                status = "rejected" if program is None else "ok"
                 u = llm_usage
                 c.execute("INSERT INTO llm_calls VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                           (iteration, u.model, u.prompt_tokens, u.completion_tokens,

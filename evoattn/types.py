@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 from evaluator.types import EvalResult
 
@@ -103,8 +103,3 @@ class Evaluator(Protocol):
     def close(self) -> None:
         """Releases what the evaluator holds (its zygote process, say)."""
 
-
-def top_programs(programs: Sequence[Program], k: int) -> list[Program]:
-    """Returns the k correct programs of highest fitness (ties broken by id, for determinism)."""
-    ok = [p for p in programs if p.correct]
-    return sorted(ok, key=lambda p: (-p.fitness, p.id))[:k]

@@ -117,10 +117,6 @@ class Problem:
         import torch
         return [v for v in inputs.values() if isinstance(v, torch.Tensor)]
 
-    def prepare(self, cfg: Config, dtype: Any, device: Any, gen: Any) -> dict[str, Any]:
-        """Returns per-config state shared by all trials (weights of a module, say)."""
-        return {}
-
 
 def _parse_scalar(text: str) -> Any:
     low = text.lower()

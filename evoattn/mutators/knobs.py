@@ -84,11 +84,13 @@ class KnobMutator:
             return Proposal(parent.id, self.name, None,
                             rejected_reason="no '# evoattn: choice(...)' knobs in the parent")
         rng = random.Random(request.seed)
-        partner = next((p for p in request.inspirations if p.id != parent.id and
-                        {k.name for k in find_knobs(p.source)} == {k.name for k in knobs}), None)
+        names = {k.name for k in knobs}
+        partner, partner_knobs = next(
+            ((p, pk) for p in request.inspirations if p.id != parent.id
+             for pk in [find_knobs(p.source)] if {k.name for k in pk} == names), (None, []))
         for _ in range(self.attempts):
             use_cross = partner is not None and rng.random() < self.crossover_rate
-            values = (self._crossover(knobs, find_knobs(partner.source), rng) if use_cross
+            values = (self._crossover(knobs, partner_knobs, rng) if use_cross
                       else self._mutate(knobs, rng))
             changed = {k.name: (k.value, values[k.name]) for k in knobs
                        if values.get(k.name, k.value) != k.value}
