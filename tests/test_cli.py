@@ -63,18 +63,19 @@ def test_cuda_build_error_is_a_build_verdict() -> None:
     assert "build_error" in p.stdout and "not_declared_anywhere" in p.stdout
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["eval", "does/not/exist.py"], "does/not/exist.py: file not found"),
-    (["eval", "pyproject.toml"], "expected a .py (Python/Triton) or .cu (CUDA) file"),
-    (["eval", "seeds/sdpa/naive_torch.py", "--problem", "nope"], "unknown problem 'nope'"),
-    (["eval", "seeds/sdpa/naive_torch.py", "--configs", "1,2,x,64"], "--configs"),
-    (["run", "--config", "missing.yaml"], "missing.yaml: config file not found"),
-    (["export", "no_such_run", "--out", "x"], "no_such_run: not a run directory"),
-    (["run", "--config", "configs/cpu.yaml", "--output", "pyproject.toml"], "File exists"),
+@pytest.mark.parametrize("args, needle, code", [
+    (["eval", "does/not/exist.py"], "does/not/exist.py: file not found", 4),
+    (["eval", "pyproject.toml"], "expected a .py (Python/Triton) or .cu (CUDA) file", 4),
+    (["eval", "seeds/sdpa/naive_torch.py", "--problem", "nope"], "unknown problem 'nope'", 4),
+    (["eval", "seeds/sdpa/naive_torch.py", "--configs", "1,2,x,64"], "--configs", 4),
+    (["run", "--config", "missing.yaml"], "missing.yaml: config file not found", 4),
+    (["export", "no_such_run", "--out", "x"], "no_such_run: not a run directory", 4),
+    # not bad usage but a tool error: the output path is taken by a file
+    (["run", "--config", "configs/cpu.yaml", "--output", "pyproject.toml"], "File exists", 1),
 ])
-def test_bad_input_is_one_line_and_exit_4_or_1(args: list[str], needle: str) -> None:
+def test_bad_input_is_one_line_and_its_exit_code(args: list[str], needle: str, code: int) -> None:
     p = evoattn(*args)
-    assert p.returncode in (1, 4), p.stdout + p.stderr
+    assert p.returncode == code, p.stdout + p.stderr
     lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and needle in lines[0], p.stderr
     assert "Traceback" not in p.stderr
@@ -92,11 +93,17 @@ def test_problems_lists_the_sdpa_contract() -> None:
     assert p.returncode == 0 and "sdpa" in p.stdout and "evoattn_sdpa" in p.stdout
 
 
-def test_baseline_prints_every_backend_on_cpu() -> None:
-    p = evoattn("baseline", "--device", "cpu", "--configs", "1,2,64,64,nc")
+def test_baseline_times_every_backend_on_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "baseline.json"
+    p = evoattn("baseline", "--device", "cpu", "--configs", "1,2,64,64,nc", "--json", str(out))
     assert p.returncode == 0, p.stderr
     for name in ("default", "math", "naive"):
         assert name in p.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 1
+    for name in ("default", "math", "naive"):
+        ms = rows[0]["ms"][name]
+        assert isinstance(ms, float) and ms > 0, (name, ms)
 
 
 def test_no_screen_reports_every_failing_config(tmp_path: Path) -> None:

@@ -43,11 +43,16 @@ def build_run(run_dir, programs: list[Program]) -> None:
                                rng_state=random.Random(i).getstate(), population_snapshot={})
 
 
+def _stored_fitness(p: Program, fitness: float) -> Program:
+    """An incorrect program whose stored fitness is high: only its verdict keeps it out."""
+    return dataclasses.replace(p, result=dataclasses.replace(p.result, fitness=fitness))
+
+
 @pytest.fixture
 def run(tmp_path):
     progs = [make("seed", None, 1.0, 0),
              make("a1", "seed", 1.2, 1, change="--- a\n+++ b\n@@ -1 +1 @@\n-BLOCK_M=64\n+BLOCK_M=128"),
-             make("zz", "seed", 50.0, 2, verdict=Verdict.INCORRECT),
+             _stored_fitness(make("zz", "seed", 50.0, 2, verdict=Verdict.INCORRECT), 50.0),
              make("a2", "a1", 1.5, 3),
              make("best", "a2", 2.0, 4, source="def attention(q, k, v, causal, scale):\n"
                                                "    return 'the best'\n")]
@@ -121,7 +126,7 @@ def test_no_correct_program_is_a_run_dir_error_and_writes_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
-def test_failure_mid_write_leaves_no_partial_directory(run, tmp_path, monkeypatch):
+def test_failure_before_writing_creates_nothing(run, tmp_path, monkeypatch):
     def boom(best, problem):
         raise OSError("disk full")
     monkeypatch.setattr(export_mod, "_readme", boom)

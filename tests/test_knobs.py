@@ -75,6 +75,8 @@ def test_crossover_takes_values_from_both_parents() -> None:
     mine = {k.name: k.value for k in find_knobs(TOY_SEED)}
     theirs = {k.name: k.value for k in find_knobs(other)}
     assert all(vals[n] in (mine[n], theirs[n]) for n in vals)
+    assert all(mine[n] != theirs[n] for n in vals)          # so the next line means a mix:
+    assert 0 < sum(vals[n] == theirs[n] for n in vals) < len(vals)
 
 
 def test_a_source_without_knobs_is_rejected_with_a_reason() -> None:

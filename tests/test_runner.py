@@ -105,3 +105,17 @@ def test_the_evaluator_is_closed_when_the_run_ends(tmp_path: Path,
                         lambda settings: made.append(FakeEvaluator()) or made[-1])
     _start(_config(tmp_path))
     assert len(made) == 1 and made[0].closed and made[0].calls
+
+
+def test_the_run_passes_its_evaluator_settings_to_the_sandbox(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list = []
+    monkeypatch.setattr(runner, "SubprocessEvaluator",
+                        lambda settings: seen.append(settings) or FakeEvaluator())
+    cfg = _config(tmp_path, evaluator={"policy": "allow-library", "reps": 50, "trials": 2},
+                  llm={"models": [{"name": "m", "api_key_env": "TORCH_MY_KEY"}]})
+    _start(cfg)
+    (s,) = seen
+    assert s.policy == "allow-library" and s.trials == 2 and s.device == "cpu"
+    assert (s.reps, s.warmup) == (3, 1)           # CPU timings: a few repetitions only
+    assert "TORCH_MY_KEY" in s.secret_env_names    # on the allow-list, so only this drops it

@@ -10,7 +10,7 @@ import pytest
 
 from evaluator.types import EvalResult, Verdict
 from evoattn.config import PopulationConfig, RunConfig, config_to_dict
-from evoattn.mutators.knobs import KnobMutator
+from evoattn.mutators.knobs import KnobMutator, find_knobs
 from evoattn.search import Search
 from evoattn.store import RunStore
 from evoattn.types import MutationRequest, Proposal
@@ -76,6 +76,8 @@ def test_resume_continues_with_the_same_population_and_counter(tmp_path: Path) -
     assert [i for i, *_ in hist][:len(s1.programs)] == [p.iteration for p in s1.programs.values()]
     assert max(i for i, *_ in hist) <= 12
     assert snap_before["seed"] == out2.seed.id
+    new = [p.iteration for p in s2.programs.values() if p.id not in s1.programs]
+    assert new and min(new) > 6          # the counter went on from 6, it did not restart
 
 
 def test_resume_reproduces_an_uninterrupted_run(tmp_path: Path) -> None:
@@ -128,12 +130,25 @@ def test_rejections_are_recorded_and_fed_back(tmp_path: Path) -> None:
 
 
 def test_incorrect_and_flagged_children_never_become_best(tmp_path: Path) -> None:
-    ev = FakeEvaluator(fail_when={"SPLIT": "True"})
-    s, out = _run(tmp_path, _cfg(iterations=30), ev)
-    assert out.best is not None and "SPLIT = False" in out.best.source
-    bad = [p for p in s.programs.values() if not p.correct]
-    assert bad, "the fake should have produced failing children"
-    assert all(p.result and p.result.verdict is Verdict.INCORRECT for p in bad)
+    class Cheated(FakeEvaluator):
+        """SPLIT=True 'wins' with fitness 99 but an unresolved integrity flag."""
+
+        def evaluate(self, source: str, suffix: str, label: str = "") -> EvalResult:
+            r = super().evaluate(source, suffix, label)
+            if {k.name: k.value for k in find_knobs(source)}.get("SPLIT") == "True":
+                return dataclasses.replace(r, verdict=Verdict.IMPLAUSIBLE, fitness=99.0,
+                                           flags=("implausible 99x",))
+            return r
+
+    s, out = _run(tmp_path, _cfg(iterations=30), Cheated())
+    assert out.best is not None and out.best.fitness < 99.0
+    assert {k.name: k.value for k in find_knobs(out.best.source)}["SPLIT"] == "False"
+    bad = {p.id for p in s.programs.values() if not p.correct}
+    assert bad, "the fake should have produced flagged children"
+    assert all(s.programs[i].result.verdict is Verdict.IMPLAUSIBLE for i in bad)
+    with RunStore.open_readonly(tmp_path) as st:
+        islands = st.load_state()["population"]["islands"]
+    assert not bad & {pid for island in islands for pid in island}   # never an elite
 
 
 def test_ctrl_c_stops_cleanly_and_keeps_committed_iterations(tmp_path: Path) -> None:
