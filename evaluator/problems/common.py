@@ -1,8 +1,10 @@
-"""Helpers shared by the attention-variant problems (child process only, except `pairs_*`)."""
+"""Helpers shared by the attention-variant problems; the strided/sliding_window base class."""
 from __future__ import annotations
 
 import math
 from typing import Any, Callable
+
+from .base import Config, Problem
 
 NEG_INF = float("-inf")
 
@@ -68,3 +70,69 @@ def default_scale(d: int) -> float:
 def flops_for_pairs(pairs: int, batch_heads: int, d: int) -> float:
     """Returns 4·D FLOPs (q·k and p·v, a multiply-add each) per visible (query, key) pair."""
     return 4.0 * batch_heads * pairs * d
+
+
+class CausalKeyMaskProblem(Problem):
+    """A causal attention problem whose visible keys follow one integer parameter `param` of
+    the config (a stride, a window): references, baselines and calls shared by strided and
+    sliding_window. Subclasses give `param`, `visible(i, j, p)` on index tensors, and
+    `visible_pairs(S, p)`."""
+
+    param = ""
+
+    @staticmethod
+    def visible(i: Any, j: Any, p: int) -> Any:
+        raise NotImplementedError
+
+    @staticmethod
+    def visible_pairs(S: int, p: int) -> int:
+        raise NotImplementedError
+
+    def __init__(self) -> None:
+        self._masks = DeviceCache()
+
+    def label(self, cfg: Config) -> str:
+        return f"({cfg['B']},{cfg['H']},{cfg['S']},{cfg['D']}) {self.param} {cfg[self.param]}"
+
+    def flops(self, cfg: Config) -> float:
+        return flops_for_pairs(self.visible_pairs(cfg["S"], cfg[self.param]),
+                               cfg["B"] * cfg["H"], cfg["D"])
+
+    def keep(self, S: int, p: int, device: Any) -> Any:
+        """Returns the (S, S) boolean mask of visible keys (cached per process)."""
+        def make() -> Any:
+            import torch
+            i = torch.arange(S, device=device)[:, None]
+            j = torch.arange(S, device=device)[None, :]
+            return self.visible(i, j, p)
+        return self._masks.get((S, p, str(device)), make)
+
+    def make_inputs(self, cfg: Config, dtype: Any, device: Any, gen: Any) -> dict[str, Any]:
+        check_dtype(self, dtype)
+        shape = (cfg["B"], cfg["H"], cfg["S"], cfg["D"])
+        q, k, v = (randn(shape, gen, device, dtype) for _ in range(3))
+        return {"q": q, "k": k, "v": v, self.param: int(cfg[self.param]),
+                "scale": default_scale(cfg["D"])}
+
+    def _keep_for(self, inputs: dict[str, Any]) -> Any:
+        q = inputs["q"]
+        return self.keep(q.shape[2], inputs[self.param], q.device)
+
+    def reference(self, inputs: dict[str, Any], cfg: Config) -> Any:
+        return masked_attention(inputs["q"], inputs["k"], inputs["v"], inputs["scale"],
+                                keep=self._keep_for(inputs))
+
+    def baseline(self, inputs: dict[str, Any], cfg: Config) -> Any:
+        return sdpa(inputs["q"], inputs["k"], inputs["v"], scale=inputs["scale"],
+                    attn_mask=self._keep_for(inputs))
+
+    def extra_baselines(self) -> dict[str, Callable[[dict[str, Any], Config], Any]]:
+        def naive(inputs: dict[str, Any], cfg: Config) -> Any:
+            q = inputs["q"]
+            return masked_attention(q, inputs["k"], inputs["v"], inputs["scale"],
+                                    keep=self._keep_for(inputs), compute_dtype=q.dtype)
+        return {"naive": naive}
+
+    def call(self, fn: Callable[..., Any], inputs: dict[str, Any], cfg: Config) -> Any:
+        return fn(inputs["q"], inputs["k"], inputs["v"], scale=inputs["scale"],
+                  **{self.param: inputs[self.param]})

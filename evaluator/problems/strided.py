@@ -1,11 +1,10 @@
 """`strided`: causal strided sparse attention, query i sees keys j <= i with j % stride == 0."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
-from .base import Config, Problem, Tolerance
-from .common import DeviceCache, check_dtype, default_scale, flops_for_pairs, masked_attention, \
-    randn, sdpa
+from .base import Config, Tolerance
+from .common import CausalKeyMaskProblem
 
 
 def _cfg(b: int, h: int, s: int, d: int, stride: int) -> Config:
@@ -17,7 +16,7 @@ def visible_pairs(S: int, stride: int) -> int:
     return sum(i // stride + 1 for i in range(S))
 
 
-class Strided(Problem):
+class Strided(CausalKeyMaskProblem):
     name = "strided"
     summary = "strided sparse causal attention: query i sees keys j <= i with j % stride == 0"
     contract = (
@@ -42,50 +41,9 @@ class Strided(Problem):
     baseline_name = "sdpa with a boolean attn_mask"
     implausible_speedup = 40.0      # skipping (stride-1)/stride of the keys is a real win
 
-    def __init__(self) -> None:
-        self._masks = DeviceCache()
+    param = "stride"
+    visible_pairs = staticmethod(visible_pairs)
 
-    def label(self, cfg: Config) -> str:
-        return f"({cfg['B']},{cfg['H']},{cfg['S']},{cfg['D']}) stride {cfg['stride']}"
-
-    def flops(self, cfg: Config) -> float:
-        return flops_for_pairs(visible_pairs(cfg["S"], cfg["stride"]), cfg["B"] * cfg["H"],
-                               cfg["D"])
-
-    def keep(self, S: int, stride: int, device: Any) -> Any:
-        """Returns the (S, S) boolean mask of visible keys (cached per process)."""
-        def make() -> Any:
-            import torch
-            i = torch.arange(S, device=device)[:, None]
-            j = torch.arange(S, device=device)[None, :]
-            return (j <= i) & (j % stride == 0)
-        return self._masks.get((S, stride, str(device)), make)
-
-    def make_inputs(self, cfg: Config, dtype: Any, device: Any, gen: Any) -> dict[str, Any]:
-        check_dtype(self, dtype)
-        shape = (cfg["B"], cfg["H"], cfg["S"], cfg["D"])
-        q, k, v = (randn(shape, gen, device, dtype) for _ in range(3))
-        return {"q": q, "k": k, "v": v, "stride": int(cfg["stride"]),
-                "scale": default_scale(cfg["D"])}
-
-    def reference(self, inputs: dict[str, Any], cfg: Config) -> Any:
-        q = inputs["q"]
-        return masked_attention(q, inputs["k"], inputs["v"], inputs["scale"],
-                                keep=self.keep(q.shape[2], inputs["stride"], q.device))
-
-    def baseline(self, inputs: dict[str, Any], cfg: Config) -> Any:
-        q = inputs["q"]
-        return sdpa(q, inputs["k"], inputs["v"], scale=inputs["scale"],
-                    attn_mask=self.keep(q.shape[2], inputs["stride"], q.device))
-
-    def extra_baselines(self) -> dict[str, Callable[[dict[str, Any], Config], Any]]:
-        def naive(inputs: dict[str, Any], cfg: Config) -> Any:
-            q = inputs["q"]
-            return masked_attention(q, inputs["k"], inputs["v"], inputs["scale"],
-                                    keep=self.keep(q.shape[2], inputs["stride"], q.device),
-                                    compute_dtype=q.dtype)
-        return {"naive": naive}
-
-    def call(self, fn: Callable[..., Any], inputs: dict[str, Any], cfg: Config) -> Any:
-        return fn(inputs["q"], inputs["k"], inputs["v"], stride=inputs["stride"],
-                  scale=inputs["scale"])
+    @staticmethod
+    def visible(i: Any, j: Any, stride: int) -> Any:
+        return (j <= i) & (j % stride == 0)
