@@ -207,7 +207,7 @@ class RunStore:
                 c.execute("INSERT INTO rejections VALUES (?, ?, ?, ?, ?)",
                           (iteration, parent_id, mutator, reason, now))
             if llm_usage is not None:
-                status = "rejected" if program is None else "ok"
+                status = llm_usage.status or ("rejected" if program is None else "ok")
                 u = llm_usage
                 c.execute("INSERT INTO llm_calls VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                           (iteration, u.model, u.prompt_tokens, u.completion_tokens,

@@ -55,6 +55,7 @@ class LlmUsage:
     cost_usd: float = 0.0
     latency_s: float = 0.0
     attempts: int = 1
+    status: str = ""         # "failed" when no answer came; else the store says ok/rejected
 
 
 @dataclasses.dataclass(frozen=True)

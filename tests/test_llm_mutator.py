@@ -207,7 +207,7 @@ def test_exhausted_retries_give_a_rejected_proposal_not_an_exception(server):
     p = mut.propose(request())
     assert p.rejected and p.rejected_reason.startswith("LLM call failed after 3 attempt(s): HTTP 500")
     assert len(server.requests) == 3 and len(sleeps) == 2 and server.pending == 1
-    assert p.usage.attempts == 3 and p.usage.cost_usd == 0.0
+    assert p.usage.attempts == 3 and p.usage.cost_usd == 0.0 and p.usage.status == "failed"
     (rec,) = meter.drain()
     assert rec.status == "failed" and "HTTP 500" in rec.error
 

@@ -124,13 +124,15 @@ def test_llm_totals_and_rejections(store):
                               cost_usd=0.25, latency_s=2.0, attempts=2))
     commit(store, 2, rejection=("a", "llm:m1", "SEARCH block not found"),
            llm_usage=LlmUsage(model="m1", prompt_tokens=10, completion_tokens=5, cost_usd=0.5))
+    commit(store, 3, rejection=("a", "llm:m1", "LLM call failed after 3 attempt(s): HTTP 500"),
+           llm_usage=LlmUsage(model="m1", attempts=3, status="failed"))
     t = store.llm_totals()
-    assert (t.calls, t.prompt_tokens, t.completion_tokens) == (2, 110, 55)
+    assert (t.calls, t.prompt_tokens, t.completion_tokens) == (3, 110, 55)
     assert t.cost_usd == pytest.approx(0.75) and t.latency_s == pytest.approx(2.0)
-    assert store.rejection_count() == 1
+    assert store.rejection_count() == 2
     conn = sqlite3.connect(store.run_dir / "run.sqlite")
     assert [r[0] for r in conn.execute("SELECT status FROM llm_calls ORDER BY rowid")] == \
-        ["ok", "rejected"]
+        ["ok", "rejected", "failed"]
     conn.close()
 
 

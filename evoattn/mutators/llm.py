@@ -392,7 +392,8 @@ class LlmMutator:
                                          iteration=request.iteration))
             if out.error.fatal:
                 raise out.error
-            usage = LlmUsage(model.name, latency_s=out.latency_s, attempts=out.attempts)
+            usage = LlmUsage(model.name, latency_s=out.latency_s, attempts=out.attempts,
+                             status="failed")
             reason = f"LLM call failed after {out.attempts} attempt(s): {out.error}"
             return Proposal(parent.id, tag, None, rejected_reason=reason, usage=usage)
 
