@@ -77,11 +77,13 @@ def _configs(problem: Any, spec: str | None) -> tuple[dict[str, Any], ...] | Non
 @click.option("--all-backends", is_flag=True, help="also time every SDPA backend")
 @click.option("--no-screen", is_flag=True, help="check every config even after one fails")
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="run limit, s")
+@click.option("--set", "knob_sets", multiple=True, metavar="NAME=VALUE",
+              help="evaluate with this knob (a `# evoattn: choice(...)` line) set; repeatable")
 def eval_cmd(path: str, problem: str, configs: str | None, dtype: str | None, device: str,
              json_path: str | None, trials: int, reps: int | None, warmup: int | None,
              policy: str,
              max_abs: float | None, tolerance_factor: float | None, all_backends: bool,
-             no_screen: bool, timeout: float) -> None:
+             no_screen: bool, timeout: float, knob_sets: tuple[str, ...]) -> None:
     """Check one kernel file against the reference and time it against SDPA."""
     from .sandbox import EvalSettings, SubprocessEvaluator
     p = Path(path)
@@ -95,6 +97,7 @@ def eval_cmd(path: str, problem: str, configs: str | None, dtype: str | None, de
         console.print("[yellow]no GPU[/yellow]: a .cu candidate is only compiled here, not run")
     if trials < 1:
         raise UsageError("--trials must be >= 1")
+    source = _with_knobs(p, p.read_text(), knob_sets)
     tol: dict[str, Any] = {}
     if max_abs is not None:
         tol["max_abs"] = max_abs
@@ -108,11 +111,33 @@ def eval_cmd(path: str, problem: str, configs: str | None, dtype: str | None, de
         console.print("[yellow]CPU mode[/yellow]: Triton runs in its interpreter; "
                       "timings are CPU timings, not GPU performance.")
     with console.status(f"evaluating {p.name} on {dev} ..."):
-        result = SubprocessEvaluator(settings).evaluate(p.read_text(), p.suffix, p.name)
+        result = SubprocessEvaluator(settings).evaluate(source, p.suffix, p.name)
     report.print_eval(console, result)
     if json_path:
         _write_json_atomic(Path(json_path), result.to_json())
     sys.exit(exit_code_for(result.verdict))
+
+
+def _with_knobs(path: Path, source: str, knob_sets: tuple[str, ...]) -> str:
+    """Returns the source with each NAME=VALUE knob set; a bad name or value is a UsageError."""
+    from .mutators.knobs import find_knobs, set_knobs
+    if not knob_sets:
+        return source
+    knobs = {k.name: k for k in find_knobs(source)}
+    values: dict[str, str] = {}
+    for item in knob_sets:
+        name, sep, value = item.partition("=")
+        name, value = name.strip(), value.strip()
+        if not sep or not name or not value:
+            raise UsageError(f"--set {item!r}: expected NAME=VALUE")
+        if name not in knobs:
+            raise UsageError(f"{path}: --set {name}: no such knob (knobs: "
+                             f"{', '.join(knobs) or 'none'})")
+        if value not in knobs[name].choices:
+            raise UsageError(f"{path}: --set {name}={value}: not among its choices "
+                             f"({', '.join(knobs[name].choices)})")
+        values[name] = value
+    return set_knobs(source, values)
 
 
 @main.command()

@@ -43,6 +43,35 @@ def test_incorrect_kernel_fails_with_exit_1_and_the_error(tmp_path: Path) -> Non
     assert data["verdict"] == "incorrect" and data["fitness"] == 0.0
 
 
+KNOBBED = '''"""A kernel with one knob: SCALE_FIX = 1.0 is right, 2.0 wrong."""
+import torch
+SCALE_FIX = 1.0  # evoattn: choice(1.0, 2.0)
+
+
+def attention(q, k, v, causal=False, scale=None):
+    scale = (q.shape[-1] ** -0.5 if scale is None else scale) * SCALE_FIX
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if causal:
+        n = q.shape[-2]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return (torch.softmax(s, -1) @ v.float()).to(q.dtype)
+'''
+
+
+def test_eval_set_changes_the_knob_and_rejects_unknown_ones(tmp_path: Path) -> None:
+    f = tmp_path / "knobbed.py"
+    f.write_text(KNOBBED)
+    assert evoattn("eval", str(f), *FAST).returncode == 0
+    wrong = evoattn("eval", str(f), *FAST, "--set", "SCALE_FIX=2.0")
+    assert wrong.returncode == 1 and "Correctness: FAIL" in wrong.stdout
+    assert f.read_text() == KNOBBED                          # the file itself is untouched
+    for bad, needle in (("SCALE_FIX=3.0", "not among its choices (1.0, 2.0)"),
+                        ("NOPE=1", "no such knob (knobs: SCALE_FIX)"),
+                        ("SCALE_FIX", "expected NAME=VALUE")):
+        p = evoattn("eval", str(f), *FAST, "--set", bad)
+        assert p.returncode == 4 and needle in p.stderr, p.stderr
+
+
 @pytest.mark.parametrize("name, code, needle", [
     ("syntax_error.py", 2, "syntax error"),
     ("raises_at_import.py", 2, "raised at import: RuntimeError: no GPU driver found"),
