@@ -2,7 +2,10 @@
 # One GPU session: install, evaluate every sdpa seed, check timing stability and the build
 # cache, time the baselines, run the gpu-marked tests, then search for the time that is left.
 # Usage (GPU machine, repo root): OUT=dir DEADLINE=seconds [EVALS=1|cuda|flash|0] [GPU_TESTS=1]
-#   [PROFILE=1] [PROBLEMS="strided gqa ..."] [RUNS="strided gqa ..." RUN_S=60] bash benchmarks/gpu_session.sh
+#   [PROFILE=1] [PROBLEMS="strided gqa ..."] [RUNS="strided gqa ..." RUN_S=60] [PROBE=1]
+#   [EVAL_LIST=file] bash benchmarks/gpu_session.sh
+# EVAL_LIST: one evaluation per line, "name <evoattn eval arguments>" (e.g. a seed with --set
+# knob values); '#' lines are skipped. PROBE=1 runs benchmarks/wgmma_probe.py first.
 # The sdpa search gets whatever time is left before DEADLINE, less SEARCH_RESERVE_S (45); it
 # resumes gpu_runs/default if present (carry gpu_runs/ between calls to continue a run, the
 # script leaves it in $OUT/gpu_runs.tgz). BEST_EVAL=1 re-checks the run's best afterwards
@@ -20,6 +23,15 @@ python -c "import torch, triton; print('torch', torch.__version__, 'triton', tri
 date -u >> "$R/gpu.txt"; cat "$R/gpu.txt"
 export EVOATTN_CACHE=/tmp/evoattn-cache
 ev() { local name=$1; shift; log "eval $name"; timeout 300 python -m evoattn.cli eval "$@" --json "$R/$name.json" > "$R/$name.txt" 2>&1; echo "exit $?" >> "$R/$name.txt"; tail -4 "$R/$name.txt"; }
+if [ "${PROBE:-0}" = 1 ]; then
+  log "wgmma probe"; timeout 300 python benchmarks/wgmma_probe.py > "$R/wgmma_probe.txt" 2>&1; echo "exit $?" >> "$R/wgmma_probe.txt"; tail -30 "$R/wgmma_probe.txt"
+fi
+if [ -n "${EVAL_LIST:-}" ]; then
+  while read -r name args; do
+    case "$name" in ''|'#'*) continue ;; esac
+    eval "ev $name $args"
+  done < "$EVAL_LIST"
+fi
 # EVALS=flash: the Triton seed twice (cold, then warm Triton cache: stability and cost);
 # EVALS=cuda: that, the tensor-core and fused CUDA seeds and the baselines; EVALS=1: every seed.
 if [ "${EVALS:-1}" != 0 ]; then
