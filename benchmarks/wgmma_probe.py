@@ -1,0 +1,258 @@
+#!/usr/bin/env python3
+"""Quick GPU check of seeds/sdpa/wgmma_flash.cu (Hopper: H100/H200), to find layout bugs fast.
+
+Builds benchmarks/wgmma_probe.cu (which #includes the seed) with nvcc for sm_90a and runs:
+  1. qk  D=64:  one m64nN S = q k^T tile (K-major A and B descriptors), N = 64 and 128;
+  2. qk  D=128: the same over two 64-column panels;
+  3. pv:        O = O_in + P v with P from registers and v MN-major (imm-trans-b = 1),
+                D in {64, 128} x N in {64, 128};
+     (1-3 in float16 and bfloat16, plus a case with zero-filled rows past the valid ones);
+  4. sdpa:      the seed's evoattn_sdpa on (B,H,S,D,causal) shapes against float32 attention,
+                for every knob combination of the seed (each built separately, in parallel).
+Prints one line per test with the max abs error and PASS/FAIL, then a few informational
+timings, and exits 1 on any FAIL (2 when it cannot run). Run from anywhere:
+    python benchmarks/wgmma_probe.py [--quick] [--no-timing]
+--quick: only the seed's current knob setting.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import ctypes
+import itertools
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SEED = ROOT / "seeds" / "sdpa" / "wgmma_flash.cu"
+PROBE = ROOT / "benchmarks" / "wgmma_probe.cu"
+GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
+KNOBS = {"NUM_WARPGROUPS": ("1", "2"), "BLOCK_N": ("64", "128")}
+SDPA_SHAPES = [(1, 1, 64, 64, False), (1, 2, 200, 64, True), (2, 2, 513, 128, False),
+               (1, 1, 1000, 128, True), (1, 3, 77, 64, False), (1, 1, 1, 64, False),
+               (2, 2, 1000, 128, True), (1, 2, 300, 64, True)]
+TIME_SHAPES = [(4, 16, 4096, 128), (8, 32, 512, 64), (1, 32, 4096, 64)]
+TOL = {"float16": 1e-2, "bfloat16": 4e-2, "float32": 1e-4}
+
+DEVICE = "cuda"
+failures = 0
+
+
+def ptr(t):
+    """A tensor's device address, as the ctypes entry points take it."""
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def report(name: str, err: float, tol: float, extra: str = "") -> None:
+    global failures
+    ok = math.isfinite(err) and err <= tol
+    failures += 0 if ok else 1
+    print(f"{'PASS' if ok else 'FAIL'}  {name:<58} max_abs_err={err:.3e} (tol {tol:g}){extra}",
+          flush=True)
+
+
+def set_knobs(source: str, values: dict[str, str]) -> str:
+    """Returns the seed with `#define NAME value  // evoattn: choice(...)` lines set."""
+    out = []
+    for line in source.split("\n"):
+        parts = line.split()
+        if len(parts) >= 3 and parts[0] == "#define" and parts[1] in values and "evoattn:" in line:
+            old, new = f"#define {parts[1]} {parts[2]}", f"#define {parts[1]} {values[parts[1]]}"
+            line = line.replace(old, new, 1)
+        out.append(line)
+    return "\n".join(out)
+
+
+def build(seed: Path, out: Path, units: bool) -> tuple[Path, str, bool, float]:
+    t0 = time.time()
+    cmd = [os.environ.get("NVCC", "nvcc"), "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
+           GENCODE, "-Xptxas", "-v", f'-DWGF_SEED="{seed}"', f"-DWGF_PROBE_UNITS={int(units)}",
+           "-o", str(out), str(PROBE)]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    return out, p.stdout + p.stderr, p.returncode == 0 and out.is_file(), time.time() - t0
+
+
+def ptxas_summary(log: str) -> str:
+    """Registers / spills of the seed's wgmma kernels, from the -Xptxas -v log."""
+    lines, fn = [], ""
+    for line in log.splitlines():
+        if "Compiling entry function" in line:
+            fn = line.split("'")[1] if "'" in line else ""
+        elif "Used" in line and "registers" in line and "wgmma_flash_kernel" in fn:
+            regs = line.split("Used")[1].split("registers")[0].strip()
+            kind = ("bf16" if "bfloat16" in fn else "f16") + ("/D128" if "Li128" in fn else "/D64")
+            lines.append(f"{kind}:{regs}")
+        elif "spill" in line and "wgmma_flash_kernel" in fn and any(
+                w.isdigit() and int(w) > 0 for w in line.split()):
+            lines.append(f"SPILL/STACK({line.strip()})")
+    warn = [l.strip() for l in log.splitlines() if "warning" in l.lower()]
+    return "regs " + " ".join(lines) + ("" if not warn else "  WARNINGS: " + " | ".join(warn))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="only the seed's current knob setting")
+    ap.add_argument("--no-timing", action="store_true", help="skip the informational timings")
+    args = ap.parse_args()
+
+    import torch
+    if not torch.cuda.is_available():
+        print("FAIL  no CUDA device")
+        return 2
+    cap = torch.cuda.get_device_capability()
+    print(f"device {torch.cuda.get_device_name()} capability {cap}, torch {torch.__version__}")
+    if cap[0] != 9:
+        print("FAIL  not a compute-capability-9.x GPU: the wgmma path cannot run here")
+        return 2
+    if shutil.which(os.environ.get("NVCC", "nvcc")) is None:
+        print("FAIL  nvcc not found")
+        return 2
+
+    # ---- build: the seed as it is (with the unit kernels) + every other knob setting ----
+    tmp = Path(tempfile.mkdtemp(prefix="wgmma_probe_"))
+    seed_src = SEED.read_text()
+    cur = {}
+    for line in seed_src.split("\n"):
+        parts = line.split()
+        if len(parts) >= 3 and parts[0] == "#define" and parts[1] in KNOBS:
+            cur[parts[1]] = parts[2]
+    jobs = [(dict(cur), SEED, tmp / "probe_default.so", True)]
+    if not args.quick:
+        for combo in itertools.product(*KNOBS.values()):
+            vals = dict(zip(KNOBS, combo))
+            if vals == cur:
+                continue
+            tag = "_".join(f"{k}{v}" for k, v in vals.items())
+            path = tmp / f"seed_{tag}.cu"
+            path.write_text(set_knobs(seed_src, vals))
+            jobs.append((vals, path, tmp / f"probe_{tag}.so", False))
+    t0 = time.time()
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as ex:
+        built = list(ex.map(lambda j: build(j[1], j[2], j[3]), jobs))
+    print(f"built {len(jobs)} libraries in {time.time() - t0:.0f}s")
+    libs = []
+    for (vals, _, _, _), (so, log, ok, secs) in zip(jobs, built):
+        label = ",".join(f"{k}={v}" for k, v in vals.items())
+        if not ok:
+            print(f"FAIL  build {label}\n{log[-3000:]}")
+            return 1
+        print(f"      build {label}: {secs:.0f}s, {ptxas_summary(log)}")
+        libs.append((label, ctypes.CDLL(str(so))))
+
+    dev = torch.device(DEVICE)
+    gen = torch.Generator(device=dev).manual_seed(1234)
+    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    unit = libs[0][1]
+    dtypes = [("float16", torch.float16), ("bfloat16", torch.bfloat16)]
+    try:
+        # ---- 1, 2: S = q k^T --------------------------------------------------------------
+        for D in (64, 128):
+            for N in (64, 128):
+                for (dname, dt), k_rows in itertools.product(dtypes, (N, N - 13)):
+                    if dname == "bfloat16" and k_rows != N:
+                        continue
+                    q = torch.randn(64, D, device=dev, generator=gen).to(dt)
+                    k = torch.randn(N, D, device=dev, generator=gen).to(dt)
+                    s = torch.full((64, N), float("nan"), device=dev)
+                    rc = unit.probe_qk(ptr(q), ptr(k), ptr(s), D, N, int(dname == "bfloat16"),
+                                       k_rows, stream)
+                    torch.cuda.synchronize()
+                    kz = k.float().clone()
+                    kz[k_rows:] = 0
+                    ref = q.float() @ kz.T
+                    err = (s - ref).abs().max().item() if rc == 0 else float("inf")
+                    report(f"{'1' if D == 64 else '2'} qk D={D} N={N} {dname} k_rows={k_rows}",
+                           err, 1e-2, f" rc={rc}" if rc else "")
+        # ---- 3: O = O_in + P v ------------------------------------------------------------
+        for D in (64, 128):
+            for N in (64, 128):
+                for (dname, dt), v_rows in itertools.product(dtypes, (N, N - 13)):
+                    if dname == "bfloat16" and v_rows != N:
+                        continue
+                    p = torch.rand(64, N, device=dev, generator=gen).to(dt).float()
+                    v = torch.randn(N, D, device=dev, generator=gen).to(dt)
+                    o_in = torch.randn(64, D, device=dev, generator=gen)
+                    o = torch.full((64, D), float("nan"), device=dev)
+                    rc = unit.probe_pv(ptr(p), ptr(v), ptr(o_in), ptr(o), D, N,
+                                       int(dname == "bfloat16"), v_rows, stream)
+                    torch.cuda.synchronize()
+                    vz = v.float().clone()
+                    vz[v_rows:] = 0
+                    ref = o_in + p @ vz
+                    err = (o - ref).abs().max().item() if rc == 0 else float("inf")
+                    report(f"3 pv D={D} N={N} {dname} v_rows={v_rows}", err, 1e-2,
+                           f" rc={rc}" if rc else "")
+        # ---- 4: the whole seed ------------------------------------------------------------
+        codes = {"float16": 0, "bfloat16": 1, "float32": 2}
+        for label, lib in libs:
+            for (B, H, S, D, causal), (dname, dt) in itertools.product(
+                    SDPA_SHAPES, dtypes + [("float32", torch.float32)]):
+                if dname == "float32" and (B, H, S, D, causal) != (1, 2, 200, 64, True):
+                    continue                  # the fallback: one shape is enough
+                if dname == "bfloat16" and S not in (200, 1000):
+                    continue
+                q, k, v = (torch.randn(B, H, S, D, device=dev, generator=gen).to(dt)
+                           for _ in range(3))
+                out = torch.full_like(q, float("nan"))
+                scale = 1.0 / math.sqrt(D)
+                rc = lib.evoattn_sdpa(ptr(q), ptr(k), ptr(v), ptr(out), B, H, S, D, codes[dname],
+                                      int(causal), ctypes.c_float(scale), stream)
+                torch.cuda.synchronize()
+                sc = (q.float() @ k.float().transpose(-1, -2)) * scale
+                if causal:
+                    sc = sc.masked_fill(~torch.ones(S, S, dtype=torch.bool, device=dev).tril(),
+                                        float("-inf"))
+                ref = torch.softmax(sc, dim=-1) @ v.float()
+                err = (out.float() - ref).abs().max().item() if rc == 0 else float("inf")
+                report(f"4 sdpa [{label}] ({B},{H},{S},{D}){' causal' if causal else ''} {dname}",
+                       err, TOL[dname], f" rc={rc}" if rc else "")
+    except Exception as e:                     # a trap / illegal address kills the context
+        print(f"FAIL  CUDA error: {type(e).__name__}: {e}")
+        return 1
+
+    # ---- informational timings (fp16; not PASS/FAIL) ----------------------------------------
+    if not args.no_timing and failures == 0:
+        import torch.nn.functional as F
+        for (B, H, S, D) in TIME_SHAPES:
+            for causal in (False, True):
+                q, k, v = (torch.randn(B, H, S, D, device=dev, generator=gen).half()
+                           for _ in range(3))
+                out = torch.empty_like(q)
+                flops = 4.0 * B * H * S * S * D / (2 if causal else 1)
+                cells = []
+                for label, lib in libs:
+                    def call(lib=lib):
+                        lib.evoattn_sdpa(ptr(q), ptr(k), ptr(v), ptr(out), B, H, S, D, 0,
+                                         int(causal), ctypes.c_float(1 / math.sqrt(D)), stream)
+                    cells.append((label, _time(call)))
+                t_ref = _time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+                row = "  ".join(f"[{l}] {flops / t / 1e12:.0f}" for l, t in cells)
+                print(f"time ({B},{H},{S},{D}){' causal' if causal else '       '} TFLOP/s: {row}"
+                      f"  torch-sdpa {flops / t_ref / 1e12:.0f}", flush=True)
+
+    print(f"{'ALL PASS' if failures == 0 else f'{failures} FAILED'}")
+    return 0 if failures == 0 else 1
+
+
+def _time(fn, reps: int = 20) -> float:
+    import torch
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
+if __name__ == "__main__":
+    sys.exit(main())

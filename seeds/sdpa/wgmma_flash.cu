@@ -1,0 +1,646 @@
+// wgmma_flash.cu: flash attention forward with Hopper warpgroup MMA (wgmma), seed for `sdpa`.
+//
+// float16 / bfloat16 on a compute-capability-9.x GPU, built for sm_90a: each block owns
+// BLOCK_M = 64 * NUM_WARPGROUPS query rows of one (b, h); each warpgroup (4 consecutive warps,
+// 128 threads) owns 64 of them. The q tile is staged once in shared memory; k and v tiles of
+// BLOCK_N keys are double-buffered in shared memory with cp.async (16-byte copies, rows past S
+// zero-filled, so no garbage can inject NaN/Inf). Per key tile and warpgroup:
+//   S = q k^T   wgmma.m64n{BLOCK_N}k16, A = q from shared memory, B = k from shared memory;
+//   online softmax on the f32 accumulator fragments in registers (log2 units, exp2f);
+//   O += P v    wgmma.m64n{D}k16, A = P from registers (rounded to the input dtype, as
+//               FlashAttention does), B = v from shared memory (transposed read, see below).
+// Causal (top-left: query i sees keys 0..i): key tiles after the block's last row are never
+// loaded, a warpgroup skips tiles after its own last row, and the mask is applied only to
+// tiles that cross the diagonal or the end of the sequence. Heavy causal row blocks first.
+// float32 inputs, pointers that are not 16-byte aligned, and GPUs that are not 9.x take the
+// CUDA-core fallback (FA1-style, as in mma_flash.cu) at the bottom of this file.
+//
+// Knobs: NUM_WARPGROUPS (1 or 2 consumer warpgroups), BLOCK_N (keys per tile, 64 or 128).
+// Any S >= 1, D in {64, 128}, fp32 accumulation. Needs the sm_90a target for wgmma (the
+// evaluator builds with -gencode=arch=compute_90a,code=sm_90a on H100/H200); built for any
+// other target the wgmma kernel is an empty __trap() and the fallback serves every call.
+//
+// ---- Shared-memory layouts (all 16-bit elements; every tile base is 1024-byte aligned) ----
+// Every operand tile (q: BLOCK_M x D, k and v: BLOCK_N x D) is kept as it is in global memory,
+// row-major with D contiguous, split into D/64 "panels" of 64 columns (128 bytes). Panel p of
+// a tile of R rows is a separate region of R * 128 bytes at offset p * R * 128; inside it row r
+// occupies bytes [r * 128, r * 128 + 128), and its 16-byte chunk c (elements 8c .. 8c+7 of the
+// panel) is stored at chunk position c ^ (r % 8). That is the hardware's 128-byte swizzle
+// (CuTe Swizzle<3,4,3>: address bits [4,7) ^= bits [7,10)) applied to a dense
+// [R][128 B] array whose 8-row x 128-byte atoms (1024 bytes) are 1024-byte aligned, so
+// descriptors can use base_offset = 0.
+//
+// Descriptor (64 bits): start address >> 4 in bits [0,14), leading byte offset (LBO) >> 4 in
+// [16,30), stride byte offset (SBO) >> 4 in [32,46), base_offset [49,52) = 0, layout type in
+// [62,64) = 1 (128-byte swizzle).
+//
+// S = q k^T, M = 64 query rows, N = BLOCK_N keys, K = D (the contraction dim).
+//   A = q, K-major (D contiguous), imm-trans-a = 0. Canonical SW128 K-major layout (units of
+//     16 bytes): ((8, m), (8, 2)) : ((8, SBO), (1, 1)), i.e. rows of 128 bytes, 8-row groups
+//     SBO = 1024 bytes apart; LBO is unused for swizzled K-major layouts (set to 16 bytes = 1,
+//     as CuTe does). One k16 step reads 32 bytes of each row: step ks uses panel ks / 4 and
+//     advances the start address by 32 * (ks % 4) bytes inside the 128-byte row; the hardware
+//     applies the XOR to the final address, so this lands on the swizzled chunks. The
+//     warpgroup's 64 rows start at q_base + p * BLOCK_M * 128 + wg * 64 * 128.
+//   B = k tile [key][d], also K-major (for B the "K" dim is the contraction dim d, N = keys),
+//     imm-trans-b = 0, same descriptor shape: SBO = 1024, start + p * BLOCK_N * 128 + 32 * (ks%4).
+// O += P v, M = 64, N = D, K = BLOCK_N keys (16 per instruction).
+//   A = P from registers: the wgmma A fragment of m64nNk16 is the mma.m16n8k16 A fragment per
+//     warp (warp w of the warpgroup owns rows 16w .. 16w+15; lane l, g = l/4, t = l%4:
+//     a0 = (row g, k 2t..2t+1), a1 = (row g+8, k 2t..2t+1), a2 = (row g, k 2t+8..+9),
+//     a3 = (row g+8, k 2t+8..+9); lower k in the low half). The f32 accumulator fragment
+//     of S is per warp the mma.m16n8 C fragment repeated over n8 tiles: d[4i + 0..1] =
+//     (row g, cols 8i + 2t + 0..1), d[4i + 2..3] = (row g + 8, same cols). So for key step j
+//     (keys 16j .. 16j+15) the A fragment is pack(d[8j+0,1]), pack(d[8j+2,3]),
+//     pack(d[8j+4,5]), pack(d[8j+6,7]) (n8 tiles 2j and 2j+1).
+//   B = v tile [key][d]: d (= N) is contiguous, so B is MN-major: imm-trans-b = 1, canonical
+//     SW128 MN-major layout (units of 16 bytes, CuTe make_gmma_desc<Major::MN>):
+//     ((8, n), (8, k)) : ((1, LBO), (8, SBO)): 64 N-elements (128 bytes) contiguous per K row,
+//     8 K rows 128 bytes apart, then the next 8 K rows SBO = 1024 bytes on, and the next 64 N
+//     elements (the next panel) LBO = BLOCK_N * 128 bytes on. That is exactly the stored v
+//     tile (rows = keys, panels = 64-column slabs of d). Key step j advances the start address
+//     by 16 rows * 128 = 2048 bytes (two whole atoms, so the swizzle phase is unchanged).
+// The output O (64 x D per warpgroup) has the accumulator layout above and is stored from
+// registers, normalised by the row sums, two elements (4 bytes) per store.
+//
+// Ordering: cp.async writes are generic-proxy writes and wgmma reads shared memory through
+// the async proxy, so each thread issues fence.proxy.async.shared::cta after its
+// cp.async.wait_group and before the block barrier. wgmma.fence precedes every batch of
+// wgmma (their accumulator / A registers were written by ordinary code), then
+// wgmma.commit_group and wgmma.wait_group 0; empty volatile asm "+f"/"+r" fences on the
+// registers keep the compiler from moving ordinary accesses across those points, and keep the
+// P registers (read asynchronously by the P v wgmma) reserved until the wait.
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <math.h>
+#include <stdint.h>
+#include <type_traits>
+
+#define NUM_WARPGROUPS 2  // evoattn: choice(1, 2)
+#define BLOCK_N 128  // evoattn: choice(64, 128)
+
+#define FB_BLOCK_M 32    // fallback tiles; fixed, not knobs
+#define FB_BLOCK_N 32
+#define FB_THREADS 128
+
+constexpr float LOG2E = 1.4426950408889634f;  // 1/ln 2: exp(x) == exp2(x * LOG2E)
+constexpr int WG_THREADS = 128;               // one warpgroup
+constexpr int BLOCK_M = 64 * NUM_WARPGROUPS;
+constexpr int THREADS = WG_THREADS * NUM_WARPGROUPS;
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define WGF_SM90A 1                           // this device pass may use wgmma
+#else
+#define WGF_SM90A 0
+#endif
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// Returns (lo, hi) rounded to T and packed into one register, lo in the low half.
+template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// ---- shared memory, cp.async ----------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+// 16-byte async copy global -> shared; valid == false writes 16 zero bytes and reads nothing.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* gmem_src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src),
+               "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+// Byte offset of 16-byte chunk c (0 .. D/8-1) of row r in a swizzled tile of `rows` rows:
+// panel c / 8 (64 columns), row r at 128 * r inside it, chunk (c % 8) ^ (r % 8).
+__host__ __device__ constexpr uint32_t sw128_offset(int rows, int r, int c) {
+  return (uint32_t)((c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+// Copies rows r0 .. r0+ROWS-1 of the row-major [S][D] matrix `src` into the swizzled tile at
+// shared address `dst` (1024-byte aligned); rows >= S are zero-filled. All NTHREADS threads
+// of the block (or warpgroup) call it with tid in [0, NTHREADS).
+template <int ROWS, int D, int NTHREADS>
+__device__ __forceinline__ void load_tile_sw128(uint32_t dst, const uint16_t* src, int r0, int S,
+                                                int tid) {
+  constexpr int CHUNKS = D / 8;               // 16-byte chunks per row
+  static_assert((ROWS * CHUNKS) % NTHREADS == 0, "tile chunks must split evenly");
+#pragma unroll
+  for (int i = 0; i < ROWS * CHUNKS / NTHREADS; ++i) {
+    const int idx = tid + i * NTHREADS;
+    const int r = idx / CHUNKS, c = idx % CHUNKS, row = r0 + r;
+    const bool valid = row < S;
+    const uint16_t* g = src + (valid ? (long long)row * D + c * 8 : 0);   // clamp when invalid
+    cp_async16(dst + sw128_offset(ROWS, r, c), g, valid);
+  }
+}
+
+// ---- wgmma wrappers (sm_90a only) -----------------------------------------------------
+
+// 128-byte-swizzle matrix descriptor; base_offset 0 (atoms are 1024-byte aligned).
+__device__ __forceinline__ uint64_t make_desc_sw128(uint32_t addr, uint32_t lbo_bytes,
+                                                    uint32_t sbo_bytes) {
+  return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo_bytes >> 4) & 0x3FFFu) << 16) |
+         ((uint64_t)((sbo_bytes >> 4) & 0x3FFFu) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#if WGF_SM90A
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#if WGF_SM90A
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_wait0() {
+#if WGF_SM90A
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#endif
+}
+// Makes generic-proxy shared-memory writes (cp.async, st.shared) visible to the async proxy.
+__device__ __forceinline__ void fence_proxy_async() {
+#if WGF_SM90A
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+// Compiler-only fences: pin the ordinary reads/writes of these registers on the right side
+// of the (volatile) wgmma fence / wait instructions.
+template <int N> __device__ __forceinline__ void reg_fence(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int J> __device__ __forceinline__ void reg_fence(uint32_t (&r)[J][4]) {
+#pragma unroll
+  for (int j = 0; j < J; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(r[j][i])::"memory");
+}
+
+#define WGF_ACC8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
+                       "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define WGF_ACC32(d) WGF_ACC8(d, 0), WGF_ACC8(d, 8), WGF_ACC8(d, 16), WGF_ACC8(d, 24)
+#define WGF_ACC64(d) WGF_ACC32(d), WGF_ACC8(d, 32), WGF_ACC8(d, 40), WGF_ACC8(d, 48), \
+                     WGF_ACC8(d, 56)
+#define WGF_R32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+                "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define WGF_R64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+                "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+                "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+                "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+
+// D(64 x N, f32) = A(64 x 16, smem desc, K-major) * B(16 x N, smem desc, K-major) [+ D].
+// accum == 0: D is overwritten (scale-d false).
+#define WGF_SS32(TY)                                                                        \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                 \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " WGF_R32          \
+               ", %32, %33, p, 1, 1, 0, 0;\n}\n"                                           \
+               : WGF_ACC32(d) : "l"(da), "l"(db), "r"(accum))
+#define WGF_SS64(TY)                                                                        \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                 \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " WGF_R64         \
+               ", %64, %65, p, 1, 1, 0, 0;\n}\n"                                           \
+               : WGF_ACC64(d) : "l"(da), "l"(db), "r"(accum))
+// D(64 x N, f32) += A(64 x 16, registers) * B(16 x N, smem desc, MN-major: imm-trans-b = 1).
+#define WGF_RS32(TY)                                                                        \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                 \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " WGF_R32          \
+               ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"                             \
+               : WGF_ACC32(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1))
+#define WGF_RS64(TY)                                                                        \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                 \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " WGF_R64         \
+               ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                             \
+               : WGF_ACC64(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1))
+
+template <int N, bool BF16>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t da, uint64_t db, int accum) {
+  static_assert(N == 64 || N == 128, "wgmma_ss: N must be 64 or 128");
+#if WGF_SM90A
+  if constexpr (N == 64) {
+    if constexpr (BF16) WGF_SS32("bf16"); else WGF_SS32("f16");
+  } else {
+    if constexpr (BF16) WGF_SS64("bf16"); else WGF_SS64("f16");
+  }
+#endif
+}
+
+template <int N, bool BF16>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db) {
+  static_assert(N == 64 || N == 128, "wgmma_rs: N must be 64 or 128");
+#if WGF_SM90A
+  if constexpr (N == 64) {
+    if constexpr (BF16) WGF_RS32("bf16"); else WGF_RS32("f16");
+  } else {
+    if constexpr (BF16) WGF_RS64("bf16"); else WGF_RS64("f16");
+  }
+#endif
+}
+
+// One warpgroup: s(64 x N) = q(64 x D) k(N x D)^T. q_addr: the warpgroup's first q row in a
+// swizzled tile of Q_ROWS rows (panel stride Q_ROWS * 128); k_addr: a swizzled tile of N rows.
+// Issues, commits and waits for the whole product; s is ready on return.
+template <int D, int N, int Q_ROWS, bool BF16>
+__device__ __forceinline__ void wg_qk(float (&s)[N / 2], uint32_t q_addr, uint32_t k_addr) {
+  const uint64_t qd = make_desc_sw128(q_addr, 16, 1024);
+  const uint64_t kd = make_desc_sw128(k_addr, 16, 1024);
+  reg_fence(s);
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    const uint32_t qo = (uint32_t)((ks / 4) * Q_ROWS * 128 + (ks % 4) * 32);
+    const uint32_t ko = (uint32_t)((ks / 4) * N * 128 + (ks % 4) * 32);
+    wgmma_ss<N, BF16>(s, qd + (qo >> 4), kd + (ko >> 4), ks > 0 ? 1 : 0);
+  }
+  wgmma_commit();
+  wgmma_wait0();
+  reg_fence(s);
+}
+
+// One warpgroup: o(64 x D) += P(64 x N, A fragments in p) v(N x D); v_addr: a swizzled tile
+// of N rows. Issues, commits and waits; o is ready on return.
+template <int D, int N, bool BF16>
+__device__ __forceinline__ void wg_pv(float (&o)[D / 2], uint32_t (&p)[N / 16][4],
+                                      uint32_t v_addr) {
+  const uint64_t vd = make_desc_sw128(v_addr, N * 128, 1024);   // LBO: next 64 d; SBO: next 8 keys
+  reg_fence(o);
+  reg_fence(p);
+  wgmma_fence();
+#pragma unroll
+  for (int j = 0; j < N / 16; ++j)
+    wgmma_rs<D, BF16>(o, p[j], vd + (uint64_t)((j * 16 * 128) >> 4));
+  wgmma_commit();
+  wgmma_wait0();
+  reg_fence(o);
+  reg_fence(p);    // p is read asynchronously until the wait: keep its registers reserved
+}
+
+// Accumulator fragments of a 64 x N score tile -> A fragments of P for N/16 key steps.
+template <typename T, int N>
+__device__ __forceinline__ void pack_p(uint32_t (&p)[N / 16][4], const float (&s)[N / 2]) {
+#pragma unroll
+  for (int j = 0; j < N / 16; ++j)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) p[j][r] = pack2<T>(s[8 * j + 2 * r], s[8 * j + 2 * r + 1]);
+}
+
+// ---- tensor-core path (float16 / bfloat16, sm_90a) -------------------------------------
+
+template <int D> struct WgSmem {
+  static constexpr uint32_t Q_BYTES = BLOCK_M * D * 2;
+  static constexpr uint32_t KV_BYTES = BLOCK_N * D * 2;          // one k or v tile
+  static constexpr uint32_t STAGE_BYTES = 2 * KV_BYTES;          // k then v
+  static constexpr size_t bytes = Q_BYTES + 2 * STAGE_BYTES + 1024;   // + alignment slack
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(THREADS, 1)
+wgmma_flash_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                   T* __restrict__ out, int BH, int S, int causal, float scale_log2) {
+#if WGF_SM90A
+  constexpr bool BF16 = std::is_same<T, __nv_bfloat16>::value;
+  using L = WgSmem<D>;
+  constexpr int NT = BLOCK_N / 8;             // n8 score column groups per key tile
+  constexpr int DT = D / 8;                   // n8 output column groups
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t sbase = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const uint32_t sq = sbase;                  // q tile, then 2 stages of (k tile, v tile)
+  const uint32_t skv = sbase + L::Q_BYTES;
+
+  const int n_mblocks = (S + BLOCK_M - 1) / BLOCK_M;
+  const int mb = n_mblocks - 1 - (int)(blockIdx.x / BH);   // heavy causal blocks first
+  const long long bh = blockIdx.x % BH;
+  const int m0 = mb * BLOCK_M;
+  const int tid = threadIdx.x;
+  const int wg = tid / WG_THREADS, warp = (tid % WG_THREADS) / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int wg_row0 = m0 + 64 * wg;           // the warpgroup's first query row
+  const int wrow0 = wg_row0 + 16 * warp;      // the warp's first query row
+  const int row_a = wrow0 + g, row_b = row_a + 8;   // this lane's two rows
+  const uint16_t* qb = reinterpret_cast<const uint16_t*>(q) + bh * S * D;
+  const uint16_t* kb = reinterpret_cast<const uint16_t*>(k) + bh * S * D;
+  const uint16_t* vb = reinterpret_cast<const uint16_t*>(v) + bh * S * D;
+
+  const int n_end = causal ? min(S, m0 + BLOCK_M) : S;
+  const int ntiles = (n_end + BLOCK_N - 1) / BLOCK_N;
+  load_tile_sw128<BLOCK_M, D, THREADS>(sq, qb, m0, S, tid);
+  load_tile_sw128<BLOCK_N, D, THREADS>(skv, kb, 0, S, tid);
+  load_tile_sw128<BLOCK_N, D, THREADS>(skv + L::KV_BYTES, vb, 0, S, tid);
+  cp_async_commit();
+
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  float s[BLOCK_N / 2];
+#pragma unroll
+  for (int i = 0; i < BLOCK_N / 2; ++i) s[i] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};    // rows row_a, row_b (log2 units)
+  float l_run[2] = {0.f, 0.f};                // this lane's partial row sums
+  const bool wg_live = wg_row0 < S;
+
+  for (int it = 0; it < ntiles; ++it) {
+    const int n0 = it * BLOCK_N;
+    cp_async_wait_all();                      // tile `it` (the only group in flight) landed
+    fence_proxy_async();                      // ... and is visible to wgmma's async proxy
+    __syncthreads();                          // for every thread; and tile it-1 is consumed
+    if (it + 1 < ntiles) {                    // prefetch tile it+1 into the other stage
+      const uint32_t nxt = skv + ((it + 1) & 1) * L::STAGE_BYTES;
+      load_tile_sw128<BLOCK_N, D, THREADS>(nxt, kb, n0 + BLOCK_N, S, tid);
+      load_tile_sw128<BLOCK_N, D, THREADS>(nxt + L::KV_BYTES, vb, n0 + BLOCK_N, S, tid);
+      cp_async_commit();
+    }
+    const uint32_t sk = skv + (it & 1) * L::STAGE_BYTES;
+    const uint32_t sv = sk + L::KV_BYTES;
+    // Warpgroup-uniform: all 128 threads of a warpgroup take the same branch (wgmma is
+    // .sync.aligned over the warpgroup).
+    if (wg_live && !(causal && n0 > wg_row0 + 63)) {
+      wg_qk<D, BLOCK_N, BLOCK_M, BF16>(s, sq + wg * 64 * 128, sk);
+
+      const bool need_mask = n0 + BLOCK_N > S || (causal && n0 + BLOCK_N - 1 > wrow0);
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = s[4 * nt + e] * scale_log2;
+          if (need_mask) {
+            const int key = n0 + nt * 8 + 2 * t + (e & 1);
+            const int row = e < 2 ? row_a : row_b;
+            if (key >= S || (causal && key > row)) x = -INFINITY;
+          }
+          s[4 * nt + e] = x;
+          mx[e >> 1] = fmaxf(mx[e >> 1], x);
+        }
+      }
+      float alpha[2], m_use[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {           // the 4 lanes of a quad share the row
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+        const float m_new = fmaxf(m_run[h], mx[h]);
+        m_use[h] = m_new == -INFINITY ? 0.f : m_new;   // nothing seen yet: p = 0, alpha = 0
+        alpha[h] = exp2f(m_run[h] - m_use[h]);
+        m_run[h] = m_new;
+        l_run[h] *= alpha[h];
+      }
+#pragma unroll
+      for (int i = 0; i < BLOCK_N / 2; ++i) {
+        const float p = exp2f(s[i] - m_use[(i >> 1) & 1]);
+        s[i] = p;
+        l_run[(i >> 1) & 1] += p;
+      }
+#pragma unroll
+      for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
+      uint32_t p[BLOCK_N / 16][4];
+      pack_p<T, BLOCK_N>(p, s);
+      wg_pv<D, BLOCK_N, BF16>(o, p, sv);
+    }
+  }
+
+  // Full row sums across the quad, then normalise and store two dims (4 bytes) per lane.
+  if (wg_live) {
+    float inv[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float l = l_run[h];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      inv[h] = l > 0.f ? 1.f / l : 0.f;
+    }
+    uint32_t* ob = reinterpret_cast<uint32_t*>(out + bh * S * D);
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      const int w = (dt * 8 + 2 * t) / 2;     // 32-bit word within the row
+      if (row_a < S)
+        ob[((long long)row_a * D) / 2 + w] = pack2<T>(o[4 * dt] * inv[0], o[4 * dt + 1] * inv[0]);
+      if (row_b < S)
+        ob[((long long)row_b * D) / 2 + w] =
+            pack2<T>(o[4 * dt + 2] * inv[1], o[4 * dt + 3] * inv[1]);
+    }
+  }
+#else
+  __trap();   // built without sm_90a: never launched (run() checks the device), loud if it is
+#endif
+}
+
+template <typename T, int D>
+static int launch_wgmma(const void* q, const void* k, const void* v, void* out, int BH, int S,
+                        int causal, float scale, cudaStream_t stream) {
+  static_assert(BLOCK_N == 64 || BLOCK_N == 128, "BLOCK_N must be 64 or 128");
+  static_assert(NUM_WARPGROUPS == 1 || NUM_WARPGROUPS == 2, "NUM_WARPGROUPS must be 1 or 2");
+  const size_t smem = WgSmem<D>::bytes;
+  cudaError_t err = cudaFuncSetAttribute(wgmma_flash_kernel<T, D>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (err != cudaSuccess) return (int)err;    // tiles too large for this GPU: fail cleanly
+  const long long blocks = (long long)((S + BLOCK_M - 1) / BLOCK_M) * BH;
+  if (blocks > 0x7fffffffLL) return (int)cudaErrorInvalidConfiguration;
+  wgmma_flash_kernel<T, D><<<(unsigned)blocks, THREADS, smem, stream>>>(
+      (const T*)q, (const T*)k, (const T*)v, (T*)out, BH, S, causal, scale * LOG2E);
+  return (int)cudaGetLastError();
+}
+
+// ---- CUDA-core fallback (float32, misaligned pointers, GPUs other than 9.x) ----------------
+//
+// Shared-memory layout (floats), padded so that a warp reading a column is conflict-free.
+template <int D> struct FbSmem {
+  static constexpr int KLD = D + 1;           // k tile row stride
+  static constexpr int SLD = FB_BLOCK_N + 1;  // score tile row stride
+  static constexpr int q = 0;                             // [FB_BLOCK_M][D]
+  static constexpr int k = q + FB_BLOCK_M * D;            // [FB_BLOCK_N][KLD]
+  static constexpr int v = k + FB_BLOCK_N * KLD;          // [FB_BLOCK_N][D]
+  static constexpr int s = v + FB_BLOCK_N * D;            // [FB_BLOCK_M][SLD] scores, then p
+  static constexpr int alpha = s + FB_BLOCK_M * SLD;      // [FB_BLOCK_M] rescale of the tile
+  static constexpr int total = alpha + FB_BLOCK_M;
+  static constexpr size_t bytes = total * sizeof(float);
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(FB_THREADS)
+fallback_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                T* __restrict__ out, int BH, int S, int causal, float scale_log2) {
+  using L = FbSmem<D>;
+  constexpr int NWARPS = FB_THREADS / 32;
+  constexpr int OPT = (FB_BLOCK_M * D + FB_THREADS - 1) / FB_THREADS;  // outputs per thread
+  extern __shared__ float fb_smem[];
+  float* qs = fb_smem + L::q;
+  float* ks = fb_smem + L::k;
+  float* vs = fb_smem + L::v;
+  float* ss = fb_smem + L::s;
+  float* alpha_s = fb_smem + L::alpha;
+
+  const int n_mblocks = (S + FB_BLOCK_M - 1) / FB_BLOCK_M;
+  const int mb = n_mblocks - 1 - (int)(blockIdx.x / BH);
+  const long long bh = blockIdx.x % BH;
+  const int m0 = mb * FB_BLOCK_M;
+  const T* qb = q + bh * S * D;
+  const T* kb = k + bh * S * D;
+  const T* vb = v + bh * S * D;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+
+  for (int idx = tid; idx < FB_BLOCK_M * D; idx += FB_THREADS) {
+    const int r = idx / D, row = m0 + r;
+    qs[idx] = row < S ? to_f32(qb[(long long)row * D + idx % D]) * scale_log2 : 0.f;
+  }
+  float acc[OPT];
+#pragma unroll
+  for (int o = 0; o < OPT; ++o) acc[o] = 0.f;
+  float m_run = -INFINITY, l_run = 0.f;   // row r: lane r / NWARPS of warp r % NWARPS
+
+  const int n_end = causal ? min(S, m0 + FB_BLOCK_M) : S;
+  for (int n0 = 0; n0 < n_end; n0 += FB_BLOCK_N) {
+    __syncthreads();                          // previous tile fully consumed
+    for (int idx = tid; idx < FB_BLOCK_N * D; idx += FB_THREADS) {
+      const int c = idx / D, d = idx % D, key = n0 + c;
+      const bool in = key < S;                // out-of-range keys: zeros, never NaN garbage
+      ks[c * L::KLD + d] = in ? to_f32(kb[(long long)key * D + d]) : 0.f;
+      vs[c * D + d] = in ? to_f32(vb[(long long)key * D + d]) : 0.f;
+    }
+    __syncthreads();
+    for (int idx = tid; idx < FB_BLOCK_M * FB_BLOCK_N; idx += FB_THREADS) {
+      const int r = idx / FB_BLOCK_N, c = idx % FB_BLOCK_N;
+      const int row = m0 + r, key = n0 + c;
+      float sc = -INFINITY;
+      if (key < S && !(causal && key > row)) {
+        sc = 0.f;
+        const float* qr = qs + r * D;
+        const float* kr = ks + c * L::KLD;
+#pragma unroll 16
+        for (int d = 0; d < D; ++d) sc += qr[d] * kr[d];
+      }
+      ss[r * L::SLD + c] = sc;
+    }
+    __syncthreads();
+    for (int r = warp; r < FB_BLOCK_M; r += NWARPS) {
+      float* sr = ss + r * L::SLD;
+      float mx = -INFINITY;
+      for (int c = lane; c < FB_BLOCK_N; c += 32) mx = fmaxf(mx, sr[c]);
+      for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      const int slot = r / NWARPS;
+      const float m_old = __shfl_sync(0xffffffffu, m_run, slot);
+      const float l_old = __shfl_sync(0xffffffffu, l_run, slot);
+      const float m_new = fmaxf(m_old, mx);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      float sum = 0.f;
+      for (int c = lane; c < FB_BLOCK_N; c += 32) {
+        const float p = exp2f(sr[c] - m_use);
+        sr[c] = p;
+        sum += p;
+      }
+      for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      const float a = exp2f(m_old - m_use);
+      if (lane == slot) { m_run = m_new; l_run = l_old * a + sum; }
+      if (lane == 0) alpha_s[r] = a;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int o = 0; o < OPT; ++o) {
+      const int idx = tid + o * FB_THREADS;
+      if (idx < FB_BLOCK_M * D) {
+        const int r = idx / D, d = idx % D;
+        const float* pr = ss + r * L::SLD;
+        float a = acc[o] * alpha_s[r];
+#pragma unroll 8
+        for (int c = 0; c < FB_BLOCK_N; ++c) a += pr[c] * vs[c * D + d];
+        acc[o] = a;
+      }
+    }
+  }
+  __syncthreads();
+  for (int r = warp; r < FB_BLOCK_M; r += NWARPS) {
+    const float l = __shfl_sync(0xffffffffu, l_run, r / NWARPS);
+    if (lane == 0) alpha_s[r] = l > 0.f ? 1.f / l : 0.f;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int o = 0; o < OPT; ++o) {
+    const int idx = tid + o * FB_THREADS;
+    const int r = idx / D, row = m0 + r;
+    if (idx < FB_BLOCK_M * D && row < S)
+      out[bh * S * D + (long long)row * D + idx % D] = from_f32<T>(acc[o] * alpha_s[r]);
+  }
+}
+
+template <typename T, int D>
+static int launch_fallback(const void* q, const void* k, const void* v, void* out, int BH, int S,
+                           int causal, float scale, cudaStream_t stream) {
+  static_assert(FB_THREADS % 32 == 0, "FB_THREADS must be whole warps");
+  static_assert(FB_BLOCK_M <= 32 * (FB_THREADS / 32), "one warp keeps at most 32 rows' stats");
+  const size_t smem = FbSmem<D>::bytes;
+  cudaError_t err = cudaFuncSetAttribute(fallback_kernel<T, D>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (err != cudaSuccess) return (int)err;
+  const long long blocks = (long long)((S + FB_BLOCK_M - 1) / FB_BLOCK_M) * BH;
+  if (blocks > 0x7fffffffLL) return (int)cudaErrorInvalidConfiguration;
+  fallback_kernel<T, D><<<(unsigned)blocks, FB_THREADS, smem, stream>>>(
+      (const T*)q, (const T*)k, (const T*)v, (T*)out, BH, S, causal, scale * LOG2E);
+  return (int)cudaGetLastError();
+}
+
+// Compute-capability major of the current device (cached per device), or -1 on error.
+static int device_major() {
+  static int cached[64];                      // 0: not yet asked
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return -1;
+  if (dev >= 0 && dev < 64 && cached[dev] != 0) return cached[dev];
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+    return -1;
+  if (dev >= 0 && dev < 64) cached[dev] = major;
+  return major;
+}
+
+template <typename T>
+static int run(const void* q, const void* k, const void* v, void* out, int BH, int S, int D,
+               int causal, float scale, cudaStream_t stream) {
+  const bool aligned = ((uintptr_t)q | (uintptr_t)k | (uintptr_t)v | (uintptr_t)out) % 16 == 0;
+  if constexpr (!std::is_same<T, float>::value) {
+    // Hopper, 16-bit, aligned: always the wgmma kernel (never silently the fallback).
+    if (aligned && device_major() == 9) {
+      if (D == 64) return launch_wgmma<T, 64>(q, k, v, out, BH, S, causal, scale, stream);
+      return launch_wgmma<T, 128>(q, k, v, out, BH, S, causal, scale, stream);
+    }
+  }
+  if (D == 64) return launch_fallback<T, 64>(q, k, v, out, BH, S, causal, scale, stream);
+  return launch_fallback<T, 128>(q, k, v, out, BH, S, causal, scale, stream);
+}
+
+extern "C" int evoattn_sdpa(const void* q, const void* k, const void* v, void* out, int B,
+                            int H, int S, int D, int dtype, int causal, float scale,
+                            void* stream) {
+  if (B < 1 || H < 1 || S < 1 || (D != 64 && D != 128)) return (int)cudaErrorInvalidValue;
+  if ((long long)B * H > 0x7fffffffLL) return (int)cudaErrorInvalidValue;
+  const int BH = B * H;
+  cudaStream_t st = (cudaStream_t)stream;
+  switch (dtype) {
+    case 0: return run<__half>(q, k, v, out, BH, S, D, causal, scale, st);
+    case 1: return run<__nv_bfloat16>(q, k, v, out, BH, S, D, causal, scale, st);
+    case 2: return run<float>(q, k, v, out, BH, S, D, causal, scale, st);
+    default: return (int)cudaErrorInvalidValue;
+  }
+}
