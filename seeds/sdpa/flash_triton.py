@@ -24,11 +24,6 @@ mutator rewrites. Every combination is either correct or raises a clear error:
                       a query block
   CAUSAL_HEAVY_FIRST  causal only: start the query blocks with the most keys (the last ones)
                       first, so the long tiles do not trail at the end of the grid
-  LAZY_RESCALE        in the unmasked loop, rescale the accumulator only when some row's
-                      maximum grew by more than 8 (in the exponent's units): otherwise keep
-                      the stale maximum, so p <= 2^8 (e^8 with exp), which float16/bfloat16
-                      hold to their usual relative precision and float32 sums cannot
-                      overflow; the final division by l_i cancels the choice exactly
 
 Correct for any S >= 1: key columns past S get a score of -inf and query rows past S are
 never stored (the pointer path masks loads and stores; the TMA path uses 3-D descriptors of
@@ -71,7 +66,6 @@ PERSISTENT = False  # evoattn: choice(True, False)
 PROGRAMS_PER_SM = 2  # evoattn: choice(1, 2, 3, 4)
 HEAD_MAJOR = True  # evoattn: choice(True, False)
 CAUSAL_HEAVY_FIRST = False  # evoattn: choice(True, False)
-LAZY_RESCALE = False  # evoattn: choice(True, False)
 
 LOG2E = 1.44269504  # log2(e) = 1/ln 2: exp(x) == exp2(x * LOG2E)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -109,7 +103,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, head, off_hz, offs_m, lo, hi, S, qk_
                     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                     CAUSAL: tl.constexpr, SCALE_NONNEG: tl.constexpr, EXP2: tl.constexpr,
                     TMA: tl.constexpr, WARP_SPEC: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    UPCAST: tl.constexpr, LAZY: tl.constexpr):
+                    UPCAST: tl.constexpr):
     """Folds key/value blocks [lo, hi) into (acc, l_i, m_i); MASKED applies the S and causal masks."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -147,33 +141,14 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, head, off_hz, offs_m, lo, hi, S, qk_
                 m_ij = tl.maximum(m_i, tl.min(qk, 1) * qk_scale)
             m_sub = m_ij
             s = qk * qk_scale - m_sub[:, None]
-        if LAZY and not MASKED:
-            # One uniform branch per block: the first block (m_i = -inf) always rescales.
-            if tl.max(m_ij - m_i, 0) > 8.0:
-                if EXP2:
-                    alpha = tl.math.exp2(m_i - m_ij)
-                else:
-                    alpha = tl.exp(m_i - m_ij)
-                l_i = l_i * alpha
-                acc = acc * alpha[:, None]
-                m_i = m_ij
-            else:
-                m_ij = m_i                    # keep the stale maximum (carried below)
-            s = qk * qk_scale - m_i[:, None]
-            if EXP2:
-                p = tl.math.exp2(s)
-            else:
-                p = tl.exp(s)
-            l_i = l_i + tl.sum(p, 1)
+        if EXP2:
+            p = tl.math.exp2(s)
+            alpha = tl.math.exp2(m_i - m_sub)                            # rescales the old state
         else:
-            if EXP2:
-                p = tl.math.exp2(s)
-                alpha = tl.math.exp2(m_i - m_sub)                        # rescales the old state
-            else:
-                p = tl.exp(s)
-                alpha = tl.exp(m_i - m_sub)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
+            p = tl.exp(s)
+            alpha = tl.exp(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
         # -- v: (BLOCK_N, HEAD_DIM), streamed; p is cast to v's dtype for the tensor cores (the
         # precision cut every flash kernel makes; float32 inputs keep p in float32)
         if TMA:
@@ -198,7 +173,7 @@ def _attn_fwd_tile(Q, K, V, O, m_idx, off_hz, S, qk_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, CAUSAL_SPLIT: tl.constexpr, SCALE_NONNEG: tl.constexpr,
                    EXP2: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, LAZY: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Computes output rows [m_idx*BLOCK_M, +BLOCK_M) of head `off_hz` (a flat b*H + h)."""
     start_m = m_idx * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)                              # query indices
@@ -229,10 +204,10 @@ def _attn_fwd_tile(Q, K, V, O, m_idx, off_hz, S, qk_scale,
         split = (S // BLOCK_N) * BLOCK_N          # only the last, partial block needs the mask
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, head, off_hz, offs_m, 0, split, S,
                                     qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, SCALE_NONNEG,
-                                    EXP2, TMA, WARP_SPEC, DOT_PRECISION, UPCAST, LAZY)
+                                    EXP2, TMA, WARP_SPEC, DOT_PRECISION, UPCAST)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, head, off_hz, offs_m, split, hi, S,
                                     qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, SCALE_NONNEG,
-                                    EXP2, TMA, WARP_SPEC, DOT_PRECISION, UPCAST, LAZY)
+                                    EXP2, TMA, WARP_SPEC, DOT_PRECISION, UPCAST)
     # -- epilogue: normalise once. Top-left causal never leaves a row without keys, but a
     # zero row sum must not become 0/0 = NaN.
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -267,7 +242,7 @@ def _attn_fwd(Q, K, V, O, S, BH, qk_scale,
               CAUSAL: tl.constexpr, CAUSAL_SPLIT: tl.constexpr, SCALE_NONNEG: tl.constexpr,
               EXP2: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
               DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PERSISTENT: tl.constexpr,
-              HEAD_MAJOR: tl.constexpr, HEAVY_FIRST: tl.constexpr, LAZY: tl.constexpr):
+              HEAD_MAJOR: tl.constexpr, HEAVY_FIRST: tl.constexpr):
     """Q, K, V, O: contiguous (B, H, S, D) tensors, or (B*H, S, D) tensor descriptors if TMA."""
     num_m = tl.cdiv(S, BLOCK_M)
     if PERSISTENT:
@@ -276,13 +251,13 @@ def _attn_fwd(Q, K, V, O, S, BH, qk_scale,
             m_idx, off_hz = _tile_coords(tile, num_m, BH, CAUSAL, HEAD_MAJOR, HEAVY_FIRST)
             _attn_fwd_tile(Q, K, V, O, m_idx, off_hz, S, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
                            CAUSAL, CAUSAL_SPLIT, SCALE_NONNEG, EXP2, TMA, WARP_SPEC,
-                           DOT_PRECISION, UPCAST, LAZY)
+                           DOT_PRECISION, UPCAST)
     else:
         m_idx, off_hz = _tile_coords(tl.program_id(0), num_m, BH, CAUSAL, HEAD_MAJOR,
                                      HEAVY_FIRST)
         _attn_fwd_tile(Q, K, V, O, m_idx, off_hz, S, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
                        CAUSAL, CAUSAL_SPLIT, SCALE_NONNEG, EXP2, TMA, WARP_SPEC, DOT_PRECISION,
-                       UPCAST, LAZY)
+                       UPCAST)
 
 
 # ---- wrapper ------------------------------------------------------------------------
@@ -337,7 +312,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
             WARP_SPEC=warp_specialize,
             DOT_PRECISION="ieee" if fp32_dots else "tf32", UPCAST=upcast,
             PERSISTENT=PERSISTENT, HEAD_MAJOR=HEAD_MAJOR, HEAVY_FIRST=CAUSAL_HEAVY_FIRST,
-            LAZY=LAZY_RESCALE, num_warps=num_warps, num_stages=num_stages)
+            num_warps=num_warps, num_stages=num_stages)
     except Exception as exc:
         if not warp_specialize:
             raise
