@@ -3,7 +3,8 @@
 The evaluator's configs exercise three mask shapes; the contract allows any 4-D mask
 broadcastable to (B, H, Sq, Sk). Here the seed runs (in a child process with
 TRITON_INTERPRET=1, see test_seeds_triton.py for why) on each shape, with dead, all-zero
-and finite-bias tiles, odd Sq/Sk and several knob settings, against float64.
+and finite-bias tiles, odd Sq/Sk and several knob settings, against float64. The TMA path
+(tensor descriptors) is forced through the interpreter too; on a GPU it runs only on sm_90+.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def child(cases_path: str, out_path: str) -> None:
     sys.path.insert(0, str(ROOT))
     from evoattn.mutators.knobs import set_knobs
     results = []
-    for i, (knobs, shape, mdims, mutation) in enumerate(json.loads(Path(cases_path).read_text())):
+    for i, (knobs, shape, mdims, mutation, tma) in enumerate(json.loads(Path(cases_path).read_text())):
         text = set_knobs(SEED.read_text(), knobs)
         if mutation:
             assert text.count(mutation[0]) == 1, mutation[0]
@@ -53,7 +54,7 @@ def child(cases_path: str, out_path: str) -> None:
         errs = []
         for dtype in (torch.float32, torch.float16):
             args = [t.to(dtype) for t in (q, k, v, mask)]
-            out = mod.attention(*args, 0.125)
+            out = mod._forward(*args, 0.125, use_tma=tma)
             qd, kd, vd, md = (t.double() for t in args)
             ref = torch.softmax(qd @ kd.transpose(-1, -2) * 0.125 + md, -1) @ vd
             errs.append((out.double() - ref).abs().max().item())
@@ -78,7 +79,9 @@ def ok(errs: list) -> bool:
 
 @pytest.mark.slow
 def test_masked_seed_is_right_for_every_mask_shape_and_setting() -> None:
-    cases = [(s, shape, m, None) for s in SETTINGS for shape in SHAPES for m in MASKS]
+    cases = [(s, shape, m, None, False) for s in SETTINGS for shape in SHAPES for m in MASKS]
+    cases += [(s, shape, m, None, True) for s in SETTINGS[:2] for shape in SHAPES
+              for m in ("B11K", "BHQK")]
     bad = [(c, e) for c, e in zip(cases, run(cases)) if not ok(e)]
     assert not bad, bad
 
@@ -87,7 +90,7 @@ def test_masked_seed_is_right_for_every_mask_shape_and_setting() -> None:
 def test_the_check_catches_a_tile_mislabelled_full() -> None:
     # every live tile labelled full: its bias (finite values and -inf entries) is never added
     wrong = ("label = tl.where(full & (n_live > 0), 1, label)", "label = tl.where(n_live > 0, 1, label)")
-    cases = [({}, SHAPES[0], m, wrong) for m in ("BHQK", "B11K")]
+    cases = [({}, SHAPES[0], m, wrong, False) for m in ("BHQK", "B11K")]
     assert not any(ok(e) for e in run(cases))
 
 

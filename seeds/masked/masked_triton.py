@@ -21,6 +21,9 @@ Knobs (the lines marked `# evoattn: choice(...)`):
   USE_EXP2     exp2 with log2(e) folded into the scale and the mask, instead of exp
   FULL_TILES   treat all-zero tiles as full (no mask load); False sends every live tile
                down the partial path
+  USE_TMA      Hopper tensor descriptors (TMA) for Q, K, V and O, used only on a CUDA device
+               of capability >= 9 (elsewhere the pointer path runs): 3-D (B*H, S, D)
+               views, so rows past a head's Sq/Sk read as zeros and stores clip there
 Correct for any Sq, Sk >= 1 and any mask without a fully masked row.
 """
 from __future__ import annotations
@@ -32,12 +35,19 @@ import torch
 import triton
 import triton.language as tl
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    HAS_TENSOR_DESC = True
+except ImportError:  # Triton older than 3.3
+    HAS_TENSOR_DESC = False
+
 BLOCK_M = 64  # evoattn: choice(16, 32, 64, 128)
 BLOCK_N = 64  # evoattn: choice(16, 32, 64, 128)
 NUM_WARPS = 4  # evoattn: choice(2, 4, 8)
 NUM_STAGES = 3  # evoattn: choice(1, 2, 3, 4)
 USE_EXP2 = True  # evoattn: choice(True, False)
 FULL_TILES = True  # evoattn: choice(True, False)
+USE_TMA = True  # evoattn: choice(True, False)
 
 LOG2E = 1.44269504  # log2(e) = 1/ln 2: exp(x) == exp2(x * LOG2E)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -47,6 +57,12 @@ DEAD, FULL, PARTIAL = 0, 1, 2   # tile labels
 def _interpreting() -> bool:
     """Returns True when Triton runs kernels on the CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _supports_tma(device: torch.device) -> bool:
+    """Returns True on a real (not interpreted) CUDA device of capability >= 9."""
+    return (HAS_TENSOR_DESC and device.type == "cuda" and not _interpreting()
+            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 # ---- the work lists ---------------------------------------------------------------------
@@ -93,10 +109,11 @@ def _compact(LABEL, IDX, COUNT, NK, NK_P2: tl.constexpr):
 
 # ---- attention --------------------------------------------------------------------------
 @triton.jit
-def _fold(acc, l_i, m_i, q, K, V, M, kv_head, mask_base, offs_m, IDX, lo, hi, Sq, Sk,
+def _fold(acc, l_i, m_i, q, K, V, M, bh, kv_head, mask_base, offs_m, IDX, lo, hi, Sq, Sk,
           qk_scale, mask_scale, sm_q, sm_k,
           HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PARTIAL_TILES: tl.constexpr,
-          EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+          EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+          TMA: tl.constexpr):
     """Folds the key blocks IDX[lo:hi] into (acc, l_i, m_i); partial ones add the mask tile."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -104,8 +121,10 @@ def _fold(acc, l_i, m_i, q, K, V, M, kv_head, mask_base, offs_m, IDX, lo, hi, Sq
         start_n = tl.load(IDX + i) * BLOCK_N
         cols = start_n + offs_n
         kv_off = kv_head + cols[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :]
-        if PARTIAL_TILES:
-            in_k = cols < Sk
+        in_k = cols < Sk
+        if TMA:
+            k = K.load([bh, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)    # past Sk: zeros
+        elif PARTIAL_TILES:
             k = tl.load(K + kv_off, mask=in_k[:, None], other=0.0)
         else:
             k = tl.load(K + kv_off)                   # a full tile lies inside Sk
@@ -131,7 +150,9 @@ def _fold(acc, l_i, m_i, q, K, V, M, kv_head, mask_base, offs_m, IDX, lo, hi, Sq
             alpha = tl.exp(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if PARTIAL_TILES:
+        if TMA:
+            v = V.load([bh, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        elif PARTIAL_TILES:
             v = tl.load(V + kv_off, mask=in_k[:, None], other=0.0)
         else:
             v = tl.load(V + kv_off)
@@ -148,8 +169,11 @@ def _fold(acc, l_i, m_i, q, K, V, M, kv_head, mask_base, offs_m, IDX, lo, hi, Sq
 def _masked_fwd(Q, K, V, M, IDX, COUNT, O, H, Sq, Sk, NK, qk_scale, mask_scale,
                 sm_b, sm_h, sm_q, sm_k, sw_b, sw_h, sw_q,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                TMA: tl.constexpr):
     """Q, O: contiguous (B, H, Sq, D); K, V: contiguous (B, H, Sk, D); M: a strided view.
+
+    With TMA, Q, K, V and O are tensor descriptors over (B*H, Sq or Sk, D) instead.
 
     IDX (rows, NK) and COUNT (rows, 2) are the work lists; row = b*sw_b + h*sw_h + m*sw_q
     (strides 0 along the mask's broadcast dimensions).
@@ -169,24 +193,30 @@ def _masked_fwd(Q, K, V, M, IDX, COUNT, O, H, Sq, Sk, NK, qk_scale, mask_scale,
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     # q: (BLOCK_M, HEAD_DIM), stays in registers throughout; rows past Sq read as zeros
-    q = tl.load(Q + q_head + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
-                mask=offs_m[:, None] < Sq, other=0.0)
+    if TMA:
+        q = Q.load([bh, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
+    else:
+        q = tl.load(Q + q_head + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=offs_m[:, None] < Sq, other=0.0)
     out_dtype = q.dtype
     if UPCAST:
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    acc, l_i, m_i = _fold(acc, l_i, m_i, q, K, V, M, kv_head, mask_base, offs_m, idx, 0, n_full,
-                          Sq, Sk, qk_scale, mask_scale, sm_q, sm_k, HEAD_DIM, BLOCK_N, False,
-                          EXP2, DOT_PRECISION, UPCAST)
-    acc, l_i, m_i = _fold(acc, l_i, m_i, q, K, V, M, kv_head, mask_base, offs_m, idx, n_full,
+    acc, l_i, m_i = _fold(acc, l_i, m_i, q, K, V, M, bh, kv_head, mask_base, offs_m, idx, 0,
+                          n_full, Sq, Sk, qk_scale, mask_scale, sm_q, sm_k, HEAD_DIM, BLOCK_N,
+                          False, EXP2, DOT_PRECISION, UPCAST, TMA)
+    acc, l_i, m_i = _fold(acc, l_i, m_i, q, K, V, M, bh, kv_head, mask_base, offs_m, idx, n_full,
                           n_full + n_part, Sq, Sk, qk_scale, mask_scale, sm_q, sm_k, HEAD_DIM,
-                          BLOCK_N, True, EXP2, DOT_PRECISION, UPCAST)
+                          BLOCK_N, True, EXP2, DOT_PRECISION, UPCAST, TMA)
     l_i = tl.where(l_i == 0.0, 1.0, l_i)                           # rows past Sq: no 0/0
     out = (acc / l_i[:, None]).to(out_dtype)
-    tl.store(O + q_head + offs_m[:, None] * HEAD_DIM + offs_d[None, :], out,
-             mask=offs_m[:, None] < Sq)
+    if TMA:
+        O.store([bh, start_m, 0], out.reshape(1, BLOCK_M, HEAD_DIM))   # clipped at Sq
+    else:
+        tl.store(O + q_head + offs_m[:, None] * HEAD_DIM + offs_d[None, :], out,
+                 mask=offs_m[:, None] < Sq)
 
 
 def _work_lists(mask: torch.Tensor, Sq: int, Sk: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -212,6 +242,12 @@ def _work_lists(mask: torch.Tensor, Sq: int, Sk: int) -> tuple[torch.Tensor, tor
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
               scale: float | None = None) -> torch.Tensor:
     """Returns softmax(q kᵀ·scale + mask) v; q (B, H, Sq, D), k/v (B, H, Sk, D)."""
+    return _forward(q, k, v, mask, scale, USE_TMA and _supports_tma(q.device))
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+             scale: float | None, use_tma: bool) -> torch.Tensor:
+    """Checks the inputs and launches the kernels; TMA as given (tests force it on the CPU)."""
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or mask.dim() != 4:
         raise ValueError(f"expected 4-D q, k, v, mask; got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}, {tuple(mask.shape)}")
@@ -237,11 +273,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     mask_full = mask.expand(B, H, Sq, Sk)                         # a view: strides 0 to broadcast
     out = torch.empty_like(q)                                     # (B, H, Sq, D)
     upcast = _interpreting() and q.dtype == torch.bfloat16        # interpreter bf16 dot bug
+    if use_tma:
+        # (B*H, S, D) views: each head is its own box range, so loads past S zero-fill and
+        # stores clip per head. The descriptors need 16-byte aligned row strides (D >= 64).
+        def desc(t: torch.Tensor, rows: int) -> "TensorDescriptor":
+            S = t.shape[2]
+            return TensorDescriptor(t, [B * H, S, D], [S * D, D, 1], [1, rows, D])
+        tensors = (desc(q, BLOCK_M), desc(k, BLOCK_N), desc(v, BLOCK_N))
+        o_arg = desc(out, BLOCK_M)
+    else:
+        tensors, o_arg = (q, k, v), out
     grid = (triton.cdiv(Sq, BLOCK_M), B * H)
-    _masked_fwd[grid](q, k, v, mask_full, idx, count, out, H, Sq, Sk, nk,
+    _masked_fwd[grid](*tensors, mask_full, idx, count, o_arg, H, Sq, Sk, nk,
                       scale * LOG2E if USE_EXP2 else scale, LOG2E if USE_EXP2 else 1.0,
                       *mask_full.stride(), sw_b, sw_h, sw_q,
                       HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EXP2=USE_EXP2,
                       DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
-                      UPCAST=upcast, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+                      UPCAST=upcast, TMA=use_tma, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
