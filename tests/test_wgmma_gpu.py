@@ -1,0 +1,21 @@
+"""The wgmma seed's operand layouts and every knob setting, on a Hopper GPU (benchmarks/wgmma_probe.py)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.gpu
+def test_wgmma_probe_passes_on_hopper() -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs a Hopper (sm_90) GPU")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "wgmma_probe.py"),
+                           "--no-timing"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "ALL PASS" in proc.stdout and "FAIL" not in proc.stdout.replace("ALL PASS", "")
