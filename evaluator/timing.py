@@ -8,18 +8,23 @@ launch-bound config's median moved 3.5x between two processes without it), then
 records CUDA events around exactly one call; candidate and baseline
 repetitions are interleaved so both see the same clocks; the median is reported.
 A host-clock cross-check (back-to-back calls, device-wide sync) catches work
-hidden from the events on other streams or threads.
+hidden from the events on other streams or threads; a round that trips it is
+measured again (up to HOST_ROUNDS), since a host stall is transient and hidden work
+is not. Python's garbage collector is off while timing (a collection inside the
+ten back-to-back calls once made an honest kernel look like hidden work).
 CPU: perf_counter around each call, interleaved, median; labelled as CPU timing.
 """
 from __future__ import annotations
 
 import dataclasses
+import gc
 import statistics
 import time
 from typing import Any, Callable
 
 _perf = time.perf_counter          # captured before any candidate is imported
-SPIN_CYCLES = 400_000              # ~0.2 ms at 2 GHz: longer than a Python launch takes
+SPIN_CYCLES = 1_000_000            # ~0.5 ms at 2 GHz: longer than a few Python launches take
+HOST_ROUNDS = 3                    # host cross-check rounds at most (the fastest one counts)
 
 
 class LazyOutput(Exception):
@@ -62,6 +67,18 @@ class GpuTimer:
     def run(self, fns: dict[str, Callable[[dict[str, Any]], Any]], inputs: dict[str, Any],
             refill: Callable[[dict[str, Any]], None], warmup: int, reps: int,
             keep_reps: set[int], keep_name: str) -> Timing:
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._run(fns, inputs, refill, warmup, reps, keep_reps, keep_name)
+        finally:
+            if was_enabled:
+                gc.enable()
+
+    def _run(self, fns: dict[str, Callable[[dict[str, Any]], Any]], inputs: dict[str, Any],
+             refill: Callable[[dict[str, Any]], None], warmup: int, reps: int,
+             keep_reps: set[int], keep_name: str) -> Timing:
         torch = self.torch
         for _ in range(warmup):
             for fn in fns.values():
@@ -90,10 +107,12 @@ class GpuTimer:
         self.sync()
         for name, start, end in events:
             samples[name].append(self.elapsed(start, end))
-        host_launch = {n: self._host_per_call(fn, inputs) for n, fn in fns.items()}
+        med = {n: statistics.median(s) for n, s in samples.items()}
+        host_launch = {n: settled_host_time(lambda fn=fn: self._host_per_call(fn, inputs), med[n])
+                       for n, fn in fns.items()}
         host = {n: v[0] for n, v in host_launch.items()}
         mem = {n: self._peak_mem(fn, inputs) for n, fn in fns.items()}
-        return Timing(ms={n: statistics.median(s) for n, s in samples.items()},
+        return Timing(ms=med,
                       samples_ms=samples, host_ms_per_call=host, peak_mem_bytes=mem,
                       launch_ms={n: v[1] for n, v in host_launch.items()},
                       kept_outputs=kept)
@@ -148,6 +167,24 @@ class CpuTimer:
         med = {n: statistics.median(s) for n, s in samples.items()}
         return Timing(ms=med, samples_ms=samples, host_ms_per_call=dict(med),
                       peak_mem_bytes={n: None for n in fns}, kept_outputs=kept)
+
+
+def settled_host_time(measure: Callable[[], tuple[float, float]], event_ms: float,
+                      rounds: int = HOST_ROUNDS) -> tuple[float, float]:
+    """Returns the fastest (ms per call, ms to return) of up to `rounds` host measurements.
+
+    Stops at the first round that does not look like hidden work. A stall of the host (a
+    page fault, another process) inflates one round; work on another stream or thread
+    inflates every round, so it still shows in the fastest.
+    """
+    best = measure()
+    for _ in range(rounds - 1):
+        if not hidden_work(event_ms, *best):
+            break
+        again = measure()
+        if again[0] < best[0]:
+            best = again
+    return best
 
 
 def hidden_work(event_ms: float, host_ms: float, launch_ms: float = 0.0) -> bool:
