@@ -140,9 +140,3 @@ extern "C" int probe_pv(const void* p, const void* v, const void* o_in, void* o,
 
 #endif  // WGF_PROBE_UNITS
 
-// The seed's knob values, so the driver can label what it tested.
-extern "C" int probe_knobs(int* nwg, int* block_n) {
-  *nwg = NUM_WARPGROUPS;
-  *block_n = BLOCK_N;
-  return 0;
-}

@@ -22,6 +22,7 @@ import ctypes
 import itertools
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -33,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SEED = ROOT / "seeds" / "sdpa" / "wgmma_flash.cu"
 PROBE = ROOT / "benchmarks" / "wgmma_probe.cu"
 GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
-KNOBS = {"NUM_WARPGROUPS": ("1", "2"), "BLOCK_N": ("64", "128")}
+KNOBS = {"NUM_WARPGROUPS": ("1", "2"), "BLOCK_N_D64": ("64", "128"), "BLOCK_N_D128": ("64", "128")}
 SDPA_SHAPES = [(1, 1, 64, 64, False), (1, 2, 200, 64, True), (2, 2, 513, 128, False),
                (1, 1, 1000, 128, True), (1, 3, 77, 64, False), (1, 1, 1, 64, False),
                (2, 2, 1000, 128, True), (1, 2, 300, 64, True)]
@@ -86,7 +87,8 @@ def ptxas_summary(log: str) -> str:
             fn = line.split("'")[1] if "'" in line else ""
         elif "Used" in line and "registers" in line and "wgmma_flash_kernel" in fn:
             regs = line.split("Used")[1].split("registers")[0].strip()
-            kind = ("bf16" if "bfloat16" in fn else "f16") + ("/D128" if "Li128" in fn else "/D64")
+            ints = re.findall(r"Li(\d+)E", fn)          # template ints: D, then BLOCK_N
+            kind = ("bf16" if "bfloat16" in fn else "f16") + "/D" + "/N".join(ints)
             lines.append(f"{kind}:{regs}")
         elif "spill" in line and "wgmma_flash_kernel" in fn and any(
                 w.isdigit() and int(w) > 0 for w in line.split()):

@@ -15,7 +15,8 @@
 // float32 inputs, pointers that are not 16-byte aligned, and GPUs that are not 9.x take the
 // CUDA-core fallback (FA1-style, as in mma_flash.cu) at the bottom of this file.
 //
-// Knobs: NUM_WARPGROUPS (1 or 2 consumer warpgroups), BLOCK_N (keys per tile, 64 or 128).
+// Knobs: NUM_WARPGROUPS (1 or 2 consumer warpgroups), BLOCK_N_D64 / BLOCK_N_D128 (keys per tile
+// for each head dim, 64 or 128; BLOCK_N below is the one in use).
 // Any S >= 1, D in {64, 128}, fp32 accumulation. Needs the sm_90a target for wgmma (the
 // evaluator builds with -gencode=arch=compute_90a,code=sm_90a on H100/H200); built for any
 // other target the wgmma kernel is an empty __trap() and the fallback serves every call.
@@ -78,7 +79,8 @@
 #include <type_traits>
 
 #define NUM_WARPGROUPS 2  // evoattn: choice(1, 2)
-#define BLOCK_N 128  // evoattn: choice(64, 128)
+#define BLOCK_N_D64 64  // evoattn: choice(64, 128)
+#define BLOCK_N_D128 128  // evoattn: choice(64, 128)
 
 #define FB_BLOCK_M 32    // fallback tiles; fixed, not knobs
 #define FB_BLOCK_N 32
@@ -312,21 +314,21 @@ __device__ __forceinline__ void pack_p(uint32_t (&p)[N / 16][4], const float (&s
 
 // ---- tensor-core path (float16 / bfloat16, sm_90a) -------------------------------------
 
-template <int D> struct WgSmem {
+template <int D, int BN> struct WgSmem {
   static constexpr uint32_t Q_BYTES = BLOCK_M * D * 2;
-  static constexpr uint32_t KV_BYTES = BLOCK_N * D * 2;          // one k or v tile
+  static constexpr uint32_t KV_BYTES = BN * D * 2;          // one k or v tile
   static constexpr uint32_t STAGE_BYTES = 2 * KV_BYTES;          // k then v
   static constexpr size_t bytes = Q_BYTES + 2 * STAGE_BYTES + 1024;   // + alignment slack
 };
 
-template <typename T, int D>
+template <typename T, int D, int BN>
 __global__ void __launch_bounds__(THREADS, 1)
 wgmma_flash_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                    T* __restrict__ out, int BH, int S, int causal, float scale_log2) {
 #if WGF_SM90A
   constexpr bool BF16 = std::is_same<T, __nv_bfloat16>::value;
-  using L = WgSmem<D>;
-  constexpr int NT = BLOCK_N / 8;             // n8 score column groups per key tile
+  using L = WgSmem<D, BN>;
+  constexpr int NT = BN / 8;             // n8 score column groups per key tile
   constexpr int DT = D / 8;                   // n8 output column groups
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t sbase = (smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -348,31 +350,31 @@ wgmma_flash_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __
   const uint16_t* vb = reinterpret_cast<const uint16_t*>(v) + bh * S * D;
 
   const int n_end = causal ? min(S, m0 + BLOCK_M) : S;
-  const int ntiles = (n_end + BLOCK_N - 1) / BLOCK_N;
+  const int ntiles = (n_end + BN - 1) / BN;
   load_tile_sw128<BLOCK_M, D, THREADS>(sq, qb, m0, S, tid);
-  load_tile_sw128<BLOCK_N, D, THREADS>(skv, kb, 0, S, tid);
-  load_tile_sw128<BLOCK_N, D, THREADS>(skv + L::KV_BYTES, vb, 0, S, tid);
+  load_tile_sw128<BN, D, THREADS>(skv, kb, 0, S, tid);
+  load_tile_sw128<BN, D, THREADS>(skv + L::KV_BYTES, vb, 0, S, tid);
   cp_async_commit();
 
   float o[D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-  float s[BLOCK_N / 2];
+  float s[BN / 2];
 #pragma unroll
-  for (int i = 0; i < BLOCK_N / 2; ++i) s[i] = 0.f;
+  for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
   float m_run[2] = {-INFINITY, -INFINITY};    // rows row_a, row_b (log2 units)
   float l_run[2] = {0.f, 0.f};                // this lane's partial row sums
   const bool wg_live = wg_row0 < S;
 
   for (int it = 0; it < ntiles; ++it) {
-    const int n0 = it * BLOCK_N;
+    const int n0 = it * BN;
     cp_async_wait_all();                      // tile `it` (the only group in flight) landed
     fence_proxy_async();                      // ... and is visible to wgmma's async proxy
     __syncthreads();                          // for every thread; and tile it-1 is consumed
     if (it + 1 < ntiles) {                    // prefetch tile it+1 into the other stage
       const uint32_t nxt = skv + ((it + 1) & 1) * L::STAGE_BYTES;
-      load_tile_sw128<BLOCK_N, D, THREADS>(nxt, kb, n0 + BLOCK_N, S, tid);
-      load_tile_sw128<BLOCK_N, D, THREADS>(nxt + L::KV_BYTES, vb, n0 + BLOCK_N, S, tid);
+      load_tile_sw128<BN, D, THREADS>(nxt, kb, n0 + BN, S, tid);
+      load_tile_sw128<BN, D, THREADS>(nxt + L::KV_BYTES, vb, n0 + BN, S, tid);
       cp_async_commit();
     }
     const uint32_t sk = skv + (it & 1) * L::STAGE_BYTES;
@@ -380,9 +382,9 @@ wgmma_flash_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __
     // Warpgroup-uniform: all 128 threads of a warpgroup take the same branch (wgmma is
     // .sync.aligned over the warpgroup).
     if (wg_live && !(causal && n0 > wg_row0 + 63)) {
-      wg_qk<D, BLOCK_N, BLOCK_M, BF16>(s, sq + wg * 64 * 128, sk);
+      wg_qk<D, BN, BLOCK_M, BF16>(s, sq + wg * 64 * 128, sk);
 
-      const bool need_mask = n0 + BLOCK_N > S || (causal && n0 + BLOCK_N - 1 > wrow0);
+      const bool need_mask = n0 + BN > S || (causal && n0 + BN - 1 > wrow0);
       float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
@@ -410,16 +412,16 @@ wgmma_flash_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __
         l_run[h] *= alpha[h];
       }
 #pragma unroll
-      for (int i = 0; i < BLOCK_N / 2; ++i) {
+      for (int i = 0; i < BN / 2; ++i) {
         const float p = exp2f(s[i] - m_use[(i >> 1) & 1]);
         s[i] = p;
         l_run[(i >> 1) & 1] += p;
       }
 #pragma unroll
       for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
-      uint32_t p[BLOCK_N / 16][4];
-      pack_p<T, BLOCK_N>(p, s);
-      wg_pv<D, BLOCK_N, BF16>(o, p, sv);
+      uint32_t p[BN / 16][4];
+      pack_p<T, BN>(p, s);
+      wg_pv<D, BN, BF16>(o, p, sv);
     }
   }
 
@@ -452,15 +454,16 @@ wgmma_flash_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __
 template <typename T, int D>
 static int launch_wgmma(const void* q, const void* k, const void* v, void* out, int BH, int S,
                         int causal, float scale, cudaStream_t stream) {
-  static_assert(BLOCK_N == 64 || BLOCK_N == 128, "BLOCK_N must be 64 or 128");
+  constexpr int BN = D == 64 ? BLOCK_N_D64 : BLOCK_N_D128;
+  static_assert(BN == 64 || BN == 128, "BLOCK_N_D64 and BLOCK_N_D128 must be 64 or 128");
   static_assert(NUM_WARPGROUPS == 1 || NUM_WARPGROUPS == 2, "NUM_WARPGROUPS must be 1 or 2");
-  const size_t smem = WgSmem<D>::bytes;
-  cudaError_t err = cudaFuncSetAttribute(wgmma_flash_kernel<T, D>,
+  const size_t smem = WgSmem<D, BN>::bytes;
+  cudaError_t err = cudaFuncSetAttribute(wgmma_flash_kernel<T, D, BN>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (err != cudaSuccess) return (int)err;    // tiles too large for this GPU: fail cleanly
   const long long blocks = (long long)((S + BLOCK_M - 1) / BLOCK_M) * BH;
   if (blocks > 0x7fffffffLL) return (int)cudaErrorInvalidConfiguration;
-  wgmma_flash_kernel<T, D><<<(unsigned)blocks, THREADS, smem, stream>>>(
+  wgmma_flash_kernel<T, D, BN><<<(unsigned)blocks, THREADS, smem, stream>>>(
       (const T*)q, (const T*)k, (const T*)v, (T*)out, BH, S, causal, scale * LOG2E);
   return (int)cudaGetLastError();
 }
