@@ -29,7 +29,10 @@ fi
 if [ -n "${EVAL_LIST:-}" ]; then
   while read -r name args; do
     case "$name" in ''|'#'*) continue ;; esac
-    eval "ev $name $args"
+    [[ "$name" =~ ^[A-Za-z0-9_.-]+$ ]] || { log "skipped: bad result name '$name'"; continue; }
+    # shell-like quoting, but never evaluated: no expansion, no command separators
+    mapfile -t a < <(python -c 'import shlex, sys; print(*shlex.split(sys.argv[1]), sep="\n")' "$args")
+    ev "$name" "${a[@]}" < /dev/null
   done < "$EVAL_LIST"
 fi
 # EVALS=flash: the Triton seed twice (cold, then warm Triton cache: stability and cost);

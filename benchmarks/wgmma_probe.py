@@ -33,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SEED = ROOT / "seeds" / "sdpa" / "wgmma_flash.cu"
 PROBE = ROOT / "benchmarks" / "wgmma_probe.cu"
+sys.path.insert(0, str(ROOT))                # evoattn, for the knob setter
 GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
 KNOBS = {"NUM_WARPGROUPS": ("1", "2"), "BLOCK_N_D64": ("64", "128"), "BLOCK_N_D128": ("64", "128")}
 SDPA_SHAPES = [(1, 1, 64, 64, False), (1, 2, 200, 64, True), (2, 2, 513, 128, False),
@@ -59,15 +60,16 @@ def report(name: str, err: float, tol: float, extra: str = "") -> None:
 
 
 def set_knobs(source: str, values: dict[str, str]) -> str:
-    """Returns the seed with `#define NAME value  // evoattn: choice(...)` lines set."""
-    out = []
-    for line in source.split("\n"):
-        parts = line.split()
-        if len(parts) >= 3 and parts[0] == "#define" and parts[1] in values and "evoattn:" in line:
-            old, new = f"#define {parts[1]} {parts[2]}", f"#define {parts[1]} {values[parts[1]]}"
-            line = line.replace(old, new, 1)
-        out.append(line)
-    return "\n".join(out)
+    """Returns the seed with its knob lines set, as the mutator sets them; every one must change."""
+    from evoattn.mutators.knobs import find_knobs, set_knobs as mutator_set
+    current = {k.name: k.value for k in find_knobs(source)}
+    missing = sorted(set(values) - set(current))
+    if missing:
+        raise SystemExit(f"wgmma_probe: the seed has no knob line for {', '.join(missing)}")
+    out = mutator_set(source, values)
+    if any(current[n] != v for n, v in values.items()) and out == source:
+        raise SystemExit("wgmma_probe: setting the knobs left the seed unchanged")
+    return out
 
 
 def build(seed: Path, out: Path, units: bool) -> tuple[Path, str, bool, float]:

@@ -111,7 +111,8 @@ def eval_cmd(path: str, problem: str, configs: str | None, dtype: str | None, de
         console.print("[yellow]CPU mode[/yellow]: Triton runs in its interpreter; "
                       "timings are CPU timings, not GPU performance.")
     with console.status(f"evaluating {p.name} on {dev} ..."):
-        result = SubprocessEvaluator(settings).evaluate(source, p.suffix, p.name)
+        name = p.name + (f" [{', '.join(knob_sets)}]" if knob_sets else "")
+        result = SubprocessEvaluator(settings).evaluate(source, p.suffix, name)
     report.print_eval(console, result)
     if json_path:
         _write_json_atomic(Path(json_path), result.to_json())
@@ -136,6 +137,8 @@ def _with_knobs(path: Path, source: str, knob_sets: tuple[str, ...]) -> str:
         if value not in knobs[name].choices:
             raise UsageError(f"{path}: --set {name}={value}: not among its choices "
                              f"({', '.join(knobs[name].choices)})")
+        if values.get(name, value) != value:
+            raise UsageError(f"{path}: --set {name} given twice ({values[name]}, {value})")
         values[name] = value
     return set_knobs(source, values)
 

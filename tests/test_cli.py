@@ -65,6 +65,9 @@ def test_eval_set_changes_the_knob_and_rejects_unknown_ones(tmp_path: Path) -> N
     wrong = evoattn("eval", str(f), *FAST, "--set", "SCALE_FIX=2.0")
     assert wrong.returncode == 1 and "Correctness: FAIL" in wrong.stdout
     assert f.read_text() == KNOBBED                          # the file itself is untouched
+    assert "knobbed.py [SCALE_FIX=2.0]" in wrong.stdout      # the report names the setting
+    twice = evoattn("eval", str(f), *FAST, "--set", "SCALE_FIX=1.0", "--set", "SCALE_FIX=2.0")
+    assert twice.returncode == 4 and "given twice" in twice.stderr
     for bad, needle in (("SCALE_FIX=3.0", "not among its choices (1.0, 2.0)"),
                         ("NOPE=1", "no such knob (knobs: SCALE_FIX)"),
                         ("SCALE_FIX", "expected NAME=VALUE")):

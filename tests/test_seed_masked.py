@@ -68,7 +68,7 @@ def run(cases: list) -> list:
         cases_path.write_text(json.dumps(cases))
         env = dict(os.environ, TRITON_INTERPRET="1")
         proc = subprocess.run([sys.executable, __file__, str(cases_path), str(out_path)],
-                              env=env, capture_output=True, text=True, timeout=900)
+                              env=env, capture_output=True, text=True, timeout=550)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(out_path.read_text())
 

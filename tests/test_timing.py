@@ -28,6 +28,12 @@ def test_hidden_work_shows_in_every_round_and_stays_flagged() -> None:
     assert hidden_work(0.5, host, launch)
 
 
+def test_a_clean_round_ends_it_even_when_an_earlier_one_was_faster() -> None:
+    # round 2 returns slowly (a host-bound call), so its per-call time is explained: clean
+    measure, calls = _rounds([(1.0, 0.3), (1.1, 0.8), (1.05, 0.3)])
+    assert settled_host_time(measure, 0.5) == (1.1, 0.8) and len(calls) == 2
+
+
 def test_an_honest_first_round_is_not_repeated() -> None:
     measure, calls = _rounds([(0.6, 0.1)])
     assert settled_host_time(measure, 0.55) == (0.6, 0.1) and len(calls) == 1
