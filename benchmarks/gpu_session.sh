@@ -62,7 +62,7 @@ if [ -n "${PROBLEMS:-}" ]; then     # PROBLEMS="strided gqa ...": each problem's
   done; done
 fi
 if [ "${GPU_TESTS:-0}" = 1 ]; then
-  log "gpu tests"; timeout ${GPU_TESTS_S:-300} python -m pytest -m gpu -q -p no:cacheprovider tests/test_adversarial.py tests/test_build.py tests/test_wgmma_gpu.py > "$R/gpu_tests.txt" 2>&1; tail -5 "$R/gpu_tests.txt"
+  log "gpu tests"; timeout ${GPU_TESTS_S:-300} python -m pytest -m gpu -q -p no:cacheprovider tests/test_adversarial.py tests/test_build.py tests/test_wgmma_gpu.py tests/test_seeds_gpu.py > "$R/gpu_tests.txt" 2>&1; tail -5 "$R/gpu_tests.txt"
 fi
 if [ -n "${RUNS:-}" ]; then         # RUNS="strided gqa ...": a short offline search per problem
   for p in $RUNS; do

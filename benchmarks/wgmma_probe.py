@@ -8,7 +8,9 @@ Builds benchmarks/wgmma_probe.cu (which #includes the seed) with nvcc for sm_90a
                 D in {64, 128} x N in {64, 128};
      (1-3 in float16 and bfloat16, plus a case with zero-filled rows past the valid ones);
   4. sdpa:      the seed's evoattn_sdpa on (B,H,S,D,causal) shapes against float32 attention,
-                for every knob combination of the seed (each built separately, in parallel).
+                for every knob combination of the seed (each built separately, in parallel);
+  5. plain:     the seed built for plain sm_90 (no wgmma) returns cudaErrorInvalidDeviceFunction
+                instead of trapping.
 Prints one line per test with the max abs error and PASS/FAIL, then a few informational
 timings, and exits 1 on any FAIL (2 when it cannot run). Run from anywhere:
     python benchmarks/wgmma_probe.py [--quick] [--no-timing]
@@ -217,6 +219,21 @@ def main() -> int:
                 err = (out.float() - ref).abs().max().item() if rc == 0 else float("inf")
                 report(f"4 sdpa [{label}] ({B},{H},{S},{D}){' causal' if causal else ''} {dname}",
                        err, TOL[dname], f" rc={rc}" if rc else "")
+        # ---- 5: built for plain sm_90 (no wgmma), the seed says so instead of trapping -------
+        plain = tmp / "seed_plain_sm90.so"
+        p = subprocess.run([os.environ.get("NVCC", "nvcc"), "-O3", "-std=c++17", "-shared",
+                            "-Xcompiler", "-fPIC", "-arch=sm_90", "-o", str(plain), str(SEED)],
+                           capture_output=True, text=True)
+        if p.returncode != 0:
+            print(f"FAIL  build for plain sm_90\n{p.stderr[-2000:]}")
+            return 1
+        q = torch.randn(1, 2, 128, 64, device=dev, generator=gen).half()
+        out = torch.empty_like(q)
+        rc = ctypes.CDLL(str(plain)).evoattn_sdpa(ptr(q), ptr(q), ptr(q), ptr(out), 1, 2, 128,
+                                                  64, 0, 0, ctypes.c_float(0.125), stream)
+        torch.cuda.synchronize()              # the context must still be healthy
+        report("5 plain sm_90 build returns cudaErrorInvalidDeviceFunction (98)",
+               0.0 if rc == 98 else float("inf"), 0.0, f" rc={rc}")
     except Exception as e:                     # a trap / illegal address kills the context
         print(f"FAIL  CUDA error: {type(e).__name__}: {e}")
         return 1

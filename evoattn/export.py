@@ -206,8 +206,11 @@ def _cuda_usage(source: str) -> list[str]:
             "## Use it", "",
             "`best.cu` exports the C function `evoattn_sdpa` (see its signature in the file; "
             "it returns 0 or a cudaError_t). Build a shared library for your GPU's "
-            "architecture (sm_90 = H100/H200):", "",
-            "```sh", "nvcc -O3 -shared -Xcompiler -fPIC -arch=sm_90 best.cu -o libbest.so", "```",
+            "architecture, the way the evaluator built it; on H100/H200 that is the "
+            "arch-specific sm_90a target (wgmma and setmaxnreg need it; plain sm_90 "
+            "lacks them):", "",
+            "```sh", "nvcc -O3 -shared -Xcompiler -fPIC "
+            "-gencode=arch=compute_90a,code=sm_90a best.cu -o libbest.so", "```",
             "", "and call it on contiguous (B, H, S, D) tensors:", "",
             "```python", "import ctypes, math, torch", "",
             "lib = ctypes.CDLL('./libbest.so')",

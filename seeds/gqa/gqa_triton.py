@@ -88,7 +88,7 @@ def _inner(acc, l_i, m_i, q, K, V, kv_head, off_kv, offs_m, lo, hi, S, qk_scale,
         if TMA:
             k = K.load([off_kv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         else:
-            k_ptrs = K + kv_head + cols[:, None] * HEAD_DIM + offs_d[None, :]
+            k_ptrs = K + kv_head + cols[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :]
             if MASKED:
                 k = tl.load(k_ptrs, mask=cols[:, None] < S, other=0.0)
             else:
@@ -126,7 +126,7 @@ def _inner(acc, l_i, m_i, q, K, V, kv_head, off_kv, offs_m, lo, hi, S, qk_scale,
         if TMA:
             v = V.load([off_kv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         else:
-            v_ptrs = V + kv_head + cols[:, None] * HEAD_DIM + offs_d[None, :]
+            v_ptrs = V + kv_head + cols[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :]
             if MASKED:
                 v = tl.load(v_ptrs, mask=cols[:, None] < S, other=0.0)
             else:
@@ -149,11 +149,14 @@ def _gqa_fwd(Q, K, V, O, S, G, qk_scale,
              EXP2: tl.constexpr, TMA: tl.constexpr, HEAVY_FIRST: tl.constexpr,
              DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Q, O: contiguous (B, Hq, S, D) and K, V: (B, Hkv, S, D) tensors, or (B*Hq, S, D) and
-    (B*Hkv, S, D) tensor descriptors if TMA. Grid (query blocks, B*Hq)."""
-    m_idx = tl.program_id(0)
+    (B*Hkv, S, D) tensor descriptors if TMA. A 1-D grid of (query blocks) * B*Hq programs,
+    query blocks fastest (1-D: B*Hq may exceed the 65535 limit of a second grid axis)."""
+    num_m = tl.cdiv(S, BLOCK_M)
+    pid = tl.program_id(0)
+    m_idx = pid % num_m
     if CAUSAL and HEAVY_FIRST:
-        m_idx = tl.num_programs(0) - 1 - m_idx
-    off_hz = tl.program_id(1)                       # flat query head b*Hq + h
+        m_idx = num_m - 1 - m_idx
+    off_hz = pid // num_m                           # flat query head b*Hq + h
     # Its key/value head b*Hkv + h // G: b*Hq + h == (b*Hkv)*G + h with h < Hkv*G, so one
     # division by G gives it.
     off_kv = off_hz // G
@@ -166,7 +169,7 @@ def _gqa_fwd(Q, K, V, O, S, G, qk_scale,
     if TMA:
         q = Q.load([off_hz, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
     else:
-        q = tl.load(Q + q_head + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
+        q = tl.load(Q + q_head + offs_m[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
                     mask=offs_m[:, None] < S, other=0.0)
     out_dtype = q.dtype
     if UPCAST:
@@ -196,7 +199,7 @@ def _gqa_fwd(Q, K, V, O, S, G, qk_scale,
     if TMA:
         O.store([off_hz, start_m, 0], out.reshape(1, BLOCK_M, HEAD_DIM))  # clipped at S
     else:
-        tl.store(O + q_head + offs_m[:, None] * HEAD_DIM + offs_d[None, :], out,
+        tl.store(O + q_head + offs_m[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :], out,
                  mask=offs_m[:, None] < S)
 
 
@@ -232,6 +235,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     block_m, block_n, num_warps, num_stages = _settings(D)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()   # no-ops for contiguous inputs
     out = torch.empty_like(q)                                  # (B, Hq, S, D), fresh
+    # TMA descriptors need 16-byte aligned base addresses (a view may start anywhere)
+    use_tma = use_tma and all(t.data_ptr() % 16 == 0 for t in (q, k, v, out))
     if use_tma:
         # 3-D views (heads, S, D): each head is its own box range, so TMA zero-fills loads past
         # S and clips stores at S per head. The descriptors need 16-byte aligned row strides.
@@ -243,7 +248,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         args = (q, k, v, out)
     # Query blocks vary fastest: a head's blocks run together, then the next head's, and the
     # G heads of a group are consecutive, so their shared key/value head stays hot in L2.
-    grid = (triton.cdiv(S, block_m), B * HQ)
+    grid = (triton.cdiv(S, block_m) * B * HQ,)
     qk_scale = scale * LOG2E if USE_EXP2 else scale
     # Triton 3.6's interpreter multiplies bfloat16 tiles as their raw uint16 bits (garbage), so
     # there, and only there, the dots take bfloat16 values widened to float32.

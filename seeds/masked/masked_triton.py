@@ -53,7 +53,6 @@ USE_TMA = True  # evoattn: choice(True, False)
 
 LOG2E = 1.44269504  # log2(e) = 1/ln 2: exp(x) == exp2(x * LOG2E)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-DEAD, FULL, PARTIAL = 0, 1, 2   # tile labels
 
 
 def _interpreting() -> bool:
@@ -69,12 +68,16 @@ def _supports_tma(device: torch.device) -> bool:
 
 # ---- the work lists ---------------------------------------------------------------------
 @triton.jit
-def _classify(M, LABEL, H1, Sq, Sk, NK, sm_b, sm_h, sm_q, sm_k,
+def _classify(M, LABEL, H1, Sq, Sk, NK, NQ1, sm_b, sm_h, sm_q, sm_k,
               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, FULL_OK: tl.constexpr):
-    """Labels one (ROWS, BLOCK_N) tile of the mask's own frame; grid (nk, nq1, b1 * h1)."""
-    kb = tl.program_id(0)
-    qb = tl.program_id(1)
-    bh = tl.program_id(2)
+    """Labels one (ROWS, BLOCK_N) tile of the mask's own frame as 0 dead, 1 full, 2 partial.
+
+    A 1-D grid of b1*h1*nq1*nk programs, key blocks fastest: program pid labels LABEL[pid].
+    """
+    pid = tl.program_id(0)
+    kb = pid % NK
+    qb = (pid // NK) % NQ1
+    bh = pid // (NK * NQ1)
     rows = qb * ROWS + tl.arange(0, ROWS)
     cols = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     inside = (rows[:, None] < Sq) & (cols[None, :] < Sk)
@@ -89,7 +92,7 @@ def _classify(M, LABEL, H1, Sq, Sk, NK, sm_b, sm_h, sm_q, sm_k,
         # every entry of the tile's in-range rows is 0, and no column lies past Sk
         full = (n_zero == n_inside) & ((kb + 1) * BLOCK_N <= Sk)
         label = tl.where(full & (n_live > 0), 1, label)
-    tl.store(LABEL + (bh * tl.num_programs(1) + qb) * NK + kb, label.to(tl.int8))
+    tl.store(LABEL + pid, label.to(tl.int8))
 
 
 @triton.jit
@@ -111,7 +114,7 @@ def _compact(LABEL, IDX, COUNT, NK, NK_P2: tl.constexpr):
 
 # ---- attention --------------------------------------------------------------------------
 @triton.jit
-def _fold(acc, l_i, m_i, q, K, V, M, bh, kv_head, mask_base, offs_m, IDX, lo, hi, Sq, Sk,
+def _fold(acc, l_i, m_i, q, K, V, bh, kv_head, mask_base, offs_m, IDX, lo, hi, Sq, Sk,
           qk_scale, mask_scale, sm_q, sm_k,
           HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PARTIAL_TILES: tl.constexpr,
           EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -180,8 +183,9 @@ def _masked_fwd(Q, K, V, M, IDX, COUNT, O, H, Sq, Sk, NK, qk_scale, mask_scale,
     IDX (rows, NK) and COUNT (rows, 2) are the work lists; row = b*sw_b + h*sw_h + m*sw_q
     (strides 0 along the mask's broadcast dimensions).
     """
-    m_blk = tl.program_id(0)
-    bh = tl.program_id(1)
+    num_m = tl.cdiv(Sq, BLOCK_M)            # a 1-D grid, query blocks fastest (B*H may
+    m_blk = tl.program_id(0) % num_m        # exceed a second grid axis's 65535)
+    bh = tl.program_id(0) // num_m
     b = bh // H
     h = bh % H
     start_m = m_blk * BLOCK_M
@@ -198,7 +202,7 @@ def _masked_fwd(Q, K, V, M, IDX, COUNT, O, H, Sq, Sk, NK, qk_scale, mask_scale,
     if TMA:
         q = Q.load([bh, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
     else:
-        q = tl.load(Q + q_head + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
+        q = tl.load(Q + q_head + offs_m[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
                     mask=offs_m[:, None] < Sq, other=0.0)
     out_dtype = q.dtype
     if UPCAST:
@@ -206,10 +210,10 @@ def _masked_fwd(Q, K, V, M, IDX, COUNT, O, H, Sq, Sk, NK, qk_scale, mask_scale,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    acc, l_i, m_i = _fold(acc, l_i, m_i, q, K, V, M, bh, kv_head, mask_base, offs_m, idx, 0,
+    acc, l_i, m_i = _fold(acc, l_i, m_i, q, K, V, bh, kv_head, mask_base, offs_m, idx, 0,
                           n_full, Sq, Sk, qk_scale, mask_scale, sm_q, sm_k, HEAD_DIM, BLOCK_N,
                           False, EXP2, DOT_PRECISION, UPCAST, TMA)
-    acc, l_i, m_i = _fold(acc, l_i, m_i, q, K, V, M, bh, kv_head, mask_base, offs_m, idx, n_full,
+    acc, l_i, m_i = _fold(acc, l_i, m_i, q, K, V, bh, kv_head, mask_base, offs_m, idx, n_full,
                           n_full + n_part, Sq, Sk, qk_scale, mask_scale, sm_q, sm_k, HEAD_DIM,
                           BLOCK_N, True, EXP2, DOT_PRECISION, UPCAST, TMA)
     l_i = tl.where(l_i == 0.0, 1.0, l_i)                           # rows past Sq: no 0/0
@@ -217,7 +221,7 @@ def _masked_fwd(Q, K, V, M, IDX, COUNT, O, H, Sq, Sk, NK, qk_scale, mask_scale,
     if TMA:
         O.store([bh, start_m, 0], out.reshape(1, BLOCK_M, HEAD_DIM))   # clipped at Sq
     else:
-        tl.store(O + q_head + offs_m[:, None] * HEAD_DIM + offs_d[None, :], out,
+        tl.store(O + q_head + offs_m[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :], out,
                  mask=offs_m[:, None] < Sq)
 
 
@@ -232,8 +236,8 @@ def _work_lists(mask: torch.Tensor, Sq: int, Sk: int) -> tuple[torch.Tensor, tor
     nq1, nk = triton.cdiv(Sq, BLOCK_M) if q1 > 1 else 1, triton.cdiv(Sk, BLOCK_N)
     m = mask.expand(b1, h1, Sq, Sk)            # strides 0 along broadcast q / k dimensions
     label = torch.empty((b1, h1, nq1, nk), dtype=torch.int8, device=mask.device)
-    _classify[(nk, nq1, b1 * h1)](m, label, h1, Sq, Sk, nk, *m.stride(), ROWS=rows,
-                                  BLOCK_N=BLOCK_N, FULL_OK=FULL_TILES, num_warps=4)
+    _classify[(b1 * h1 * nq1 * nk,)](m, label, h1, Sq, Sk, nk, nq1, *m.stride(), ROWS=rows,
+                                     BLOCK_N=BLOCK_N, FULL_OK=FULL_TILES, num_warps=4)
     idx = torch.empty((b1, h1, nq1, nk), dtype=torch.int32, device=mask.device)
     count = torch.empty((b1, h1, nq1, 2), dtype=torch.int32, device=mask.device)
     _compact[(b1 * h1 * nq1,)](label, idx, count, nk, NK_P2=triton.next_power_of_2(nk),
@@ -275,6 +279,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     mask_full = mask.expand(B, H, Sq, Sk)                         # a view: strides 0 to broadcast
     out = torch.empty_like(q)                                     # (B, H, Sq, D)
     upcast = _interpreting() and q.dtype == torch.bfloat16        # interpreter bf16 dot bug
+    # TMA descriptors need 16-byte aligned base addresses (a view may start anywhere)
+    use_tma = use_tma and all(t.data_ptr() % 16 == 0 for t in (q, k, v, out))
     if use_tma:
         # (B*H, S, D) views: each head is its own box range, so loads past S zero-fill and
         # stores clip per head. The descriptors need 16-byte aligned row strides (D >= 64).
@@ -285,7 +291,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
         o_arg = desc(out, BLOCK_M)
     else:
         tensors, o_arg = (q, k, v), out
-    grid = (triton.cdiv(Sq, BLOCK_M), B * H)
+    grid = (triton.cdiv(Sq, BLOCK_M) * B * H,)
     _masked_fwd[grid](*tensors, mask_full, idx, count, o_arg, H, Sq, Sk, nk,
                       scale * LOG2E if USE_EXP2 else scale, LOG2E if USE_EXP2 else 1.0,
                       *mask_full.stride(), sw_b, sw_h, sw_q,

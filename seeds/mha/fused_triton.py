@@ -96,10 +96,14 @@ def _inner(acc, l_i, m_i, q, K, V, row_stride, offs_m, lo, hi, T, qk_scale, hs,
 def _causal_attn(QKV, Y, T, C, NH, hs, qk_scale,
                  HEAD_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  SPLIT: tl.constexpr, EXP2: tl.constexpr, PRECISION: tl.constexpr):
-    """QKV: contiguous (B, T, 3C) = [q | k | v]; Y: contiguous (B, T, C); grid (q blocks, B*NH)."""
-    start_m = tl.program_id(0) * BLOCK_M
-    b = tl.program_id(1) // NH
-    h = tl.program_id(1) % NH
+    """QKV: contiguous (B, T, 3C) = [q | k | v]; Y: contiguous (B, T, C).
+
+    A 1-D grid of (query blocks) * B*NH programs, query blocks fastest.
+    """
+    num_m = tl.cdiv(T, BLOCK_M)
+    start_m = (tl.program_id(0) % num_m) * BLOCK_M
+    b = tl.program_id(0) // num_m // NH
+    h = tl.program_id(0) // num_m % NH
     row_stride = 3 * C
     base = QKV + b.to(tl.int64) * T * row_stride + h * hs     # q of head h, row 0
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -134,7 +138,7 @@ def causal_attention(qkv: torch.Tensor, n_head: int) -> torch.Tensor:
     head_p = max(16, triton.next_power_of_2(hs))
     y = torch.empty(B, T, C, device=qkv.device, dtype=qkv.dtype)
     scale = 1.0 / math.sqrt(hs)
-    grid = (triton.cdiv(T, BLOCK_M), B * n_head)
+    grid = (triton.cdiv(T, BLOCK_M) * B * n_head,)
     _causal_attn[grid](qkv, y, T, C, n_head, hs, scale * LOG2E if USE_EXP2 else scale,
                        HEAD_P=head_p, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SPLIT=CAUSAL_SPLIT,
                        EXP2=USE_EXP2, PRECISION=ATTN_PRECISION, num_warps=NUM_WARPS,

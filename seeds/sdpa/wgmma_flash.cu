@@ -18,8 +18,10 @@
 // Knobs: NUM_WARPGROUPS (1 or 2 consumer warpgroups), BLOCK_N_D64 / BLOCK_N_D128 (keys per tile
 // for each head dim, 64 or 128; BLOCK_N below is the one in use).
 // Any S >= 1, D in {64, 128}, fp32 accumulation. Needs the sm_90a target for wgmma (the
-// evaluator builds with -gencode=arch=compute_90a,code=sm_90a on H100/H200); built for any
-// other target the wgmma kernel is an empty __trap() and the fallback serves every call.
+// evaluator builds with -gencode=arch=compute_90a,code=sm_90a on H100/H200). Built for
+// another target (plain sm_90, or PTX JIT-compiled from an older one), the code the GPU runs
+// has no wgmma: a one-time probe kernel finds that out, and on a 9.x GPU every 16-bit call
+// then returns cudaErrorInvalidDeviceFunction (a loud error, not the slow fallback).
 //
 // ---- Shared-memory layouts (all 16-bit elements; every tile base is 1024-byte aligned) ----
 // Every operand tile (q: BLOCK_M x D, k and v: BLOCK_N x D) is kept as it is in global memory,
@@ -447,7 +449,7 @@ wgmma_flash_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __
     }
   }
 #else
-  __trap();   // built without sm_90a: never launched (run() checks the device), loud if it is
+  __trap();   // built without sm_90a: never launched (run() asks wgmma_built() first)
 #endif
 }
 
@@ -618,6 +620,30 @@ static int device_major() {
   return major;
 }
 
+// Writes whether the code this GPU runs was compiled with wgmma (the sm_90a pass).
+__global__ void wgmma_probe_kernel(int* built) { *built = WGF_SM90A; }
+
+// 1 if this device's code has the wgmma kernel, 0 if not, a negative cudaError_t on error;
+// asked once per device (one tiny launch and copy, on the first call).
+static int wgmma_built() {
+  static int cached[64];                      // 0: not yet asked, 1: yes, 2: no
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return -(int)cudaErrorInvalidDevice;
+  if (dev >= 0 && dev < 64 && cached[dev] != 0) return cached[dev] == 1;
+  int* flag = nullptr;
+  int built = 0;
+  cudaError_t err = cudaMalloc(&flag, sizeof(int));
+  if (err == cudaSuccess) {
+    wgmma_probe_kernel<<<1, 1>>>(flag);
+    err = cudaGetLastError();
+    if (err == cudaSuccess) err = cudaMemcpy(&built, flag, sizeof(int), cudaMemcpyDeviceToHost);
+    cudaFree(flag);
+  }
+  if (err != cudaSuccess) return -(int)err;
+  if (dev >= 0 && dev < 64) cached[dev] = built ? 1 : 2;
+  return built != 0;
+}
+
 template <typename T>
 static int run(const void* q, const void* k, const void* v, void* out, int BH, int S, int D,
                int causal, float scale, cudaStream_t stream) {
@@ -625,6 +651,9 @@ static int run(const void* q, const void* k, const void* v, void* out, int BH, i
   if constexpr (!std::is_same<T, float>::value) {
     // Hopper, 16-bit, aligned: always the wgmma kernel (never silently the fallback).
     if (aligned && device_major() == 9) {
+      const int built = wgmma_built();
+      if (built < 0) return -built;
+      if (built == 0) return (int)cudaErrorInvalidDeviceFunction;   // not built for sm_90a
       if (D == 64) return launch_wgmma<T, 64>(q, k, v, out, BH, S, causal, scale, stream);
       return launch_wgmma<T, 128>(q, k, v, out, BH, S, causal, scale, stream);
     }

@@ -89,9 +89,11 @@ def _window_fwd(Q, K, V, O, S, window, qk_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 EXP2: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
                 UPCAST: tl.constexpr):
-    """Q, K, V, O: contiguous (B, H, S, D); grid (query blocks, B*H)."""
-    start_m = tl.program_id(0) * BLOCK_M
-    head = tl.program_id(1).to(tl.int64) * S * HEAD_DIM
+    """Q, K, V, O: contiguous (B, H, S, D); a 1-D grid of (query blocks) * B*H programs, query
+    blocks fastest (1-D: B*H may exceed the 65535 limit of a second grid axis)."""
+    num_m = tl.cdiv(S, BLOCK_M)
+    start_m = (tl.program_id(0) % num_m) * BLOCK_M
+    head = (tl.program_id(0) // num_m).to(tl.int64) * S * HEAD_DIM
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     # q: (BLOCK_M, HEAD_DIM), stays in registers throughout; rows past S read as zeros
@@ -144,7 +146,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 1
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.empty_like(q)                                    # (B, H, S, D)
     upcast = _interpreting() and q.dtype == torch.bfloat16       # interpreter bf16 dot bug
-    grid = (triton.cdiv(S, BLOCK_M), B * H)
+    grid = (triton.cdiv(S, BLOCK_M) * B * H,)
     _window_fwd[grid](q, k, v, out, S, int(min(window, S)), scale * LOG2E if USE_EXP2 else scale,
                       HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EXP2=USE_EXP2,
                       SPLIT=SPLIT_MASK,
