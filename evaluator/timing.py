@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 _perf = time.perf_counter          # captured before any candidate is imported
 SPIN_CYCLES = 1_000_000            # ~0.5 ms at 2 GHz: longer than a few Python launches take
-HOST_ROUNDS = 3                    # host cross-check rounds at most (the fastest one counts)
+HOST_ROUNDS = 3                    # host cross-check rounds at most (see settled_host_time)
 
 
 class LazyOutput(Exception):
