@@ -1,10 +1,10 @@
 """`sdpa`: forward attention softmax(q kᵀ · scale [+ causal mask]) v on (B, H, S, D)."""
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 from .base import Config, Problem, Tolerance
+from .common import DeviceCache, default_scale, masked_attention, randn, sdpa
 
 _SHAPES = [(8, 32, 512, 64), (4, 32, 1024, 64), (2, 32, 2048, 64), (1, 32, 4096, 64),
            (1, 8, 512, 64), (4, 16, 4096, 128), (16, 16, 1024, 128)]
@@ -88,50 +88,49 @@ class Sdpa(Problem):
         f = 4.0 * cfg["B"] * cfg["H"] * cfg["S"] ** 2 * cfg["D"]
         return f / 2 if cfg["causal"] else f
 
+    def __init__(self) -> None:
+        self._masks = DeviceCache()
+
     def make_inputs(self, cfg: Config, dtype: Any, device: Any, gen: Any) -> dict[str, Any]:
-        import torch
         shape = (cfg["B"], cfg["H"], cfg["S"], cfg["D"])
-        q, k, v = (torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
-                   for _ in range(3))
+        q, k, v = (randn(shape, gen, device, dtype) for _ in range(3))
         return {"q": q, "k": k, "v": v, "causal": bool(cfg["causal"]),
-                "scale": 1.0 / math.sqrt(cfg["D"])}
+                "scale": default_scale(cfg["D"])}
+
+    def _keep(self, inputs: dict[str, Any]) -> Any:
+        """Returns the (S, S) lower-triangular mask for causal inputs (cached), else None."""
+        if not inputs["causal"]:
+            return None
+        q = inputs["q"]
+        n = q.shape[-2]
+
+        def make() -> Any:
+            import torch
+            return torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        return self._masks.get((n, str(q.device)), make)
 
     def reference(self, inputs: dict[str, Any], cfg: Config) -> Any:
-        import torch
-        q, k, v = (inputs[n].float() for n in "qkv")
-        s = torch.matmul(q, k.transpose(-1, -2)) * inputs["scale"]
-        if inputs["causal"]:
-            n = q.shape[-2]
-            mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-            s = s.masked_fill(~mask, float("-inf"))
-        return torch.matmul(torch.softmax(s, dim=-1), v)
+        return masked_attention(inputs["q"], inputs["k"], inputs["v"], inputs["scale"],
+                                keep=self._keep(inputs))
 
     def baseline(self, inputs: dict[str, Any], cfg: Config) -> Any:
-        import torch.nn.functional as F
-        return F.scaled_dot_product_attention(inputs["q"], inputs["k"], inputs["v"],
-                                              is_causal=inputs["causal"], scale=inputs["scale"])
+        return sdpa(inputs["q"], inputs["k"], inputs["v"], is_causal=inputs["causal"],
+                    scale=inputs["scale"])
 
     def extra_baselines(self) -> dict[str, Callable[[dict[str, Any], Config], Any]]:
-        import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
-        import torch.nn.functional as F
 
         def backend(b: Any) -> Callable[[dict[str, Any], Config], Any]:
             def run(inputs: dict[str, Any], cfg: Config) -> Any:
                 with sdpa_kernel([b]):
-                    return F.scaled_dot_product_attention(
-                        inputs["q"], inputs["k"], inputs["v"],
-                        is_causal=inputs["causal"], scale=inputs["scale"])
+                    return sdpa(inputs["q"], inputs["k"], inputs["v"],
+                                is_causal=inputs["causal"], scale=inputs["scale"])
             return run
 
         def naive(inputs: dict[str, Any], cfg: Config) -> Any:
-            q, k, v = inputs["q"], inputs["k"], inputs["v"]
-            s = torch.matmul(q, k.transpose(-1, -2)) * inputs["scale"]
-            if inputs["causal"]:
-                n = q.shape[-2]
-                s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device)
-                                  .triu(1), float("-inf"))
-            return torch.matmul(torch.softmax(s.float(), dim=-1).to(q.dtype), v)
+            q = inputs["q"]
+            return masked_attention(q, inputs["k"], inputs["v"], inputs["scale"],
+                                    keep=self._keep(inputs), compute_dtype=q.dtype)
 
         return {"math": backend(SDPBackend.MATH), "flash": backend(SDPBackend.FLASH_ATTENTION),
                 "efficient": backend(SDPBackend.EFFICIENT_ATTENTION),
