@@ -35,7 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SEED = ROOT / "seeds" / "sdpa" / "wgmma_flash.cu"
 PROBE = ROOT / "benchmarks" / "wgmma_probe.cu"
-sys.path.insert(0, str(ROOT))                # evoattn, for the knob setter
+sys.path.insert(0, str(ROOT))                # evoattn, for the knob parser and setter
+from evoattn.mutators.knobs import find_knobs, set_knobs as mutator_set  # noqa: E402
 GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
 KNOBS = {"NUM_WARPGROUPS": ("1", "2"), "BLOCK_N_D64": ("64", "128"), "BLOCK_N_D128": ("64", "128")}
 SDPA_SHAPES = [(1, 1, 64, 64, False), (1, 2, 200, 64, True), (2, 2, 513, 128, False),
@@ -63,7 +64,6 @@ def report(name: str, err: float, tol: float, extra: str = "") -> None:
 
 def set_knobs(source: str, values: dict[str, str]) -> str:
     """Returns the seed with its knob lines set, as the mutator sets them; every one must change."""
-    from evoattn.mutators.knobs import find_knobs, set_knobs as mutator_set
     current = {k.name: k.value for k in find_knobs(source)}
     missing = sorted(set(values) - set(current))
     if missing:
@@ -124,11 +124,7 @@ def main() -> int:
     # ---- build: the seed as it is (with the unit kernels) + every other knob setting ----
     tmp = Path(tempfile.mkdtemp(prefix="wgmma_probe_"))
     seed_src = SEED.read_text()
-    cur = {}
-    for line in seed_src.split("\n"):
-        parts = line.split()
-        if len(parts) >= 3 and parts[0] == "#define" and parts[1] in KNOBS:
-            cur[parts[1]] = parts[2]
+    cur = {k.name: k.value for k in find_knobs(seed_src) if k.name in KNOBS}
     jobs = [(dict(cur), SEED, tmp / "probe_default.so", True)]
     if not args.quick:
         for combo in itertools.product(*KNOBS.values()):

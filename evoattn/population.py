@@ -49,7 +49,6 @@ class Population:
         """Returns an island's elites, best first."""
         return list(self._islands[island])
 
-
     def best(self) -> Program | None:
         """Returns the best elite anywhere, or None if no correct program exists."""
         tops = [e[0] for e in self._islands if e]

@@ -103,4 +103,3 @@ class Evaluator(Protocol):
 
     def close(self) -> None:
         """Releases what the evaluator holds (its zygote process, say)."""
-
