@@ -214,6 +214,9 @@ KNOB_COMBINATIONS = [
     {"PERSISTENT": True, "PROGRAMS_PER_SM": 1, "HEAD_MAJOR": False, "CAUSAL_HEAVY_FIRST": False},
     {"PERSISTENT": True, "BLOCK_M_D64": 32, "BLOCK_M_D128": 32, "CAUSAL_SPLIT": False},
     {"HEAD_MAJOR": False, "CAUSAL_HEAVY_FIRST": True, "BLOCK_N_D64": 128},
+    # causal calls with their own query tiles and pipeline depth
+    {"CAUSAL_SPLIT": True, "BLOCK_M_D64_CAUSAL": 32, "NUM_STAGES_D64_CAUSAL": 2,
+     "BLOCK_M_D128_CAUSAL": 128, "PERSISTENT": True},
 ]
 
 
@@ -233,6 +236,11 @@ def test_flash_triton_knob_combinations_stay_correct():
     # The TMA kernel (3-D descriptors, clipped stores) through the interpreter, forced.
     cases += [c for knobs in KNOB_COMBINATIONS[:4] + KNOB_COMBINATIONS[6:7]
               for c in knob_cases(knobs, path="tma")]
+    # a long sequence takes the long-sequence key tile
+    long_knobs = {"LONG_SEQ": 1024, "BLOCK_N_D64_LONG": 128, "BLOCK_M_D64": 32,
+                  "CAUSAL_SPLIT": True}
+    cases += [case("flash_triton", (1, 1, 1100, 64), "float32", c, 0.3, knobs=long_knobs)
+              for c in (False, True)]
     cases.append(case("flash_triton", (1, 2, 33, 128), "bfloat16", True, 0.3, path="tma"))
     assert_all_pass(run_cases(cases))
 
@@ -256,6 +264,24 @@ def test_every_flash_knob_value_is_one_of_its_choices():
             "WARP_SPECIALIZE", "PERSISTENT"} <= set(known)
     for name, (value, choices) in known.items():
         assert value in choices, f"{name} = {value} not in {choices}"
+
+
+def test_tile_settings_follow_the_causal_and_long_sequence_knobs(tmp_path):
+    knobs = {"BLOCK_M_D64": 128, "BLOCK_N_D64": 64, "NUM_STAGES_D64": 3, "BLOCK_M_D64_CAUSAL": 32,
+             "NUM_STAGES_D64_CAUSAL": 2, "LONG_SEQ": 2048, "BLOCK_N_D64_LONG": 128,
+             "BLOCK_M_D128": 64, "BLOCK_N_D128": 32, "NUM_STAGES_D128": 4}
+    path = tmp_path / "seed.py"
+    path.write_text(set_knobs((SEEDS_DIR / "flash_triton.py").read_text(), knobs))
+    spec = importlib.util.spec_from_file_location("flash_knobs_seed", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    warps = mod.NUM_WARPS_D64
+    assert mod._settings(64, False, 2047) == (128, 64, warps, 3)
+    assert mod._settings(64, False, 2048) == (128, 128, warps, 3)
+    assert mod._settings(64, True, 100) == (32, 64, warps, 2)
+    assert mod._settings(64, True, 4096) == (32, 128, warps, 2)
+    # 0 keeps the head dimension's own value
+    assert mod._settings(128, True, 4096) == (64, 32, mod.NUM_WARPS_D128, 4)
 
 
 def test_set_knobs_rewrites_only_the_value_and_rejects_unknown_values():

@@ -24,6 +24,10 @@ mutator rewrites. Every combination is either correct or raises a clear error:
                       a query block
   CAUSAL_HEAVY_FIRST  causal only: start the query blocks with the most keys (the last ones)
                       first, so the long tiles do not trail at the end of the grid
+  BLOCK_M_D*_CAUSAL, NUM_STAGES_D*_CAUSAL   the query tile and pipeline depth for causal calls
+                      (0: as for non-causal ones)
+  LONG_SEQ, BLOCK_N_D*_LONG   the key tile for sequences of LONG_SEQ or more (0: as for short
+                      ones); long loops amortise a larger tile's pipeline start, short ones do not
 
 Correct for any S >= 1: key columns past S get a score of -inf and query rows past S are
 never stored (the pointer path masks loads and stores; the TMA path uses 3-D descriptors of
@@ -66,6 +70,13 @@ PERSISTENT = False  # evoattn: choice(True, False)
 PROGRAMS_PER_SM = 2  # evoattn: choice(1, 2, 3, 4)
 HEAD_MAJOR = True  # evoattn: choice(True, False)
 CAUSAL_HEAVY_FIRST = False  # evoattn: choice(True, False)
+BLOCK_M_D64_CAUSAL = 0  # evoattn: choice(0, 32, 64, 128, 256)
+NUM_STAGES_D64_CAUSAL = 0  # evoattn: choice(0, 1, 2, 3, 4, 5)
+BLOCK_M_D128_CAUSAL = 0  # evoattn: choice(0, 32, 64, 128, 256)
+NUM_STAGES_D128_CAUSAL = 0  # evoattn: choice(0, 1, 2, 3, 4, 5)
+LONG_SEQ = 4096  # evoattn: choice(1024, 2048, 4096, 8192)
+BLOCK_N_D64_LONG = 0  # evoattn: choice(0, 32, 64, 128)
+BLOCK_N_D128_LONG = 0  # evoattn: choice(0, 32, 64, 128)
 
 LOG2E = 1.44269504  # log2(e) = 1/ln 2: exp(x) == exp2(x * LOG2E)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -261,11 +272,22 @@ def _attn_fwd(Q, K, V, O, S, BH, qk_scale,
 
 
 # ---- wrapper ------------------------------------------------------------------------
-def _settings(head_dim: int) -> tuple[int, int, int, int]:
-    """Returns (BLOCK_M, BLOCK_N, num_warps, num_stages) for a head dimension."""
+def _settings(head_dim: int, causal: bool, seq_len: int) -> tuple[int, int, int, int]:
+    """Returns (BLOCK_M, BLOCK_N, num_warps, num_stages) for a head dimension, causality and
+    sequence length; a causal or long-sequence knob of 0 keeps the head dimension's value."""
     if head_dim == 64:
-        return BLOCK_M_D64, BLOCK_N_D64, NUM_WARPS_D64, NUM_STAGES_D64
-    return BLOCK_M_D128, BLOCK_N_D128, NUM_WARPS_D128, NUM_STAGES_D128
+        block_m, block_n, warps, stages = BLOCK_M_D64, BLOCK_N_D64, NUM_WARPS_D64, NUM_STAGES_D64
+        causal_m, causal_stages, long_n = BLOCK_M_D64_CAUSAL, NUM_STAGES_D64_CAUSAL, BLOCK_N_D64_LONG
+    else:
+        block_m, block_n, warps, stages = (BLOCK_M_D128, BLOCK_N_D128, NUM_WARPS_D128,
+                                           NUM_STAGES_D128)
+        causal_m, causal_stages, long_n = (BLOCK_M_D128_CAUSAL, NUM_STAGES_D128_CAUSAL,
+                                           BLOCK_N_D128_LONG)
+    if causal:
+        block_m, stages = causal_m or block_m, causal_stages or stages
+    if seq_len >= LONG_SEQ:
+        block_n = long_n or block_n
+    return block_m, block_n, warps, stages
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
@@ -284,7 +306,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     B, H, S, D = q.shape
     if D not in (64, 128):
         raise ValueError(f"head dim {D} not supported (64 or 128)")
-    block_m, block_n, num_warps, num_stages = _settings(D)
+    block_m, block_n, num_warps, num_stages = _settings(D, causal, S)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()   # no-ops for contiguous inputs
     out = torch.empty_like(q)                                  # (B, H, S, D), fresh
     BH = B * H
