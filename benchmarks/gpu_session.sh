@@ -3,9 +3,10 @@
 # cache, time the baselines, run the gpu-marked tests, then search for the time that is left.
 # Usage (GPU machine, repo root): OUT=dir DEADLINE=seconds [EVALS=1|cuda|flash|0] [GPU_TESTS=1]
 #   [PROFILE=1] [PROBLEMS="strided gqa ..."] [RUNS="strided gqa ..." RUN_S=60] [PROBE=1]
-#   [EVAL_LIST=file] bash benchmarks/gpu_session.sh
+#   [EVAL_LIST=file] [SPIN_DEMO=1] [GPU_TEST_FILES="tests/..."] bash benchmarks/gpu_session.sh
 # EVAL_LIST: one evaluation per line, "name <evoattn eval arguments>" (e.g. a seed with --set
-# knob values); '#' lines are skipped. PROBE=1 runs benchmarks/wgmma_probe.py first.
+# knob values); '#' lines are skipped. PROBE=1 runs benchmarks/wgmma_probe.py first, SPIN_DEMO=1
+# benchmarks/spin_demo.py (the timer's two spins side by side).
 # The sdpa search gets whatever time is left before DEADLINE, less SEARCH_RESERVE_S (45); it
 # resumes gpu_runs/default if present (carry gpu_runs/ between calls to continue a run, the
 # script leaves it in $OUT/gpu_runs.tgz). BEST_EVAL=1 re-checks the run's best afterwards
@@ -23,6 +24,9 @@ python -c "import torch, triton; print('torch', torch.__version__, 'triton', tri
 date -u >> "$R/gpu.txt"; cat "$R/gpu.txt"
 export EVOATTN_CACHE=/tmp/evoattn-cache
 ev() { local name=$1; shift; log "eval $name"; timeout 300 python -m evoattn.cli eval "$@" --json "$R/$name.json" > "$R/$name.txt" 2>&1; echo "exit $?" >> "$R/$name.txt"; tail -4 "$R/$name.txt"; }
+if [ "${SPIN_DEMO:-0}" = 1 ]; then
+  log "spin demo"; timeout 200 python benchmarks/spin_demo.py --json "$R/spin_demo.json" > "$R/spin_demo.txt" 2>&1; echo "exit $?" >> "$R/spin_demo.txt"; tail -8 "$R/spin_demo.txt"
+fi
 if [ "${PROBE:-0}" = 1 ]; then
   log "wgmma probe"; timeout 300 python benchmarks/wgmma_probe.py > "$R/wgmma_probe.txt" 2>&1; echo "exit $?" >> "$R/wgmma_probe.txt"; tail -30 "$R/wgmma_probe.txt"
 fi
@@ -62,7 +66,7 @@ if [ -n "${PROBLEMS:-}" ]; then     # PROBLEMS="strided gqa ...": each problem's
   done; done
 fi
 if [ "${GPU_TESTS:-0}" = 1 ]; then
-  log "gpu tests"; timeout ${GPU_TESTS_S:-300} python -m pytest -m gpu -q -p no:cacheprovider tests/test_adversarial.py tests/test_build.py tests/test_wgmma_gpu.py tests/test_seeds_gpu.py > "$R/gpu_tests.txt" 2>&1; tail -5 "$R/gpu_tests.txt"
+  log "gpu tests"; timeout ${GPU_TESTS_S:-300} python -m pytest -m gpu -q -p no:cacheprovider ${GPU_TEST_FILES:-tests/test_adversarial.py tests/test_build.py tests/test_wgmma_gpu.py tests/test_seeds_gpu.py} > "$R/gpu_tests.txt" 2>&1; tail -5 "$R/gpu_tests.txt"
 fi
 if [ -n "${RUNS:-}" ]; then         # RUNS="strided gqa ...": a short offline search per problem
   for p in $RUNS; do

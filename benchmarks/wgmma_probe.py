@@ -38,7 +38,8 @@ PROBE = ROOT / "benchmarks" / "wgmma_probe.cu"
 sys.path.insert(0, str(ROOT))                # evoattn, for the knob parser and setter
 from evoattn.mutators.knobs import find_knobs, set_knobs as mutator_set  # noqa: E402
 GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
-KNOBS = {"NUM_WARPGROUPS": ("1", "2"), "BLOCK_N_D64": ("64", "128"), "BLOCK_N_D128": ("64", "128")}
+KNOBS = {"NUM_WARPGROUPS": ("1", "2"), "BLOCK_N_D64": ("64", "128"), "BLOCK_N_D128": ("64", "128"),
+         "OVERLAP": ("0", "1")}
 SDPA_SHAPES = [(1, 1, 64, 64, False), (1, 2, 200, 64, True), (2, 2, 513, 128, False),
                (1, 1, 1000, 128, True), (1, 3, 77, 64, False), (1, 1, 1, 64, False),
                (2, 2, 1000, 128, True), (1, 2, 300, 64, True)]

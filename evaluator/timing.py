@@ -4,7 +4,8 @@ GPU: each repetition flushes L2 (writes a 256 MB buffer), refills the inputs wit
 fresh random values at the same addresses (so no work can be cached across timed
 calls), queues a short GPU spin (so the host's launch overhead overlaps GPU work
 instead of leaving the GPU idle inside the timed region: measured on an H200, a
-launch-bound config's median moved 3.5x between two processes without it), then
+launch-bound config's median moved 3.5x between two processes without it; the spin
+holds every SM, so no work on another stream can run hidden behind it: spin.py), then
 records CUDA events around exactly one call; candidate and baseline
 repetitions are interleaved so both see the same clocks; the median is reported.
 A host-clock cross-check (back-to-back calls, device-wide sync) catches work
@@ -23,7 +24,7 @@ import time
 from typing import Any, Callable
 
 _perf = time.perf_counter          # captured before any candidate is imported
-SPIN_CYCLES = 1_000_000            # ~0.5 ms at 2 GHz: longer than a few Python launches take
+SPIN_NS = 500_000                  # 0.5 ms: longer than a few Python launches take
 HOST_ROUNDS = 3                    # host cross-check rounds at most (see settled_host_time)
 
 
@@ -59,7 +60,8 @@ class GpuTimer:
         self.record = torch.cuda.Event.record
         self.sync = torch.cuda.synchronize
         self.flush_buf = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
-        self.spin = torch.cuda._sleep
+        from .spin import FullGpuSpin
+        self.spin = FullGpuSpin(SPIN_NS)             # compiled here, before any candidate import
         self.max_mem = torch.cuda.max_memory_allocated
         self.mem = torch.cuda.memory_allocated
         self.reset_peak = torch.cuda.reset_peak_memory_stats
@@ -79,7 +81,7 @@ class GpuTimer:
             for name, fn in fns.items():
                 self.flush_buf.zero_()
                 refill(inputs)
-                self.spin(SPIN_CYCLES)
+                self.spin()
                 start, end = self.Event(enable_timing=True), self.Event(enable_timing=True)
                 self.record(start)
                 out = fn(inputs)

@@ -366,6 +366,18 @@ def test_gpu_cheat_is_caught_with_its_cause(gpu_eval: SubprocessEvaluator, name:
     assert_verdict(evaluate(gpu_eval, ADV / name), verdict, pattern)
 
 
+@gpu
+@needs_cuda
+def test_side_stream_work_cannot_hide_behind_the_timer_spin(gpu_eval: SubprocessEvaluator
+                                                             ) -> None:
+    """The side work (a ~0.2 ms sleep, then the math) is timed: the spin holds every SM, so
+    the work cannot run before the start event. With a one-thread spin it hid (SECURITY.md)."""
+    result = evaluate(gpu_eval, ADV / "gpu_side_stream_hidden.py")
+    assert result.verdict is Verdict.PASS, f"{result.reason}\n{result.log_tail}"
+    assert result.configs and all(c.ms is not None and c.ms >= 0.15 for c in result.configs), \
+        [(c.params, c.ms) for c in result.configs]
+
+
 # ---- the static scan: comments and docstrings aside, never code -----------------------------
 
 def test_static_scan_ignores_comments_and_docstrings() -> None:

@@ -3,8 +3,9 @@
 // float16 / bfloat16 on a compute-capability-9.x GPU, built for sm_90a: each block owns
 // BLOCK_M = 64 * NUM_WARPGROUPS query rows of one (b, h); each warpgroup (4 consecutive warps,
 // 128 threads) owns 64 of them. The q tile is staged once in shared memory; k and v tiles of
-// BLOCK_N keys are double-buffered in shared memory with cp.async (16-byte copies, rows past S
-// zero-filled, so no garbage can inject NaN/Inf). Per key tile and warpgroup:
+// BLOCK_N keys are double-buffered (triple-buffered with OVERLAP) in shared memory with cp.async
+// (16-byte copies, rows past S zero-filled, so no garbage can inject NaN/Inf). Per key tile and
+// warpgroup:
 //   S = q k^T   wgmma.m64n{BLOCK_N}k16, A = q from shared memory, B = k from shared memory;
 //   online softmax on the f32 accumulator fragments in registers (log2 units, exp2f);
 //   O += P v    wgmma.m64n{D}k16, A = P from registers (rounded to the input dtype, as
@@ -16,7 +17,11 @@
 // CUDA-core fallback (FA1-style, as in mma_flash.cu) at the bottom of this file.
 //
 // Knobs: NUM_WARPGROUPS (1 or 2 consumer warpgroups), BLOCK_N_D64 / BLOCK_N_D128 (keys per tile
-// for each head dim, 64 or 128; BLOCK_N below is the one in use).
+// for each head dim, 64 or 128; BLOCK_N below is the one in use), OVERLAP (0: per tile, S = q k^T,
+// wait, softmax, P v, wait; 1: FlashAttention-3's intra-warpgroup pipelining, q k^T of tile j
+// and P v of tile j-1 in flight together and the softmax of tile j started while P v runs, with
+// a three-stage k/v ring). With OVERLAP=1, ptxas 13.0 still places the wait for P v before the
+// softmax's exponentials (after the scaling, masking and row maxima), so the overlap is partial.
 // Any S >= 1, D in {64, 128}, fp32 accumulation. Needs the sm_90a target for wgmma (the
 // evaluator builds with -gencode=arch=compute_90a,code=sm_90a on H100/H200). Built for
 // another target (plain sm_90, or PTX JIT-compiled from an older one), the code the GPU runs
@@ -83,6 +88,7 @@
 #define NUM_WARPGROUPS 2  // evoattn: choice(1, 2)
 #define BLOCK_N_D64 64  // evoattn: choice(64, 128)
 #define BLOCK_N_D128 128  // evoattn: choice(64, 128)
+#define OVERLAP 0  // evoattn: choice(0, 1)
 
 #define FB_BLOCK_M 32    // fallback tiles; fixed, not knobs
 #define FB_BLOCK_N 32
@@ -188,6 +194,12 @@ __device__ __forceinline__ void wgmma_wait0() {
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #endif
 }
+// Waits until at most one committed wgmma group is still in flight (the most recent one).
+__device__ __forceinline__ void wgmma_wait1() {
+#if WGF_SM90A
+  asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+#endif
+}
 // Makes generic-proxy shared-memory writes (cp.async, st.shared) visible to the async proxy.
 __device__ __forceinline__ void fence_proxy_async() {
 #if WGF_SM90A
@@ -267,38 +279,51 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
 #endif
 }
 
-// One warpgroup: s(64 x N) = q(64 x D) k(N x D)^T. q_addr: the warpgroup's first q row in a
-// swizzled tile of Q_ROWS rows (panel stride Q_ROWS * 128); k_addr: a swizzled tile of N rows.
-// Issues, commits and waits for the whole product; s is ready on return.
+// One warpgroup: issues s(64 x N) = q(64 x D) k(N x D)^T, without fence, commit or wait.
+// q_addr: the warpgroup's first q row in a swizzled tile of Q_ROWS rows (panel stride
+// Q_ROWS * 128); k_addr: a swizzled tile of N rows.
 template <int D, int N, int Q_ROWS, bool BF16>
-__device__ __forceinline__ void wg_qk(float (&s)[N / 2], uint32_t q_addr, uint32_t k_addr) {
+__device__ __forceinline__ void wg_qk_issue(float (&s)[N / 2], uint32_t q_addr, uint32_t k_addr) {
   const uint64_t qd = make_desc_sw128(q_addr, 16, 1024);
   const uint64_t kd = make_desc_sw128(k_addr, 16, 1024);
-  reg_fence(s);
-  wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
     const uint32_t qo = (uint32_t)((ks / 4) * Q_ROWS * 128 + (ks % 4) * 32);
     const uint32_t ko = (uint32_t)((ks / 4) * N * 128 + (ks % 4) * 32);
     wgmma_ss<N, BF16>(s, qd + (qo >> 4), kd + (ko >> 4), ks > 0 ? 1 : 0);
   }
+}
+
+// One warpgroup: issues o(64 x D) += P(64 x N, A fragments in p) v(N x D), without fence,
+// commit or wait; v_addr: a swizzled tile of N rows.
+template <int D, int N, bool BF16>
+__device__ __forceinline__ void wg_pv_issue(float (&o)[D / 2], uint32_t (&p)[N / 16][4],
+                                            uint32_t v_addr) {
+  const uint64_t vd = make_desc_sw128(v_addr, N * 128, 1024);   // LBO: next 64 d; SBO: next 8 keys
+#pragma unroll
+  for (int j = 0; j < N / 16; ++j)
+    wgmma_rs<D, BF16>(o, p[j], vd + (uint64_t)((j * 16 * 128) >> 4));
+}
+
+// s = q k^T for one warpgroup: issues, commits and waits; s is ready on return.
+template <int D, int N, int Q_ROWS, bool BF16>
+__device__ __forceinline__ void wg_qk(float (&s)[N / 2], uint32_t q_addr, uint32_t k_addr) {
+  reg_fence(s);
+  wgmma_fence();
+  wg_qk_issue<D, N, Q_ROWS, BF16>(s, q_addr, k_addr);
   wgmma_commit();
   wgmma_wait0();
   reg_fence(s);
 }
 
-// One warpgroup: o(64 x D) += P(64 x N, A fragments in p) v(N x D); v_addr: a swizzled tile
-// of N rows. Issues, commits and waits; o is ready on return.
+// o += P v for one warpgroup: issues, commits and waits; o is ready on return.
 template <int D, int N, bool BF16>
 __device__ __forceinline__ void wg_pv(float (&o)[D / 2], uint32_t (&p)[N / 16][4],
                                       uint32_t v_addr) {
-  const uint64_t vd = make_desc_sw128(v_addr, N * 128, 1024);   // LBO: next 64 d; SBO: next 8 keys
   reg_fence(o);
   reg_fence(p);
   wgmma_fence();
-#pragma unroll
-  for (int j = 0; j < N / 16; ++j)
-    wgmma_rs<D, BF16>(o, p[j], vd + (uint64_t)((j * 16 * 128) >> 4));
+  wg_pv_issue<D, N, BF16>(o, p, v_addr);
   wgmma_commit();
   wgmma_wait0();
   reg_fence(o);
@@ -316,12 +341,65 @@ __device__ __forceinline__ void pack_p(uint32_t (&p)[N / 16][4], const float (&s
 
 // ---- tensor-core path (float16 / bfloat16, sm_90a) -------------------------------------
 
+constexpr int KV_STAGES = OVERLAP ? 3 : 2;    // k/v ring depth (see the kernel's two loops)
+
 template <int D, int BN> struct WgSmem {
   static constexpr uint32_t Q_BYTES = BLOCK_M * D * 2;
   static constexpr uint32_t KV_BYTES = BN * D * 2;          // one k or v tile
   static constexpr uint32_t STAGE_BYTES = 2 * KV_BYTES;          // k then v
-  static constexpr size_t bytes = Q_BYTES + 2 * STAGE_BYTES + 1024;   // + alignment slack
+  static constexpr size_t bytes = Q_BYTES + KV_STAGES * STAGE_BYTES + 1024;   // + alignment slack
 };
+
+// Online softmax of one 64 x BN score tile (this lane's fragments s, keys n0 .. n0+BN-1):
+// scales to log2 units, masks keys past S and (causal) past the row, updates the running row
+// max m_run and this lane's partial row sums l_run, and leaves p = exp2(s - m) in s. Returns
+// in alpha the factor that rescales the accumulator of each of the lane's two rows.
+template <int BN>
+__device__ __forceinline__ void softmax_tile(float (&s)[BN / 2], int n0, int S, int causal,
+                                             int wrow0, int row_a, int row_b, int t,
+                                             float scale_log2, float (&m_run)[2],
+                                             float (&l_run)[2], float (&alpha)[2]) {
+  constexpr int NT = BN / 8;                  // n8 score column groups per key tile
+  const bool need_mask = n0 + BN > S || (causal && n0 + BN - 1 > wrow0);
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float x = s[4 * nt + e] * scale_log2;
+      if (need_mask) {
+        const int key = n0 + nt * 8 + 2 * t + (e & 1);
+        const int row = e < 2 ? row_a : row_b;
+        if (key >= S || (causal && key > row)) x = -INFINITY;
+      }
+      s[4 * nt + e] = x;
+      mx[e >> 1] = fmaxf(mx[e >> 1], x);
+    }
+  }
+  float m_use[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {               // the 4 lanes of a quad share the row
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+    const float m_new = fmaxf(m_run[h], mx[h]);
+    m_use[h] = m_new == -INFINITY ? 0.f : m_new;   // nothing seen yet: p = 0, alpha = 0
+    alpha[h] = exp2f(m_run[h] - m_use[h]);
+    m_run[h] = m_new;
+    l_run[h] *= alpha[h];
+  }
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) {
+    const float p = exp2f(s[i] - m_use[(i >> 1) & 1]);
+    s[i] = p;
+    l_run[(i >> 1) & 1] += p;
+  }
+}
+
+template <int D>
+__device__ __forceinline__ void rescale(float (&o)[D / 2], const float (&alpha)[2]) {
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
+}
 
 template <typename T, int D, int BN>
 __global__ void __launch_bounds__(THREADS, 1)
@@ -330,11 +408,10 @@ wgmma_flash_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __
 #if WGF_SM90A
   constexpr bool BF16 = std::is_same<T, __nv_bfloat16>::value;
   using L = WgSmem<D, BN>;
-  constexpr int NT = BN / 8;             // n8 score column groups per key tile
   constexpr int DT = D / 8;                   // n8 output column groups
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t sbase = (smem_addr(smem_raw) + 1023u) & ~1023u;
-  const uint32_t sq = sbase;                  // q tile, then 2 stages of (k tile, v tile)
+  const uint32_t sq = sbase;                  // q tile, then KV_STAGES stages of (k tile, v tile)
   const uint32_t skv = sbase + L::Q_BYTES;
 
   const int n_mblocks = (S + BLOCK_M - 1) / BLOCK_M;
@@ -342,7 +419,10 @@ wgmma_flash_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __
   const long long bh = blockIdx.x % BH;
   const int m0 = mb * BLOCK_M;
   const int tid = threadIdx.x;
-  const int wg = tid / WG_THREADS, warp = (tid % WG_THREADS) / 32, lane = tid % 32;
+  // The warpgroup index through a shuffle: ptxas then knows it is warp-uniform, and so are
+  // the branches on it around in-flight wgmma (else it serialises them, warning C7520).
+  const int wg = __shfl_sync(0xffffffffu, tid / WG_THREADS, 0);
+  const int warp = (tid % WG_THREADS) / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const int wg_row0 = m0 + 64 * wg;           // the warpgroup's first query row
   const int wrow0 = wg_row0 + 16 * warp;      // the warp's first query row
@@ -353,10 +433,18 @@ wgmma_flash_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __
 
   const int n_end = causal ? min(S, m0 + BLOCK_M) : S;
   const int ntiles = (n_end + BN - 1) / BN;
+  // Key tiles this warpgroup computes (warpgroup-uniform: wgmma is .sync.aligned over the
+  // warpgroup): none past S's last row block, and (causal) none after its own last row.
+  const bool wg_live = wg_row0 < S;
+  const int wg_ntiles = !wg_live ? 0 : causal ? min(ntiles, (wg_row0 + 63) / BN + 1) : ntiles;
+  auto stage = [&](int tile) { return skv + (uint32_t)(tile % KV_STAGES) * L::STAGE_BYTES; };
+  auto load_kv = [&](int tile) {
+    load_tile_sw128<BN, D, THREADS>(stage(tile), kb, tile * BN, S, tid);
+    load_tile_sw128<BN, D, THREADS>(stage(tile) + L::KV_BYTES, vb, tile * BN, S, tid);
+    cp_async_commit();
+  };
   load_tile_sw128<BLOCK_M, D, THREADS>(sq, qb, m0, S, tid);
-  load_tile_sw128<BN, D, THREADS>(skv, kb, 0, S, tid);
-  load_tile_sw128<BN, D, THREADS>(skv + L::KV_BYTES, vb, 0, S, tid);
-  cp_async_commit();
+  load_kv(0);
 
   float o[D / 2];
 #pragma unroll
@@ -366,65 +454,77 @@ wgmma_flash_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __
   for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
   float m_run[2] = {-INFINITY, -INFINITY};    // rows row_a, row_b (log2 units)
   float l_run[2] = {0.f, 0.f};                // this lane's partial row sums
-  const bool wg_live = wg_row0 < S;
+  float alpha[2];
+  uint32_t p[BN / 16][4];
 
-  for (int it = 0; it < ntiles; ++it) {
-    const int n0 = it * BN;
-    cp_async_wait_all();                      // tile `it` (the only group in flight) landed
-    fence_proxy_async();                      // ... and is visible to wgmma's async proxy
-    __syncthreads();                          // for every thread; and tile it-1 is consumed
-    if (it + 1 < ntiles) {                    // prefetch tile it+1 into the other stage
-      const uint32_t nxt = skv + ((it + 1) & 1) * L::STAGE_BYTES;
-      load_tile_sw128<BN, D, THREADS>(nxt, kb, n0 + BN, S, tid);
-      load_tile_sw128<BN, D, THREADS>(nxt + L::KV_BYTES, vb, n0 + BN, S, tid);
-      cp_async_commit();
+  if constexpr (!OVERLAP) {
+    // Per tile: S = q k^T (wait), softmax, O = O * alpha + P v (wait); tile it+1 loads into
+    // the other of two stages meanwhile.
+    for (int it = 0; it < ntiles; ++it) {
+      cp_async_wait_all();                    // tile `it` (the only group in flight) landed
+      fence_proxy_async();                    // ... and is visible to wgmma's async proxy
+      __syncthreads();                        // for every thread; and tile it-1 is consumed
+      if (it + 1 < ntiles) load_kv(it + 1);   // into the other stage
+      if (it < wg_ntiles) {
+        wg_qk<D, BN, BLOCK_M, BF16>(s, sq + wg * 64 * 128, stage(it));
+        softmax_tile<BN>(s, it * BN, S, causal, wrow0, row_a, row_b, t, scale_log2, m_run,
+                         l_run, alpha);
+        rescale<D>(o, alpha);
+        pack_p<T, BN>(p, s);
+        wg_pv<D, BN, BF16>(o, p, stage(it) + L::KV_BYTES);
+      }
     }
-    const uint32_t sk = skv + (it & 1) * L::STAGE_BYTES;
-    const uint32_t sv = sk + L::KV_BYTES;
-    // Warpgroup-uniform: all 128 threads of a warpgroup take the same branch (wgmma is
-    // .sync.aligned over the warpgroup).
-    if (wg_live && !(causal && n0 > wg_row0 + 63)) {
-      wg_qk<D, BN, BLOCK_M, BF16>(s, sq + wg * 64 * 128, sk);
-
-      const bool need_mask = n0 + BN > S || (causal && n0 + BN - 1 > wrow0);
-      float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float x = s[4 * nt + e] * scale_log2;
-          if (need_mask) {
-            const int key = n0 + nt * 8 + 2 * t + (e & 1);
-            const int row = e < 2 ? row_a : row_b;
-            if (key >= S || (causal && key > row)) x = -INFINITY;
-          }
-          s[4 * nt + e] = x;
-          mx[e >> 1] = fmaxf(mx[e >> 1], x);
-        }
-      }
-      float alpha[2], m_use[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {           // the 4 lanes of a quad share the row
-        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-        const float m_new = fmaxf(m_run[h], mx[h]);
-        m_use[h] = m_new == -INFINITY ? 0.f : m_new;   // nothing seen yet: p = 0, alpha = 0
-        alpha[h] = exp2f(m_run[h] - m_use[h]);
-        m_run[h] = m_new;
-        l_run[h] *= alpha[h];
-      }
-#pragma unroll
-      for (int i = 0; i < BN / 2; ++i) {
-        const float p = exp2f(s[i] - m_use[(i >> 1) & 1]);
-        s[i] = p;
-        l_run[(i >> 1) & 1] += p;
-      }
-#pragma unroll
-      for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
-      uint32_t p[BN / 16][4];
+  } else {
+    // FlashAttention-3's intra-warpgroup pipelining: in step `it` the warpgroup issues
+    // S = q k_it^T and then O += P_{it-1} v_{it-1}, waits for S only (wgmma.wait_group 1),
+    // runs the softmax of tile `it` while P v is still on the tensor cores, then waits for
+    // P v, rescales O and packs P_it. Tile it+1 loads into the stage tile it-2 used (three
+    // stages: it-1 is read by this step's P v, `it` by its q k^T).
+    cp_async_wait_all();
+    fence_proxy_async();
+    __syncthreads();
+    if (1 < ntiles) load_kv(1);
+    if (0 < wg_ntiles) {
+      wg_qk<D, BN, BLOCK_M, BF16>(s, sq + wg * 64 * 128, stage(0));
+      softmax_tile<BN>(s, 0, S, causal, wrow0, row_a, row_b, t, scale_log2, m_run, l_run,
+                       alpha);                // o is still 0: no rescale
       pack_p<T, BN>(p, s);
-      wg_pv<D, BN, BF16>(o, p, sv);
     }
+    for (int it = 1; it < ntiles; ++it) {
+      cp_async_wait_all();                    // tile `it` landed ...
+      fence_proxy_async();
+      __syncthreads();                        // ... for all; every warpgroup is past step it-1
+      if (it + 1 < ntiles) load_kv(it + 1);
+      // Each branch waits for all it issued, so no register is in flight across a branch
+      // (ptxas serialises every wgmma of the kernel otherwise, warning C7514).
+      if (it < wg_ntiles) {
+        reg_fence(o);
+        reg_fence(p);
+        reg_fence(s);
+        wgmma_fence();
+        wg_qk_issue<D, BN, BLOCK_M, BF16>(s, sq + wg * 64 * 128, stage(it));
+        wgmma_commit();
+        wgmma_fence();                        // its own fence: a separate stage for ptxas
+        wg_pv_issue<D, BN, BF16>(o, p, stage(it - 1) + L::KV_BYTES);
+        wgmma_commit();
+        wgmma_wait1();                        // S done; P v may still run
+        reg_fence(s);
+        softmax_tile<BN>(s, it * BN, S, causal, wrow0, row_a, row_b, t, scale_log2, m_run,
+                         l_run, alpha);
+        reg_fence(s);                         // the softmax stays before the wait (the compiler
+        reg_fence(alpha);                     // may otherwise sink it past the volatile asm)
+        reg_fence(l_run);
+        wgmma_wait0();                        // P v done: o and p are ours again
+        reg_fence(o);
+        reg_fence(p);
+        rescale<D>(o, alpha);
+        pack_p<T, BN>(p, s);
+      } else if (it == wg_ntiles) {           // this warpgroup's last tile: its P v only
+        wg_pv<D, BN, BF16>(o, p, stage(it - 1) + L::KV_BYTES);
+      }
+    }
+    if (wg_live && wg_ntiles == ntiles)       // the last tile's P v
+      wg_pv<D, BN, BF16>(o, p, stage(ntiles - 1) + L::KV_BYTES);
   }
 
   // Full row sums across the quad, then normalise and store two dims (4 bytes) per lane.

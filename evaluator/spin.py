@@ -1,0 +1,55 @@
+"""The GPU spin that runs before each timed call: it holds every SM of the GPU.
+
+The spin exists so that the host's launch work overlaps GPU work instead of leaving the GPU
+idle inside the timed region (see timing.py). A one-thread spin (`torch.cuda._sleep`) leaves
+the rest of the GPU free, so a candidate could run work on a side stream while it spins,
+block on the host until that work is done, and have the events time only the remainder.
+This spin launches blocks of 512 threads until they fill every thread slot of every SM (4
+per SM on Hopper's 2,048): no other kernel, on any stream, can start until it ends, so work
+that a call launches runs after the start event, inside the timed region.
+
+Built on Triton (a hard dependency), compiled once when the timer is created, before any
+candidate code is imported.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import globaltimer
+
+THREADS_PER_SM = 2048            # sm_80, sm_90: 2,048 resident threads per SM (1,536 on sm_86/89)
+WARPS_PER_BLOCK = 16             # 512 threads: divides 2,048, 1,536 and 1,024
+
+
+@triton.jit(do_not_specialize=["ns"])
+def _hold(out_ptr, ns):
+    """Every program spins until `ns` nanoseconds have passed on the GPU's global timer."""
+    t0 = globaltimer()
+    t = t0
+    while t - t0 < ns:
+        t = globaltimer()
+    tl.store(out_ptr + tl.program_id(0), (t - t0).to(tl.int32))
+
+
+def blocks_for(num_sms: int, threads_per_sm: int = THREADS_PER_SM) -> int:
+    """Returns the number of 512-thread blocks that fill every thread slot of the GPU."""
+    per_sm = max(1, threads_per_sm // (WARPS_PER_BLOCK * 32))
+    return per_sm * num_sms
+
+
+class FullGpuSpin:
+    """Queues, on the current stream, a spin of about `ns` nanoseconds that holds every SM."""
+
+    def __init__(self, ns: int) -> None:
+        import torch
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        threads = getattr(props, "max_threads_per_multi_processor", THREADS_PER_SM)
+        self.blocks = blocks_for(props.multi_processor_count, threads)
+        self.ns = int(ns)
+        self.out = torch.empty(self.blocks, dtype=torch.int32, device="cuda")
+        self()                                       # compile now, not inside a timed region
+        torch.cuda.synchronize()
+
+    def __call__(self, ns: int | None = None) -> None:
+        _hold[(self.blocks,)](self.out, self.ns if ns is None else int(ns),
+                              num_warps=WARPS_PER_BLOCK)
