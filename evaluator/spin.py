@@ -6,7 +6,10 @@ the rest of the GPU free, so a candidate could run work on a side stream while i
 block on the host until that work is done, and have the events time only the remainder.
 This spin launches blocks of 512 threads until they fill every thread slot of every SM (4
 per SM on Hopper's 2,048): no other kernel, on any stream, can start until it ends, so work
-that a call launches runs after the start event, inside the timed region.
+that a call launches runs after the start event, inside the timed region. The timer
+synchronises before queueing it: work launched while the L2 flush or the input refill still
+ran could otherwise take a slot first (measured on an H200: a side stream's 0.2 ms sleep hid
+there, and only the work after it was timed).
 
 Built on Triton (a hard dependency), compiled once when the timer is created, before any
 candidate code is imported.

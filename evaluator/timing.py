@@ -5,7 +5,8 @@ fresh random values at the same addresses (so no work can be cached across timed
 calls), queues a short GPU spin (so the host's launch overhead overlaps GPU work
 instead of leaving the GPU idle inside the timed region: measured on an H200, a
 launch-bound config's median moved 3.5x between two processes without it; the spin
-holds every SM, so no work on another stream can run hidden behind it: spin.py), then
+starts on an idle GPU and holds every SM, so no work on another stream can run hidden
+behind it or behind the refill: spin.py), then
 records CUDA events around exactly one call; candidate and baseline
 repetitions are interleaved so both see the same clocks; the median is reported.
 A host-clock cross-check (back-to-back calls, device-wide sync) catches work
@@ -81,7 +82,8 @@ class GpuTimer:
             for name, fn in fns.items():
                 self.flush_buf.zero_()
                 refill(inputs)
-                self.spin()
+                self.sync()          # an idle GPU: the spin below takes every SM before any
+                self.spin()          # work the call launches (on any stream) can start
                 start, end = self.Event(enable_timing=True), self.Event(enable_timing=True)
                 self.record(start)
                 out = fn(inputs)

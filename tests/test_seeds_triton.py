@@ -241,6 +241,14 @@ def test_flash_triton_knob_combinations_stay_correct():
                   "CAUSAL_SPLIT": True}
     cases += [case("flash_triton", (1, 1, 1100, 64), "float32", c, 0.3, knobs=long_knobs)
               for c in (False, True)]
+    # half the exponentials on the FMA units: 16-bit inputs only (float32 keeps exp2), so
+    # float16 here, with masked tiles (-inf scores), a negative scale and the TMA path
+    fma_knobs = {"USE_EXP2": True, "EXP2_FMA": True, "CAUSAL_SPLIT": True, "BLOCK_N_D64": 32}
+    cases += [case("flash_triton", (1, 2, 77, 64), "float16", c, 0.3, knobs=fma_knobs)
+              for c in (False, True)]
+    cases += [case("flash_triton", (2, 1, 77, 128), "float16", True, -0.2, knobs=fma_knobs),
+              case("flash_triton", (1, 2, 130, 64), "float16", True, knobs=fma_knobs,
+                   path="tma")]
     cases.append(case("flash_triton", (1, 2, 33, 128), "bfloat16", True, 0.3, path="tma"))
     assert_all_pass(run_cases(cases))
 
@@ -303,6 +311,9 @@ def gpu_cases() -> list[dict[str, Any]]:
                 {"BLOCK_M_D64": 256, "BLOCK_N_D64": 32, "NUM_WARPS_D64": 8,
                  "BLOCK_M_D128": 256, "BLOCK_N_D128": 32, "NUM_WARPS_D128": 8},
                 {"PERSISTENT": True, "PROGRAMS_PER_SM": 1, "HEAD_MAJOR": False},
+                {"USE_EXP2": True, "EXP2_FMA": True, "USE_TMA": True, "CAUSAL_SPLIT": True,
+                 "BLOCK_M_D64": 64, "LONG_SEQ": 1024, "BLOCK_N_D64_LONG": 128,
+                 "BLOCK_M_D128_CAUSAL": 64, "NUM_STAGES_D128_CAUSAL": 2},
                 {"WARP_SPECIALIZE": True},
                 {"WARP_SPECIALIZE": True, "USE_TMA": False}]
     shapes = [((2, 3, 1000, 64), "float16"), ((1, 2, 77, 128), "bfloat16"),
