@@ -8,6 +8,8 @@ accumulator `acc` (the online softmax); it divides by `l_i` once at the end.
 The module-level lines marked `# evoattn: choice(...)` are the knobs the offline
 mutator rewrites. Every combination is either correct or raises a clear error:
   BLOCK_M_*, BLOCK_N_*, NUM_WARPS_*, NUM_STAGES_*  tile sizes and launch settings, per head dim
+                      (BLOCK_M and NUM_STAGES for non-causal calls, BLOCK_N for sequences
+                      shorter than LONG_SEQ)
   CAUSAL_SPLIT        causal only: an unmasked loop over the key blocks every query row of
                       the tile sees in full, then a masked loop over the diagonal band; when
                       False, one loop masks every block
@@ -25,13 +27,8 @@ mutator rewrites. Every combination is either correct or raises a clear error:
   CAUSAL_HEAVY_FIRST  causal only: start the query blocks with the most keys (the last ones)
                       first, so the long tiles do not trail at the end of the grid
   BLOCK_M_D*_CAUSAL, NUM_STAGES_D*_CAUSAL   the query tile and pipeline depth for causal calls
-                      (0: as for non-causal ones)
-  EXP2_FMA            with USE_EXP2, 16-bit inputs: half of each score tile's exponentials on the
-                      FMA units (a degree-4 polynomial and an exponent add) instead of the
-                      special-function unit, which the softmax saturates at D=64 (FlashAttention-
-                      4's trick); float32 inputs keep exp2 throughout
-  LONG_SEQ, BLOCK_N_D*_LONG   the key tile for sequences of LONG_SEQ or more (0: as for short
-                      ones); long loops amortise a larger tile's pipeline start, short ones do not
+  LONG_SEQ, BLOCK_N_D*_LONG   the key tile for sequences of LONG_SEQ or more: long loops
+                      amortise a larger tile's pipeline start, short ones do not
 
 Correct for any S >= 1: key columns past S get a score of -inf and query rows past S are
 never stored (the pointer path masks loads and stores; the TMA path uses 3-D descriptors of
@@ -54,17 +51,18 @@ except ImportError:  # Triton older than 3.3
     HAS_TENSOR_DESC = False
 
 # ---- knobs (one per line; the mutator rewrites only the value) ------------------------
-# Defaults: the setting a 100-iteration search found from a plain FlashAttention-2 kernel
-# (BENCHMARKS.md, second session: 64x64 tiles, 4 warps, 3 stages, TMA, the causal split, exp2);
-# the knobs added after it (per-causality and long-sequence tiles, EXP2_FMA) start neutral.
+# Defaults: the best setting measured (BENCHMARKS.md): the structure a 100-iteration search
+# found from a plain FlashAttention-2 kernel in the second session (64x64 tiles, 4 warps, 3
+# stages, TMA, the causal split, exp2), with the fourth session's per-causality D=128 tiles
+# (128x64, 2 stages non-causal) and 64x128 D=64 tiles from S = 4096 on.
 BLOCK_M_D64 = 64  # evoattn: choice(32, 64, 128, 256)
 BLOCK_N_D64 = 64  # evoattn: choice(32, 64, 128)
 NUM_WARPS_D64 = 4  # evoattn: choice(4, 8)
 NUM_STAGES_D64 = 3  # evoattn: choice(1, 2, 3, 4, 5)
-BLOCK_M_D128 = 64  # evoattn: choice(32, 64, 128, 256)
+BLOCK_M_D128 = 128  # evoattn: choice(32, 64, 128, 256)
 BLOCK_N_D128 = 64  # evoattn: choice(32, 64, 128)
 NUM_WARPS_D128 = 4  # evoattn: choice(4, 8)
-NUM_STAGES_D128 = 3  # evoattn: choice(1, 2, 3, 4, 5)
+NUM_STAGES_D128 = 2  # evoattn: choice(1, 2, 3, 4, 5)
 CAUSAL_SPLIT = True  # evoattn: choice(True, False)
 USE_EXP2 = True  # evoattn: choice(True, False)
 USE_TMA = True  # evoattn: choice(True, False)
@@ -73,14 +71,13 @@ PERSISTENT = False  # evoattn: choice(True, False)
 PROGRAMS_PER_SM = 2  # evoattn: choice(1, 2, 3, 4)
 HEAD_MAJOR = True  # evoattn: choice(True, False)
 CAUSAL_HEAVY_FIRST = False  # evoattn: choice(True, False)
-BLOCK_M_D64_CAUSAL = 0  # evoattn: choice(0, 32, 64, 128, 256)
-NUM_STAGES_D64_CAUSAL = 0  # evoattn: choice(0, 1, 2, 3, 4, 5)
-BLOCK_M_D128_CAUSAL = 0  # evoattn: choice(0, 32, 64, 128, 256)
-NUM_STAGES_D128_CAUSAL = 0  # evoattn: choice(0, 1, 2, 3, 4, 5)
+BLOCK_M_D64_CAUSAL = 64  # evoattn: choice(32, 64, 128, 256)
+NUM_STAGES_D64_CAUSAL = 3  # evoattn: choice(1, 2, 3, 4, 5)
+BLOCK_M_D128_CAUSAL = 64  # evoattn: choice(32, 64, 128, 256)
+NUM_STAGES_D128_CAUSAL = 3  # evoattn: choice(1, 2, 3, 4, 5)
 LONG_SEQ = 4096  # evoattn: choice(1024, 2048, 4096, 8192)
-BLOCK_N_D64_LONG = 0  # evoattn: choice(0, 32, 64, 128)
-BLOCK_N_D128_LONG = 0  # evoattn: choice(0, 32, 64, 128)
-EXP2_FMA = False  # evoattn: choice(True, False)
+BLOCK_N_D64_LONG = 128  # evoattn: choice(32, 64, 128)
+BLOCK_N_D128_LONG = 64  # evoattn: choice(32, 64, 128)
 
 LOG2E = 1.44269504  # log2(e) = 1/ln 2: exp(x) == exp2(x * LOG2E)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -114,27 +111,11 @@ def _num_sms(device: torch.device) -> int:
 
 # ---- kernel -------------------------------------------------------------------------
 @triton.jit
-def _exp2_fma(x):
-    """2**x for x <= 0 (or -inf) without the special-function unit: 2**floor(x) * q(x - floor(x))
-    with q a degree-4 polynomial (relative error 3e-6, below the rounding of P to float16 or
-    bfloat16), the power of two added to q's exponent bits; below 2**-126 it returns 0."""
-    x = tl.maximum(x, -126.0)
-    xi = tl.floor(x)
-    f = x - xi                                                            # in [0, 1)
-    q = 0.013424242 * f + 0.052246507
-    q = q * f + 0.24127828
-    q = q * f + 0.69304508
-    q = q * f + 1.0                                                       # 2**f, in [1, 2)
-    y = (q.to(tl.int32, bitcast=True) + (xi.to(tl.int32) << 23)).to(tl.float32, bitcast=True)
-    return tl.where(x > -126.0, y, 0.0)
-
-
-@triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, q, K, V, head, off_hz, offs_m, lo, hi, S, qk_scale,
                     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                     CAUSAL: tl.constexpr, SCALE_NONNEG: tl.constexpr, EXP2: tl.constexpr,
                     TMA: tl.constexpr, WARP_SPEC: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    UPCAST: tl.constexpr, EXP2_FMA: tl.constexpr):
+                    UPCAST: tl.constexpr):
     """Folds key/value blocks [lo, hi) into (acc, l_i, m_i); MASKED applies the S and causal masks."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -173,14 +154,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, head, off_hz, offs_m, lo, hi, S, qk_
             m_sub = m_ij
             s = qk * qk_scale - m_sub[:, None]
         if EXP2:
-            if EXP2_FMA:
-                # Half the columns on the special-function unit, half on the FMA units (the
-                # pairs of adjacent columns that each thread holds in the MMA layout).
-                rows: tl.constexpr = s.shape[0]
-                sa, sb = tl.split(tl.reshape(s, (rows, BLOCK_N // 2, 2)))
-                p = tl.reshape(tl.join(tl.math.exp2(sa), _exp2_fma(sb)), (rows, BLOCK_N))
-            else:
-                p = tl.math.exp2(s)
+            p = tl.math.exp2(s)
             alpha = tl.math.exp2(m_i - m_sub)                            # rescales the old state
         else:
             p = tl.exp(s)
@@ -211,7 +185,7 @@ def _attn_fwd_tile(Q, K, V, O, m_idx, off_hz, S, qk_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, CAUSAL_SPLIT: tl.constexpr, SCALE_NONNEG: tl.constexpr,
                    EXP2: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EXP2_FMA: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Computes output rows [m_idx*BLOCK_M, +BLOCK_M) of head `off_hz` (a flat b*H + h)."""
     start_m = m_idx * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)                              # query indices
@@ -242,10 +216,10 @@ def _attn_fwd_tile(Q, K, V, O, m_idx, off_hz, S, qk_scale,
         split = (S // BLOCK_N) * BLOCK_N          # only the last, partial block needs the mask
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, head, off_hz, offs_m, 0, split, S,
                                     qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, SCALE_NONNEG,
-                                    EXP2, TMA, WARP_SPEC, DOT_PRECISION, UPCAST, EXP2_FMA)
+                                    EXP2, TMA, WARP_SPEC, DOT_PRECISION, UPCAST)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, head, off_hz, offs_m, split, hi, S,
                                     qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, SCALE_NONNEG,
-                                    EXP2, TMA, WARP_SPEC, DOT_PRECISION, UPCAST, EXP2_FMA)
+                                    EXP2, TMA, WARP_SPEC, DOT_PRECISION, UPCAST)
     # -- epilogue: normalise once. Top-left causal never leaves a row without keys, but a
     # zero row sum must not become 0/0 = NaN.
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -280,7 +254,7 @@ def _attn_fwd(Q, K, V, O, S, BH, qk_scale,
               CAUSAL: tl.constexpr, CAUSAL_SPLIT: tl.constexpr, SCALE_NONNEG: tl.constexpr,
               EXP2: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
               DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PERSISTENT: tl.constexpr,
-              HEAD_MAJOR: tl.constexpr, HEAVY_FIRST: tl.constexpr, EXP2_FMA: tl.constexpr):
+              HEAD_MAJOR: tl.constexpr, HEAVY_FIRST: tl.constexpr):
     """Q, K, V, O: contiguous (B, H, S, D) tensors, or (B*H, S, D) tensor descriptors if TMA."""
     num_m = tl.cdiv(S, BLOCK_M)
     if PERSISTENT:
@@ -289,32 +263,28 @@ def _attn_fwd(Q, K, V, O, S, BH, qk_scale,
             m_idx, off_hz = _tile_coords(tile, num_m, BH, CAUSAL, HEAD_MAJOR, HEAVY_FIRST)
             _attn_fwd_tile(Q, K, V, O, m_idx, off_hz, S, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
                            CAUSAL, CAUSAL_SPLIT, SCALE_NONNEG, EXP2, TMA, WARP_SPEC,
-                           DOT_PRECISION, UPCAST, EXP2_FMA)
+                           DOT_PRECISION, UPCAST)
     else:
         m_idx, off_hz = _tile_coords(tl.program_id(0), num_m, BH, CAUSAL, HEAD_MAJOR,
                                      HEAVY_FIRST)
         _attn_fwd_tile(Q, K, V, O, m_idx, off_hz, S, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
                        CAUSAL, CAUSAL_SPLIT, SCALE_NONNEG, EXP2, TMA, WARP_SPEC, DOT_PRECISION,
-                       UPCAST, EXP2_FMA)
+                       UPCAST)
 
 
 # ---- wrapper ------------------------------------------------------------------------
 def _settings(head_dim: int, causal: bool, seq_len: int) -> tuple[int, int, int, int]:
     """Returns (BLOCK_M, BLOCK_N, num_warps, num_stages) for a head dimension, causality and
-    sequence length; a causal or long-sequence knob of 0 keeps the head dimension's value."""
+    sequence length."""
     if head_dim == 64:
-        block_m, block_n, warps, stages = BLOCK_M_D64, BLOCK_N_D64, NUM_WARPS_D64, NUM_STAGES_D64
-        causal_m, causal_stages, long_n = BLOCK_M_D64_CAUSAL, NUM_STAGES_D64_CAUSAL, BLOCK_N_D64_LONG
-    else:
-        block_m, block_n, warps, stages = (BLOCK_M_D128, BLOCK_N_D128, NUM_WARPS_D128,
-                                           NUM_STAGES_D128)
-        causal_m, causal_stages, long_n = (BLOCK_M_D128_CAUSAL, NUM_STAGES_D128_CAUSAL,
-                                           BLOCK_N_D128_LONG)
-    if causal:
-        block_m, stages = causal_m or block_m, causal_stages or stages
-    if seq_len >= LONG_SEQ:
-        block_n = long_n or block_n
-    return block_m, block_n, warps, stages
+        block_m, stages = ((BLOCK_M_D64_CAUSAL, NUM_STAGES_D64_CAUSAL) if causal
+                           else (BLOCK_M_D64, NUM_STAGES_D64))
+        block_n = BLOCK_N_D64_LONG if seq_len >= LONG_SEQ else BLOCK_N_D64
+        return block_m, block_n, NUM_WARPS_D64, stages
+    block_m, stages = ((BLOCK_M_D128_CAUSAL, NUM_STAGES_D128_CAUSAL) if causal
+                       else (BLOCK_M_D128, NUM_STAGES_D128))
+    block_n = BLOCK_N_D128_LONG if seq_len >= LONG_SEQ else BLOCK_N_D128
+    return block_m, block_n, NUM_WARPS_D128, stages
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
@@ -361,7 +331,6 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
             WARP_SPEC=warp_specialize,
             DOT_PRECISION="ieee" if fp32_dots else "tf32", UPCAST=upcast,
             PERSISTENT=PERSISTENT, HEAD_MAJOR=HEAD_MAJOR, HEAVY_FIRST=CAUSAL_HEAVY_FIRST,
-            EXP2_FMA=USE_EXP2 and EXP2_FMA and not fp32_dots,
             num_warps=num_warps, num_stages=num_stages)
     except Exception as exc:
         if not warp_specialize:
