@@ -333,9 +333,9 @@ def harness_snapshot(modules: list[Any]) -> Callable[[], list[str]]:
                                     "current_stream")),
         ("torch.cuda.Event", torch.cuda.Event, ("elapsed_time", "record", "synchronize")),
     ]
-    jit = sys.modules.get("triton.runtime.jit")       # the timer's GPU spin launches through it
-    if jit is not None:
-        torch_attrs.append(("triton.JITFunction", jit.JITFunction, ("run", "__getitem__")))
+    if torch.cuda.is_initialized():                   # the timer's spin: a CUDA graph replay
+        torch_attrs += [("torch.cuda.CUDAGraph", torch.cuda.CUDAGraph, ("replay",)),
+                        ("torch._C._CUDAGraph", torch._C._CUDAGraph, ("replay",))]
     attrs = [(f"{label}.{name}", owner, name, getattr(owner, name))
              for label, owner, names in torch_attrs for name in names]
     spaces: list[tuple[str, Any]] = []                  # (prefix, module or class)

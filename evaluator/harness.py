@@ -94,7 +94,10 @@ def evaluate(req: dict[str, Any], stage: Callable[[str], None]) -> EvalResult:
     lib_guard = guards.install_library_guard(violations) if kernel_only else None
     import evaluator.checks as m1, evaluator.timing as m2, evaluator.harness as m3  # noqa: E401
     from .problems import base as p_base, common as p_common
-    spin_mod = [sys.modules["evaluator.spin"]] if on_gpu else []
+    spin_mod = []
+    if on_gpu:
+        import evaluator.spin as m4
+        spin_mod.append(m4)
     # Held in this frame only: a candidate that replaces guards' functions cannot blind it.
     tampered = guards.harness_snapshot([m1, m2, m3, guards, p_base, p_common, *spin_mod,
                                         sys.modules[type(problem).__module__]])

@@ -11,10 +11,17 @@ synchronises before queueing it: work launched while the L2 flush or the input r
 ran could otherwise take a slot first (measured on an H200: a side stream's 0.2 ms sleep hid
 there, and only the work after it was timed).
 
-Built on Triton (a hard dependency), compiled once when the timer is created, before any
-candidate code is imported.
+Set up once per process, before any candidate code is imported:
+- compiled by Triton into a fresh directory of this process, not the shared Triton cache
+  that candidates can write to (a poisoned cubin there would reach every later evaluation);
+- captured in a CUDA graph, which the timer replays: a candidate's Triton launch hooks,
+  pre-run hooks or a replaced `_hold.run` never see or change the spin's launches;
+- checked once: one replay must take one wave (at most 1.6x its duration), or the blocks
+  did not all fit at once and some SM slots stayed free.
 """
 from __future__ import annotations
+
+import tempfile
 
 import triton
 import triton.language as tl
@@ -22,6 +29,7 @@ from triton.language.extra.cuda import globaltimer
 
 THREADS_PER_SM = 2048            # sm_80, sm_90: 2,048 resident threads per SM (1,536 on sm_86/89)
 WARPS_PER_BLOCK = 16             # 512 threads: divides 2,048, 1,536 and 1,024
+ONE_WAVE = 1.6                   # a replay longer than this many durations ran in two waves
 
 
 @triton.jit(do_not_specialize=["ns"])
@@ -40,8 +48,12 @@ def blocks_for(num_sms: int, threads_per_sm: int = THREADS_PER_SM) -> int:
     return per_sm * num_sms
 
 
+class SpinError(RuntimeError):
+    """The spin could not be set up to hold the whole GPU (an evaluator fault, not a candidate's)."""
+
+
 class FullGpuSpin:
-    """Queues, on the current stream, a spin of about `ns` nanoseconds that holds every SM."""
+    """Queues, on the current stream, a spin of `ns` nanoseconds that holds every SM."""
 
     def __init__(self, ns: int) -> None:
         import torch
@@ -49,10 +61,34 @@ class FullGpuSpin:
         threads = getattr(props, "max_threads_per_multi_processor", THREADS_PER_SM)
         self.blocks = blocks_for(props.multi_processor_count, threads)
         self.ns = int(ns)
-        self.out = torch.empty(self.blocks, dtype=torch.int32, device="cuda")
-        self()                                       # compile now, not inside a timed region
+        self.out = torch.zeros(self.blocks, dtype=torch.int32, device="cuda")
+        with triton.knobs.cache.scope():
+            triton.knobs.cache.dir = tempfile.mkdtemp(prefix="evoattn-spin-")
+            self._launch()                           # compiles here, into that directory
         torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._launch()
+        self.replay = graph.replay                   # bound now: later patches do not reach it
+        self.graph = graph
+        self.measured_ms = self._one_wave_ms(torch)
 
-    def __call__(self, ns: int | None = None) -> None:
-        _hold[(self.blocks,)](self.out, self.ns if ns is None else int(ns),
-                              num_warps=WARPS_PER_BLOCK)
+    def _launch(self) -> None:
+        _hold[(self.blocks,)](self.out, self.ns, num_warps=WARPS_PER_BLOCK)
+
+    def _one_wave_ms(self, torch) -> float:  # noqa: ANN001
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.out.zero_()
+        torch.cuda.synchronize()
+        start.record()
+        self.replay()
+        end.record()
+        torch.cuda.synchronize()
+        ms = start.elapsed_time(end)
+        if int(self.out.min()) < self.ns or ms > ONE_WAVE * self.ns / 1e6:
+            raise SpinError(f"the timer's GPU spin took {ms:.3f} ms for {self.ns / 1e6:.3f} ms "
+                            f"({self.blocks} blocks): it does not hold every SM in one wave")
+        return ms
+
+    def __call__(self) -> None:
+        self.replay()

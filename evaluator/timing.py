@@ -62,7 +62,7 @@ class GpuTimer:
         self.sync = torch.cuda.synchronize
         self.flush_buf = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
         from .spin import FullGpuSpin
-        self.spin = FullGpuSpin(SPIN_NS)             # compiled here, before any candidate import
+        self.spin = FullGpuSpin(SPIN_NS)       # compiled and captured before any candidate import
         self.max_mem = torch.cuda.max_memory_allocated
         self.mem = torch.cuda.memory_allocated
         self.reset_peak = torch.cuda.reset_peak_memory_stats

@@ -83,10 +83,6 @@ def main() -> None:
         pass
     import torch.profiler  # noqa: F401  (the harness's library-kernel check)
     from . import guards, harness, worker  # noqa: F401
-    try:
-        from . import spin  # noqa: F401  (the timer's GPU spin: a Triton kernel, compiled later)
-    except ImportError:
-        pass
     _warm_imports(torch, guards)
     if torch.cuda.is_initialized() or _cuda_driver_initialised():
         print("error CUDA was initialised in the zygote", flush=True)   # a fork would share it

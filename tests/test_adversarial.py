@@ -378,6 +378,19 @@ def test_side_stream_work_cannot_hide_behind_the_timer_spin(gpu_eval: Subprocess
         [(c.params, c.ms) for c in result.configs]
 
 
+@gpu
+@needs_cuda
+def test_a_triton_launch_hook_cannot_start_work_before_the_timer(gpu_eval: SubprocessEvaluator
+                                                                  ) -> None:
+    """The spin is replayed from a CUDA graph, so the candidate's Triton launch hook never
+    fires before a timed call: it is timed computing honestly (no near-zero time, no flag)."""
+    result = evaluate(gpu_eval, ADV / "gpu_spin_hook.py")
+    assert result.verdict is Verdict.PASS, f"{result.reason}\n{result.log_tail}"
+    assert result.flags == (), result.flags
+    assert result.configs and all(c.ms is not None and c.ms >= 0.01 for c in result.configs), \
+        [(c.params, c.ms) for c in result.configs]
+
+
 # ---- the static scan: comments and docstrings aside, never code -----------------------------
 
 def test_static_scan_ignores_comments_and_docstrings() -> None:

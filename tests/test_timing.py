@@ -37,3 +37,11 @@ def test_a_clean_round_ends_it_even_when_an_earlier_one_was_faster() -> None:
 def test_an_honest_first_round_is_not_repeated() -> None:
     measure, calls = _rounds([(0.6, 0.1)])
     assert settled_host_time(measure, 0.55) == (0.6, 0.1) and len(calls) == 1
+
+
+def test_the_spin_fills_every_thread_slot_of_every_sm() -> None:
+    from evaluator.spin import WARPS_PER_BLOCK, blocks_for
+    assert WARPS_PER_BLOCK * 32 == 512
+    assert blocks_for(132) == 4 * 132             # H100/H200: 2,048 threads per SM
+    assert blocks_for(84, 1536) == 3 * 84         # sm_86/89: 1,536
+    assert blocks_for(10, 1024) == 2 * 10
