@@ -50,10 +50,12 @@ def evaluate(ev: SubprocessEvaluator, path: Path, **subs: str) -> EvalResult:
     return ev.evaluate(read(path, **subs), path.suffix, path.name)
 
 
-def assert_verdict(result: EvalResult, verdict: Verdict, reason_pattern: str) -> None:
-    """Asserts a non-passing verdict whose reason matches the pattern (the cause is named)."""
+def assert_verdict(result: EvalResult, verdict: Verdict | tuple[Verdict, ...],
+                   reason_pattern: str) -> None:
+    """Asserts a non-passing verdict (one of several, when given a tuple) whose reason matches
+    the pattern (the cause is named)."""
     why = f"{result.verdict.value}: {result.reason}\n--- log tail ---\n{result.log_tail}"
-    assert result.verdict is verdict, why
+    assert result.verdict in (verdict if isinstance(verdict, tuple) else (verdict,)), why
     assert re.search(reason_pattern, result.reason), why
     assert result.fitness == 0.0
 
@@ -91,8 +93,11 @@ def test_library_attention_passes_under_allow_library_policy(cache_dir: str) -> 
 CHEATS = [
     # 1. stale / cached output: right on every correctness call, stale once timed
     ("stale_cache.py", Verdict.INCORRECT, r"timed call \d+ returned a wrong output.*stale"),
-    # 2. leftover memory: half the output left as whatever torch.empty held
-    ("leftover_memory.py", Verdict.INCORRECT, r"NaN or Inf|max abs error"),
+    # 2. leftover memory: half the output left as whatever torch.empty held. The CPU allocator
+    # is not poisoned, so the first call can find a correct answer there by chance (the
+    # reference's freed buffer) and the repeat call then returns garbage: nondeterministic.
+    ("leftover_memory.py", (Verdict.INCORRECT, Verdict.NONDETERMINISTIC),
+     r"NaN or Inf|max abs error|two runs on the same inputs differ"),
     # 3. input tampering
     ("tamper_inputs.py", Verdict.TAMPERING, r"input 2 was modified in place"),
     # 4. work hidden from the timer
@@ -132,7 +137,8 @@ CHEATS = [
 
 @pytest.mark.parametrize("name,verdict,pattern", CHEATS, ids=[c[0] for c in CHEATS])
 def test_cheat_is_caught_with_its_cause(cpu_eval: SubprocessEvaluator, name: str,
-                                        verdict: Verdict, pattern: str) -> None:
+                                        verdict: Verdict | tuple[Verdict, ...],
+                                        pattern: str) -> None:
     assert_verdict(evaluate(cpu_eval, ADV / name), verdict, pattern)
 
 
