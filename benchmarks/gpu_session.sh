@@ -5,8 +5,8 @@
 #   [PROFILE=1] [PROBLEMS="strided gqa ..."] [RUNS="strided gqa ..." RUN_S=60] [PROBE=1]
 #   [EVAL_LIST=file] [SPIN_DEMO=1] [GPU_TEST_FILES="tests/..."] bash benchmarks/gpu_session.sh
 # EVAL_LIST: one evaluation per line, "name <evoattn eval arguments>" (e.g. a seed with --set
-# knob values); '#' lines are skipped. PROBE=1 runs benchmarks/wgmma_probe.py first, SPIN_DEMO=1
-# benchmarks/spin_demo.py (the timer's two spins side by side).
+# knob values); '#' lines are skipped. SPIN_DEMO=1 runs benchmarks/spin_demo.py first (the timer's
+# spins side by side), PROBE=1 then benchmarks/wgmma_probe.py.
 # The sdpa search gets whatever time is left before DEADLINE, less SEARCH_RESERVE_S (45); it
 # resumes gpu_runs/default if present (carry gpu_runs/ between calls to continue a run, the
 # script leaves it in $OUT/gpu_runs.tgz). BEST_EVAL=1 re-checks the run's best afterwards

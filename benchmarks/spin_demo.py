@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Times the side-stream cheat and honest kernels under both timer spins, in one process (GPU).
+"""Times two side-stream cheats and honest kernels under three timer spins, in one process (GPU).
 
 Three spins, each queued by GpuTimer.run after its device sync: the one-thread spin
 (`torch.cuda._sleep`, the timer's spin until the fourth session), the full-GPU spin launched

@@ -69,14 +69,13 @@ class FullGpuSpin:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self._launch()
-        self.replay = graph.replay                   # bound now: later patches do not reach it
-        self.graph = graph
-        self.measured_ms = self._one_wave_ms(torch)
+        self.replay = graph.replay       # bound now (and holds the graph): patches miss it
+        self._check_one_wave(torch)
 
     def _launch(self) -> None:
         _hold[(self.blocks,)](self.out, self.ns, num_warps=WARPS_PER_BLOCK)
 
-    def _one_wave_ms(self, torch) -> float:  # noqa: ANN001
+    def _check_one_wave(self, torch) -> None:  # noqa: ANN001
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         self.out.zero_()
         torch.cuda.synchronize()
@@ -88,7 +87,6 @@ class FullGpuSpin:
         if int(self.out.min()) < self.ns or ms > ONE_WAVE * self.ns / 1e6:
             raise SpinError(f"the timer's GPU spin took {ms:.3f} ms for {self.ns / 1e6:.3f} ms "
                             f"({self.blocks} blocks): it does not hold every SM in one wave")
-        return ms
 
     def __call__(self) -> None:
         self.replay()

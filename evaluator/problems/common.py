@@ -63,6 +63,14 @@ class DeviceCache:
         return self._items[key]
 
 
+def causal_keep(cache: DeviceCache, n: int, device: Any) -> Any:
+    """Returns the (n, n) top-left causal mask (query i sees keys 0..i), cached per device."""
+    def make() -> Any:
+        import torch
+        return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return cache.get(("causal", n, str(device)), make)
+
+
 def default_scale(d: int) -> float:
     return 1.0 / math.sqrt(d)
 

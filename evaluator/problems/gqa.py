@@ -6,7 +6,8 @@ import inspect
 from typing import Any, Callable
 
 from .base import Config, Problem, Tolerance
-from .common import check_dtype, default_scale, masked_attention, randn, sdpa
+from .common import DeviceCache, causal_keep, check_dtype, default_scale, masked_attention, \
+    randn, sdpa
 
 
 def _cfgs(shapes: list[tuple[int, int, int, int, int]]) -> tuple[Config, ...]:
@@ -55,6 +56,9 @@ class Gqa(Problem):
     tolerance = Tolerance(factor=2.0, floor=1e-5)
     baseline_name = "sdpa enable_gqa=True"
 
+    def __init__(self) -> None:
+        self._masks = DeviceCache()
+
     def label(self, cfg: Config) -> str:
         c = " causal" if cfg["causal"] else ""
         return f"({cfg['B']},{cfg['Hq']}/{cfg['Hkv']},{cfg['S']},{cfg['D']}){c}"
@@ -74,11 +78,9 @@ class Gqa(Problem):
         return {"q": q, "k": k, "v": v, "causal": bool(cfg["causal"]), "scale": default_scale(d)}
 
     def _keep(self, inputs: dict[str, Any]) -> Any:
-        if not inputs["causal"]:
-            return None
-        import torch
-        s = inputs["q"].shape[2]
-        return torch.ones(s, s, dtype=torch.bool, device=inputs["q"].device).tril()
+        """Returns the (S, S) causal mask for causal inputs (cached), else None."""
+        q = inputs["q"]
+        return causal_keep(self._masks, q.shape[2], q.device) if inputs["causal"] else None
 
     def reference(self, inputs: dict[str, Any], cfg: Config) -> Any:
         return masked_attention(inputs["q"], inputs["k"], inputs["v"], inputs["scale"],

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from .base import Config, Problem, Tolerance
-from .common import DeviceCache, default_scale, masked_attention, randn, sdpa
+from .common import DeviceCache, causal_keep, default_scale, masked_attention, randn, sdpa
 
 _SHAPES = [(8, 32, 512, 64), (4, 32, 1024, 64), (2, 32, 2048, 64), (1, 32, 4096, 64),
            (1, 8, 512, 64), (4, 16, 4096, 128), (16, 16, 1024, 128)]
@@ -98,16 +98,9 @@ class Sdpa(Problem):
                 "scale": default_scale(cfg["D"])}
 
     def _keep(self, inputs: dict[str, Any]) -> Any:
-        """Returns the (S, S) lower-triangular mask for causal inputs (cached), else None."""
-        if not inputs["causal"]:
-            return None
+        """Returns the (S, S) causal mask for causal inputs (cached), else None."""
         q = inputs["q"]
-        n = q.shape[-2]
-
-        def make() -> Any:
-            import torch
-            return torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        return self._masks.get((n, str(q.device)), make)
+        return causal_keep(self._masks, q.shape[-2], q.device) if inputs["causal"] else None
 
     def reference(self, inputs: dict[str, Any], cfg: Config) -> Any:
         return masked_attention(inputs["q"], inputs["k"], inputs["v"], inputs["scale"],

@@ -277,14 +277,13 @@ def _settings(head_dim: int, causal: bool, seq_len: int) -> tuple[int, int, int,
     """Returns (BLOCK_M, BLOCK_N, num_warps, num_stages) for a head dimension, causality and
     sequence length."""
     if head_dim == 64:
-        block_m, stages = ((BLOCK_M_D64_CAUSAL, NUM_STAGES_D64_CAUSAL) if causal
-                           else (BLOCK_M_D64, NUM_STAGES_D64))
-        block_n = BLOCK_N_D64_LONG if seq_len >= LONG_SEQ else BLOCK_N_D64
-        return block_m, block_n, NUM_WARPS_D64, stages
-    block_m, stages = ((BLOCK_M_D128_CAUSAL, NUM_STAGES_D128_CAUSAL) if causal
-                       else (BLOCK_M_D128, NUM_STAGES_D128))
-    block_n = BLOCK_N_D128_LONG if seq_len >= LONG_SEQ else BLOCK_N_D128
-    return block_m, block_n, NUM_WARPS_D128, stages
+        m, m_causal, n, n_long = BLOCK_M_D64, BLOCK_M_D64_CAUSAL, BLOCK_N_D64, BLOCK_N_D64_LONG
+        warps, stages, stages_causal = NUM_WARPS_D64, NUM_STAGES_D64, NUM_STAGES_D64_CAUSAL
+    else:
+        m, m_causal, n, n_long = BLOCK_M_D128, BLOCK_M_D128_CAUSAL, BLOCK_N_D128, BLOCK_N_D128_LONG
+        warps, stages, stages_causal = NUM_WARPS_D128, NUM_STAGES_D128, NUM_STAGES_D128_CAUSAL
+    return (m_causal if causal else m, n_long if seq_len >= LONG_SEQ else n, warps,
+            stages_causal if causal else stages)
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,

@@ -17,11 +17,12 @@
 // CUDA-core fallback (FA1-style, as in mma_flash.cu) at the bottom of this file.
 //
 // Knobs: NUM_WARPGROUPS (1 or 2 consumer warpgroups), BLOCK_N_D64 / BLOCK_N_D128 (keys per tile
-// for each head dim, 64 or 128; BLOCK_N below is the one in use), OVERLAP (0: per tile, S = q k^T,
-// wait, softmax, P v, wait; 1: FlashAttention-3's intra-warpgroup pipelining, q k^T of tile j
-// and P v of tile j-1 in flight together and the softmax of tile j started while P v runs, with
-// a three-stage k/v ring). With OVERLAP=1, ptxas 13.0 still places the wait for P v before the
-// softmax's exponentials (after the scaling, masking and row maxima), so the overlap is partial.
+// for each head dim, 64 or 128; the kernel's template parameter BN is the one in use), OVERLAP
+// (0: per tile, S = q k^T, wait, softmax, P v, wait; 1: FlashAttention-3's intra-warpgroup
+// pipelining, q k^T of tile j and P v of tile j-1 in flight together and the softmax of tile j
+// started while P v runs, with a three-stage k/v ring). With OVERLAP=1, ptxas 13.0 still places
+// the wait for P v before the softmax's exponentials (after the scaling, masking and row
+// maxima), so the overlap is partial.
 // Any S >= 1, D in {64, 128}, fp32 accumulation. Needs the sm_90a target for wgmma (the
 // evaluator builds with -gencode=arch=compute_90a,code=sm_90a on H100/H200). Built for
 // another target (plain sm_90, or PTX JIT-compiled from an older one), the code the GPU runs
@@ -75,7 +76,8 @@
 // the async proxy, so each thread issues fence.proxy.async.shared::cta after its
 // cp.async.wait_group and before the block barrier. wgmma.fence precedes every batch of
 // wgmma (their accumulator / A registers were written by ordinary code), then
-// wgmma.commit_group and wgmma.wait_group 0; empty volatile asm "+f"/"+r" fences on the
+// wgmma.commit_group and wgmma.wait_group 0 (with OVERLAP, wait_group 1 first: see the kernel's
+// second loop); empty volatile asm "+f"/"+r" fences on the
 // registers keep the compiler from moving ordinary accesses across those points, and keep the
 // P registers (read asynchronously by the P v wgmma) reserved until the wait.
 #include <cuda_runtime.h>
