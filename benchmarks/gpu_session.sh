@@ -6,7 +6,7 @@
 #   [EVAL_LIST=file] [SPIN_DEMO=1] [GPU_TEST_FILES="tests/..."] bash benchmarks/gpu_session.sh
 # EVAL_LIST: one evaluation per line, "name <evoattn eval arguments>" (e.g. a seed with --set
 # knob values); '#' lines are skipped. SPIN_DEMO=1 runs benchmarks/spin_demo.py first (the timer's
-# spins side by side), PROBE=1 then benchmarks/wgmma_probe.py.
+# spins side by side), PROBE=1 then benchmarks/wgmma_probe.py (with PROBE_ARGS, e.g. "--watchdog").
 # The sdpa search gets whatever time is left before DEADLINE, less SEARCH_RESERVE_S (45); it
 # resumes gpu_runs/default if present (carry gpu_runs/ between calls to continue a run, the
 # script leaves it in $OUT/gpu_runs.tgz). BEST_EVAL=1 re-checks the run's best afterwards
@@ -28,7 +28,7 @@ if [ "${SPIN_DEMO:-0}" = 1 ]; then
   log "spin demo"; timeout 200 python benchmarks/spin_demo.py --json "$R/spin_demo.json" > "$R/spin_demo.txt" 2>&1; echo "exit $?" >> "$R/spin_demo.txt"; tail -8 "$R/spin_demo.txt"
 fi
 if [ "${PROBE:-0}" = 1 ]; then
-  log "wgmma probe"; timeout 300 python benchmarks/wgmma_probe.py > "$R/wgmma_probe.txt" 2>&1; echo "exit $?" >> "$R/wgmma_probe.txt"; tail -30 "$R/wgmma_probe.txt"
+  log "wgmma probe"; timeout 300 python benchmarks/wgmma_probe.py ${PROBE_ARGS:-} > "$R/wgmma_probe.txt" 2>&1; echo "exit $?" >> "$R/wgmma_probe.txt"; tail -30 "$R/wgmma_probe.txt"
 fi
 if [ -n "${EVAL_LIST:-}" ]; then
   while read -r name args; do

@@ -8,13 +8,15 @@ Builds benchmarks/wgmma_probe.cu (which #includes the seed) with nvcc for sm_90a
                 D in {64, 128} x N in {64, 128};
      (1-3 in float16 and bfloat16, plus a case with zero-filled rows past the valid ones);
   4. sdpa:      the seed's evoattn_sdpa on (B,H,S,D,causal) shapes against float32 attention,
-                for every knob combination of the seed (each built separately, in parallel);
+                for every combination of the structural knobs and every value of the others
+                (probe_settings; each built separately, in parallel);
   5. plain:     the seed built for plain sm_90 (no wgmma) returns cudaErrorInvalidDeviceFunction
                 instead of trapping.
 Prints one line per test with the max abs error and PASS/FAIL, then a few informational
 timings, and exits 1 on any FAIL (2 when it cannot run). Run from anywhere:
-    python benchmarks/wgmma_probe.py [--quick] [--no-timing]
---quick: only the seed's current knob setting.
+    python benchmarks/wgmma_probe.py [--quick] [--no-timing] [--watchdog]
+--quick: only the seed's current knob setting. --watchdog: build with -DWGF_WATCHDOG (a
+deadlocked warp-specialised pipeline traps instead of hanging).
 """
 from __future__ import annotations
 
@@ -70,11 +72,11 @@ def set_knobs(source: str, values: dict[str, str]) -> str:
     return out
 
 
-def build(seed: Path, out: Path, units: bool) -> tuple[Path, str, bool, float]:
+def build(seed: Path, out: Path, units: bool, watchdog: bool) -> tuple[Path, str, bool, float]:
     t0 = time.time()
     cmd = [os.environ.get("NVCC", "nvcc"), "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
            GENCODE, "-Xptxas", "-v", f'-DWGF_SEED="{seed}"', f"-DWGF_PROBE_UNITS={int(units)}",
-           "-o", str(out), str(PROBE)]
+           *(["-DWGF_WATCHDOG"] if watchdog else []), "-o", str(out), str(PROBE)]
     p = subprocess.run(cmd, capture_output=True, text=True)
     return out, p.stdout + p.stderr, p.returncode == 0 and out.is_file(), time.time() - t0
 
@@ -97,11 +99,46 @@ def ptxas_summary(log: str) -> str:
     return "regs " + " ".join(lines) + ("" if not warn else "  WARNINGS: " + " | ".join(warn))
 
 
+# Knobs whose every combination is built (they change the kernel's structure together); every
+# other knob is built one value at a time, the rest at the seed's values.
+STRUCTURAL = ("WARP_SPECIALIZE", "OVERLAP", "PINGPONG", "NUM_WARPGROUPS")
+
+
+def probe_settings(knobs) -> list[dict[str, str]]:
+    """Returns the knob settings to build: every combination of the STRUCTURAL knobs, then each
+    other knob's other values one at a time (the full product is hundreds of builds)."""
+    cur = {k.name: k.value for k in knobs}
+    structural = [k for k in knobs if k.name in STRUCTURAL]
+    out = []
+    for combo in itertools.product(*(k.choices for k in structural)):
+        out.append({**cur, **dict(zip((k.name for k in structural), combo))})
+    for k in knobs:
+        if k.name not in STRUCTURAL:
+            out.extend({**cur, k.name: v} for v in k.choices if v != k.value)
+    return out
+
+
+SMEM_OPTIN_BYTES = 232448                    # H100/H200: 227 KB of shared memory per block
+
+
+def fits_shared_memory(vals: dict[str, str], D: int) -> bool:
+    """Whether the warp-specialised kernel's shared memory (WsSmem in the seed) fits a block."""
+    if vals["WARP_SPECIALIZE"] != "1":
+        return True
+    block_m, stages = 64 * int(vals["NUM_WARPGROUPS"]), int(vals["WS_STAGES"])
+    bn = int(vals["BLOCK_N_D64" if D == 64 else "BLOCK_N_D128"])
+    return block_m * D * 2 + stages * 2 * bn * D * 2 + 8 * (1 + 3 * stages) + 1024 <= SMEM_OPTIN_BYTES
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="only the seed's current knob setting")
     ap.add_argument("--no-timing", action="store_true", help="skip the informational timings")
+    ap.add_argument("--watchdog", action="store_true",
+                    help="build with -DWGF_WATCHDOG: a deadlocked mbarrier wait traps instead of "
+                         "hanging (the extra branch can cost spills: timings are then not the "
+                         "normal build's)")
     args = ap.parse_args()
 
     import torch
@@ -124,8 +161,7 @@ def main() -> int:
     cur = {k.name: k.value for k in knobs}
     jobs = [(dict(cur), SEED, tmp / "probe_default.so", True)]
     if not args.quick:
-        for combo in itertools.product(*(k.choices for k in knobs)):
-            vals = dict(zip(cur, combo))
+        for vals in probe_settings(knobs):
             if vals == cur:
                 continue
             tag = "_".join(f"{k}{v}" for k, v in vals.items())
@@ -134,11 +170,13 @@ def main() -> int:
             jobs.append((vals, path, tmp / f"probe_{tag}.so", False))
     t0 = time.time()
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as ex:
-        built = list(ex.map(lambda j: build(j[1], j[2], j[3]), jobs))
+        built = list(ex.map(lambda j: build(j[1], j[2], j[3], args.watchdog), jobs))
     print(f"built {len(jobs)} libraries in {time.time() - t0:.0f}s")
     libs = []
+    vals_of = {}
     for (vals, _, _, _), (so, log, ok, secs) in zip(jobs, built):
         label = ",".join(f"{k}={v}" for k, v in vals.items())
+        vals_of[label] = vals
         if not ok:
             print(f"FAIL  build {label}\n{log[-3000:]}")
             return 1
@@ -204,6 +242,11 @@ def main() -> int:
                 rc = lib.evoattn_sdpa(ptr(q), ptr(k), ptr(v), ptr(out), B, H, S, D, codes[dname],
                                       int(causal), ctypes.c_float(scale), stream)
                 torch.cuda.synchronize()
+                if dname != "float32" and not fits_shared_memory(vals_of[label], D):
+                    # more ring stages than shared memory: the seed must fail cleanly
+                    report(f"4 sdpa [{label}] D={D} {dname}: too much shared memory, rc={rc}",
+                           0.0 if rc != 0 else float("inf"), 0.0)
+                    continue
                 sc = (q.float() @ k.float().transpose(-1, -2)) * scale
                 if causal:
                     sc = sc.masked_fill(~torch.ones(S, S, dtype=torch.bool, device=dev).tril(),
@@ -242,6 +285,8 @@ def main() -> int:
                 flops = 4.0 * B * H * S * S * D / (2 if causal else 1)
                 cells = []
                 for label, lib in libs:
+                    if not fits_shared_memory(vals_of[label], D):
+                        continue              # fails cleanly (checked above); nothing to time
                     def call(lib=lib):
                         lib.evoattn_sdpa(ptr(q), ptr(k), ptr(v), ptr(out), B, H, S, D, 0,
                                          int(causal), ctypes.c_float(1 / math.sqrt(D)), stream)

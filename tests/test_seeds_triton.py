@@ -272,7 +272,8 @@ def test_tile_settings_follow_the_causal_and_long_sequence_knobs(tmp_path):
     knobs = {"BLOCK_M_D64": 128, "BLOCK_N_D64": 64, "NUM_STAGES_D64": 3, "BLOCK_M_D64_CAUSAL": 32,
              "NUM_STAGES_D64_CAUSAL": 2, "LONG_SEQ": 2048, "BLOCK_N_D64_LONG": 128,
              "BLOCK_M_D128": 64, "BLOCK_N_D128": 32, "NUM_STAGES_D128": 4,
-             "BLOCK_M_D128_CAUSAL": 256, "NUM_STAGES_D128_CAUSAL": 1, "BLOCK_N_D128_LONG": 128}
+             "BLOCK_M_D128_CAUSAL": 256, "NUM_STAGES_D128_CAUSAL": 1, "BLOCK_N_D128_LONG": 128,
+             "NUM_STAGES_SMALL_GRID": 5}
     path = tmp_path / "seed.py"
     path.write_text(set_knobs((SEEDS_DIR / "flash_triton.py").read_text(), knobs))
     spec = importlib.util.spec_from_file_location("flash_knobs_seed", path)
@@ -285,6 +286,29 @@ def test_tile_settings_follow_the_causal_and_long_sequence_knobs(tmp_path):
     assert mod._settings(64, True, 4096) == (32, 128, warps, 2)
     assert mod._settings(128, False, 100) == (64, 32, mod.NUM_WARPS_D128, 4)
     assert mod._settings(128, True, 4096) == (256, 128, mod.NUM_WARPS_D128, 1)
+    # one wave (at most one program per SM, not persistent): the small-grid depth
+    assert mod._grid_stages(3, 64, 132, persistent=False) == 5
+    assert mod._grid_stages(3, 132, 132, persistent=False) == 5
+    assert mod._grid_stages(3, 133, 132, persistent=False) == 3
+    assert mod._grid_stages(3, 64, 132, persistent=True) == 3
+
+
+def test_gqa_tile_settings_follow_the_causal_and_long_sequence_knobs(tmp_path):
+    knobs = {"BLOCK_M_D64": 128, "BLOCK_N_D64": 32, "NUM_STAGES_D64": 4, "BLOCK_M_D64_CAUSAL": 32,
+             "NUM_STAGES_D64_CAUSAL": 1, "LONG_SEQ": 2048, "BLOCK_N_D64_LONG": 128,
+             "BLOCK_M_D128": 256, "BLOCK_N_D128": 128, "NUM_STAGES_D128": 5,
+             "BLOCK_M_D128_CAUSAL": 64, "NUM_STAGES_D128_CAUSAL": 2, "BLOCK_N_D128_LONG": 32}
+    gqa = SEEDS_DIR.parent / "gqa" / "gqa_triton.py"
+    path = tmp_path / "gqa_seed.py"
+    path.write_text(set_knobs(gqa.read_text(), knobs))
+    spec = importlib.util.spec_from_file_location("gqa_knobs_seed", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod._settings(64, False, 2047) == (128, 32, mod.NUM_WARPS_D64, 4)
+    assert mod._settings(64, False, 4096) == (128, 128, mod.NUM_WARPS_D64, 4)
+    assert mod._settings(64, True, 77) == (32, 32, mod.NUM_WARPS_D64, 1)
+    assert mod._settings(128, False, 100) == (256, 128, mod.NUM_WARPS_D128, 5)
+    assert mod._settings(128, True, 2048) == (64, 32, mod.NUM_WARPS_D128, 2)
 
 
 def test_set_knobs_rewrites_only_the_value_and_rejects_unknown_values():

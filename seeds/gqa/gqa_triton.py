@@ -19,6 +19,9 @@ clear error:
                       device of capability >= 9 (elsewhere the pointer path runs)
   CAUSAL_HEAVY_FIRST  causal only: start each head's query blocks with the most keys (the
                       last ones) first, so the long tiles do not trail at the end of the grid
+  BLOCK_M_D*_CAUSAL, NUM_STAGES_D*_CAUSAL   the query tile and pipeline depth for causal calls
+                      (BLOCK_M_* and NUM_STAGES_* are then the non-causal ones)
+  LONG_SEQ, BLOCK_N_D*_LONG   the key tile for sequences of LONG_SEQ or more (BLOCK_N_* below)
 
 Correct for any S >= 1 and Hq % Hkv == 0: key columns past S get a score of -inf and query
 rows past S are never stored (the pointer path masks loads and stores; the TMA path uses 3-D
@@ -42,11 +45,12 @@ except ImportError:  # Triton older than 3.3
     HAS_TENSOR_DESC = False
 
 # ---- knobs (one per line; the mutator rewrites only the value) ------------------------
-# Defaults: the settings a hand sweep of the `sdpa` seed found best on an H200.
+# Defaults: the best setting of the `sdpa` seed on an H200 (fourth session: per-causality D=128
+# tiles, 64x128 D=64 tiles from S = 4096 on, 2 stages for non-causal D=64).
 BLOCK_M_D64 = 64  # evoattn: choice(32, 64, 128, 256)
 BLOCK_N_D64 = 64  # evoattn: choice(32, 64, 128)
 NUM_WARPS_D64 = 4  # evoattn: choice(4, 8)
-NUM_STAGES_D64 = 3  # evoattn: choice(1, 2, 3, 4, 5)
+NUM_STAGES_D64 = 2  # evoattn: choice(1, 2, 3, 4, 5)
 BLOCK_M_D128 = 128  # evoattn: choice(32, 64, 128, 256)
 BLOCK_N_D128 = 64  # evoattn: choice(32, 64, 128)
 NUM_WARPS_D128 = 4  # evoattn: choice(4, 8)
@@ -55,6 +59,13 @@ CAUSAL_SPLIT = True  # evoattn: choice(True, False)
 USE_EXP2 = True  # evoattn: choice(True, False)
 USE_TMA = True  # evoattn: choice(True, False)
 CAUSAL_HEAVY_FIRST = True  # evoattn: choice(True, False)
+BLOCK_M_D64_CAUSAL = 64  # evoattn: choice(32, 64, 128, 256)
+NUM_STAGES_D64_CAUSAL = 3  # evoattn: choice(1, 2, 3, 4, 5)
+BLOCK_M_D128_CAUSAL = 64  # evoattn: choice(32, 64, 128, 256)
+NUM_STAGES_D128_CAUSAL = 3  # evoattn: choice(1, 2, 3, 4, 5)
+LONG_SEQ = 4096  # evoattn: choice(1024, 2048, 4096, 8192)
+BLOCK_N_D64_LONG = 128  # evoattn: choice(32, 64, 128)
+BLOCK_N_D128_LONG = 64  # evoattn: choice(32, 64, 128)
 
 LOG2E = 1.44269504  # log2(e) = 1/ln 2: exp(x) == exp2(x * LOG2E)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -204,11 +215,17 @@ def _gqa_fwd(Q, K, V, O, S, G, qk_scale,
 
 
 # ---- wrapper ------------------------------------------------------------------------
-def _settings(head_dim: int) -> tuple[int, int, int, int]:
-    """Returns (BLOCK_M, BLOCK_N, num_warps, num_stages) for a head dimension."""
+def _settings(head_dim: int, causal: bool, seq_len: int) -> tuple[int, int, int, int]:
+    """Returns (BLOCK_M, BLOCK_N, num_warps, num_stages) for a head dimension, causality and
+    sequence length."""
     if head_dim == 64:
-        return BLOCK_M_D64, BLOCK_N_D64, NUM_WARPS_D64, NUM_STAGES_D64
-    return BLOCK_M_D128, BLOCK_N_D128, NUM_WARPS_D128, NUM_STAGES_D128
+        m, m_causal, n, n_long = BLOCK_M_D64, BLOCK_M_D64_CAUSAL, BLOCK_N_D64, BLOCK_N_D64_LONG
+        warps, stages, stages_causal = NUM_WARPS_D64, NUM_STAGES_D64, NUM_STAGES_D64_CAUSAL
+    else:
+        m, m_causal, n, n_long = BLOCK_M_D128, BLOCK_M_D128_CAUSAL, BLOCK_N_D128, BLOCK_N_D128_LONG
+        warps, stages, stages_causal = NUM_WARPS_D128, NUM_STAGES_D128, NUM_STAGES_D128_CAUSAL
+    return (m_causal if causal else m, n_long if seq_len >= LONG_SEQ else n, warps,
+            stages_causal if causal else stages)
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -232,7 +249,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     if D not in (64, 128):
         raise ValueError(f"head dim {D} not supported (64 or 128)")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    block_m, block_n, num_warps, num_stages = _settings(D)
+    block_m, block_n, num_warps, num_stages = _settings(D, causal, S)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()   # no-ops for contiguous inputs
     out = torch.empty_like(q)                                  # (B, Hq, S, D), fresh
     # TMA descriptors need 16-byte aligned base addresses (a view may start anywhere)

@@ -29,6 +29,9 @@ mutator rewrites. Every combination is either correct or raises a clear error:
   BLOCK_M_D*_CAUSAL, NUM_STAGES_D*_CAUSAL   the query tile and pipeline depth for causal calls
   LONG_SEQ, BLOCK_N_D*_LONG   the key tile for sequences of LONG_SEQ or more: long loops
                       amortise a larger tile's pipeline start, short ones do not
+  NUM_STAGES_SMALL_GRID  the pipeline depth when the whole grid fits in one wave (at most one
+                      program per SM, e.g. (1,8,512,64)): no second program on the SM hides
+                      the load latency, so a deeper pipeline can pay where it costs elsewhere
 
 Correct for any S >= 1: key columns past S get a score of -inf and query rows past S are
 never stored (the pointer path masks loads and stores; the TMA path uses 3-D descriptors of
@@ -54,11 +57,13 @@ except ImportError:  # Triton older than 3.3
 # Defaults: the best setting measured (BENCHMARKS.md): the structure a 100-iteration search
 # found from a plain FlashAttention-2 kernel in the second session (64x64 tiles, 4 warps, 3
 # stages, TMA, the causal split, exp2), with the fourth session's per-causality D=128 tiles
-# (128x64, 2 stages non-causal) and 64x128 D=64 tiles from S = 4096 on.
+# (128x64, 2 stages non-causal) and 64x128 D=64 tiles from S = 4096 on; the fourth session's
+# run then found 2 stages for non-causal D=64, which cost the one-wave (1,8,512,64) config
+# 11%: one-wave grids keep 3 stages (NUM_STAGES_SMALL_GRID, fifth session).
 BLOCK_M_D64 = 64  # evoattn: choice(32, 64, 128, 256)
 BLOCK_N_D64 = 64  # evoattn: choice(32, 64, 128)
 NUM_WARPS_D64 = 4  # evoattn: choice(4, 8)
-NUM_STAGES_D64 = 3  # evoattn: choice(1, 2, 3, 4, 5)
+NUM_STAGES_D64 = 2  # evoattn: choice(1, 2, 3, 4, 5)
 BLOCK_M_D128 = 128  # evoattn: choice(32, 64, 128, 256)
 BLOCK_N_D128 = 64  # evoattn: choice(32, 64, 128)
 NUM_WARPS_D128 = 4  # evoattn: choice(4, 8)
@@ -78,6 +83,7 @@ NUM_STAGES_D128_CAUSAL = 3  # evoattn: choice(1, 2, 3, 4, 5)
 LONG_SEQ = 4096  # evoattn: choice(1024, 2048, 4096, 8192)
 BLOCK_N_D64_LONG = 128  # evoattn: choice(32, 64, 128)
 BLOCK_N_D128_LONG = 64  # evoattn: choice(32, 64, 128)
+NUM_STAGES_SMALL_GRID = 3  # evoattn: choice(1, 2, 3, 4, 5)
 
 LOG2E = 1.44269504  # log2(e) = 1/ln 2: exp(x) == exp2(x * LOG2E)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -286,6 +292,12 @@ def _settings(head_dim: int, causal: bool, seq_len: int) -> tuple[int, int, int,
             stages_causal if causal else stages)
 
 
+def _grid_stages(stages: int, num_tiles: int, num_sms: int, persistent: bool) -> int:
+    """Returns the pipeline depth for a grid: NUM_STAGES_SMALL_GRID when one program per SM
+    covers every work item (a single partial wave), else `stages`."""
+    return NUM_STAGES_SMALL_GRID if not persistent and num_tiles <= num_sms else stages
+
+
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
              use_tma: bool, warp_specialize: bool) -> torch.Tensor:
     """Checks shapes and launches the kernel with the module's knobs (TMA and WS as given)."""
@@ -315,7 +327,9 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     else:
         args = (q, k, v, out)
     num_tiles = triton.cdiv(S, block_m) * BH
-    grid = (min(num_tiles, PROGRAMS_PER_SM * _num_sms(q.device)) if PERSISTENT else num_tiles,)
+    num_sms = _num_sms(q.device)
+    grid = (min(num_tiles, PROGRAMS_PER_SM * num_sms) if PERSISTENT else num_tiles,)
+    num_stages = _grid_stages(num_stages, num_tiles, num_sms, PERSISTENT)
     qk_scale = scale * LOG2E if USE_EXP2 else scale
     # Triton 3.6's interpreter multiplies bfloat16 tiles as their raw uint16 bits (garbage), so
     # there, and only there, the dots take bfloat16 values widened to float32: exact products,

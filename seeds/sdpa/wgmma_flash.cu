@@ -80,6 +80,8 @@
 // second loop); empty volatile asm "+f"/"+r" fences on the
 // registers keep the compiler from moving ordinary accesses across those points, and keep the
 // P registers (read asynchronously by the P v wgmma) reserved until the wait.
+#include <cuda.h>            // CUtensorMap and its enums (types only: no -lcuda)
+#include <cudaTypedefs.h>    // PFN_cuTensorMapEncodeTiled
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -88,9 +90,13 @@
 #include <type_traits>
 
 #define NUM_WARPGROUPS 2  // evoattn: choice(1, 2)
-#define BLOCK_N_D64 64  // evoattn: choice(64, 128)
+#define BLOCK_N_D64 128  // evoattn: choice(64, 128)
 #define BLOCK_N_D128 128  // evoattn: choice(64, 128)
-#define OVERLAP 0  // evoattn: choice(0, 1)
+#define OVERLAP 1  // evoattn: choice(0, 1)
+#define WARP_SPECIALIZE 1  // evoattn: choice(0, 1)
+#define WS_STAGES 2  // evoattn: choice(2, 3, 4)
+#define SETMAXNREG 1  // evoattn: choice(0, 1)
+#define PINGPONG 1  // evoattn: choice(0, 1)
 
 #define FB_BLOCK_M 32    // fallback tiles; fixed, not knobs
 #define FB_BLOCK_N 32
@@ -403,6 +409,32 @@ __device__ __forceinline__ void rescale(float (&o)[D / 2], const float (&alpha)[
   for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
 }
 
+// Full row sums across the quad, then normalises the warpgroup's output fragments o and
+// stores this lane's two rows (row_a, row_b; rows >= S are not stored) of the (S, D) slice
+// `ob`, two dims (4 bytes) per store.
+template <typename T, int D>
+__device__ __forceinline__ void store_rows(T* ob_t, const float (&o)[D / 2],
+                                           const float (&l_run)[2], int row_a, int row_b, int t,
+                                           int S) {
+  float inv[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = l_run[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    inv[h] = l > 0.f ? 1.f / l : 0.f;
+  }
+  uint32_t* ob = reinterpret_cast<uint32_t*>(ob_t);
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) {
+    const int w = (dt * 8 + 2 * t) / 2;       // 32-bit word within the row
+    if (row_a < S)
+      ob[((long long)row_a * D) / 2 + w] = pack2<T>(o[4 * dt] * inv[0], o[4 * dt + 1] * inv[0]);
+    if (row_b < S)
+      ob[((long long)row_b * D) / 2 + w] = pack2<T>(o[4 * dt + 2] * inv[1], o[4 * dt + 3] * inv[1]);
+  }
+}
+
 template <typename T, int D, int BN>
 __global__ void __launch_bounds__(THREADS, 1)
 wgmma_flash_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -410,7 +442,6 @@ wgmma_flash_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __
 #if WGF_SM90A
   constexpr bool BF16 = std::is_same<T, __nv_bfloat16>::value;
   using L = WgSmem<D, BN>;
-  constexpr int DT = D / 8;                   // n8 output column groups
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t sbase = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t sq = sbase;                  // q tile, then KV_STAGES stages of (k tile, v tile)
@@ -529,27 +560,7 @@ wgmma_flash_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __
       wg_pv<D, BN, BF16>(o, p, stage(ntiles - 1) + L::KV_BYTES);
   }
 
-  // Full row sums across the quad, then normalise and store two dims (4 bytes) per lane.
-  if (wg_live) {
-    float inv[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float l = l_run[h];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      inv[h] = l > 0.f ? 1.f / l : 0.f;
-    }
-    uint32_t* ob = reinterpret_cast<uint32_t*>(out + bh * S * D);
-#pragma unroll
-    for (int dt = 0; dt < DT; ++dt) {
-      const int w = (dt * 8 + 2 * t) / 2;     // 32-bit word within the row
-      if (row_a < S)
-        ob[((long long)row_a * D) / 2 + w] = pack2<T>(o[4 * dt] * inv[0], o[4 * dt + 1] * inv[0]);
-      if (row_b < S)
-        ob[((long long)row_b * D) / 2 + w] =
-            pack2<T>(o[4 * dt + 2] * inv[1], o[4 * dt + 3] * inv[1]);
-    }
-  }
+  if (wg_live) store_rows<T, D>(out + bh * S * D, o, l_run, row_a, row_b, t, S);
 #else
   __trap();   // built without sm_90a: never launched (run() asks wgmma_built() first)
 #endif
@@ -569,6 +580,353 @@ static int launch_wgmma(const void* q, const void* k, const void* v, void* out, 
   if (blocks > 0x7fffffffLL) return (int)cudaErrorInvalidConfiguration;
   wgmma_flash_kernel<T, D, BN><<<(unsigned)blocks, THREADS, smem, stream>>>(
       (const T*)q, (const T*)k, (const T*)v, (T*)out, BH, S, causal, scale * LOG2E);
+  return (int)cudaGetLastError();
+}
+
+// ---- warp-specialised path (WARP_SPECIALIZE=1): a TMA producer and an mbarrier ring -------
+//
+// FlashAttention-3's structure. The block has NUM_WARPGROUPS + 1 warpgroups: warpgroup 0 is the
+// producer, and one thread of it issues every load as a TMA bulk tensor copy (q once, then the
+// k and v tiles of each key block into a ring of WS_STAGES stages); the consumer warpgroups
+// 1..NUM_WARPGROUPS compute as above, 64 query rows each. Nothing block-wide synchronises the
+// loop: per stage, the k and v tiles each have a "full" mbarrier (the producer arms it with the
+// tile's byte count, and the TMA completes it), and the stage has an "empty" mbarrier that every
+// consumer thread arrives on once its wgmma reading the stage has completed; the producer waits
+// on it before reusing the stage. A consumer warpgroup with fewer key tiles than the block
+// (causal, or rows past S) still waits for and releases each remaining tile, in order, so the
+// producer never waits for it forever and no phase of an empty barrier gets two arrivals from
+// one thread. With SETMAXNREG the producer warpgroup gives its registers to the consumers
+// (setmaxnreg 24 / 240). With PINGPONG the consumer warpgroups take turns issuing their wgmma
+// (two named barriers), so one warpgroup's softmax runs while the other's matrix products
+// occupy the tensor cores.
+//
+// TMA writes shared memory in the 128-byte swizzle described above: each load is a box of 64
+// columns (128 bytes) by R rows of one (b, h) slice of the (B*H, S, D) tensor, i.e. one panel,
+// at a 1024-byte aligned address. Rows past S read as zeros (the tensor map's bounds), so a
+// partial key block needs only the score mask.
+
+constexpr int WS_THREADS = WG_THREADS * (NUM_WARPGROUPS + 1);
+
+template <int D, int BN> struct WsSmem {
+  static constexpr uint32_t Q_BYTES = BLOCK_M * D * 2;
+  static constexpr uint32_t KV_BYTES = BN * D * 2;
+  static constexpr uint32_t STAGE_BYTES = 2 * KV_BYTES;
+  static constexpr uint32_t BAR_OFFSET = Q_BYTES + WS_STAGES * STAGE_BYTES;
+  // barriers: q_full, then per stage k_full, v_full, empty (8 bytes each)
+  static constexpr size_t bytes = BAR_OFFSET + 8 * (1 + 3 * WS_STAGES) + 1024;
+};
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+#if WGF_SM90A
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+#endif
+}
+// Arrives on `bar` and adds `bytes` to the transaction count the phase waits for.
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+#if WGF_SM90A
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+#if WGF_SM90A
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+#endif
+}
+// True once the phase of `bar` with this parity has completed (try_wait may suspend a while).
+__device__ __forceinline__ bool mbar_try(uint32_t bar, uint32_t parity) {
+  uint32_t done = 1;
+#if WGF_SM90A
+  asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+               "selp.u32 %0, 1, 0, p;\n}\n"
+               : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+#endif
+  return done != 0;
+}
+// Waits until the phase of `bar` with this parity has completed. Built with -DWGF_WATCHDOG
+// (benchmarks/wgmma_probe.py does), 2^30 failed tries (each try_wait suspends the thread up
+// to a time limit: seconds in all, far longer than any tile takes) mean the pipeline is
+// deadlocked, and the kernel traps: the call fails with an error instead of hanging the GPU.
+// Not in the normal build: the extra branch costs the D=128 consumers register spills.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+#ifdef WGF_WATCHDOG
+  for (uint32_t tries = 0; !mbar_try(bar, parity);)
+    if (++tries == (1u << 30)) __trap();
+#else
+  while (!mbar_try(bar, parity)) {
+  }
+#endif
+}
+
+// One panel (64 columns x rows) of slice z, rows from y, into `dst`; completes on `bar`.
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int x, int y, int z,
+                                         uint32_t bar) {
+#if WGF_SM90A
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];\n"
+      ::"r"(dst), "l"((uint64_t)map), "r"(x), "r"(y), "r"(z), "r"(bar) : "memory");
+#endif
+}
+// Named barriers 1 and 2 (0 is __syncthreads): the PINGPONG turn of consumer warpgroup w.
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+template <int R> __device__ __forceinline__ void set_max_regs_inc() {
+#if WGF_SM90A
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
+#endif
+}
+template <int R> __device__ __forceinline__ void set_max_regs_dec() {
+#if WGF_SM90A
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
+#endif
+}
+
+template <typename T, int D, int BN>
+__global__ void __launch_bounds__(WS_THREADS, 1)
+wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                const __grid_constant__ CUtensorMap tm_v, T* __restrict__ out, int BH, int S,
+                int causal, float scale_log2) {
+#if WGF_SM90A
+  constexpr bool BF16 = std::is_same<T, __nv_bfloat16>::value;
+  using L = WsSmem<D, BN>;
+  constexpr int PANELS = D / 64;
+  constexpr uint32_t CONSUMERS = WG_THREADS * NUM_WARPGROUPS;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t sbase = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const uint32_t sq = sbase;
+  auto sk = [&](int st) { return sbase + L::Q_BYTES + (uint32_t)st * L::STAGE_BYTES; };
+  auto sv = [&](int st) { return sk(st) + L::KV_BYTES; };
+  const uint32_t bar_q = sbase + L::BAR_OFFSET;
+  auto bar_k = [&](int st) { return bar_q + 8u * (1 + 3 * st); };
+  auto bar_v = [&](int st) { return bar_k(st) + 8u; };
+  auto bar_e = [&](int st) { return bar_k(st) + 16u; };
+
+  const int n_mblocks = (S + BLOCK_M - 1) / BLOCK_M;
+  const int mb = n_mblocks - 1 - (int)(blockIdx.x / BH);   // heavy causal blocks first
+  const int bh = (int)(blockIdx.x % BH);
+  const int m0 = mb * BLOCK_M;
+  const int n_end = causal ? min(S, m0 + BLOCK_M) : S;
+  const int ntiles = (n_end + BN - 1) / BN;
+  const int tid = threadIdx.x;
+  const int wg_all = __shfl_sync(0xffffffffu, tid / WG_THREADS, 0);   // warp-uniform
+
+  if (tid == 0) {
+    mbar_init(bar_q, 1);
+    for (int st = 0; st < WS_STAGES; ++st) {
+      mbar_init(bar_k(st), 1);
+      mbar_init(bar_v(st), 1);
+      mbar_init(bar_e(st), CONSUMERS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();                            // the last block-wide barrier
+
+  if (wg_all == 0) {                          // ---- producer warpgroup
+    if (SETMAXNREG) set_max_regs_dec<24>();
+    if (tid == 0) {
+      mbar_expect_tx(bar_q, L::Q_BYTES);
+#pragma unroll
+      for (int p = 0; p < PANELS; ++p) tma_load(sq + p * BLOCK_M * 128, &tm_q, 64 * p, m0, bh, bar_q);
+      for (int it = 0; it < ntiles; ++it) {
+        const int st = it % WS_STAGES;
+        if (it >= WS_STAGES) mbar_wait(bar_e(st), ((it / WS_STAGES) - 1) & 1);
+        mbar_expect_tx(bar_k(st), L::KV_BYTES);
+#pragma unroll
+        for (int p = 0; p < PANELS; ++p)
+          tma_load(sk(st) + p * BN * 128, &tm_k, 64 * p, it * BN, bh, bar_k(st));
+        mbar_expect_tx(bar_v(st), L::KV_BYTES);
+#pragma unroll
+        for (int p = 0; p < PANELS; ++p)
+          tma_load(sv(st) + p * BN * 128, &tm_v, 64 * p, it * BN, bh, bar_v(st));
+      }
+    }
+    return;
+  }
+
+  // ---- consumer warpgroups
+  if (SETMAXNREG) set_max_regs_inc<240>();
+  const int wg = wg_all - 1;
+  const int ctid = tid - WG_THREADS;
+  const int warp = (ctid % WG_THREADS) / 32, lane = ctid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int wg_row0 = m0 + 64 * wg;
+  const int wrow0 = wg_row0 + 16 * warp;
+  const int row_a = wrow0 + g, row_b = row_a + 8;
+  const bool wg_live = wg_row0 < S;
+  const int wg_ntiles = !wg_live ? 0 : causal ? min(ntiles, (wg_row0 + 63) / BN + 1) : ntiles;
+  const uint32_t q_addr = sq + wg * 64 * 128;
+  // PINGPONG turns: warpgroup w issues its matrix products after a bar.sync on barrier 1 + w
+  // and then lets the other one go (bar.arrive on its barrier). Every consumer warpgroup takes
+  // ntiles turns (idle ones too), and warpgroup 1 gives warpgroup 0 the first turn.
+  const bool pingpong = PINGPONG && NUM_WARPGROUPS == 2;
+  auto turn_begin = [&]() { if (pingpong) named_sync(1 + wg, 2 * WG_THREADS); };
+  auto turn_end = [&](int it) {
+    if (pingpong && !(wg == 1 && it == ntiles - 1)) named_arrive(2 - wg, 2 * WG_THREADS);
+  };
+  if (pingpong && wg == 1) named_arrive(1, 2 * WG_THREADS);
+
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  float s[BN / 2];
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float l_run[2] = {0.f, 0.f};
+  float alpha[2];
+  uint32_t p[BN / 16][4];
+
+  mbar_wait(bar_q, 0);
+  if constexpr (!OVERLAP) {
+    for (int it = 0; it < wg_ntiles; ++it) {
+      const int st = it % WS_STAGES;
+      const uint32_t ph = (it / WS_STAGES) & 1;
+      mbar_wait(bar_k(st), ph);
+      turn_begin();
+      reg_fence(s);
+      wgmma_fence();
+      wg_qk_issue<D, BN, BLOCK_M, BF16>(s, q_addr, sk(st));
+      wgmma_commit();
+      turn_end(it);
+      wgmma_wait0();
+      reg_fence(s);
+      softmax_tile<BN>(s, it * BN, S, causal, wrow0, row_a, row_b, t, scale_log2, m_run, l_run,
+                       alpha);
+      rescale<D>(o, alpha);
+      pack_p<T, BN>(p, s);
+      mbar_wait(bar_v(st), ph);
+      wg_pv<D, BN, BF16>(o, p, sv(st));
+      mbar_arrive(bar_e(st));
+    }
+  } else {
+    // As the OVERLAP loop above: q k_it^T and P_{it-1} v_{it-1} in flight together, the softmax
+    // of tile `it` while P v runs; stage it-1 is released once P v has completed.
+    if (wg_ntiles > 0) {
+      mbar_wait(bar_k(0), 0);
+      turn_begin();
+      reg_fence(s);
+      wgmma_fence();
+      wg_qk_issue<D, BN, BLOCK_M, BF16>(s, q_addr, sk(0));
+      wgmma_commit();
+      turn_end(0);
+      wgmma_wait0();
+      reg_fence(s);
+      softmax_tile<BN>(s, 0, S, causal, wrow0, row_a, row_b, t, scale_log2, m_run, l_run, alpha);
+      pack_p<T, BN>(p, s);
+    }
+    for (int it = 1; it < wg_ntiles; ++it) {
+      const int st = it % WS_STAGES, prev = (it - 1) % WS_STAGES;
+      mbar_wait(bar_k(st), (it / WS_STAGES) & 1);
+      mbar_wait(bar_v(prev), ((it - 1) / WS_STAGES) & 1);
+      turn_begin();
+      reg_fence(o);
+      reg_fence(p);
+      reg_fence(s);
+      wgmma_fence();
+      wg_qk_issue<D, BN, BLOCK_M, BF16>(s, q_addr, sk(st));
+      wgmma_commit();
+      wgmma_fence();
+      wg_pv_issue<D, BN, BF16>(o, p, sv(prev));
+      wgmma_commit();
+      turn_end(it);
+      wgmma_wait1();
+      reg_fence(s);
+      softmax_tile<BN>(s, it * BN, S, causal, wrow0, row_a, row_b, t, scale_log2, m_run, l_run,
+                       alpha);
+      reg_fence(s);
+      reg_fence(alpha);
+      reg_fence(l_run);
+      wgmma_wait0();
+      reg_fence(o);
+      reg_fence(p);
+      mbar_arrive(bar_e(prev));
+      rescale<D>(o, alpha);
+      pack_p<T, BN>(p, s);
+    }
+    if (wg_ntiles > 0) {                      // the last tile's P v
+      const int last = wg_ntiles - 1, st = last % WS_STAGES;
+      mbar_wait(bar_v(st), (last / WS_STAGES) & 1);
+      wg_pv<D, BN, BF16>(o, p, sv(st));
+      mbar_arrive(bar_e(st));
+    }
+  }
+  // Tiles this warpgroup does not compute: wait for each to land and release it, in order.
+  for (int it = wg_ntiles; it < ntiles; ++it) {
+    const int st = it % WS_STAGES;
+    const uint32_t ph = (it / WS_STAGES) & 1;
+    turn_begin();                             // every warpgroup takes ntiles turns
+    turn_end(it);
+    mbar_wait(bar_k(st), ph);
+    mbar_wait(bar_v(st), ph);
+    mbar_arrive(bar_e(st));
+  }
+  if (wg_live) store_rows<T, D>(out + (long long)bh * S * D, o, l_run, row_a, row_b, t, S);
+#else
+  __trap();
+#endif
+}
+
+// cuTensorMapEncodeTiled from the driver, found once through the runtime (no -lcuda needed).
+static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  if (fn == nullptr) {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
+                                         &found) == cudaSuccess &&
+        found == cudaDriverEntryPointSuccess)
+      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }
+  return fn;
+}
+
+// A tensor map over the (BH, S, D) tensor at `base`: boxes of 64 columns x `rows` rows of one
+// slice, 128-byte swizzle, zeros past the bounds. Returns false if the driver refuses it.
+template <typename T>
+static bool make_tensor_map(CUtensorMap* map, const void* base, int BH, int S, int D, int rows) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const CUtensorMapDataType type = std::is_same<T, __nv_bfloat16>::value
+                                       ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                       : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const cuuint64_t dims[3] = {(cuuint64_t)D, (cuuint64_t)S, (cuuint64_t)BH};
+  const cuuint64_t strides[2] = {(cuuint64_t)D * 2, (cuuint64_t)S * D * 2};   // bytes, dims 1, 2
+  const cuuint32_t box[3] = {64, (cuuint32_t)rows, 1};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  return encode(map, type, 3, const_cast<void*>(base), dims, strides, box, elem_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <typename T, int D, int BN>
+static int launch_ws(const void* q, const void* k, const void* v, void* out, int BH, int S,
+                     int causal, float scale, cudaStream_t stream) {
+  static_assert(WS_STAGES >= 2 && WS_STAGES <= 4, "WS_STAGES must be 2, 3 or 4");
+  const size_t smem = WsSmem<D, BN>::bytes;
+  static int attr_set[64];                    // per device: the shared-memory limit is set
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return (int)err;
+  if (dev < 0 || dev >= 64 || !attr_set[dev]) {
+    err = cudaFuncSetAttribute(wgmma_ws_kernel<T, D, BN>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (err != cudaSuccess) return (int)err;  // too many stages for this GPU: fail cleanly
+    if (dev >= 0 && dev < 64) attr_set[dev] = 1;
+  }
+  CUtensorMap tq, tk, tv;
+  if (!make_tensor_map<T>(&tq, q, BH, S, D, BLOCK_M) || !make_tensor_map<T>(&tk, k, BH, S, D, BN) ||
+      !make_tensor_map<T>(&tv, v, BH, S, D, BN))
+    return (int)cudaErrorInvalidValue;
+  const long long blocks = (long long)((S + BLOCK_M - 1) / BLOCK_M) * BH;
+  if (blocks > 0x7fffffffLL) return (int)cudaErrorInvalidConfiguration;
+  wgmma_ws_kernel<T, D, BN><<<(unsigned)blocks, WS_THREADS, smem, stream>>>(
+      tq, tk, tv, (T*)out, BH, S, causal, scale * LOG2E);
   return (int)cudaGetLastError();
 }
 
@@ -756,6 +1114,10 @@ static int run(const void* q, const void* k, const void* v, void* out, int BH, i
       const int built = wgmma_built();
       if (built < 0) return -built;
       if (built == 0) return (int)cudaErrorInvalidDeviceFunction;   // not built for sm_90a
+      if (WARP_SPECIALIZE) {
+        if (D == 64) return launch_ws<T, 64, BLOCK_N_D64>(q, k, v, out, BH, S, causal, scale, stream);
+        return launch_ws<T, 128, BLOCK_N_D128>(q, k, v, out, BH, S, causal, scale, stream);
+      }
       if (D == 64) return launch_wgmma<T, 64>(q, k, v, out, BH, S, causal, scale, stream);
       return launch_wgmma<T, 128>(q, k, v, out, BH, S, causal, scale, stream);
     }

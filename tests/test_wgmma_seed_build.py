@@ -1,0 +1,60 @@
+"""The wgmma seed without a GPU: the probe's knob settings, and an nvcc build for sm_90a.
+
+nvcc compiles for Hopper on a machine without one; ptxas's report shows register spills and
+its warnings (C7510-C7520: wgmma serialised) before any GPU time is spent.
+"""
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from evoattn.mutators.knobs import find_knobs
+
+ROOT = Path(__file__).resolve().parents[1]
+SEED = ROOT / "seeds" / "sdpa" / "wgmma_flash.cu"
+
+
+def _probe_module():
+    spec = importlib.util.spec_from_file_location("wgmma_probe", ROOT / "benchmarks" / "wgmma_probe.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_probe_builds_every_structural_combination_and_every_knob_value():
+    probe = _probe_module()
+    knobs = find_knobs(SEED.read_text())
+    settings = probe.probe_settings(knobs)
+    keys = [json.dumps(s, sort_keys=True) for s in settings]
+    assert len(keys) == len(set(keys)), "a setting is built twice"
+    structural = [k for k in knobs if k.name in probe.STRUCTURAL]
+    assert len(structural) == len(probe.STRUCTURAL), "a structural knob is missing from the seed"
+    for combo in itertools.product(*(k.choices for k in structural)):
+        want = dict(zip((k.name for k in structural), combo))
+        assert any(all(s[n] == v for n, v in want.items()) for s in settings), want
+    for k in knobs:
+        for v in k.choices:
+            assert any(s[k.name] == v for s in settings), (k.name, v)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_seed_builds_for_sm90a_without_spills_or_serialised_wgmma(tmp_path):
+    proc = subprocess.run(
+        ["nvcc", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
+         "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v", "-o",
+         str(tmp_path / "lib.so"), str(SEED)], capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    assert "warning" not in log.lower(), log[-3000:]
+    # per tensor-core kernel (wgmma_flash, wgmma_ws): "N bytes spill stores" must be 0
+    blocks = re.findall(r"Compiling entry function '(\w*wgmma_(?:flash|ws)_kernel\w*)'.*?"
+                        r"(\d+) bytes spill stores", log, re.S)
+    assert len(blocks) == 8, log[-3000:]      # 2 kernels x 2 dtypes x 2 head dims
+    assert all(n == "0" for _, n in blocks), blocks
