@@ -7,7 +7,9 @@
 // (16-byte copies, rows past S zero-filled, so no garbage can inject NaN/Inf). Per key tile and
 // warpgroup:
 //   S = q k^T   wgmma.m64n{BLOCK_N}k16, A = q from shared memory, B = k from shared memory;
-//   online softmax on the f32 accumulator fragments in registers (log2 units, exp2f);
+//   online softmax on the f32 accumulator fragments in registers (log2 units, ex2.approx.ftz:
+//               without -use_fast_math, exp2f costs a range check and two multiplies more per
+//               score to keep subnormal results, which softmax does not need);
 //   O += P v    wgmma.m64n{D}k16, A = P from registers (rounded to the input dtype, as
 //               FlashAttention does), B = v from shared memory (transposed read, see below).
 // Causal (top-left: query i sees keys 0..i): key tiles after the block's last row are never
@@ -358,6 +360,13 @@ template <int D, int BN> struct WgSmem {
   static constexpr size_t bytes = Q_BYTES + KV_STAGES * STAGE_BYTES + 1024;   // + alignment slack
 };
 
+// 2^x in one MUFU.EX2; results below 2^-126 flush to 0 (a probability < 1e-38 of the row max).
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Online softmax of one 64 x BN score tile (this lane's fragments s, keys n0 .. n0+BN-1):
 // scales to log2 units, masks keys past S and (causal) past the row, updates the running row
 // max m_run and this lane's partial row sums l_run, and leaves p = exp2(s - m) in s. Returns
@@ -391,13 +400,13 @@ __device__ __forceinline__ void softmax_tile(float (&s)[BN / 2], int n0, int S, 
     mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
     const float m_new = fmaxf(m_run[h], mx[h]);
     m_use[h] = m_new == -INFINITY ? 0.f : m_new;   // nothing seen yet: p = 0, alpha = 0
-    alpha[h] = exp2f(m_run[h] - m_use[h]);
+    alpha[h] = exp2_ftz(m_run[h] - m_use[h]);
     m_run[h] = m_new;
     l_run[h] *= alpha[h];
   }
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) {
-    const float p = exp2f(s[i] - m_use[(i >> 1) & 1]);
+    const float p = exp2_ftz(s[i] - m_use[(i >> 1) & 1]);
     s[i] = p;
     l_run[(i >> 1) & 1] += p;
   }
@@ -575,7 +584,10 @@ static int launch_wgmma(const void* q, const void* k, const void* v, void* out, 
   const size_t smem = WgSmem<D, BN>::bytes;
   cudaError_t err = cudaFuncSetAttribute(wgmma_flash_kernel<T, D, BN>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-  if (err != cudaSuccess) return (int)err;    // tiles too large for this GPU: fail cleanly
+  if (err != cudaSuccess) {                   // tiles too large for this GPU: fail cleanly, and
+    (void)cudaGetLastError();                 // clear the error, or the next call's launch check
+    return (int)err;                          // would report it again
+  }
   const long long blocks = (long long)((S + BLOCK_M - 1) / BLOCK_M) * BH;
   if (blocks > 0x7fffffffLL) return (int)cudaErrorInvalidConfiguration;
   wgmma_flash_kernel<T, D, BN><<<(unsigned)blocks, THREADS, smem, stream>>>(
@@ -590,9 +602,10 @@ static int launch_wgmma(const void* q, const void* k, const void* v, void* out, 
 // k and v tiles of each key block into a ring of WS_STAGES stages); the consumer warpgroups
 // 1..NUM_WARPGROUPS compute as above, 64 query rows each. Nothing block-wide synchronises the
 // loop: per stage, the k and v tiles each have a "full" mbarrier (the producer arms it with the
-// tile's byte count, and the TMA completes it), and the stage has an "empty" mbarrier that every
-// consumer thread arrives on once its wgmma reading the stage has completed; the producer waits
-// on it before reusing the stage. A consumer warpgroup with fewer key tiles than the block
+// tile's byte count, and the TMA completes it) and an "empty" mbarrier that every consumer
+// thread arrives on once its wgmma reading the tile has completed (k after q k^T, v after P v,
+// so a k stage is refilled while P v still reads its v); the producer waits on it before
+// reusing the stage. A consumer warpgroup with fewer key tiles than the block
 // (causal, or rows past S) still waits for and releases each remaining tile, in order, so the
 // producer never waits for it forever and no phase of an empty barrier gets two arrivals from
 // one thread. With SETMAXNREG the producer warpgroup gives its registers to the consumers
@@ -612,8 +625,8 @@ template <int D, int BN> struct WsSmem {
   static constexpr uint32_t KV_BYTES = BN * D * 2;
   static constexpr uint32_t STAGE_BYTES = 2 * KV_BYTES;
   static constexpr uint32_t BAR_OFFSET = Q_BYTES + WS_STAGES * STAGE_BYTES;
-  // barriers: q_full, then per stage k_full, v_full, empty (8 bytes each)
-  static constexpr size_t bytes = BAR_OFFSET + 8 * (1 + 3 * WS_STAGES) + 1024;
+  // barriers: q_full, then per stage k_full, v_full, k_empty, v_empty (8 bytes each)
+  static constexpr size_t bytes = BAR_OFFSET + 8 * (1 + 4 * WS_STAGES) + 1024;
 };
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
@@ -702,9 +715,10 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
   auto sk = [&](int st) { return sbase + L::Q_BYTES + (uint32_t)st * L::STAGE_BYTES; };
   auto sv = [&](int st) { return sk(st) + L::KV_BYTES; };
   const uint32_t bar_q = sbase + L::BAR_OFFSET;
-  auto bar_k = [&](int st) { return bar_q + 8u * (1 + 3 * st); };
-  auto bar_v = [&](int st) { return bar_k(st) + 8u; };
-  auto bar_e = [&](int st) { return bar_k(st) + 16u; };
+  auto bar_k = [&](int st) { return bar_q + 8u * (1 + 4 * st); };   // k tile landed
+  auto bar_v = [&](int st) { return bar_k(st) + 8u; };               // v tile landed
+  auto bar_ke = [&](int st) { return bar_k(st) + 16u; };             // k tile consumed
+  auto bar_ve = [&](int st) { return bar_k(st) + 24u; };             // v tile consumed
 
   const int n_mblocks = (S + BLOCK_M - 1) / BLOCK_M;
   const int mb = n_mblocks - 1 - (int)(blockIdx.x / BH);   // heavy causal blocks first
@@ -720,7 +734,8 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
     for (int st = 0; st < WS_STAGES; ++st) {
       mbar_init(bar_k(st), 1);
       mbar_init(bar_v(st), 1);
-      mbar_init(bar_e(st), CONSUMERS);
+      mbar_init(bar_ke(st), CONSUMERS);
+      mbar_init(bar_ve(st), CONSUMERS);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -732,17 +747,23 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
       mbar_expect_tx(bar_q, L::Q_BYTES);
 #pragma unroll
       for (int p = 0; p < PANELS; ++p) tma_load(sq + p * BLOCK_M * 128, &tm_q, 64 * p, m0, bh, bar_q);
-      for (int it = 0; it < ntiles; ++it) {
-        const int st = it % WS_STAGES;
-        if (it >= WS_STAGES) mbar_wait(bar_e(st), ((it / WS_STAGES) - 1) & 1);
-        mbar_expect_tx(bar_k(st), L::KV_BYTES);
+      // Tile `it` of k or v goes into stage it % WS_STAGES once the tile WS_STAGES before it
+      // there has been consumed. k runs one tile ahead of v, as the consumers need them.
+      auto load = [&](int it, const CUtensorMap* map, uint32_t dst, uint32_t full, uint32_t empty) {
+        if (it >= WS_STAGES) mbar_wait(empty, ((it / WS_STAGES) - 1) & 1);
+        mbar_expect_tx(full, L::KV_BYTES);
 #pragma unroll
-        for (int p = 0; p < PANELS; ++p)
-          tma_load(sk(st) + p * BN * 128, &tm_k, 64 * p, it * BN, bh, bar_k(st));
-        mbar_expect_tx(bar_v(st), L::KV_BYTES);
-#pragma unroll
-        for (int p = 0; p < PANELS; ++p)
-          tma_load(sv(st) + p * BN * 128, &tm_v, 64 * p, it * BN, bh, bar_v(st));
+        for (int p = 0; p < PANELS; ++p) tma_load(dst + p * BN * 128, map, 64 * p, it * BN, bh, full);
+      };
+      for (int it = 0; it <= ntiles; ++it) {
+        if (it < ntiles) {
+          const int st = it % WS_STAGES;
+          load(it, &tm_k, sk(st), bar_k(st), bar_ke(st));
+        }
+        if (it > 0) {
+          const int st = (it - 1) % WS_STAGES;
+          load(it - 1, &tm_v, sv(st), bar_v(st), bar_ve(st));
+        }
       }
     }
     return;
@@ -795,13 +816,14 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
       turn_end(it);
       wgmma_wait0();
       reg_fence(s);
+      mbar_arrive(bar_ke(st));
       softmax_tile<BN>(s, it * BN, S, causal, wrow0, row_a, row_b, t, scale_log2, m_run, l_run,
                        alpha);
       rescale<D>(o, alpha);
       pack_p<T, BN>(p, s);
       mbar_wait(bar_v(st), ph);
       wg_pv<D, BN, BF16>(o, p, sv(st));
-      mbar_arrive(bar_e(st));
+      mbar_arrive(bar_ve(st));
     }
   } else {
     // As the OVERLAP loop above: q k_it^T and P_{it-1} v_{it-1} in flight together, the softmax
@@ -816,6 +838,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
       turn_end(0);
       wgmma_wait0();
       reg_fence(s);
+      mbar_arrive(bar_ke(0));
       softmax_tile<BN>(s, 0, S, causal, wrow0, row_a, row_b, t, scale_log2, m_run, l_run, alpha);
       pack_p<T, BN>(p, s);
     }
@@ -836,6 +859,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
       turn_end(it);
       wgmma_wait1();
       reg_fence(s);
+      mbar_arrive(bar_ke(st));                // q k_it^T done: its k stage may be refilled
       softmax_tile<BN>(s, it * BN, S, causal, wrow0, row_a, row_b, t, scale_log2, m_run, l_run,
                        alpha);
       reg_fence(s);
@@ -844,7 +868,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
       wgmma_wait0();
       reg_fence(o);
       reg_fence(p);
-      mbar_arrive(bar_e(prev));
+      mbar_arrive(bar_ve(prev));
       rescale<D>(o, alpha);
       pack_p<T, BN>(p, s);
     }
@@ -852,7 +876,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
       const int last = wg_ntiles - 1, st = last % WS_STAGES;
       mbar_wait(bar_v(st), (last / WS_STAGES) & 1);
       wg_pv<D, BN, BF16>(o, p, sv(st));
-      mbar_arrive(bar_e(st));
+      mbar_arrive(bar_ve(st));
     }
   }
   // Tiles this warpgroup does not compute: wait for each to land and release it, in order.
@@ -862,8 +886,9 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
     turn_begin();                             // every warpgroup takes ntiles turns
     turn_end(it);
     mbar_wait(bar_k(st), ph);
+    mbar_arrive(bar_ke(st));
     mbar_wait(bar_v(st), ph);
-    mbar_arrive(bar_e(st));
+    mbar_arrive(bar_ve(st));
   }
   if (wg_live) store_rows<T, D>(out + (long long)bh * S * D, o, l_run, row_a, row_b, t, S);
 #else
@@ -916,7 +941,10 @@ static int launch_ws(const void* q, const void* k, const void* v, void* out, int
   if (dev < 0 || dev >= 64 || !attr_set[dev]) {
     err = cudaFuncSetAttribute(wgmma_ws_kernel<T, D, BN>,
                                cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (err != cudaSuccess) return (int)err;  // too many stages for this GPU: fail cleanly
+    if (err != cudaSuccess) {                 // too many stages for this GPU: fail cleanly (and
+      (void)cudaGetLastError();               // clear the error for the next call)
+      return (int)err;
+    }
     if (dev >= 0 && dev < 64) attr_set[dev] = 1;
   }
   CUtensorMap tq, tk, tv;
@@ -1059,7 +1087,10 @@ static int launch_fallback(const void* q, const void* k, const void* v, void* ou
   const size_t smem = FbSmem<D>::bytes;
   cudaError_t err = cudaFuncSetAttribute(fallback_kernel<T, D>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-  if (err != cudaSuccess) return (int)err;
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();                 // not left for the next call's launch check
+    return (int)err;
+  }
   const long long blocks = (long long)((S + FB_BLOCK_M - 1) / FB_BLOCK_M) * BH;
   if (blocks > 0x7fffffffLL) return (int)cudaErrorInvalidConfiguration;
   fallback_kernel<T, D><<<(unsigned)blocks, FB_THREADS, smem, stream>>>(
