@@ -99,6 +99,7 @@
 #define WS_STAGES 2  // evoattn: choice(2, 3, 4)
 #define SETMAXNREG 1  // evoattn: choice(0, 1)
 #define PINGPONG 1  // evoattn: choice(0, 1)
+#define HEAD_MAJOR 1  // evoattn: choice(0, 1)
 
 #define FB_BLOCK_M 32    // fallback tiles; fixed, not knobs
 #define FB_BLOCK_N 32
@@ -418,6 +419,21 @@ __device__ __forceinline__ void rescale(float (&o)[D / 2], const float (&alpha)[
   for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
 }
 
+// This block's query row block `mb` (of n_mblocks) and flat head `bh` (of BH). Row blocks run
+// last first (causal: the longest first). HEAD_MAJOR: a head's row blocks are consecutive
+// blocks, so the blocks resident together share a few heads' k and v in L2; otherwise
+// consecutive blocks take consecutive heads.
+__device__ __forceinline__ void block_coords(int n_mblocks, int BH, int& mb, int& bh) {
+  const int b = (int)blockIdx.x;
+  if (HEAD_MAJOR) {
+    mb = n_mblocks - 1 - b % n_mblocks;
+    bh = b / n_mblocks;
+  } else {
+    mb = n_mblocks - 1 - b / BH;
+    bh = b % BH;
+  }
+}
+
 // Full row sums across the quad, then normalises the warpgroup's output fragments o and
 // stores this lane's two rows (row_a, row_b; rows >= S are not stored) of the (S, D) slice
 // `ob`, two dims (4 bytes) per store.
@@ -457,8 +473,8 @@ wgmma_flash_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __
   const uint32_t skv = sbase + L::Q_BYTES;
 
   const int n_mblocks = (S + BLOCK_M - 1) / BLOCK_M;
-  const int mb = n_mblocks - 1 - (int)(blockIdx.x / BH);   // heavy causal blocks first
-  const long long bh = blockIdx.x % BH;
+  int mb, bh;
+  block_coords(n_mblocks, BH, mb, bh);
   const int m0 = mb * BLOCK_M;
   const int tid = threadIdx.x;
   // The warpgroup index through a shuffle: ptxas then knows it is warp-uniform, and so are
@@ -469,9 +485,9 @@ wgmma_flash_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __
   const int wg_row0 = m0 + 64 * wg;           // the warpgroup's first query row
   const int wrow0 = wg_row0 + 16 * warp;      // the warp's first query row
   const int row_a = wrow0 + g, row_b = row_a + 8;   // this lane's two rows
-  const uint16_t* qb = reinterpret_cast<const uint16_t*>(q) + bh * S * D;
-  const uint16_t* kb = reinterpret_cast<const uint16_t*>(k) + bh * S * D;
-  const uint16_t* vb = reinterpret_cast<const uint16_t*>(v) + bh * S * D;
+  const uint16_t* qb = reinterpret_cast<const uint16_t*>(q) + (long long)bh * S * D;
+  const uint16_t* kb = reinterpret_cast<const uint16_t*>(k) + (long long)bh * S * D;
+  const uint16_t* vb = reinterpret_cast<const uint16_t*>(v) + (long long)bh * S * D;
 
   const int n_end = causal ? min(S, m0 + BLOCK_M) : S;
   const int ntiles = (n_end + BN - 1) / BN;
@@ -569,7 +585,7 @@ wgmma_flash_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __
       wg_pv<D, BN, BF16>(o, p, stage(ntiles - 1) + L::KV_BYTES);
   }
 
-  if (wg_live) store_rows<T, D>(out + bh * S * D, o, l_run, row_a, row_b, t, S);
+  if (wg_live) store_rows<T, D>(out + (long long)bh * S * D, o, l_run, row_a, row_b, t, S);
 #else
   __trap();   // built without sm_90a: never launched (run() asks wgmma_built() first)
 #endif
@@ -721,8 +737,8 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
   auto bar_ve = [&](int st) { return bar_k(st) + 24u; };             // v tile consumed
 
   const int n_mblocks = (S + BLOCK_M - 1) / BLOCK_M;
-  const int mb = n_mblocks - 1 - (int)(blockIdx.x / BH);   // heavy causal blocks first
-  const int bh = (int)(blockIdx.x % BH);
+  int mb, bh;
+  block_coords(n_mblocks, BH, mb, bh);
   const int m0 = mb * BLOCK_M;
   const int n_end = causal ? min(S, m0 + BLOCK_M) : S;
   const int ntiles = (n_end + BN - 1) / BN;
