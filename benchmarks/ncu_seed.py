@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import math
-import os
 import sys
 import tempfile
 from pathlib import Path
