@@ -368,29 +368,33 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   return y;
 }
 
-// Online softmax of one 64 x BN score tile (this lane's fragments s, keys n0 .. n0+BN-1):
-// scales to log2 units, masks keys past S and (causal) past the row, updates the running row
-// max m_run and this lane's partial row sums l_run, and leaves p = exp2(s - m) in s. Returns
-// in alpha the factor that rescales the accumulator of each of the lane's two rows.
-template <int BN>
-__device__ __forceinline__ void softmax_tile(float (&s)[BN / 2], int n0, int S, int causal,
-                                             int wrow0, int row_a, int row_b, int t,
-                                             float scale_log2, float (&m_run)[2],
-                                             float (&l_run)[2], float (&alpha)[2]) {
+// Online softmax of one 64 x BN score tile (this lane's fragments s, keys n0 .. n0+BN-1): the
+// scores in log2 units (s * scale_log2), keys past S and (causal) past the row masked to -inf;
+// updates the running row max m_run and this lane's partial row sums l_run, and leaves
+// p = exp2(s * scale_log2 - m) in s. Returns in alpha the factor that rescales the accumulator
+// of each of the lane's two rows. MASKED = false: no key of the tile is masked and
+// scale_log2 >= 0, so the row max is taken on the raw scores and each p is one FMA and one
+// exp2 (FlashAttention-3's folded scale); the caller picks the variant per tile, so the masking
+// (three instructions per score) runs only on the tiles that need it.
+template <int BN, bool MASKED>
+__device__ __forceinline__ void softmax_impl(float (&s)[BN / 2], int n0, int S, int causal,
+                                             int row_a, int row_b, int t, float scale_log2,
+                                             float (&m_run)[2], float (&l_run)[2],
+                                             float (&alpha)[2]) {
   constexpr int NT = BN / 8;                  // n8 score column groups per key tile
-  const bool need_mask = n0 + BN > S || (causal && n0 + BN - 1 > wrow0);
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      float x = s[4 * nt + e] * scale_log2;
-      if (need_mask) {
+      float x = s[4 * nt + e];
+      if constexpr (MASKED) {
+        x *= scale_log2;
         const int key = n0 + nt * 8 + 2 * t + (e & 1);
         const int row = e < 2 ? row_a : row_b;
         if (key >= S || (causal && key > row)) x = -INFINITY;
+        s[4 * nt + e] = x;
       }
-      s[4 * nt + e] = x;
       mx[e >> 1] = fmaxf(mx[e >> 1], x);
     }
   }
@@ -399,6 +403,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[BN / 2], int n0, int S, 
   for (int h = 0; h < 2; ++h) {               // the 4 lanes of a quad share the row
     mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
     mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+    if constexpr (!MASKED) mx[h] *= scale_log2;   // max(s) * scale = max(s * scale), scale >= 0
     const float m_new = fmaxf(m_run[h], mx[h]);
     m_use[h] = m_new == -INFINITY ? 0.f : m_new;   // nothing seen yet: p = 0, alpha = 0
     alpha[h] = exp2_ftz(m_run[h] - m_use[h]);
@@ -407,10 +412,24 @@ __device__ __forceinline__ void softmax_tile(float (&s)[BN / 2], int n0, int S, 
   }
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) {
-    const float p = exp2_ftz(s[i] - m_use[(i >> 1) & 1]);
+    const float m = m_use[(i >> 1) & 1];
+    const float p = MASKED ? exp2_ftz(s[i] - m) : exp2_ftz(fmaf(s[i], scale_log2, -m));
     s[i] = p;
     l_run[(i >> 1) & 1] += p;
   }
+}
+
+template <int BN>
+__device__ __forceinline__ void softmax_tile(float (&s)[BN / 2], int n0, int S, int causal,
+                                             int wrow0, int row_a, int row_b, int t,
+                                             float scale_log2, float (&m_run)[2],
+                                             float (&l_run)[2], float (&alpha)[2]) {
+  // warp-uniform: the tile crosses S or (causal) the warp's diagonal, or the scale is negative
+  const bool need_mask = scale_log2 < 0.f || n0 + BN > S || (causal && n0 + BN - 1 > wrow0);
+  if (need_mask)
+    softmax_impl<BN, true>(s, n0, S, causal, row_a, row_b, t, scale_log2, m_run, l_run, alpha);
+  else
+    softmax_impl<BN, false>(s, n0, S, causal, row_a, row_b, t, scale_log2, m_run, l_run, alpha);
 }
 
 template <int D>
