@@ -101,7 +101,7 @@ def ptxas_summary(log: str) -> str:
 
 # Knobs whose every combination is built (they change the kernel's structure together); every
 # other knob is built one value at a time, the rest at the seed's values.
-STRUCTURAL = ("WARP_SPECIALIZE", "OVERLAP", "PINGPONG", "NUM_WARPGROUPS")
+STRUCTURAL = ("WARP_SPECIALIZE_D64", "WARP_SPECIALIZE_D128", "OVERLAP", "PINGPONG")
 
 
 def probe_settings(knobs) -> list[dict[str, str]]:
@@ -123,7 +123,7 @@ SMEM_OPTIN_BYTES = 232448                    # H100/H200: 227 KB of shared memor
 
 def fits_shared_memory(vals: dict[str, str], D: int) -> bool:
     """Whether the warp-specialised kernel's shared memory (WsSmem in the seed) fits a block."""
-    if vals["WARP_SPECIALIZE"] != "1":
+    if vals[f"WARP_SPECIALIZE_D{D}"] != "1":
         return True
     block_m, stages = 64 * int(vals["NUM_WARPGROUPS"]), int(vals["WS_STAGES"])
     bn = int(vals["BLOCK_N_D64" if D == 64 else "BLOCK_N_D128"])

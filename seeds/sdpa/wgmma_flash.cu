@@ -22,9 +22,12 @@
 // for each head dim, 64 or 128; the kernel's template parameter BN is the one in use), OVERLAP
 // (0: per tile, S = q k^T, wait, softmax, P v, wait; 1: FlashAttention-3's intra-warpgroup
 // pipelining, q k^T of tile j and P v of tile j-1 in flight together and the softmax of tile j
-// started while P v runs, with a three-stage k/v ring). With OVERLAP=1, ptxas 13.0 still places
-// the wait for P v before the softmax's exponentials (after the scaling, masking and row
-// maxima), so the overlap is partial.
+// run while P v is on the tensor cores; the cp.async path then uses a three-stage k/v ring),
+// WARP_SPECIALIZE_D64 / _D128 (per head dim: the cp.async path above, or the warp-specialised
+// path below with its knobs WS_STAGES, SETMAXNREG, PINGPONG), HEAD_MAJOR (block order).
+// The softmax has a masked and an unmasked variant chosen per tile (a branch around the whole
+// tile): with the masks inside one loop, ptxas if-converted them into every tile and placed the
+// wait for P v before the softmax, so OVERLAP overlapped nothing.
 // Any S >= 1, D in {64, 128}, fp32 accumulation. Needs the sm_90a target for wgmma (the
 // evaluator builds with -gencode=arch=compute_90a,code=sm_90a on H100/H200). Built for
 // another target (plain sm_90, or PTX JIT-compiled from an older one), the code the GPU runs
@@ -92,13 +95,14 @@
 #include <type_traits>
 
 #define NUM_WARPGROUPS 2  // evoattn: choice(1, 2)
-#define BLOCK_N_D64 128  // evoattn: choice(64, 128)
+#define BLOCK_N_D64 64  // evoattn: choice(64, 128)
 #define BLOCK_N_D128 128  // evoattn: choice(64, 128)
 #define OVERLAP 1  // evoattn: choice(0, 1)
-#define WARP_SPECIALIZE 1  // evoattn: choice(0, 1)
+#define WARP_SPECIALIZE_D64 0  // evoattn: choice(0, 1)
+#define WARP_SPECIALIZE_D128 1  // evoattn: choice(0, 1)
 #define WS_STAGES 2  // evoattn: choice(2, 3, 4)
 #define SETMAXNREG 1  // evoattn: choice(0, 1)
-#define PINGPONG 1  // evoattn: choice(0, 1)
+#define PINGPONG 0  // evoattn: choice(0, 1)
 #define HEAD_MAJOR 1  // evoattn: choice(0, 1)
 
 #define FB_BLOCK_M 32    // fallback tiles; fixed, not knobs
@@ -630,7 +634,7 @@ static int launch_wgmma(const void* q, const void* k, const void* v, void* out, 
   return (int)cudaGetLastError();
 }
 
-// ---- warp-specialised path (WARP_SPECIALIZE=1): a TMA producer and an mbarrier ring -------
+// ---- warp-specialised path (WARP_SPECIALIZE_D*=1): a TMA producer and an mbarrier ring ----
 //
 // FlashAttention-3's structure. The block has NUM_WARPGROUPS + 1 warpgroups: warpgroup 0 is the
 // producer, and one thread of it issues every load as a TMA bulk tensor copy (q once, then the
@@ -1180,12 +1184,13 @@ static int run(const void* q, const void* k, const void* v, void* out, int BH, i
       const int built = wgmma_built();
       if (built < 0) return -built;
       if (built == 0) return (int)cudaErrorInvalidDeviceFunction;   // not built for sm_90a
-      if (WARP_SPECIALIZE) {
-        if (D == 64) return launch_ws<T, 64, BLOCK_N_D64>(q, k, v, out, BH, S, causal, scale, stream);
-        return launch_ws<T, 128, BLOCK_N_D128>(q, k, v, out, BH, S, causal, scale, stream);
-      }
-      if (D == 64) return launch_wgmma<T, 64>(q, k, v, out, BH, S, causal, scale, stream);
-      return launch_wgmma<T, 128>(q, k, v, out, BH, S, causal, scale, stream);
+      if (D == 64)
+        return WARP_SPECIALIZE_D64
+                   ? launch_ws<T, 64, BLOCK_N_D64>(q, k, v, out, BH, S, causal, scale, stream)
+                   : launch_wgmma<T, 64>(q, k, v, out, BH, S, causal, scale, stream);
+      return WARP_SPECIALIZE_D128
+                 ? launch_ws<T, 128, BLOCK_N_D128>(q, k, v, out, BH, S, causal, scale, stream)
+                 : launch_wgmma<T, 128>(q, k, v, out, BH, S, causal, scale, stream);
     }
   }
   if (D == 64) return launch_fallback<T, 64>(q, k, v, out, BH, S, causal, scale, stream);
