@@ -101,7 +101,7 @@ def ptxas_summary(log: str) -> str:
 
 # Knobs whose every combination is built (they change the kernel's structure together); every
 # other knob is built one value at a time, the rest at the seed's values.
-STRUCTURAL = ("WARP_SPECIALIZE_D64", "WARP_SPECIALIZE_D128", "OVERLAP", "PINGPONG")
+STRUCTURAL = ("WARP_SPECIALIZE_D64", "WARP_SPECIALIZE_D128", "OVERLAP_D64", "OVERLAP_D128")
 
 
 def probe_settings(knobs) -> list[dict[str, str]]:

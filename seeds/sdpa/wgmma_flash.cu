@@ -3,7 +3,7 @@
 // float16 / bfloat16 on a compute-capability-9.x GPU, built for sm_90a: each block owns
 // BLOCK_M = 64 * NUM_WARPGROUPS query rows of one (b, h); each warpgroup (4 consecutive warps,
 // 128 threads) owns 64 of them. The q tile is staged once in shared memory; k and v tiles of
-// BLOCK_N keys are double-buffered (triple-buffered with OVERLAP) in shared memory with cp.async
+// BLOCK_N keys are double-buffered (triple-buffered with overlap) in shared memory with cp.async
 // (16-byte copies, rows past S zero-filled, so no garbage can inject NaN/Inf). Per key tile and
 // warpgroup:
 //   S = q k^T   wgmma.m64n{BLOCK_N}k16, A = q from shared memory, B = k from shared memory;
@@ -19,15 +19,16 @@
 // CUDA-core fallback (FA1-style, as in mma_flash.cu) at the bottom of this file.
 //
 // Knobs: NUM_WARPGROUPS (1 or 2 consumer warpgroups), BLOCK_N_D64 / BLOCK_N_D128 (keys per tile
-// for each head dim, 64 or 128; the kernel's template parameter BN is the one in use), OVERLAP
-// (0: per tile, S = q k^T, wait, softmax, P v, wait; 1: FlashAttention-3's intra-warpgroup
-// pipelining, q k^T of tile j and P v of tile j-1 in flight together and the softmax of tile j
-// run while P v is on the tensor cores; the cp.async path then uses a three-stage k/v ring),
+// for each head dim, 64 or 128; the kernel's template parameter BN is the one in use),
+// OVERLAP_D64 / _D128 (per head dim; the kernels' template parameter OV; 0: per tile,
+// S = q k^T, wait, softmax, P v, wait; 1: FlashAttention-3's intra-warpgroup pipelining,
+// q k^T of tile j and P v of tile j-1 in flight together and the softmax of tile j run while P v is on the tensor cores; the cp.async path then uses a three-stage k/v ring),
 // WARP_SPECIALIZE_D64 / _D128 (per head dim: the cp.async path above, or the warp-specialised
 // path below with its knobs WS_STAGES, SETMAXNREG, PINGPONG), HEAD_MAJOR (block order).
 // The softmax has a masked and an unmasked variant chosen per tile (a branch around the whole
 // tile): with the masks inside one loop, ptxas if-converted them into every tile and placed the
-// wait for P v before the softmax, so OVERLAP overlapped nothing.
+// wait for P v before the softmax, so OVERLAP overlapped nothing. Defaults, as measured on an
+// H200 (BENCHMARKS.md): D=64 on the cp.async path without overlap, D=128 warp-specialised with.
 // Any S >= 1, D in {64, 128}, fp32 accumulation. Needs the sm_90a target for wgmma (the
 // evaluator builds with -gencode=arch=compute_90a,code=sm_90a on H100/H200). Built for
 // another target (plain sm_90, or PTX JIT-compiled from an older one), the code the GPU runs
@@ -81,7 +82,7 @@
 // the async proxy, so each thread issues fence.proxy.async.shared::cta after its
 // cp.async.wait_group and before the block barrier. wgmma.fence precedes every batch of
 // wgmma (their accumulator / A registers were written by ordinary code), then
-// wgmma.commit_group and wgmma.wait_group 0 (with OVERLAP, wait_group 1 first: see the kernel's
+// wgmma.commit_group and wgmma.wait_group 0 (with overlap, wait_group 1 first: see the kernel's
 // second loop); empty volatile asm "+f"/"+r" fences on the
 // registers keep the compiler from moving ordinary accesses across those points, and keep the
 // P registers (read asynchronously by the P v wgmma) reserved until the wait.
@@ -97,7 +98,8 @@
 #define NUM_WARPGROUPS 2  // evoattn: choice(1, 2)
 #define BLOCK_N_D64 64  // evoattn: choice(64, 128)
 #define BLOCK_N_D128 128  // evoattn: choice(64, 128)
-#define OVERLAP 1  // evoattn: choice(0, 1)
+#define OVERLAP_D64 0  // evoattn: choice(0, 1)
+#define OVERLAP_D128 1  // evoattn: choice(0, 1)
 #define WARP_SPECIALIZE_D64 0  // evoattn: choice(0, 1)
 #define WARP_SPECIALIZE_D128 1  // evoattn: choice(0, 1)
 #define WS_STAGES 2  // evoattn: choice(2, 3, 4)
@@ -356,9 +358,8 @@ __device__ __forceinline__ void pack_p(uint32_t (&p)[N / 16][4], const float (&s
 
 // ---- tensor-core path (float16 / bfloat16, sm_90a) -------------------------------------
 
-constexpr int KV_STAGES = OVERLAP ? 3 : 2;    // k/v ring depth (see the kernel's two loops)
-
-template <int D, int BN> struct WgSmem {
+template <int D, int BN, bool OV> struct WgSmem {
+  static constexpr int KV_STAGES = OV ? 3 : 2;  // k/v ring depth (see the kernel's two loops)
   static constexpr uint32_t Q_BYTES = BLOCK_M * D * 2;
   static constexpr uint32_t KV_BYTES = BN * D * 2;          // one k or v tile
   static constexpr uint32_t STAGE_BYTES = 2 * KV_BYTES;          // k then v
@@ -483,13 +484,14 @@ __device__ __forceinline__ void store_rows(T* ob_t, const float (&o)[D / 2],
   }
 }
 
-template <typename T, int D, int BN>
+template <typename T, int D, int BN, bool OV>
 __global__ void __launch_bounds__(THREADS, 1)
 wgmma_flash_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                    T* __restrict__ out, int BH, int S, int causal, float scale_log2) {
 #if WGF_SM90A
   constexpr bool BF16 = std::is_same<T, __nv_bfloat16>::value;
-  using L = WgSmem<D, BN>;
+  using L = WgSmem<D, BN, OV>;
+  constexpr int KV_STAGES = L::KV_STAGES;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t sbase = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t sq = sbase;                  // q tile, then KV_STAGES stages of (k tile, v tile)
@@ -538,7 +540,7 @@ wgmma_flash_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __
   float alpha[2];
   uint32_t p[BN / 16][4];
 
-  if constexpr (!OVERLAP) {
+  if constexpr (!OV) {
     // Per tile: S = q k^T (wait), softmax, O = O * alpha + P v (wait); tile it+1 loads into
     // the other of two stages meanwhile.
     for (int it = 0; it < ntiles; ++it) {
@@ -614,14 +616,14 @@ wgmma_flash_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __
 #endif
 }
 
-template <typename T, int D>
+template <typename T, int D, bool OV>
 static int launch_wgmma(const void* q, const void* k, const void* v, void* out, int BH, int S,
                         int causal, float scale, cudaStream_t stream) {
   constexpr int BN = D == 64 ? BLOCK_N_D64 : BLOCK_N_D128;
   static_assert(BN == 64 || BN == 128, "BLOCK_N_D64 and BLOCK_N_D128 must be 64 or 128");
   static_assert(NUM_WARPGROUPS == 1 || NUM_WARPGROUPS == 2, "NUM_WARPGROUPS must be 1 or 2");
-  const size_t smem = WgSmem<D, BN>::bytes;
-  cudaError_t err = cudaFuncSetAttribute(wgmma_flash_kernel<T, D, BN>,
+  const size_t smem = WgSmem<D, BN, OV>::bytes;
+  cudaError_t err = cudaFuncSetAttribute(wgmma_flash_kernel<T, D, BN, OV>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (err != cudaSuccess) {                   // tiles too large for this GPU: fail cleanly, and
     (void)cudaGetLastError();                 // clear the error, or the next call's launch check
@@ -629,7 +631,7 @@ static int launch_wgmma(const void* q, const void* k, const void* v, void* out, 
   }
   const long long blocks = (long long)((S + BLOCK_M - 1) / BLOCK_M) * BH;
   if (blocks > 0x7fffffffLL) return (int)cudaErrorInvalidConfiguration;
-  wgmma_flash_kernel<T, D, BN><<<(unsigned)blocks, THREADS, smem, stream>>>(
+  wgmma_flash_kernel<T, D, BN, OV><<<(unsigned)blocks, THREADS, smem, stream>>>(
       (const T*)q, (const T*)k, (const T*)v, (T*)out, BH, S, causal, scale * LOG2E);
   return (int)cudaGetLastError();
 }
@@ -738,7 +740,7 @@ template <int R> __device__ __forceinline__ void set_max_regs_dec() {
 #endif
 }
 
-template <typename T, int D, int BN>
+template <typename T, int D, int BN, bool OV>
 __global__ void __launch_bounds__(WS_THREADS, 1)
 wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                 const __grid_constant__ CUtensorMap tm_v, T* __restrict__ out, int BH, int S,
@@ -785,14 +787,16 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
     if (tid == 0) {
       mbar_expect_tx(bar_q, L::Q_BYTES);
 #pragma unroll
-      for (int p = 0; p < PANELS; ++p) tma_load(sq + p * BLOCK_M * 128, &tm_q, 64 * p, m0, bh, bar_q);
+      for (int p = 0; p < PANELS; ++p)
+        tma_load(sq + p * BLOCK_M * 128, &tm_q, 64 * p, m0, bh, bar_q);
       // Tile `it` of k or v goes into stage it % WS_STAGES once the tile WS_STAGES before it
       // there has been consumed. k runs one tile ahead of v, as the consumers need them.
       auto load = [&](int it, const CUtensorMap* map, uint32_t dst, uint32_t full, uint32_t empty) {
         if (it >= WS_STAGES) mbar_wait(empty, ((it / WS_STAGES) - 1) & 1);
         mbar_expect_tx(full, L::KV_BYTES);
 #pragma unroll
-        for (int p = 0; p < PANELS; ++p) tma_load(dst + p * BN * 128, map, 64 * p, it * BN, bh, full);
+        for (int p = 0; p < PANELS; ++p)
+          tma_load(dst + p * BN * 128, map, 64 * p, it * BN, bh, full);
       };
       for (int it = 0; it <= ntiles; ++it) {
         if (it < ntiles) {
@@ -842,7 +846,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
   uint32_t p[BN / 16][4];
 
   mbar_wait(bar_q, 0);
-  if constexpr (!OVERLAP) {
+  if constexpr (!OV) {
     for (int it = 0; it < wg_ntiles; ++it) {
       const int st = it % WS_STAGES;
       const uint32_t ph = (it / WS_STAGES) & 1;
@@ -968,7 +972,7 @@ static bool make_tensor_map(CUtensorMap* map, const void* base, int BH, int S, i
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <typename T, int D, int BN>
+template <typename T, int D, int BN, bool OV>
 static int launch_ws(const void* q, const void* k, const void* v, void* out, int BH, int S,
                      int causal, float scale, cudaStream_t stream) {
   static_assert(WS_STAGES >= 2 && WS_STAGES <= 4, "WS_STAGES must be 2, 3 or 4");
@@ -978,7 +982,7 @@ static int launch_ws(const void* q, const void* k, const void* v, void* out, int
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return (int)err;
   if (dev < 0 || dev >= 64 || !attr_set[dev]) {
-    err = cudaFuncSetAttribute(wgmma_ws_kernel<T, D, BN>,
+    err = cudaFuncSetAttribute(wgmma_ws_kernel<T, D, BN, OV>,
                                cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (err != cudaSuccess) {                 // too many stages for this GPU: fail cleanly (and
       (void)cudaGetLastError();               // clear the error for the next call)
@@ -992,7 +996,7 @@ static int launch_ws(const void* q, const void* k, const void* v, void* out, int
     return (int)cudaErrorInvalidValue;
   const long long blocks = (long long)((S + BLOCK_M - 1) / BLOCK_M) * BH;
   if (blocks > 0x7fffffffLL) return (int)cudaErrorInvalidConfiguration;
-  wgmma_ws_kernel<T, D, BN><<<(unsigned)blocks, WS_THREADS, smem, stream>>>(
+  wgmma_ws_kernel<T, D, BN, OV><<<(unsigned)blocks, WS_THREADS, smem, stream>>>(
       tq, tk, tv, (T*)out, BH, S, causal, scale * LOG2E);
   return (int)cudaGetLastError();
 }
@@ -1186,11 +1190,13 @@ static int run(const void* q, const void* k, const void* v, void* out, int BH, i
       if (built == 0) return (int)cudaErrorInvalidDeviceFunction;   // not built for sm_90a
       if (D == 64)
         return WARP_SPECIALIZE_D64
-                   ? launch_ws<T, 64, BLOCK_N_D64>(q, k, v, out, BH, S, causal, scale, stream)
-                   : launch_wgmma<T, 64>(q, k, v, out, BH, S, causal, scale, stream);
+                   ? launch_ws<T, 64, BLOCK_N_D64, OVERLAP_D64>(q, k, v, out, BH, S, causal,
+                                                                scale, stream)
+                   : launch_wgmma<T, 64, OVERLAP_D64>(q, k, v, out, BH, S, causal, scale, stream);
       return WARP_SPECIALIZE_D128
-                 ? launch_ws<T, 128, BLOCK_N_D128>(q, k, v, out, BH, S, causal, scale, stream)
-                 : launch_wgmma<T, 128>(q, k, v, out, BH, S, causal, scale, stream);
+                 ? launch_ws<T, 128, BLOCK_N_D128, OVERLAP_D128>(q, k, v, out, BH, S, causal,
+                                                                  scale, stream)
+                 : launch_wgmma<T, 128, OVERLAP_D128>(q, k, v, out, BH, S, causal, scale, stream);
     }
   }
   if (D == 64) return launch_fallback<T, 64>(q, k, v, out, BH, S, causal, scale, stream);
