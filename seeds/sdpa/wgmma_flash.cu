@@ -22,7 +22,8 @@
 // for each head dim, 64 or 128; the kernel's template parameter BN is the one in use),
 // OVERLAP_D64 / _D128 (per head dim; the kernels' template parameter OV; 0: per tile,
 // S = q k^T, wait, softmax, P v, wait; 1: FlashAttention-3's intra-warpgroup pipelining,
-// q k^T of tile j and P v of tile j-1 in flight together and the softmax of tile j run while P v is on the tensor cores; the cp.async path then uses a three-stage k/v ring),
+// q k^T of tile j and P v of tile j-1 in flight together and the softmax of tile j run while
+// P v is on the tensor cores; the cp.async path then uses a three-stage k/v ring),
 // WARP_SPECIALIZE_D64 / _D128 (per head dim: the cp.async path above, or the warp-specialised
 // path below with its knobs WS_STAGES, SETMAXNREG, PINGPONG), HEAD_MAJOR (block order).
 // The softmax has a masked and an unmasked variant chosen per tile (a branch around the whole
