@@ -268,22 +268,32 @@ def test_every_flash_knob_value_is_one_of_its_choices():
         assert value in choices, f"{name} = {value} not in {choices}"
 
 
+def _load_with_knobs(tmp_path, seed: Path, knobs: dict[str, Any], name: str):
+    """Imports a copy of `seed` with the knobs set; every value must differ from the seed's
+    default, so an assertion on it fails if the code ignores the knob."""
+    defaults = {m["name"]: m["value"] for m in KNOB_LINE.finditer(seed.read_text())}
+    same = [k for k, v in knobs.items() if str(v) == defaults[k]]
+    assert not same, f"test values equal the seed's defaults: {same}"
+    path = tmp_path / f"{name}.py"
+    path.write_text(set_knobs(seed.read_text(), knobs))
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_tile_settings_follow_the_causal_and_long_sequence_knobs(tmp_path):
-    knobs = {"BLOCK_M_D64": 128, "BLOCK_N_D64": 64, "NUM_STAGES_D64": 3, "BLOCK_M_D64_CAUSAL": 32,
-             "NUM_STAGES_D64_CAUSAL": 2, "LONG_SEQ": 2048, "BLOCK_N_D64_LONG": 128,
+    knobs = {"BLOCK_M_D64": 128, "BLOCK_N_D64": 32, "NUM_STAGES_D64": 3, "BLOCK_M_D64_CAUSAL": 32,
+             "NUM_STAGES_D64_CAUSAL": 4, "LONG_SEQ": 4096, "BLOCK_N_D64_LONG": 64,
              "BLOCK_M_D128": 64, "BLOCK_N_D128": 32, "NUM_STAGES_D128": 4,
              "BLOCK_M_D128_CAUSAL": 256, "NUM_STAGES_D128_CAUSAL": 1, "BLOCK_N_D128_LONG": 128,
              "NUM_STAGES_SMALL_GRID": 5}
-    path = tmp_path / "seed.py"
-    path.write_text(set_knobs((SEEDS_DIR / "flash_triton.py").read_text(), knobs))
-    spec = importlib.util.spec_from_file_location("flash_knobs_seed", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load_with_knobs(tmp_path, SEEDS_DIR / "flash_triton.py", knobs, "flash_knobs_seed")
     warps = mod.NUM_WARPS_D64
-    assert mod._settings(64, False, 2047) == (128, 64, warps, 3)
-    assert mod._settings(64, False, 2048) == (128, 128, warps, 3)
-    assert mod._settings(64, True, 100) == (32, 64, warps, 2)
-    assert mod._settings(64, True, 4096) == (32, 128, warps, 2)
+    assert mod._settings(64, False, 4095) == (128, 32, warps, 3)
+    assert mod._settings(64, False, 4096) == (128, 64, warps, 3)
+    assert mod._settings(64, True, 100) == (32, 32, warps, 4)
+    assert mod._settings(64, True, 4096) == (32, 64, warps, 4)
     assert mod._settings(128, False, 100) == (64, 32, mod.NUM_WARPS_D128, 4)
     assert mod._settings(128, True, 4096) == (256, 128, mod.NUM_WARPS_D128, 1)
     # one wave (at most one program per SM, not persistent): the small-grid depth
@@ -295,20 +305,16 @@ def test_tile_settings_follow_the_causal_and_long_sequence_knobs(tmp_path):
 
 def test_gqa_tile_settings_follow_the_causal_and_long_sequence_knobs(tmp_path):
     knobs = {"BLOCK_M_D64": 128, "BLOCK_N_D64": 32, "NUM_STAGES_D64": 4, "BLOCK_M_D64_CAUSAL": 32,
-             "NUM_STAGES_D64_CAUSAL": 1, "LONG_SEQ": 2048, "BLOCK_N_D64_LONG": 128,
+             "NUM_STAGES_D64_CAUSAL": 1, "LONG_SEQ": 8192, "BLOCK_N_D64_LONG": 64,
              "BLOCK_M_D128": 256, "BLOCK_N_D128": 128, "NUM_STAGES_D128": 5,
-             "BLOCK_M_D128_CAUSAL": 64, "NUM_STAGES_D128_CAUSAL": 2, "BLOCK_N_D128_LONG": 32}
-    gqa = SEEDS_DIR.parent / "gqa" / "gqa_triton.py"
-    path = tmp_path / "gqa_seed.py"
-    path.write_text(set_knobs(gqa.read_text(), knobs))
-    spec = importlib.util.spec_from_file_location("gqa_knobs_seed", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    assert mod._settings(64, False, 2047) == (128, 32, mod.NUM_WARPS_D64, 4)
-    assert mod._settings(64, False, 4096) == (128, 128, mod.NUM_WARPS_D64, 4)
+             "BLOCK_M_D128_CAUSAL": 32, "NUM_STAGES_D128_CAUSAL": 2, "BLOCK_N_D128_LONG": 32}
+    mod = _load_with_knobs(tmp_path, SEEDS_DIR.parent / "gqa" / "gqa_triton.py", knobs,
+                           "gqa_knobs_seed")
+    assert mod._settings(64, False, 8191) == (128, 32, mod.NUM_WARPS_D64, 4)
+    assert mod._settings(64, False, 8192) == (128, 64, mod.NUM_WARPS_D64, 4)
     assert mod._settings(64, True, 77) == (32, 32, mod.NUM_WARPS_D64, 1)
     assert mod._settings(128, False, 100) == (256, 128, mod.NUM_WARPS_D128, 5)
-    assert mod._settings(128, True, 2048) == (64, 32, mod.NUM_WARPS_D128, 2)
+    assert mod._settings(128, True, 8192) == (32, 32, mod.NUM_WARPS_D128, 2)
 
 
 def test_set_knobs_rewrites_only_the_value_and_rejects_unknown_values():

@@ -2,10 +2,11 @@
 //
 // float16 / bfloat16 on a compute-capability-9.x GPU, built for sm_90a: each block owns
 // BLOCK_M = 64 * NUM_WARPGROUPS query rows of one (b, h); each warpgroup (4 consecutive warps,
-// 128 threads) owns 64 of them. The q tile is staged once in shared memory; k and v tiles of
-// BLOCK_N keys are double-buffered (triple-buffered with overlap) in shared memory with cp.async
-// (16-byte copies, rows past S zero-filled, so no garbage can inject NaN/Inf). Per key tile and
-// warpgroup:
+// 128 threads) owns 64 of them. Two ways to load, chosen per head dim (WARP_SPECIALIZE_D*): on
+// the cp.async path every thread stages the q tile once and the k and v tiles of BLOCK_N keys,
+// double-buffered (triple-buffered with overlap), with cp.async (16-byte copies, rows past S
+// zero-filled, so no garbage can inject NaN/Inf); on the warp-specialised path (further down) a
+// producer warpgroup loads them with TMA. Per key tile and consumer warpgroup:
 //   S = q k^T   wgmma.m64n{BLOCK_N}k16, A = q from shared memory, B = k from shared memory;
 //   online softmax on the f32 accumulator fragments in registers (log2 units, ex2.approx.ftz:
 //               without -use_fast_math, exp2f costs a range check and two multiplies more per
@@ -14,7 +15,8 @@
 //               FlashAttention does), B = v from shared memory (transposed read, see below).
 // Causal (top-left: query i sees keys 0..i): key tiles after the block's last row are never
 // loaded, a warpgroup skips tiles after its own last row, and the mask is applied only to
-// tiles that cross the diagonal or the end of the sequence. Heavy causal row blocks first.
+// tiles that cross the diagonal or the end of the sequence. Heavy causal row blocks first
+// (within each head when HEAD_MAJOR, the default).
 // float32 inputs, pointers that are not 16-byte aligned, and GPUs that are not 9.x take the
 // CUDA-core fallback (FA1-style, as in mma_flash.cu) at the bottom of this file.
 //
@@ -79,14 +81,15 @@
 // The output O (64 x D per warpgroup) has the accumulator layout above and is stored from
 // registers, normalised by the row sums, two elements (4 bytes) per store.
 //
-// Ordering: cp.async writes are generic-proxy writes and wgmma reads shared memory through
-// the async proxy, so each thread issues fence.proxy.async.shared::cta after its
-// cp.async.wait_group and before the block barrier. wgmma.fence precedes every batch of
-// wgmma (their accumulator / A registers were written by ordinary code), then
-// wgmma.commit_group and wgmma.wait_group 0 (with overlap, wait_group 1 first: see the kernel's
-// second loop); empty volatile asm "+f"/"+r" fences on the
-// registers keep the compiler from moving ordinary accesses across those points, and keep the
-// P registers (read asynchronously by the P v wgmma) reserved until the wait.
+// Ordering (the cp.async path; on the TMA path the copies complete on mbarriers, which order
+// them before the wgmma that waits there): cp.async writes are generic-proxy writes and wgmma
+// reads shared memory through the async proxy, so each thread issues
+// fence.proxy.async.shared::cta after its cp.async.wait_group and before the block barrier.
+// wgmma.fence precedes every batch of wgmma (their accumulator / A registers were written by
+// ordinary code), then wgmma.commit_group and wgmma.wait_group 0 (with overlap, wait_group 1
+// first: see the kernels' second loops); empty volatile asm "+f"/"+r" fences on the registers
+// keep the compiler from moving ordinary accesses across those points, and keep the P registers
+// (read asynchronously by the P v wgmma) reserved until the wait.
 #include <cuda.h>            // CUtensorMap and its enums (types only: no -lcuda)
 #include <cudaTypedefs.h>    // PFN_cuTensorMapEncodeTiled
 #include <cuda_runtime.h>
@@ -446,7 +449,8 @@ __device__ __forceinline__ void rescale(float (&o)[D / 2], const float (&alpha)[
 
 // This block's query row block `mb` (of n_mblocks) and flat head `bh` (of BH). Row blocks run
 // last first (causal: the longest first). HEAD_MAJOR: a head's row blocks are consecutive
-// blocks, so the blocks resident together share a few heads' k and v in L2; otherwise
+// blocks, so the blocks resident together share a few heads' k and v in L2, and the longest
+// first holds within each head only (the last heads' long blocks end the grid); otherwise
 // consecutive blocks take consecutive heads.
 __device__ __forceinline__ void block_coords(int n_mblocks, int BH, int& mb, int& bh) {
   const int b = (int)blockIdx.x;
@@ -650,10 +654,11 @@ static int launch_wgmma(const void* q, const void* k, const void* v, void* out, 
 // reusing the stage. A consumer warpgroup with fewer key tiles than the block
 // (causal, or rows past S) still waits for and releases each remaining tile, in order, so the
 // producer never waits for it forever and no phase of an empty barrier gets two arrivals from
-// one thread. With SETMAXNREG the producer warpgroup gives its registers to the consumers
-// (setmaxnreg 24 / 240). With PINGPONG the consumer warpgroups take turns issuing their wgmma
-// (two named barriers), so one warpgroup's softmax runs while the other's matrix products
-// occupy the tensor cores.
+// one thread. With SETMAXNREG (and two consumer warpgroups) the producer warpgroup gives its
+// registers to the consumers (setmaxnreg 24 / 240). With PINGPONG the two consumer warpgroups
+// take turns issuing their wgmma (two named barriers): with overlap a turn covers q k^T and the
+// previous tile's P v, without it q k^T only (the P v of the last tile is outside any turn), so
+// one warpgroup's softmax runs while the other's matrix products occupy the tensor cores.
 //
 // TMA writes shared memory in the 128-byte swizzle described above: each load is a box of 64
 // columns (128 bytes) by R rows of one (b, h) slice of the (B*H, S, D) tensor, i.e. one panel,
@@ -661,6 +666,11 @@ static int launch_wgmma(const void* q, const void* k, const void* v, void* out, 
 // partial key block needs only the score mask.
 
 constexpr int WS_THREADS = WG_THREADS * (NUM_WARPGROUPS + 1);
+// setmaxnreg 24 / 240 is sized for two consumer warpgroups: 384 threads start at 168 registers
+// (65536 / 384, which ptxas uses whenever the kernel has setmaxnreg), a pool of 64512 =
+// 128 * 24 + 256 * 240. With one consumer warpgroup (256 threads, up to 255 registers each)
+// there is nothing to move, and an .inc below the starting count is not allowed: off.
+constexpr bool USE_SETMAXNREG = SETMAXNREG && NUM_WARPGROUPS == 2;
 
 template <int D, int BN> struct WsSmem {
   static constexpr uint32_t Q_BYTES = BLOCK_M * D * 2;
@@ -701,8 +711,10 @@ __device__ __forceinline__ bool mbar_try(uint32_t bar, uint32_t parity) {
 // Waits until the phase of `bar` with this parity has completed. Built with -DWGF_WATCHDOG
 // (benchmarks/wgmma_probe.py does), 2^30 failed tries (each try_wait suspends the thread up
 // to a time limit: seconds in all, far longer than any tile takes) mean the pipeline is
-// deadlocked, and the kernel traps: the call fails with an error instead of hanging the GPU.
-// Not in the normal build: the extra branch costs the D=128 consumers register spills.
+// deadlocked, and the kernel traps: the error shows at the next synchronisation (asynchronously,
+// like any fault) instead of the GPU hanging. It guards the mbarrier waits only, not the
+// PINGPONG named barriers or setmaxnreg. Not in the normal build: the extra branch costs the
+// D=128 consumers register spills.
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 #ifdef WGF_WATCHDOG
   for (uint32_t tries = 0; !mbar_try(bar, parity);)
@@ -784,7 +796,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
   __syncthreads();                            // the last block-wide barrier
 
   if (wg_all == 0) {                          // ---- producer warpgroup
-    if (SETMAXNREG) set_max_regs_dec<24>();
+    if (USE_SETMAXNREG) set_max_regs_dec<24>();
     if (tid == 0) {
       mbar_expect_tx(bar_q, L::Q_BYTES);
 #pragma unroll
@@ -814,7 +826,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
   }
 
   // ---- consumer warpgroups
-  if (SETMAXNREG) set_max_regs_inc<240>();
+  if (USE_SETMAXNREG) set_max_regs_inc<240>();
   const int wg = wg_all - 1;
   const int ctid = tid - WG_THREADS;
   const int warp = (ctid % WG_THREADS) / 32, lane = ctid % 32;
@@ -940,17 +952,19 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
 #endif
 }
 
-// cuTensorMapEncodeTiled from the driver, found once through the runtime (no -lcuda needed).
+// cuTensorMapEncodeTiled from the driver, found once through the runtime (no -lcuda needed);
+// nullptr if the driver has none. A function-local static: initialised once, thread-safe.
 static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
-  if (fn == nullptr) {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = []() {
     void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult found;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
-                                         &found) == cudaSuccess &&
-        found == cudaDriverEntryPointSuccess)
-      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
-  }
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    const cudaError_t err = cudaGetDriverEntryPointByVersion(
+        "cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &found);
+    if (err != cudaSuccess) (void)cudaGetLastError();   // not left for a later launch check
+    return err == cudaSuccess && found == cudaDriverEntryPointSuccess
+               ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr)
+               : nullptr;
+  }();
   return fn;
 }
 
@@ -978,23 +992,19 @@ static int launch_ws(const void* q, const void* k, const void* v, void* out, int
                      int causal, float scale, cudaStream_t stream) {
   static_assert(WS_STAGES >= 2 && WS_STAGES <= 4, "WS_STAGES must be 2, 3 or 4");
   const size_t smem = WsSmem<D, BN>::bytes;
-  static int attr_set[64];                    // per device: the shared-memory limit is set
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return (int)err;
-  if (dev < 0 || dev >= 64 || !attr_set[dev]) {
-    err = cudaFuncSetAttribute(wgmma_ws_kernel<T, D, BN, OV>,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (err != cudaSuccess) {                 // too many stages for this GPU: fail cleanly (and
-      (void)cudaGetLastError();               // clear the error for the next call)
-      return (int)err;
-    }
-    if (dev >= 0 && dev < 64) attr_set[dev] = 1;
+  // Set on every call, as launch_wgmma does: a per-device cache would go stale after a
+  // cudaDeviceReset, and the call costs well under a microsecond of host time.
+  cudaError_t err = cudaFuncSetAttribute(wgmma_ws_kernel<T, D, BN, OV>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (err != cudaSuccess) {                   // too many stages for this GPU: fail cleanly (and
+    (void)cudaGetLastError();                 // clear the error for the next call)
+    return (int)err;
   }
+  if (tensor_map_encoder() == nullptr) return (int)cudaErrorNotSupported;   // driver too old
   CUtensorMap tq, tk, tv;
   if (!make_tensor_map<T>(&tq, q, BH, S, D, BLOCK_M) || !make_tensor_map<T>(&tk, k, BH, S, D, BN) ||
       !make_tensor_map<T>(&tv, v, BH, S, D, BN))
-    return (int)cudaErrorInvalidValue;
+    return (int)cudaErrorInvalidValue;        // the driver refused a map (shape or alignment)
   const long long blocks = (long long)((S + BLOCK_M - 1) / BLOCK_M) * BH;
   if (blocks > 0x7fffffffLL) return (int)cudaErrorInvalidConfiguration;
   wgmma_ws_kernel<T, D, BN, OV><<<(unsigned)blocks, WS_THREADS, smem, stream>>>(
@@ -1208,6 +1218,7 @@ extern "C" int evoattn_sdpa(const void* q, const void* k, const void* v, void* o
                             int H, int S, int D, int dtype, int causal, float scale,
                             void* stream) {
   if (B < 1 || H < 1 || S < 1 || (D != 64 && D != 128)) return (int)cudaErrorInvalidValue;
+  if (S > 0x7fffffff - 256) return (int)cudaErrorInvalidValue;   // S + BLOCK_M - 1 must fit in int
   if ((long long)B * H > 0x7fffffffLL) return (int)cudaErrorInvalidValue;
   const int BH = B * H;
   cudaStream_t st = (cudaStream_t)stream;
