@@ -173,20 +173,18 @@ def main() -> int:
         built = list(ex.map(lambda j: build(j[1], j[2], j[3], args.watchdog), jobs))
     print(f"built {len(jobs)} libraries in {time.time() - t0:.0f}s")
     libs = []
-    vals_of = {}
     for (vals, _, _, _), (so, log, ok, secs) in zip(jobs, built):
         label = ",".join(f"{k}={v}" for k, v in vals.items())
-        vals_of[label] = vals
         if not ok:
             print(f"FAIL  build {label}\n{log[-3000:]}")
             return 1
         print(f"      build {label}: {secs:.0f}s, {ptxas_summary(log)}")
-        libs.append((label, ctypes.CDLL(str(so))))
+        libs.append((label, vals, ctypes.CDLL(str(so))))
 
     dev = torch.device(DEVICE)
     gen = torch.Generator(device=dev).manual_seed(1234)
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-    unit = libs[0][1]
+    unit = libs[0][2]
     dtypes = [("float16", torch.float16), ("bfloat16", torch.bfloat16)]
     try:
         # ---- 1, 2: S = q k^T --------------------------------------------------------------
@@ -228,7 +226,7 @@ def main() -> int:
                            f" rc={rc}" if rc else "")
         # ---- 4: the whole seed ------------------------------------------------------------
         codes = {"float16": 0, "bfloat16": 1, "float32": 2}
-        for label, lib in libs:
+        for label, vals, lib in libs:
             for (B, H, S, D, causal), (dname, dt) in itertools.product(
                     SDPA_SHAPES, dtypes + [("float32", torch.float32)]):
                 if dname == "float32" and (B, H, S, D, causal) != (1, 2, 200, 64, True):
@@ -242,10 +240,12 @@ def main() -> int:
                 rc = lib.evoattn_sdpa(ptr(q), ptr(k), ptr(v), ptr(out), B, H, S, D, codes[dname],
                                       int(causal), ctypes.c_float(scale), stream)
                 torch.cuda.synchronize()
-                if dname != "float32" and not fits_shared_memory(vals_of[label], D):
-                    # more ring stages than shared memory: the seed must fail cleanly
-                    report(f"4 sdpa [{label}] D={D} {dname}: too much shared memory, rc={rc}",
-                           0.0 if rc != 0 else float("inf"), 0.0)
+                if dname != "float32" and not fits_shared_memory(vals, D):
+                    # more ring stages than shared memory: the seed must fail cleanly, with
+                    # cudaFuncSetAttribute's cudaErrorInvalidValue (1)
+                    report(f"4 sdpa [{label}] ({B},{H},{S},{D}){' causal' if causal else ''} "
+                           f"{dname}: too much shared memory, rc={rc}",
+                           0.0 if rc == 1 else float("inf"), 0.0)
                     continue
                 sc = (q.float() @ k.float().transpose(-1, -2)) * scale
                 if causal:
@@ -284,8 +284,8 @@ def main() -> int:
                 out = torch.empty_like(q)
                 flops = 4.0 * B * H * S * S * D / (2 if causal else 1)
                 cells = []
-                for label, lib in libs:
-                    if not fits_shared_memory(vals_of[label], D):
+                for label, vals, lib in libs:
+                    if not fits_shared_memory(vals, D):
                         continue              # fails cleanly (checked above); nothing to time
                     def call(lib=lib):
                         lib.evoattn_sdpa(ptr(q), ptr(k), ptr(v), ptr(out), B, H, S, D, 0,

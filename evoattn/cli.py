@@ -121,26 +121,13 @@ def eval_cmd(path: str, problem: str, configs: str | None, dtype: str | None, de
 
 def _with_knobs(path: Path, source: str, knob_sets: tuple[str, ...]) -> str:
     """Returns the source with each NAME=VALUE knob set; a bad name or value is a UsageError."""
-    from .mutators.knobs import find_knobs, set_knobs
+    from .mutators.knobs import parse_settings, set_knobs
     if not knob_sets:
         return source
-    knobs = {k.name: k for k in find_knobs(source)}
-    values: dict[str, str] = {}
-    for item in knob_sets:
-        name, sep, value = item.partition("=")
-        name, value = name.strip(), value.strip()
-        if not sep or not name or not value:
-            raise UsageError(f"--set {item!r}: expected NAME=VALUE")
-        if name not in knobs:
-            raise UsageError(f"{path}: --set {name}: no such knob (knobs: "
-                             f"{', '.join(knobs) or 'none'})")
-        if value not in knobs[name].choices:
-            raise UsageError(f"{path}: --set {name}={value}: not among its choices "
-                             f"({', '.join(knobs[name].choices)})")
-        if values.get(name, value) != value:
-            raise UsageError(f"{path}: --set {name} given twice ({values[name]}, {value})")
-        values[name] = value
-    return set_knobs(source, values)
+    try:
+        return set_knobs(source, parse_settings(str(path), source, knob_sets))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 @main.command()

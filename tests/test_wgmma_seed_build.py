@@ -44,12 +44,26 @@ def test_probe_builds_every_structural_combination_and_every_knob_value():
             assert any(s[k.name] == v for s in settings), (k.name, v)
 
 
+def test_probe_knows_which_ring_depths_fit_in_shared_memory():
+    probe = _probe_module()
+    base = {"WARP_SPECIALIZE_D64": "1", "WARP_SPECIALIZE_D128": "1", "NUM_WARPGROUPS": "2",
+            "BLOCK_N_D64": "128", "BLOCK_N_D128": "128"}
+    # D=128, 128-key tiles: q 32 KB + 64 KB per stage; 3 stages fit in 227 KB, 4 do not
+    assert probe.fits_shared_memory({**base, "WS_STAGES": "3"}, 128)
+    assert not probe.fits_shared_memory({**base, "WS_STAGES": "4"}, 128)
+    assert probe.fits_shared_memory({**base, "WS_STAGES": "4"}, 64)
+    assert probe.fits_shared_memory({**base, "WS_STAGES": "4", "BLOCK_N_D128": "64"}, 128)
+    # the cp.async path has its own fixed ring: never refused
+    assert probe.fits_shared_memory({**base, "WS_STAGES": "4", "WARP_SPECIALIZE_D128": "0"}, 128)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def test_seed_builds_for_sm90a_without_spills_or_serialised_wgmma(tmp_path):
+    """At the seed's knob setting, with the evaluator's own nvcc flags."""
+    from evaluator.build import fast_flags
     proc = subprocess.run(
-        ["nvcc", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
-         "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v", "-o",
-         str(tmp_path / "lib.so"), str(SEED)], capture_output=True, text=True, timeout=600)
+        ["nvcc", *fast_flags("sm_90a"), "-Xptxas", "-v", "-o", str(tmp_path / "lib.so"),
+         str(SEED)], capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:]
     assert "warning" not in log.lower(), log[-3000:]

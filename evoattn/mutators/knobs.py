@@ -57,6 +57,28 @@ def set_knobs(source: str, values: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
+def parse_settings(label: str, source: str, items: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """Returns {name: value} for NAME=VALUE items (as `evoattn eval --set` takes them), checked
+    against the source's knobs; a bad item raises ValueError with one line naming `label`."""
+    knobs = {k.name: k for k in find_knobs(source)}
+    values: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        name, value = name.strip(), value.strip()
+        if not sep or not name or not value:
+            raise ValueError(f"--set {item!r}: expected NAME=VALUE")
+        if name not in knobs:
+            raise ValueError(f"{label}: --set {name}: no such knob (knobs: "
+                             f"{', '.join(knobs) or 'none'})")
+        if value not in knobs[name].choices:
+            raise ValueError(f"{label}: --set {name}={value}: not among its choices "
+                             f"({', '.join(knobs[name].choices)})")
+        if values.get(name, value) != value:
+            raise ValueError(f"{label}: --set {name} given twice ({values[name]}, {value})")
+        values[name] = value
+    return values
+
+
 def space_size(source: str) -> int:
     """Returns the number of knob settings a source allows."""
     n = 1
