@@ -16,7 +16,7 @@
 // Causal (top-left: query i sees keys 0..i): key tiles after the block's last row are never
 // loaded, a warpgroup skips tiles after its own last row, and the mask is applied only to
 // tiles that cross the diagonal or the end of the sequence. Heavy causal row blocks first
-// (within each head when HEAD_MAJOR, the default).
+// (within each head when HEAD_MAJOR_D*, the default).
 // float32 inputs, pointers that are not 16-byte aligned, and GPUs that are not 9.x take the
 // CUDA-core fallback (FA1-style, as in mma_flash.cu) at the bottom of this file.
 //
@@ -27,7 +27,9 @@
 // q k^T of tile j and P v of tile j-1 in flight together and the softmax of tile j run while
 // P v is on the tensor cores; the cp.async path then uses a three-stage k/v ring),
 // WARP_SPECIALIZE_D64 / _D128 (per head dim: the cp.async path above, or the warp-specialised
-// path below with its knobs WS_STAGES, SETMAXNREG, PINGPONG), HEAD_MAJOR (block order).
+// path below with its knobs WS_STAGES, SETMAXNREG, PINGPONG), HEAD_MAJOR_D64 / _D128 (block
+// order per head dim: in a fifth-session call, before later changes to both paths, it left
+// the warp-specialised path unchanged and cost the cp.async path 3%; not re-measured since).
 // The softmax has a masked and an unmasked variant chosen per tile (a branch around the whole
 // tile): with the masks inside one loop, ptxas if-converted them into every tile and placed the
 // wait for P v before the softmax, so OVERLAP overlapped nothing. Defaults, as measured on an
@@ -109,7 +111,8 @@
 #define WS_STAGES 2  // evoattn: choice(2, 3, 4)
 #define SETMAXNREG 1  // evoattn: choice(0, 1)
 #define PINGPONG 0  // evoattn: choice(0, 1)
-#define HEAD_MAJOR 1  // evoattn: choice(0, 1)
+#define HEAD_MAJOR_D64 1  // evoattn: choice(0, 1)
+#define HEAD_MAJOR_D128 1  // evoattn: choice(0, 1)
 
 #define FB_BLOCK_M 32    // fallback tiles; fixed, not knobs
 #define FB_BLOCK_N 32
@@ -448,13 +451,14 @@ __device__ __forceinline__ void rescale(float (&o)[D / 2], const float (&alpha)[
 }
 
 // This block's query row block `mb` (of n_mblocks) and flat head `bh` (of BH). Row blocks run
-// last first (causal: the longest first). HEAD_MAJOR: a head's row blocks are consecutive
-// blocks, so the blocks resident together share a few heads' k and v in L2, and the longest
-// first holds within each head only (the last heads' long blocks end the grid); otherwise
-// consecutive blocks take consecutive heads.
+// last first (causal: the longest first). Head-major (HEAD_MAJOR_D*): a head's row blocks are
+// consecutive blocks, so the blocks resident together share a few heads' k and v in L2, and
+// the longest first holds within each head only (the last heads' long blocks end the grid);
+// otherwise consecutive blocks take consecutive heads.
+template <int D>
 __device__ __forceinline__ void block_coords(int n_mblocks, int BH, int& mb, int& bh) {
   const int b = (int)blockIdx.x;
-  if (HEAD_MAJOR) {
+  if (D == 64 ? HEAD_MAJOR_D64 : HEAD_MAJOR_D128) {
     mb = n_mblocks - 1 - b % n_mblocks;
     bh = b / n_mblocks;
   } else {
@@ -504,7 +508,7 @@ wgmma_flash_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __
 
   const int n_mblocks = (S + BLOCK_M - 1) / BLOCK_M;
   int mb, bh;
-  block_coords(n_mblocks, BH, mb, bh);
+  block_coords<D>(n_mblocks, BH, mb, bh);
   const int m0 = mb * BLOCK_M;
   const int tid = threadIdx.x;
   // The warpgroup index through a shuffle: ptxas then knows it is warp-uniform, and so are
@@ -776,7 +780,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
 
   const int n_mblocks = (S + BLOCK_M - 1) / BLOCK_M;
   int mb, bh;
-  block_coords(n_mblocks, BH, mb, bh);
+  block_coords<D>(n_mblocks, BH, mb, bh);
   const int m0 = mb * BLOCK_M;
   const int n_end = causal ? min(S, m0 + BLOCK_M) : S;
   const int ntiles = (n_end + BN - 1) / BN;
