@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,3 +73,17 @@ def test_seed_builds_for_sm90a_without_spills_or_serialised_wgmma(tmp_path):
                         r"(\d+) bytes spill stores", log, re.S)
     assert len(blocks) == 8, log[-3000:]      # 2 kernels x 2 dtypes x 2 head dims
     assert all(n == "0" for _, n in blocks), blocks
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--set", "NO_SUCH_KNOB=1"], "no such knob"),
+    (["--set", "HEAD_MAJOR_D64=7"], "not among its choices"),
+    (["--set", "HEAD_MAJOR_D64"], "expected NAME=VALUE"),
+    (["--config", "4,16,x"], "expected four positive integers"),
+])
+def test_ncu_seed_rejects_bad_arguments_with_one_line(args, message):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ncu_seed.py"), str(SEED),
+                           *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
