@@ -40,6 +40,7 @@ that head's S, never spilling into the next head). float32 inputs use IEEE dots 
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -110,7 +111,9 @@ def _supports_tma(device: torch.device) -> bool:
     return HAS_TENSOR_DESC and _hopper_or_newer(device)
 
 
+@functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
+    """SM count of a CUDA device (asked once per device: every call needs it)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # interpreter: a few programs, so the persistent loop really strides
