@@ -42,7 +42,9 @@ from evoattn.mutators.knobs import find_knobs, set_knobs as mutator_set  # noqa:
 GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
 SDPA_SHAPES = [(1, 1, 64, 64, False), (1, 2, 200, 64, True), (2, 2, 513, 128, False),
                (1, 1, 1000, 128, True), (1, 3, 77, 64, False), (1, 1, 1, 64, False),
-               (2, 2, 1000, 128, True), (1, 2, 300, 64, True)]
+               (2, 2, 1000, 128, True), (1, 2, 300, 64, True),
+               # more work items than an H100/H200 has SMs, so a persistent block takes several
+               (4, 16, 1000, 128, True), (4, 24, 700, 64, False)]
 TIME_SHAPES = [(4, 16, 4096, 128), (8, 32, 512, 64), (1, 32, 4096, 64)]
 TOL = {"float16": 1e-2, "bfloat16": 4e-2, "float32": 1e-4}
 
@@ -102,11 +104,20 @@ def ptxas_summary(log: str) -> str:
 # Knobs whose every combination is built (they change the kernel's structure together); every
 # other knob is built one value at a time, the rest at the seed's values.
 STRUCTURAL = ("WARP_SPECIALIZE_D64", "WARP_SPECIALIZE_D128", "OVERLAP_D64", "OVERLAP_D128")
+# Knobs of the warp-specialised path that also run with it switched on at both head dims (the
+# one-at-a-time settings keep the seed's path, which may not use them at one head dim), and
+# together with the other ones that change its item and turn loops.
+WS_INTERACTIONS = ({"PERSISTENT_D64": "1", "PERSISTENT_D128": "1"},
+                   {"PERSISTENT_D64": "1", "PERSISTENT_D128": "1", "PINGPONG": "1"},
+                   {"PERSISTENT_D64": "1", "PERSISTENT_D128": "1", "OVERLAP_D64": "1",
+                    "OVERLAP_D128": "0", "WS_STAGES": "3"},
+                   {"PINGPONG": "1", "WS_STAGES": "3"})
 
 
 def probe_settings(knobs) -> list[dict[str, str]]:
     """Returns the knob settings to build: every combination of the STRUCTURAL knobs, then each
-    other knob's other values one at a time (the full product is hundreds of builds)."""
+    other knob's other values one at a time (the full product is hundreds of builds), then the
+    WS_INTERACTIONS with the warp-specialised path at both head dims."""
     cur = {k.name: k.value for k in knobs}
     structural = [k for k in knobs if k.name in STRUCTURAL]
     out = []
@@ -115,6 +126,11 @@ def probe_settings(knobs) -> list[dict[str, str]]:
     for k in knobs:
         if k.name not in STRUCTURAL:
             out.extend({**cur, k.name: v} for v in k.choices if v != k.value)
+    both_ws = {"WARP_SPECIALIZE_D64": "1", "WARP_SPECIALIZE_D128": "1"}
+    for extra in WS_INTERACTIONS:
+        setting = {**cur, **both_ws, **extra}
+        if setting not in out:
+            out.append(setting)
     return out
 
 
@@ -127,7 +143,7 @@ def fits_shared_memory(vals: dict[str, str], D: int) -> bool:
         return True
     block_m, stages = 64 * int(vals["NUM_WARPGROUPS"]), int(vals["WS_STAGES"])
     bn = int(vals["BLOCK_N_D64" if D == 64 else "BLOCK_N_D128"])
-    return block_m * D * 2 + stages * 2 * bn * D * 2 + 8 * (1 + 4 * stages) + 1024 <= SMEM_OPTIN_BYTES
+    return block_m * D * 2 + stages * 2 * bn * D * 2 + 8 * (2 + 4 * stages) + 1024 <= SMEM_OPTIN_BYTES
 
 
 def main() -> int:

@@ -43,6 +43,12 @@ def test_probe_builds_every_structural_combination_and_every_knob_value():
     for k in knobs:
         for v in k.choices:
             assert any(s[k.name] == v for s in settings), (k.name, v)
+    # persistence changes only the warp-specialised path: it must run there at both head dims,
+    # with several items per block (more items than SMs in some shape), and with ping-pong
+    for d in (64, 128):
+        assert any(s[f"PERSISTENT_D{d}"] == "1" and s[f"WARP_SPECIALIZE_D{d}"] == "1" and
+                   s["PINGPONG"] == "1" for s in settings), d
+        assert any(D == d and B * H * -(-S // 128) > 132 for B, H, S, D, _ in probe.SDPA_SHAPES), d
 
 
 def test_probe_knows_which_ring_depths_fit_in_shared_memory():

@@ -27,9 +27,10 @@
 // q k^T of tile j and P v of tile j-1 in flight together and the softmax of tile j run while
 // P v is on the tensor cores; the cp.async path then uses a three-stage k/v ring),
 // WARP_SPECIALIZE_D64 / _D128 (per head dim: the cp.async path above, or the warp-specialised
-// path below with its knobs WS_STAGES, SETMAXNREG, PINGPONG), HEAD_MAJOR_D64 / _D128 (block
-// order per head dim: in a fifth-session call, before later changes to both paths, it left
-// the warp-specialised path unchanged and cost the cp.async path 3%; not re-measured since).
+// path below with its knobs WS_STAGES, SETMAXNREG, PINGPONG, PERSISTENT_D64 / _D128),
+// HEAD_MAJOR_D64 / _D128 (block order per head dim: in a fifth-session call, before later
+// changes to both paths, it left the warp-specialised path unchanged and cost the cp.async
+// path 3%; not re-measured since).
 // The softmax has a masked and an unmasked variant chosen per tile (a branch around the whole
 // tile): with the masks inside one loop, ptxas if-converted them into every tile and placed the
 // wait for P v before the softmax, so OVERLAP overlapped nothing. Defaults, as measured on an
@@ -113,6 +114,8 @@
 #define PINGPONG 0  // evoattn: choice(0, 1)
 #define HEAD_MAJOR_D64 1  // evoattn: choice(0, 1)
 #define HEAD_MAJOR_D128 1  // evoattn: choice(0, 1)
+#define PERSISTENT_D64 0  // evoattn: choice(0, 1)
+#define PERSISTENT_D128 0  // evoattn: choice(0, 1)
 
 #define FB_BLOCK_M 32    // fallback tiles; fixed, not knobs
 #define FB_BLOCK_N 32
@@ -456,8 +459,7 @@ __device__ __forceinline__ void rescale(float (&o)[D / 2], const float (&alpha)[
 // the longest first holds within each head only (the last heads' long blocks end the grid);
 // otherwise consecutive blocks take consecutive heads.
 template <int D>
-__device__ __forceinline__ void block_coords(int n_mblocks, int BH, int& mb, int& bh) {
-  const int b = (int)blockIdx.x;
+__device__ __forceinline__ void block_coords(int b, int n_mblocks, int BH, int& mb, int& bh) {
   if (D == 64 ? HEAD_MAJOR_D64 : HEAD_MAJOR_D128) {
     mb = n_mblocks - 1 - b % n_mblocks;
     bh = b / n_mblocks;
@@ -508,7 +510,7 @@ wgmma_flash_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __
 
   const int n_mblocks = (S + BLOCK_M - 1) / BLOCK_M;
   int mb, bh;
-  block_coords<D>(n_mblocks, BH, mb, bh);
+  block_coords<D>((int)blockIdx.x, n_mblocks, BH, mb, bh);
   const int m0 = mb * BLOCK_M;
   const int tid = threadIdx.x;
   // The warpgroup index through a shuffle: ptxas then knows it is warp-uniform, and so are
@@ -663,6 +665,11 @@ static int launch_wgmma(const void* q, const void* k, const void* v, void* out, 
 // take turns issuing their wgmma (two named barriers): with overlap a turn covers q k^T and the
 // previous tile's P v, without it q k^T only (the P v of the last tile is outside any turn), so
 // one warpgroup's softmax runs while the other's matrix products occupy the tensor cores.
+// A block computes one work item (row block, head), or with PERSISTENT_D* (one block per SM)
+// every gridDim-th item in turn: the k/v ring runs on across items, and the q tile has an
+// "empty" mbarrier too, which the consumers arrive on after their last q k^T of an item, so
+// the producer loads the next item's q and first k/v tiles while the consumers finish P v
+// and store the outputs of the current one.
 //
 // TMA writes shared memory in the 128-byte swizzle described above: each load is a box of 64
 // columns (128 bytes) by R rows of one (b, h) slice of the (B*H, S, D) tensor, i.e. one panel,
@@ -681,8 +688,8 @@ template <int D, int BN> struct WsSmem {
   static constexpr uint32_t KV_BYTES = BN * D * 2;
   static constexpr uint32_t STAGE_BYTES = 2 * KV_BYTES;
   static constexpr uint32_t BAR_OFFSET = Q_BYTES + WS_STAGES * STAGE_BYTES;
-  // barriers: q_full, then per stage k_full, v_full, k_empty, v_empty (8 bytes each)
-  static constexpr size_t bytes = BAR_OFFSET + 8 * (1 + 4 * WS_STAGES) + 1024;
+  // barriers: q_full, q_empty, then per stage k_full, v_full, k_empty, v_empty (8 bytes each)
+  static constexpr size_t bytes = BAR_OFFSET + 8 * (2 + 4 * WS_STAGES) + 1024;
 };
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
@@ -772,23 +779,28 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
   const uint32_t sq = sbase;
   auto sk = [&](int st) { return sbase + L::Q_BYTES + (uint32_t)st * L::STAGE_BYTES; };
   auto sv = [&](int st) { return sk(st) + L::KV_BYTES; };
-  const uint32_t bar_q = sbase + L::BAR_OFFSET;
-  auto bar_k = [&](int st) { return bar_q + 8u * (1 + 4 * st); };   // k tile landed
+  const uint32_t bar_q = sbase + L::BAR_OFFSET;                     // q tile landed
+  const uint32_t bar_qe = bar_q + 8u;                                // q tile consumed
+  auto bar_k = [&](int st) { return bar_q + 8u * (2 + 4 * st); };   // k tile landed
   auto bar_v = [&](int st) { return bar_k(st) + 8u; };               // v tile landed
   auto bar_ke = [&](int st) { return bar_k(st) + 16u; };             // k tile consumed
   auto bar_ve = [&](int st) { return bar_k(st) + 24u; };             // v tile consumed
 
   const int n_mblocks = (S + BLOCK_M - 1) / BLOCK_M;
-  int mb, bh;
-  block_coords<D>(n_mblocks, BH, mb, bh);
-  const int m0 = mb * BLOCK_M;
-  const int n_end = causal ? min(S, m0 + BLOCK_M) : S;
-  const int ntiles = (n_end + BN - 1) / BN;
-  const int tid = threadIdx.x;
+  const int n_items = n_mblocks * BH;         // work items (row block, head); the host checks
+  const int tid = threadIdx.x;                // that it, plus the grid, fits in int
   const int wg_all = __shfl_sync(0xffffffffu, tid / WG_THREADS, 0);   // warp-uniform
+  // Work item `item` of this block: its row block's first row m0, flat head bh, and key tiles.
+  auto item_coords = [&](int item, int& m0, int& bh, int& ntiles) {
+    int mb;
+    block_coords<D>(item, n_mblocks, BH, mb, bh);
+    m0 = mb * BLOCK_M;
+    ntiles = ((causal ? min(S, m0 + BLOCK_M) : S) + BN - 1) / BN;
+  };
 
   if (tid == 0) {
     mbar_init(bar_q, 1);
+    mbar_init(bar_qe, CONSUMERS);
     for (int st = 0; st < WS_STAGES; ++st) {
       mbar_init(bar_k(st), 1);
       mbar_init(bar_v(st), 1);
@@ -802,28 +814,43 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
   if (wg_all == 0) {                          // ---- producer warpgroup
     if (USE_SETMAXNREG) set_max_regs_dec<24>();
     if (tid == 0) {
-      mbar_expect_tx(bar_q, L::Q_BYTES);
+      // The k and v tiles of all this block's work items go through one ring: the block's
+      // r-th tile (counting over its items in order) goes into stage r % WS_STAGES once the
+      // tile WS_STAGES before it there has been consumed. k runs one tile ahead of v, as the
+      // consumers need them. An item's q tile is loaded after its first k tile, once the
+      // consumers have released the previous item's q (after their last q k^T).
+      int ring = 0, n = 0;                    // tiles of earlier items; items done
+      for (int item = blockIdx.x; item < n_items; item += gridDim.x, ++n) {
+        int m0, bh, ntiles;
+        item_coords(item, m0, bh, ntiles);
+        // Tile `it` of this item (the ring's tile r) of k or v into its stage.
+        auto load = [&](int it, const CUtensorMap* map, uint32_t dst, uint32_t full,
+                        uint32_t empty) {
+          const int r = ring + it;
+          if (r >= WS_STAGES) mbar_wait(empty, ((r / WS_STAGES) - 1) & 1);
+          mbar_expect_tx(full, L::KV_BYTES);
 #pragma unroll
-      for (int p = 0; p < PANELS; ++p)
-        tma_load(sq + p * BLOCK_M * 128, &tm_q, 64 * p, m0, bh, bar_q);
-      // Tile `it` of k or v goes into stage it % WS_STAGES once the tile WS_STAGES before it
-      // there has been consumed. k runs one tile ahead of v, as the consumers need them.
-      auto load = [&](int it, const CUtensorMap* map, uint32_t dst, uint32_t full, uint32_t empty) {
-        if (it >= WS_STAGES) mbar_wait(empty, ((it / WS_STAGES) - 1) & 1);
-        mbar_expect_tx(full, L::KV_BYTES);
+          for (int p = 0; p < PANELS; ++p)
+            tma_load(dst + p * BN * 128, map, 64 * p, it * BN, bh, full);
+        };
+        for (int it = 0; it <= ntiles; ++it) {
+          if (it < ntiles) {
+            const int st = (ring + it) % WS_STAGES;
+            load(it, &tm_k, sk(st), bar_k(st), bar_ke(st));
+          }
+          if (it == 0) {
+            if (n > 0) mbar_wait(bar_qe, (n - 1) & 1);
+            mbar_expect_tx(bar_q, L::Q_BYTES);
 #pragma unroll
-        for (int p = 0; p < PANELS; ++p)
-          tma_load(dst + p * BN * 128, map, 64 * p, it * BN, bh, full);
-      };
-      for (int it = 0; it <= ntiles; ++it) {
-        if (it < ntiles) {
-          const int st = it % WS_STAGES;
-          load(it, &tm_k, sk(st), bar_k(st), bar_ke(st));
+            for (int p = 0; p < PANELS; ++p)
+              tma_load(sq + p * BLOCK_M * 128, &tm_q, 64 * p, m0, bh, bar_q);
+          }
+          if (it > 0) {
+            const int st = (ring + it - 1) % WS_STAGES;
+            load(it - 1, &tm_v, sv(st), bar_v(st), bar_ve(st));
+          }
         }
-        if (it > 0) {
-          const int st = (it - 1) % WS_STAGES;
-          load(it - 1, &tm_v, sv(st), bar_v(st), bar_ve(st));
-        }
+        ring += ntiles;
       }
     }
     return;
@@ -835,122 +862,140 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
   const int ctid = tid - WG_THREADS;
   const int warp = (ctid % WG_THREADS) / 32, lane = ctid % 32;
   const int g = lane / 4, t = lane % 4;
-  const int wg_row0 = m0 + 64 * wg;
-  const int wrow0 = wg_row0 + 16 * warp;
-  const int row_a = wrow0 + g, row_b = row_a + 8;
-  const bool wg_live = wg_row0 < S;
-  const int wg_ntiles = !wg_live ? 0 : causal ? min(ntiles, (wg_row0 + 63) / BN + 1) : ntiles;
   const uint32_t q_addr = sq + wg * 64 * 128;
-  // PINGPONG turns: warpgroup w issues its matrix products after a bar.sync on barrier 1 + w
-  // and then lets the other one go (bar.arrive on its barrier). Every consumer warpgroup takes
-  // ntiles turns (idle ones too), and warpgroup 1 gives warpgroup 0 the first turn.
   const bool pingpong = PINGPONG && NUM_WARPGROUPS == 2;
-  auto turn_begin = [&]() { if (pingpong) named_sync(1 + wg, 2 * WG_THREADS); };
-  auto turn_end = [&](int it) {
-    if (pingpong && !(wg == 1 && it == ntiles - 1)) named_arrive(2 - wg, 2 * WG_THREADS);
-  };
-  if (pingpong && wg == 1) named_arrive(1, 2 * WG_THREADS);
 
-  float o[D / 2];
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-  float s[BN / 2];
-#pragma unroll
-  for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY};
-  float l_run[2] = {0.f, 0.f};
-  float alpha[2];
-  uint32_t p[BN / 16][4];
+  int ring = 0, n = 0;                        // as the producer counts them
+  for (int item = blockIdx.x; item < n_items; item += gridDim.x, ++n) {
+    int m0, bh, ntiles;
+    item_coords(item, m0, bh, ntiles);
+    const int wg_row0 = m0 + 64 * wg;
+    const int wrow0 = wg_row0 + 16 * warp;
+    const int row_a = wrow0 + g, row_b = row_a + 8;
+    const bool wg_live = wg_row0 < S;
+    const int wg_ntiles = !wg_live ? 0 : causal ? min(ntiles, (wg_row0 + 63) / BN + 1) : ntiles;
+    // The ring stage and phase of this item's tile `it`.
+    auto stage = [&](int it) { return (ring + it) % WS_STAGES; };
+    auto phase = [&](int it) { return (uint32_t)(((ring + it) / WS_STAGES) & 1); };
+    // PINGPONG turns: warpgroup w issues its matrix products after a bar.sync on barrier 1 + w
+    // and then lets the other one go (bar.arrive on its barrier). Every consumer warpgroup
+    // takes ntiles turns per item (idle ones too), and warpgroup 1 gives warpgroup 0 the first
+    // turn of each item and does not hand on its last one, so each item starts afresh.
+    auto turn_begin = [&]() { if (pingpong) named_sync(1 + wg, 2 * WG_THREADS); };
+    auto turn_end = [&](int it) {
+      if (pingpong && !(wg == 1 && it == ntiles - 1)) named_arrive(2 - wg, 2 * WG_THREADS);
+    };
+    if (pingpong && wg == 1) named_arrive(1, 2 * WG_THREADS);
 
-  mbar_wait(bar_q, 0);
-  if constexpr (!OV) {
-    for (int it = 0; it < wg_ntiles; ++it) {
-      const int st = it % WS_STAGES;
-      const uint32_t ph = (it / WS_STAGES) & 1;
-      mbar_wait(bar_k(st), ph);
-      turn_begin();
-      reg_fence(s);
-      wgmma_fence();
-      wg_qk_issue<D, BN, BLOCK_M, BF16>(s, q_addr, sk(st));
-      wgmma_commit();
+    float o[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    float s[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
+    float m_run[2] = {-INFINITY, -INFINITY};
+    float l_run[2] = {0.f, 0.f};
+    float alpha[2];
+    uint32_t p[BN / 16][4];
+
+    // Every consumer thread waits for each item's q (the barrier's phases go in order) and
+    // releases it once: after its last q k^T, or at once if it has no tile to compute.
+    mbar_wait(bar_q, n & 1);
+    if (wg_ntiles == 0) mbar_arrive(bar_qe);
+    auto release_k = [&](int it) {
+      mbar_arrive(bar_ke(stage(it)));
+      if (it == wg_ntiles - 1) mbar_arrive(bar_qe);
+    };
+    if constexpr (!OV) {
+      for (int it = 0; it < wg_ntiles; ++it) {
+        const int st = stage(it);
+        mbar_wait(bar_k(st), phase(it));
+        turn_begin();
+        reg_fence(s);
+        wgmma_fence();
+        wg_qk_issue<D, BN, BLOCK_M, BF16>(s, q_addr, sk(st));
+        wgmma_commit();
+        turn_end(it);
+        wgmma_wait0();
+        reg_fence(s);
+        release_k(it);
+        softmax_tile<BN>(s, it * BN, S, causal, wrow0, row_a, row_b, t, scale_log2, m_run, l_run,
+                         alpha);
+        rescale<D>(o, alpha);
+        pack_p<T, BN>(p, s);
+        mbar_wait(bar_v(st), phase(it));
+        wg_pv<D, BN, BF16>(o, p, sv(st));
+        mbar_arrive(bar_ve(st));
+      }
+    } else {
+      // As the OVERLAP loop above: q k_it^T and P_{it-1} v_{it-1} in flight together, the
+      // softmax of tile `it` while P v runs; stage it-1 is released once P v has completed.
+      if (wg_ntiles > 0) {
+        const int st = stage(0);
+        mbar_wait(bar_k(st), phase(0));
+        turn_begin();
+        reg_fence(s);
+        wgmma_fence();
+        wg_qk_issue<D, BN, BLOCK_M, BF16>(s, q_addr, sk(st));
+        wgmma_commit();
+        turn_end(0);
+        wgmma_wait0();
+        reg_fence(s);
+        release_k(0);
+        softmax_tile<BN>(s, 0, S, causal, wrow0, row_a, row_b, t, scale_log2, m_run, l_run,
+                         alpha);
+        pack_p<T, BN>(p, s);
+      }
+      for (int it = 1; it < wg_ntiles; ++it) {
+        const int st = stage(it), prev = stage(it - 1);
+        mbar_wait(bar_k(st), phase(it));
+        mbar_wait(bar_v(prev), phase(it - 1));
+        turn_begin();
+        reg_fence(o);
+        reg_fence(p);
+        reg_fence(s);
+        wgmma_fence();
+        wg_qk_issue<D, BN, BLOCK_M, BF16>(s, q_addr, sk(st));
+        wgmma_commit();
+        wgmma_fence();
+        wg_pv_issue<D, BN, BF16>(o, p, sv(prev));
+        wgmma_commit();
+        turn_end(it);
+        wgmma_wait1();
+        reg_fence(s);
+        release_k(it);                        // q k_it^T done: its k stage may be refilled
+        softmax_tile<BN>(s, it * BN, S, causal, wrow0, row_a, row_b, t, scale_log2, m_run,
+                         l_run, alpha);
+        reg_fence(s);
+        reg_fence(alpha);
+        reg_fence(l_run);
+        wgmma_wait0();
+        reg_fence(o);
+        reg_fence(p);
+        mbar_arrive(bar_ve(prev));
+        rescale<D>(o, alpha);
+        pack_p<T, BN>(p, s);
+      }
+      if (wg_ntiles > 0) {                    // the last tile's P v
+        const int st = stage(wg_ntiles - 1);
+        mbar_wait(bar_v(st), phase(wg_ntiles - 1));
+        wg_pv<D, BN, BF16>(o, p, sv(st));
+        mbar_arrive(bar_ve(st));
+      }
+    }
+    // Tiles this warpgroup does not compute: wait for each to land and release it, in order.
+    for (int it = wg_ntiles; it < ntiles; ++it) {
+      const int st = stage(it);
+      turn_begin();                           // every warpgroup takes ntiles turns
       turn_end(it);
-      wgmma_wait0();
-      reg_fence(s);
+      mbar_wait(bar_k(st), phase(it));
       mbar_arrive(bar_ke(st));
-      softmax_tile<BN>(s, it * BN, S, causal, wrow0, row_a, row_b, t, scale_log2, m_run, l_run,
-                       alpha);
-      rescale<D>(o, alpha);
-      pack_p<T, BN>(p, s);
-      mbar_wait(bar_v(st), ph);
-      wg_pv<D, BN, BF16>(o, p, sv(st));
+      mbar_wait(bar_v(st), phase(it));
       mbar_arrive(bar_ve(st));
     }
-  } else {
-    // As the OVERLAP loop above: q k_it^T and P_{it-1} v_{it-1} in flight together, the softmax
-    // of tile `it` while P v runs; stage it-1 is released once P v has completed.
-    if (wg_ntiles > 0) {
-      mbar_wait(bar_k(0), 0);
-      turn_begin();
-      reg_fence(s);
-      wgmma_fence();
-      wg_qk_issue<D, BN, BLOCK_M, BF16>(s, q_addr, sk(0));
-      wgmma_commit();
-      turn_end(0);
-      wgmma_wait0();
-      reg_fence(s);
-      mbar_arrive(bar_ke(0));
-      softmax_tile<BN>(s, 0, S, causal, wrow0, row_a, row_b, t, scale_log2, m_run, l_run, alpha);
-      pack_p<T, BN>(p, s);
-    }
-    for (int it = 1; it < wg_ntiles; ++it) {
-      const int st = it % WS_STAGES, prev = (it - 1) % WS_STAGES;
-      mbar_wait(bar_k(st), (it / WS_STAGES) & 1);
-      mbar_wait(bar_v(prev), ((it - 1) / WS_STAGES) & 1);
-      turn_begin();
-      reg_fence(o);
-      reg_fence(p);
-      reg_fence(s);
-      wgmma_fence();
-      wg_qk_issue<D, BN, BLOCK_M, BF16>(s, q_addr, sk(st));
-      wgmma_commit();
-      wgmma_fence();
-      wg_pv_issue<D, BN, BF16>(o, p, sv(prev));
-      wgmma_commit();
-      turn_end(it);
-      wgmma_wait1();
-      reg_fence(s);
-      mbar_arrive(bar_ke(st));                // q k_it^T done: its k stage may be refilled
-      softmax_tile<BN>(s, it * BN, S, causal, wrow0, row_a, row_b, t, scale_log2, m_run, l_run,
-                       alpha);
-      reg_fence(s);
-      reg_fence(alpha);
-      reg_fence(l_run);
-      wgmma_wait0();
-      reg_fence(o);
-      reg_fence(p);
-      mbar_arrive(bar_ve(prev));
-      rescale<D>(o, alpha);
-      pack_p<T, BN>(p, s);
-    }
-    if (wg_ntiles > 0) {                      // the last tile's P v
-      const int last = wg_ntiles - 1, st = last % WS_STAGES;
-      mbar_wait(bar_v(st), (last / WS_STAGES) & 1);
-      wg_pv<D, BN, BF16>(o, p, sv(st));
-      mbar_arrive(bar_ve(st));
-    }
+    if (wg_live) store_rows<T, D>(out + (long long)bh * S * D, o, l_run, row_a, row_b, t, S);
+    ring += ntiles;
   }
-  // Tiles this warpgroup does not compute: wait for each to land and release it, in order.
-  for (int it = wg_ntiles; it < ntiles; ++it) {
-    const int st = it % WS_STAGES;
-    const uint32_t ph = (it / WS_STAGES) & 1;
-    turn_begin();                             // every warpgroup takes ntiles turns
-    turn_end(it);
-    mbar_wait(bar_k(st), ph);
-    mbar_arrive(bar_ke(st));
-    mbar_wait(bar_v(st), ph);
-    mbar_arrive(bar_ve(st));
-  }
-  if (wg_live) store_rows<T, D>(out + (long long)bh * S * D, o, l_run, row_a, row_b, t, S);
 #else
   __trap();
 #endif
@@ -1009,8 +1054,17 @@ static int launch_ws(const void* q, const void* k, const void* v, void* out, int
   if (!make_tensor_map<T>(&tq, q, BH, S, D, BLOCK_M) || !make_tensor_map<T>(&tk, k, BH, S, D, BN) ||
       !make_tensor_map<T>(&tv, v, BH, S, D, BN))
     return (int)cudaErrorInvalidValue;        // the driver refused a map (shape or alignment)
-  const long long blocks = (long long)((S + BLOCK_M - 1) / BLOCK_M) * BH;
-  if (blocks > 0x7fffffffLL) return (int)cudaErrorInvalidConfiguration;
+  const long long items = (long long)((S + BLOCK_M - 1) / BLOCK_M) * BH;
+  long long blocks = items;
+  if (D == 64 ? PERSISTENT_D64 : PERSISTENT_D128) {
+    // One block per SM, each looping over work items (the kernel's item loop).
+    int dev = 0, sms = 0;
+    if ((err = cudaGetDevice(&dev)) != cudaSuccess ||
+        (err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess)
+      return (int)err;
+    blocks = items < sms ? items : sms;
+  }
+  if (items + blocks > 0x7fffffffLL) return (int)cudaErrorInvalidConfiguration;
   wgmma_ws_kernel<T, D, BN, OV><<<(unsigned)blocks, WS_THREADS, smem, stream>>>(
       tq, tk, tv, (T*)out, BH, S, causal, scale * LOG2E);
   return (int)cudaGetLastError();
