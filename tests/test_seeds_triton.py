@@ -63,8 +63,7 @@ def load_seed(case: dict[str, Any], workdir: Path, index: int) -> Any:
     """Imports a (possibly rewritten) copy of the case's seed file as a fresh module."""
     text = (SEEDS_DIR / f"{case['seed']}.py").read_text()
     text = set_knobs(text, case.get("knobs", {}))
-    if "mutation" in case:
-        old, new = case["mutation"]
+    for old, new in case.get("mutations", [case["mutation"]] if "mutation" in case else []):
         if text.count(old) != 1:
             raise ValueError(f"mutation target {old!r} found {text.count(old)} times")
         text = text.replace(old, new)
@@ -248,6 +247,16 @@ def test_flash_triton_knob_combinations_stay_correct():
 
 
 @pytest.mark.slow
+def test_flash_hybrid_runs_the_triton_kernel_in_the_interpreter():
+    """On the CPU every call of the hybrid seed takes its Triton kernel, CUDA_* knobs or not."""
+    cases = [case("flash_hybrid", (1, 2, 77, 128), "bfloat16", True, 0.3),
+             case("flash_hybrid", (1, 2, 128, 64), "float16", False),
+             case("flash_hybrid", (1, 1, 33, 128), "float32", True,
+                  knobs={"CUDA_D128": False, "CUDA_D64": True})]
+    assert_all_pass(run_cases(cases))
+
+
+@pytest.mark.slow
 def test_checks_catch_broken_masks():
     """The harness above can fail: an off-by-one causal mask and a key-tail mask one too wide."""
     mutations = [("keep = keep & (cols[None, :] <= offs_m[:, None])",
@@ -359,6 +368,39 @@ def test_flash_triton_gpu_settings_are_correct_or_fail_cleanly():
     assert not bad, f"{len(bad)} of {len(results)} cases failed:\n" + "\n".join(bad)
     clean = [describe(r) for r in results if not r["ok"]]
     print(f"{len(clean)} cases failed cleanly:\n" + "\n".join(clean))
+
+
+def _define(name: str, value: int) -> list[str]:
+    """A mutation pair setting a CUDA knob (#define) of the hybrid seed."""
+    return [re.search(rf"#define {name} \d+ ", (SEEDS_DIR / "flash_hybrid.py").read_text())[0],
+            f"#define {name} {value} "]
+
+
+def hybrid_gpu_cases() -> list[dict[str, Any]]:
+    """The hybrid's two kernels per head dim, and the CUDA kernel's persistent path, where a block
+    takes several work items (more items than SMs)."""
+    both = {"CUDA_D64": True, "CUDA_D64_CAUSAL": True, "CUDA_D128": True, "CUDA_D128_CAUSAL": True}
+    settings = [({}, []),
+                ({"CUDA_D128": False, "CUDA_D128_CAUSAL": False}, []),
+                (both, []),
+                (both, [_define("WG_PERSISTENT_D128", 1), _define("WG_PERSISTENT_D64", 1),
+                        _define("WG_WARP_SPECIALIZE_D64", 1)]),
+                (both, [_define("WG_PERSISTENT_D128", 1), _define("WG_PINGPONG", 1),
+                        _define("WG_OVERLAP_D128", 0)])]
+    shapes = [((2, 3, 1000, 64), "float16"), ((1, 2, 77, 128), "bfloat16"),
+              ((4, 16, 1000, 128), "float16"), ((4, 24, 700, 64), "bfloat16"),
+              ((1, 2, 300, 64), "float32")]
+    return [case("flash_hybrid", shape, dtype, causal, 0.125, knobs=k, mutations=m)
+            for k, m in settings for shape, dtype in shapes for causal in (False, True)]
+
+
+@pytest.mark.gpu
+def test_flash_hybrid_gpu_paths_are_correct():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    assert_all_pass(run_cases(contract_cases("flash_hybrid") + hybrid_gpu_cases(),
+                              device="cuda", timeout_s=900))
 
 
 if __name__ == "__main__":

@@ -302,9 +302,8 @@ def _grid_stages(stages: int, num_tiles: int, num_sms: int, persistent: bool) ->
     return NUM_STAGES_SMALL_GRID if not persistent and num_tiles <= num_sms else stages
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-             use_tma: bool, warp_specialize: bool) -> torch.Tensor:
-    """Checks shapes and launches the kernel with the module's knobs (TMA and WS as given)."""
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raises ValueError unless q, k, v are (B, H, S, D) tensors of one shape, dtype and device."""
     if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
         raise ValueError(f"expected q, k, v of one shape (B, H, S, D); got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -313,6 +312,12 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
                          f"{q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError("q, k and v must be on one device")
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+             use_tma: bool, warp_specialize: bool) -> torch.Tensor:
+    """Checks shapes and launches the kernel with the module's knobs (TMA and WS as given)."""
+    _check_inputs(q, k, v)
     if q.device.type != "cuda" and not _interpreting():
         raise RuntimeError("flash_triton needs a CUDA tensor, or TRITON_INTERPRET=1 for CPU tensors")
     B, H, S, D = q.shape
