@@ -44,7 +44,7 @@ SDPA_SHAPES = [(1, 1, 64, 64, False), (1, 2, 200, 64, True), (2, 2, 513, 128, Fa
                (1, 1, 1000, 128, True), (1, 3, 77, 64, False), (1, 1, 1, 64, False),
                (2, 2, 1000, 128, True), (1, 2, 300, 64, True),
                # more work items than an H100/H200 has SMs, so a persistent block takes several
-               (4, 16, 1000, 128, True), (4, 24, 700, 64, False)]
+               (4, 16, 1000, 128, True), (4, 24, 700, 64, False), (4, 24, 700, 64, True)]
 TIME_SHAPES = [(4, 16, 4096, 128), (8, 32, 512, 64), (1, 32, 4096, 64)]
 TOL = {"float16": 1e-2, "bfloat16": 4e-2, "float32": 1e-4}
 
@@ -108,6 +108,7 @@ STRUCTURAL = ("WARP_SPECIALIZE_D64", "WARP_SPECIALIZE_D128", "OVERLAP_D64", "OVE
 # one-at-a-time settings keep the seed's path, which may not use them at one head dim), and
 # together with the other ones that change its item and turn loops.
 WS_INTERACTIONS = ({"PERSISTENT_D64": "1", "PERSISTENT_D128": "1"},
+                   {"PERSISTENT_D64": "1", "PERSISTENT_D128": "1", "PERSISTENT_DYNAMIC": "0"},
                    {"PERSISTENT_D64": "1", "PERSISTENT_D128": "1", "PINGPONG": "1"},
                    {"PERSISTENT_D64": "1", "PERSISTENT_D128": "1", "OVERLAP_D64": "1",
                     "OVERLAP_D128": "0", "WS_STAGES": "3"},
@@ -177,13 +178,14 @@ def main() -> int:
     cur = {k.name: k.value for k in knobs}
     jobs = [(dict(cur), SEED, tmp / "probe_default.so", True)]
     if not args.quick:
-        for vals in probe_settings(knobs):
+        for i, vals in enumerate(probe_settings(knobs)):
             if vals == cur:
                 continue
-            tag = "_".join(f"{k}{v}" for k, v in vals.items())
-            path = tmp / f"seed_{tag}.cu"
+            # numbered, not named by the settings: nvcc's temporary file names add to the
+            # name, and a name with every knob outgrew the 255-byte limit
+            path = tmp / f"seed_{i:03d}.cu"
             path.write_text(set_knobs(seed_src, vals))
-            jobs.append((vals, path, tmp / f"probe_{tag}.so", False))
+            jobs.append((vals, path, tmp / f"probe_{i:03d}.so", False))
     t0 = time.time()
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as ex:
         built = list(ex.map(lambda j: build(j[1], j[2], j[3], args.watchdog), jobs))

@@ -27,7 +27,8 @@
 // q k^T of tile j and P v of tile j-1 in flight together and the softmax of tile j run while
 // P v is on the tensor cores; the cp.async path then uses a three-stage k/v ring),
 // WARP_SPECIALIZE_D64 / _D128 (per head dim: the cp.async path above, or the warp-specialised
-// path below with its knobs WS_STAGES, SETMAXNREG, PINGPONG, PERSISTENT_D64 / _D128),
+// path below with its knobs WS_STAGES, SETMAXNREG, PINGPONG, PERSISTENT_D64 / _D128,
+// PERSISTENT_DYNAMIC),
 // HEAD_MAJOR_D64 / _D128 (block order per head dim: in a fifth-session call, before later
 // changes to both paths, it left the warp-specialised path unchanged and cost the cp.async
 // path 3%; not re-measured since).
@@ -116,6 +117,7 @@
 #define HEAD_MAJOR_D128 1  // evoattn: choice(0, 1)
 #define PERSISTENT_D64 0  // evoattn: choice(0, 1)
 #define PERSISTENT_D128 0  // evoattn: choice(0, 1)
+#define PERSISTENT_DYNAMIC 1  // evoattn: choice(0, 1)
 
 #define FB_BLOCK_M 32    // fallback tiles; fixed, not knobs
 #define FB_BLOCK_N 32
@@ -666,10 +668,12 @@ static int launch_wgmma(const void* q, const void* k, const void* v, void* out, 
 // previous tile's P v, without it q k^T only (the P v of the last tile is outside any turn), so
 // one warpgroup's softmax runs while the other's matrix products occupy the tensor cores.
 // A block computes one work item (row block, head), or with PERSISTENT_D* (one block per SM)
-// every gridDim-th item in turn: the k/v ring runs on across items, and the q tile has an
-// "empty" mbarrier too, which the consumers arrive on after their last q k^T of an item, so
-// the producer loads the next item's q and first k/v tiles while the consumers finish P v
-// and store the outputs of the current one.
+// several in turn: every gridDim-th item, or for causal calls with PERSISTENT_DYNAMIC the next
+// one not yet taken, from a counter in global memory (causal items differ in length: with a
+// fixed stride some blocks drew twice the work of others). The k/v ring runs on across items,
+// and the q tile has an "empty" mbarrier too, which the consumers arrive on after their last
+// q k^T of an item, so the producer loads the next item's q and first k/v tiles while the
+// consumers finish P v and store the outputs of the current one.
 //
 // TMA writes shared memory in the 128-byte swizzle described above: each load is a box of 64
 // columns (128 bytes) by R rows of one (b, h) slice of the (B*H, S, D) tensor, i.e. one panel,
@@ -688,8 +692,10 @@ template <int D, int BN> struct WsSmem {
   static constexpr uint32_t KV_BYTES = BN * D * 2;
   static constexpr uint32_t STAGE_BYTES = 2 * KV_BYTES;
   static constexpr uint32_t BAR_OFFSET = Q_BYTES + WS_STAGES * STAGE_BYTES;
-  // barriers: q_full, q_empty, then per stage k_full, v_full, k_empty, v_empty (8 bytes each)
-  static constexpr size_t bytes = BAR_OFFSET + 8 * (2 + 4 * WS_STAGES) + 1024;
+  // barriers: q_full, q_empty, then per stage k_full, v_full, k_empty, v_empty (8 bytes each),
+  // then the item slot (4 bytes, offset from q_full)
+  static constexpr uint32_t ITEM_SLOT = 8 * (2 + 4 * WS_STAGES);
+  static constexpr size_t bytes = BAR_OFFSET + ITEM_SLOT + 8 + 1024;
 };
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
@@ -768,7 +774,7 @@ template <typename T, int D, int BN, bool OV>
 __global__ void __launch_bounds__(WS_THREADS, 1)
 wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                 const __grid_constant__ CUtensorMap tm_v, T* __restrict__ out, int BH, int S,
-                int causal, float scale_log2) {
+                int causal, float scale_log2, int* __restrict__ item_counter) {
 #if WGF_SM90A
   constexpr bool BF16 = std::is_same<T, __nv_bfloat16>::value;
   using L = WsSmem<D, BN>;
@@ -781,6 +787,8 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
   auto sv = [&](int st) { return sk(st) + L::KV_BYTES; };
   const uint32_t bar_q = sbase + L::BAR_OFFSET;                     // q tile landed
   const uint32_t bar_qe = bar_q + 8u;                                // q tile consumed
+  // The work item whose q is (being) loaded: written by the producer before it arms bar_q.
+  int* item_slot = reinterpret_cast<int*>(smem_raw + (bar_q + L::ITEM_SLOT - smem_addr(smem_raw)));
   auto bar_k = [&](int st) { return bar_q + 8u * (2 + 4 * st); };   // k tile landed
   auto bar_v = [&](int st) { return bar_k(st) + 8u; };               // v tile landed
   auto bar_ke = [&](int st) { return bar_k(st) + 16u; };             // k tile consumed
@@ -818,9 +826,15 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
       // r-th tile (counting over its items in order) goes into stage r % WS_STAGES once the
       // tile WS_STAGES before it there has been consumed. k runs one tile ahead of v, as the
       // consumers need them. An item's q tile is loaded after its first k tile, once the
-      // consumers have released the previous item's q (after their last q k^T).
+      // consumers have released the previous item's q (after their last q k^T), together with
+      // the item's index in item_slot. Items: blockIdx.x first, then every gridDim.x-th
+      // (static), or with an item_counter the next one not yet taken (dynamic: a block that
+      // drew short causal items takes more). Past the last item the slot gets n_items and
+      // bar_q a plain arrival, which tells the consumers to stop.
       int ring = 0, n = 0;                    // tiles of earlier items; items done
-      for (int item = blockIdx.x; item < n_items; item += gridDim.x, ++n) {
+      int item = blockIdx.x;
+      for (; item < n_items; ++n) {
+        const int next = item_counter ? gridDim.x + atomicAdd(item_counter, 1) : item + gridDim.x;
         int m0, bh, ntiles;
         item_coords(item, m0, bh, ntiles);
         // Tile `it` of this item (the ring's tile r) of k or v into its stage.
@@ -840,6 +854,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
           }
           if (it == 0) {
             if (n > 0) mbar_wait(bar_qe, (n - 1) & 1);
+            *item_slot = item;
             mbar_expect_tx(bar_q, L::Q_BYTES);
 #pragma unroll
             for (int p = 0; p < PANELS; ++p)
@@ -851,7 +866,11 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
           }
         }
         ring += ntiles;
+        item = next;
       }
+      if (n > 0) mbar_wait(bar_qe, (n - 1) & 1);
+      *item_slot = n_items;                   // no more items
+      mbar_arrive(bar_q);
     }
     return;
   }
@@ -865,8 +884,12 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
   const uint32_t q_addr = sq + wg * 64 * 128;
   const bool pingpong = PINGPONG && NUM_WARPGROUPS == 2;
 
-  int ring = 0, n = 0;                        // as the producer counts them
-  for (int item = blockIdx.x; item < n_items; item += gridDim.x, ++n) {
+  for (int ring = 0, n = 0;; ++n) {            // as the producer counts them
+    // Every consumer thread waits for each item's q (the barrier's phases go in order) and
+    // releases it once: after its last q k^T, or at once if it has no tile to compute.
+    mbar_wait(bar_q, n & 1);
+    const int item = *item_slot;
+    if (item >= n_items) break;
     int m0, bh, ntiles;
     item_coords(item, m0, bh, ntiles);
     const int wg_row0 = m0 + 64 * wg;
@@ -898,9 +921,6 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
     float alpha[2];
     uint32_t p[BN / 16][4];
 
-    // Every consumer thread waits for each item's q (the barrier's phases go in order) and
-    // releases it once: after its last q k^T, or at once if it has no tile to compute.
-    mbar_wait(bar_q, n & 1);
     if (wg_ntiles == 0) mbar_arrive(bar_qe);
     auto release_k = [&](int it) {
       mbar_arrive(bar_ke(stage(it)));
@@ -1056,7 +1076,8 @@ static int launch_ws(const void* q, const void* k, const void* v, void* out, int
     return (int)cudaErrorInvalidValue;        // the driver refused a map (shape or alignment)
   const long long items = (long long)((S + BLOCK_M - 1) / BLOCK_M) * BH;
   long long blocks = items;
-  if (D == 64 ? PERSISTENT_D64 : PERSISTENT_D128) {
+  const bool persistent = D == 64 ? PERSISTENT_D64 : PERSISTENT_D128;
+  if (persistent) {
     // One block per SM, each looping over work items (the kernel's item loop).
     int dev = 0, sms = 0;
     if ((err = cudaGetDevice(&dev)) != cudaSuccess ||
@@ -1065,9 +1086,26 @@ static int launch_ws(const void* q, const void* k, const void* v, void* out, int
     blocks = items < sms ? items : sms;
   }
   if (items + blocks > 0x7fffffffLL) return (int)cudaErrorInvalidConfiguration;
+  // The work-item counter of a dynamic schedule: stream-ordered, one per launch, so launches on
+  // other streams never share it.
+  int* counter = nullptr;
+  if (persistent && causal && PERSISTENT_DYNAMIC) {
+    if ((err = cudaMallocAsync(reinterpret_cast<void**>(&counter), sizeof(int), stream)) !=
+        cudaSuccess)
+      return (int)err;
+    if ((err = cudaMemsetAsync(counter, 0, sizeof(int), stream)) != cudaSuccess) {
+      (void)cudaFreeAsync(counter, stream);
+      return (int)err;
+    }
+  }
   wgmma_ws_kernel<T, D, BN, OV><<<(unsigned)blocks, WS_THREADS, smem, stream>>>(
-      tq, tk, tv, (T*)out, BH, S, causal, scale * LOG2E);
-  return (int)cudaGetLastError();
+      tq, tk, tv, (T*)out, BH, S, causal, scale * LOG2E, counter);
+  err = cudaGetLastError();
+  if (counter != nullptr) {
+    const cudaError_t freed = cudaFreeAsync(counter, stream);
+    if (err == cudaSuccess) err = freed;
+  }
+  return (int)err;
 }
 
 // ---- CUDA-core fallback (float32, misaligned pointers, GPUs other than 9.x) ----------------
