@@ -74,7 +74,7 @@ class EvaluatorConfig:
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     problem: str = "sdpa"
-    seed: str = "seeds/sdpa/flash_triton.py"
+    seed: str = "seeds/sdpa/flash_hybrid.py"
     configs: tuple[str, ...] | None = None  # "B,H,S,D[,causal|nc]" strings; None = defaults
     dtype: str | None = None                # None = the problem's default
     device: str = "auto"                    # auto | cuda | cpu

@@ -35,7 +35,8 @@
 // The softmax has a masked and an unmasked variant chosen per tile (a branch around the whole
 // tile): with the masks inside one loop, ptxas if-converted them into every tile and placed the
 // wait for P v before the softmax, so OVERLAP overlapped nothing. Defaults, as measured on an
-// H200 (BENCHMARKS.md): D=64 on the cp.async path without overlap, D=128 warp-specialised with.
+// H200 (BENCHMARKS.md): D=64 on the cp.async path without overlap, D=128 warp-specialised with,
+// persistent, causal items from the counter.
 // Any S >= 1, D in {64, 128}, fp32 accumulation. Needs the sm_90a target for wgmma (the
 // evaluator builds with -gencode=arch=compute_90a,code=sm_90a on H100/H200). Built for
 // another target (plain sm_90, or PTX JIT-compiled from an older one), the code the GPU runs
@@ -116,7 +117,7 @@
 #define HEAD_MAJOR_D64 1  // evoattn: choice(0, 1)
 #define HEAD_MAJOR_D128 1  // evoattn: choice(0, 1)
 #define PERSISTENT_D64 0  // evoattn: choice(0, 1)
-#define PERSISTENT_D128 0  // evoattn: choice(0, 1)
+#define PERSISTENT_D128 1  // evoattn: choice(0, 1)
 #define PERSISTENT_DYNAMIC 1  // evoattn: choice(0, 1)
 
 #define FB_BLOCK_M 32    // fallback tiles; fixed, not knobs
