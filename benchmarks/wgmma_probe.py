@@ -144,7 +144,7 @@ def fits_shared_memory(vals: dict[str, str], D: int) -> bool:
         return True
     block_m, stages = 64 * int(vals["NUM_WARPGROUPS"]), int(vals["WS_STAGES"])
     bn = int(vals["BLOCK_N_D64" if D == 64 else "BLOCK_N_D128"])
-    return block_m * D * 2 + stages * 2 * bn * D * 2 + 8 * (2 + 4 * stages) + 1024 <= SMEM_OPTIN_BYTES
+    return block_m * D * 2 + stages * 2 * bn * D * 2 + 8 * (3 + 4 * stages) + 1024 <= SMEM_OPTIN_BYTES
 
 
 def main() -> int:

@@ -976,7 +976,8 @@ __device__ __forceinline__ void rescale(float (&o)[D / 2], const float (&alpha)[
   for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
 }
 
-// This block's query row block `mb` (of n_mblocks) and flat head `bh` (of BH). Row blocks run
+// Work item `b`'s query row block `mb` (of n_mblocks) and flat head `bh` (of BH); without
+// persistence, item b is block b. Row blocks run
 // last first (causal: the longest first). Head-major (HEAD_MAJOR_D*): a head's row blocks are
 // consecutive blocks, so the blocks resident together share a few heads' k and v in L2, and
 // the longest first holds within each head only (the last heads' long blocks end the grid);
@@ -1173,8 +1174,8 @@ static int launch_wgmma(const void* q, const void* k, const void* v, void* out, 
 // ---- warp-specialised path (WARP_SPECIALIZE_D*=1): a TMA producer and an mbarrier ring ----
 //
 // FlashAttention-3's structure. The block has WG_NUM_WARPGROUPS + 1 warpgroups: warpgroup 0 is the
-// producer, and one thread of it issues every load as a TMA bulk tensor copy (q once, then the
-// k and v tiles of each key block into a ring of WG_WS_STAGES stages); the consumer warpgroups
+// producer, and one thread of it issues every load as a TMA bulk tensor copy (q once per work
+// item, then the k and v tiles of each key block into a ring of WG_WS_STAGES stages); the consumer warpgroups
 // 1..WG_NUM_WARPGROUPS compute as above, 64 query rows each. Nothing block-wide synchronises the
 // loop: per stage, the k and v tiles each have a "full" mbarrier (the producer arms it with the
 // tile's byte count, and the TMA completes it) and an "empty" mbarrier that every consumer
@@ -1352,7 +1353,10 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
       // (static), or with an item_counter the next one not yet taken (dynamic: a block that
       // drew short causal items takes more). Past the last item the slot gets n_items and
       // bar_q a plain arrival, which tells the consumers to stop.
-      int ring = 0, n = 0;                    // tiles of earlier items; items done
+      // ring: the tiles of earlier items, modulo 2 * WG_WS_STAGES (stage and phase repeat with that
+      // period; a running count could outgrow int); filled: the ring has been round once.
+      int ring = 0, n = 0;                    // n: items done
+      bool filled = false;
       int item = blockIdx.x;
       for (; item < n_items; ++n) {
         const int next = item_counter ? gridDim.x + atomicAdd(item_counter, 1) : item + gridDim.x;
@@ -1362,7 +1366,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
         auto load = [&](int it, const CUtensorMap* map, uint32_t dst, uint32_t full,
                         uint32_t empty) {
           const int r = ring + it;
-          if (r >= WG_WS_STAGES) mbar_wait(empty, ((r / WG_WS_STAGES) - 1) & 1);
+          if (filled || r >= WG_WS_STAGES) mbar_wait(empty, ((r / WG_WS_STAGES) + 1) & 1);
           mbar_expect_tx(full, L::KV_BYTES);
 #pragma unroll
           for (int p = 0; p < PANELS; ++p)
@@ -1375,6 +1379,8 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
           }
           if (it == 0) {
             if (n > 0) mbar_wait(bar_qe, (n - 1) & 1);
+            // Seen by every consumer that completes this phase of bar_q: mbarrier.arrive (here
+            // with expect_tx) has .release.cta semantics and try_wait .acquire.cta by default.
             *item_slot = item;
             mbar_expect_tx(bar_q, L::Q_BYTES);
 #pragma unroll
@@ -1386,7 +1392,8 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
             load(it - 1, &tm_v, sv(st), bar_v(st), bar_ve(st));
           }
         }
-        ring += ntiles;
+        filled = filled || ring + ntiles >= WG_WS_STAGES;
+        ring = (ring + ntiles) % (2 * WG_WS_STAGES);
         item = next;
       }
       if (n > 0) mbar_wait(bar_qe, (n - 1) & 1);
@@ -1405,7 +1412,8 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
   const uint32_t q_addr = sq + wg * 64 * 128;
   const bool pingpong = WG_PINGPONG && WG_NUM_WARPGROUPS == 2;
 
-  for (int ring = 0, n = 0;; ++n) {            // as the producer counts them
+  for (int ring = 0, n = 0;; ++n) {            // as the producer counts them (ring modulo
+                                              // 2 * WG_WS_STAGES)
     // Every consumer thread waits for each item's q (the barrier's phases go in order) and
     // releases it once: after its last q k^T, or at once if it has no tile to compute.
     mbar_wait(bar_q, n & 1);
@@ -1535,7 +1543,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
       mbar_arrive(bar_ve(st));
     }
     if (wg_live) store_rows<T, D>(out + (long long)bh * S * D, o, l_run, row_a, row_b, t, S);
-    ring += ntiles;
+    ring = (ring + ntiles) % (2 * WG_WS_STAGES);
   }
 #else
   __trap();
@@ -1602,29 +1610,34 @@ static int launch_ws(const void* q, const void* k, const void* v, void* out, int
     // One block per SM, each looping over work items (the kernel's item loop).
     int dev = 0, sms = 0;
     if ((err = cudaGetDevice(&dev)) != cudaSuccess ||
-        (err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess)
+        (err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) {
+      (void)cudaGetLastError();               // not left for the next call's launch check
       return (int)err;
+    }
     blocks = items < sms ? items : sms;
   }
   if (items + blocks > 0x7fffffffLL) return (int)cudaErrorInvalidConfiguration;
   // The work-item counter of a dynamic schedule: stream-ordered, one per launch, so launches on
-  // other streams never share it.
+  // other streams never share it (an allocation, a 4-byte memset and a free per call, a few
+  // microseconds). Where the stream-ordered allocator is missing (some virtualised GPUs) or
+  // fails, the call takes the fixed stride instead, with the error cleared.
   int* counter = nullptr;
   if (persistent && causal && WG_PERSISTENT_DYNAMIC) {
-    if ((err = cudaMallocAsync(reinterpret_cast<void**>(&counter), sizeof(int), stream)) !=
-        cudaSuccess)
-      return (int)err;
-    if ((err = cudaMemsetAsync(counter, 0, sizeof(int), stream)) != cudaSuccess) {
+    if (cudaMallocAsync(reinterpret_cast<void**>(&counter), sizeof(int), stream) != cudaSuccess) {
+      (void)cudaGetLastError();
+      counter = nullptr;
+    } else if (cudaMemsetAsync(counter, 0, sizeof(int), stream) != cudaSuccess) {
+      (void)cudaGetLastError();
       (void)cudaFreeAsync(counter, stream);
-      return (int)err;
+      (void)cudaGetLastError();
+      counter = nullptr;
     }
   }
   wgmma_ws_kernel<T, D, BN, OV><<<(unsigned)blocks, WS_THREADS, smem, stream>>>(
       tq, tk, tv, (T*)out, BH, S, causal, scale * LOG2E, counter);
   err = cudaGetLastError();
-  if (counter != nullptr) {
-    const cudaError_t freed = cudaFreeAsync(counter, stream);
-    if (err == cudaSuccess) err = freed;
+  if (counter != nullptr && cudaFreeAsync(counter, stream) != cudaSuccess) {
+    (void)cudaGetLastError();                 // a leaked 4 bytes, not a failed call
   }
   return (int)err;
 }
