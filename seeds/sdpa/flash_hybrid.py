@@ -85,8 +85,10 @@ except ImportError:  # Triton older than 3.3
 # run then found 2 stages for non-causal D=64, which cost the one-wave (1,8,512,64) config
 # 11%: one-wave grids keep 3 stages (NUM_STAGES_SMALL_GRID, fifth session). The fifth session's
 # run added 2 stages for causal D=64 and the 64x128 D=64 tile from S = 2048 on (0.9115 -> 0.9214).
+# The sixth session's run (of the hybrid seed, which carries this file) took 64x128 D=64 tiles
+# at every length: -4% on (8,32,512,64), +2-5% on (1,8,512,64) and (4,32,1024,64) causal.
 BLOCK_M_D64 = 64  # evoattn: choice(32, 64, 128, 256)
-BLOCK_N_D64 = 64  # evoattn: choice(32, 64, 128)
+BLOCK_N_D64 = 128  # evoattn: choice(32, 64, 128)
 NUM_WARPS_D64 = 4  # evoattn: choice(4, 8)
 NUM_STAGES_D64 = 2  # evoattn: choice(1, 2, 3, 4, 5)
 BLOCK_M_D128 = 128  # evoattn: choice(32, 64, 128, 256)
@@ -555,8 +557,9 @@ _CUDA_SOURCE = r"""
 // The softmax has a masked and an unmasked variant chosen per tile (a branch around the whole
 // tile): with the masks inside one loop, ptxas if-converted them into every tile and placed the
 // wait for P v before the softmax, so OVERLAP overlapped nothing. Defaults, as measured on an
-// H200 (BENCHMARKS.md): D=64 on the cp.async path without overlap, D=128 warp-specialised with,
-// persistent, causal items from the counter.
+// H200 (BENCHMARKS.md): D=64 on the cp.async path, D=128 warp-specialised, persistent, causal
+// items from the counter; no overlap at either (with the persistent path, WG_OVERLAP_D128=0
+// measured 1-3% faster on every D=128 config, sixth session).
 // Any S >= 1, D in {64, 128}, fp32 accumulation. Needs the sm_90a target for wgmma (the
 // evaluator builds with -gencode=arch=compute_90a,code=sm_90a on H100/H200). Built for
 // another target (plain sm_90, or PTX JIT-compiled from an older one), the code the GPU runs
@@ -628,7 +631,7 @@ _CUDA_SOURCE = r"""
 #define WG_BLOCK_N_D64 64  // evoattn: choice(64, 128)
 #define WG_BLOCK_N_D128 128  // evoattn: choice(64, 128)
 #define WG_OVERLAP_D64 0  // evoattn: choice(0, 1)
-#define WG_OVERLAP_D128 1  // evoattn: choice(0, 1)
+#define WG_OVERLAP_D128 0  // evoattn: choice(0, 1)
 #define WG_WARP_SPECIALIZE_D64 0  // evoattn: choice(0, 1)
 #define WG_WARP_SPECIALIZE_D128 1  // evoattn: choice(0, 1)
 #define WG_WS_STAGES 2  // evoattn: choice(2, 3, 4)
