@@ -655,21 +655,21 @@ static int launch_wgmma(const void* q, const void* k, const void* v, void* out, 
 // ---- warp-specialised path (WARP_SPECIALIZE_D*=1): a TMA producer and an mbarrier ring ----
 //
 // FlashAttention-3's structure. The block has NUM_WARPGROUPS + 1 warpgroups: warpgroup 0 is the
-// producer, and one thread of it issues every load as a TMA bulk tensor copy (q once per work
-// item, then the k and v tiles of each key block into a ring of WS_STAGES stages); the consumer warpgroups
-// 1..NUM_WARPGROUPS compute as above, 64 query rows each. Nothing block-wide synchronises the
-// loop: per stage, the k and v tiles each have a "full" mbarrier (the producer arms it with the
-// tile's byte count, and the TMA completes it) and an "empty" mbarrier that every consumer
-// thread arrives on once its wgmma reading the tile has completed (k after q k^T, v after P v,
-// so a k stage is refilled while P v still reads its v); the producer waits on it before
-// reusing the stage. A consumer warpgroup with fewer key tiles than the block
-// (causal, or rows past S) still waits for and releases each remaining tile, in order, so the
-// producer never waits for it forever and no phase of an empty barrier gets two arrivals from
-// one thread. With SETMAXNREG (and two consumer warpgroups) the producer warpgroup gives its
-// registers to the consumers (setmaxnreg 24 / 240). With PINGPONG the two consumer warpgroups
-// take turns issuing their wgmma (two named barriers): with overlap a turn covers q k^T and the
-// previous tile's P v, without it q k^T only (the P v of the last tile is outside any turn), so
-// one warpgroup's softmax runs while the other's matrix products occupy the tensor cores.
+// producer, and one thread of it issues every load as a TMA bulk tensor copy (q once per work item,
+// then the k and v tiles of each key block into a ring of WS_STAGES stages); the consumer
+// warpgroups 1..NUM_WARPGROUPS compute as above, 64 query rows each. Nothing block-wide
+// synchronises the loop: per stage, the k and v tiles each have a "full" mbarrier (the producer
+// arms it with the tile's byte count, and the TMA completes it) and an "empty" mbarrier that every
+// consumer thread arrives on once its wgmma reading the tile has completed (k after q k^T, v after
+// P v, so a k stage is refilled while P v still reads its v); the producer waits on it before
+// reusing the stage. A consumer warpgroup with fewer key tiles than the block (causal, or rows past
+// S) still waits for and releases each remaining tile, in order, so the producer never waits for it
+// forever and no phase of an empty barrier gets two arrivals from one thread. With SETMAXNREG (and
+// two consumer warpgroups) the producer warpgroup gives its registers to the consumers (setmaxnreg
+// 24 / 240). With PINGPONG the two consumer warpgroups take turns issuing their wgmma (two named
+// barriers): with overlap a turn covers q k^T and the previous tile's P v, without it q k^T only
+// (the P v of the last tile is outside any turn), so one warpgroup's softmax runs while the other's
+// matrix products occupy the tensor cores.
 // A block computes one work item (row block, head), or with PERSISTENT_D* (one block per SM)
 // several in turn: every gridDim-th item, or for causal calls with PERSISTENT_DYNAMIC the next
 // one not yet taken, from a counter in global memory (causal items differ in length: with a
