@@ -128,10 +128,49 @@ def test_a_cuda_build_error_is_a_clear_error_and_leaves_no_cache_entry(hybrid, m
     assert list((tmp_path / "ext").iterdir()) == []
 
 
-def test_missing_nvcc_names_the_knobs_to_switch_off(hybrid, monkeypatch):
+def _no_nvcc(hybrid, monkeypatch):  # noqa: ANN001, ANN202
     monkeypatch.setattr(hybrid.shutil, "which", lambda name: None)
     monkeypatch.delenv("CUDA_HOME", raising=False)
     monkeypatch.delenv("CUDA_PATH", raising=False)
     monkeypatch.setattr(hybrid, "_NVCC_FALLBACKS", ())
+
+
+def test_without_nvcc_cuda_calls_run_triton_after_one_warning(hybrid, monkeypatch):
+    import torch
+    _no_nvcc(hybrid, monkeypatch)
+    monkeypatch.setattr(hybrid, "_is_sm90", lambda device: True)
+    monkeypatch.setattr(hybrid, "_interpreting", lambda: False)
+    q = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.float16, shape=(1, 2, 8, 128))
+    with pytest.warns(RuntimeWarning, match="no nvcc.*run the Triton kernel"):
+        assert not hybrid._cuda_wanted(q, False)
     with pytest.raises(RuntimeError, match="needs nvcc.*CUDA_D\\* knobs to False"):
-        hybrid._cuda_entry()
+        hybrid._cuda_entry()                            # called directly, it says what to do
+
+
+@needs_nvcc
+def test_a_failed_build_is_raised_again_without_rebuilding(hybrid, monkeypatch):
+    monkeypatch.setattr(hybrid, "_CUDA_SOURCE", STUB_CU.replace("return B + 6;", "return oops;"))
+    builds = []
+    real_run = subprocess.run
+
+    def run(cmd, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if "-o" in cmd:
+            builds.append(cmd)
+        return real_run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(hybrid.subprocess, "run", run)
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match="nvcc failed"):
+            hybrid._cuda_kernel()
+    assert len(builds) == 1
+
+
+@needs_nvcc
+def test_a_cache_entry_without_its_library_is_rebuilt(hybrid, monkeypatch, tmp_path):
+    monkeypatch.setattr(hybrid, "_CUDA_SOURCE", STUB_CU)
+    hybrid._cuda_entry()
+    (entry,) = (tmp_path / "ext").iterdir()
+    (entry / "lib.so").unlink()                         # e.g. a cache cleaned half-way
+    hybrid._cuda_entry.cache_clear()
+    assert hybrid._cuda_entry()(None, None, None, None, 1, 1, 1, 64, 0, 0, 1.0, None) == 7
+    assert (entry / "lib.so").is_file()

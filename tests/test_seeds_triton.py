@@ -251,8 +251,8 @@ def test_flash_hybrid_runs_the_triton_kernel_in_the_interpreter():
     """On the CPU every call of the hybrid seed takes its Triton kernel, CUDA_* knobs or not."""
     cases = [case("flash_hybrid", (1, 2, 77, 128), "bfloat16", True, 0.3),
              case("flash_hybrid", (1, 2, 128, 64), "float16", False),
-             case("flash_hybrid", (1, 1, 33, 128), "float32", True,
-                  knobs={"CUDA_D128": False, "CUDA_D64": True})]
+             case("flash_hybrid", (1, 1, 33, 64), "float16", True,
+                  knobs={"CUDA_D64": True, "CUDA_D64_CAUSAL": True})]
     assert_all_pass(run_cases(cases))
 
 
@@ -371,22 +371,26 @@ def test_flash_triton_gpu_settings_are_correct_or_fail_cleanly():
 
 
 def _define(name: str, value: int) -> list[str]:
-    """A mutation pair setting a CUDA knob (#define) of the hybrid seed."""
-    return [re.search(rf"#define {name} \d+ ", (SEEDS_DIR / "flash_hybrid.py").read_text())[0],
-            f"#define {name} {value} "]
+    """A mutation pair setting a CUDA knob (#define) of the hybrid seed to a value other than
+    its default (a pair that changes nothing would test the default twice)."""
+    old = re.search(rf"#define {name} \d+ ", (SEEDS_DIR / "flash_hybrid.py").read_text())[0]
+    new = f"#define {name} {value} "
+    assert old != new, f"{name}={value} is the seed's default"
+    return [old, new]
 
 
 def hybrid_gpu_cases() -> list[dict[str, Any]]:
-    """The hybrid's two kernels per head dim, and the CUDA kernel's persistent path, where a block
-    takes several work items (more items than SMs)."""
+    """The hybrid's two kernels per head dim, the CUDA kernel's persistent path (the default at
+    D=128) on shapes where a block takes several work items (more items than SMs), and the
+    settings around it: persistence at D=64, none at D=128, ping-pong, overlap."""
     both = {"CUDA_D64": True, "CUDA_D64_CAUSAL": True, "CUDA_D128": True, "CUDA_D128_CAUSAL": True}
     settings = [({}, []),
                 ({"CUDA_D128": False, "CUDA_D128_CAUSAL": False}, []),
                 (both, []),
-                (both, [_define("WG_PERSISTENT_D128", 1), _define("WG_PERSISTENT_D64", 1),
-                        _define("WG_WARP_SPECIALIZE_D64", 1)]),
-                (both, [_define("WG_PERSISTENT_D128", 1), _define("WG_PINGPONG", 1),
-                        _define("WG_OVERLAP_D128", 0)])]
+                (both, [_define("WG_PERSISTENT_D64", 1), _define("WG_WARP_SPECIALIZE_D64", 1)]),
+                (both, [_define("WG_PERSISTENT_D128", 0), _define("WG_PINGPONG", 1)]),
+                (both, [_define("WG_PINGPONG", 1), _define("WG_OVERLAP_D128", 1),
+                        _define("WG_PERSISTENT_DYNAMIC", 0)])]
     shapes = [((2, 3, 1000, 64), "float16"), ((1, 2, 77, 128), "bfloat16"),
               ((4, 16, 1000, 128), "float16"), ((4, 24, 700, 64), "bfloat16"),
               ((1, 2, 300, 64), "float32")]
