@@ -101,13 +101,24 @@ def test_kill_9_mid_run_then_resume_continues_the_same_run(tmp_path: Path) -> No
     assert len(_rows(db, "SELECT id FROM programs")) == len(after)
 
 
+def _block_n_edit(value: str) -> str:
+    """An LLM reply's edit of the seed's BLOCK_N_D64 line to `value` (from its current value,
+    whatever the seed's default is now)."""
+    line = next(l for l in SEED.read_text().splitlines() if l.startswith("BLOCK_N_D64 = "))
+    current = line.split("=")[1].split("#")[0].strip()
+    assert value != current
+    return (f"<<<<<<< SEARCH\n{line}\n=======\n"
+            f"{line.replace(f'= {current}  #', f'= {value}  #')}\n>>>>>>> REPLACE\n")
+
+
 def test_llm_search_over_a_real_http_server(tmp_path: Path) -> None:
-    good = ("<<<<<<< SEARCH\nBLOCK_N_D64 = 64  # evoattn: choice(32, 64, 128)\n=======\n"
-            "BLOCK_N_D64 = 32  # evoattn: choice(32, 64, 128)\n>>>>>>> REPLACE\n")
+    line = next(l for l in SEED.read_text().splitlines() if l.startswith("BLOCK_N_D64 = "))
+    first, second = [v for v in ("32", "64", "128") if f"= {v}  #" not in line]
     malformed = ("<<<<<<< SEARCH\nBLOCK_Q = 999\n=======\nBLOCK_Q = 1\n>>>>>>> REPLACE\n")
     with LlmServer() as srv:
-        srv.push(reply(good, 1200, 300), reply(malformed, 1000, 100), error(429, retry_after="0"),
-                 stall(3.0, reply("late")), reply(good.replace("32  #", "128  #"), 900, 200))
+        srv.push(reply(_block_n_edit(first), 1200, 300), reply(malformed, 1000, 100),
+                 error(429, retry_after="0"), stall(3.0, reply("late")),
+                 reply(_block_n_edit(second), 900, 200))
         cfg = _config(tmp_path, iterations=3, mutators=[{"kind": "llm", "weight": 1.0}],
                       llm={"models": [{"name": "scripted", "base_url": srv.base_url,
                                        "api_key_env": "EVOATTN_TEST_KEY",
