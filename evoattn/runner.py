@@ -12,7 +12,7 @@ from .config import RunConfig, check_config, config_from_dict, config_to_dict, l
 from .errors import EvoattnError, RunDirError, UsageError
 from .problems import load_problem
 from .report import cost_summary, label
-from .sandbox import EvalSettings, SubprocessEvaluator, resolve_device
+from .sandbox import EvalSettings, SubprocessEvaluator, detect_target, resolve_device
 
 DEFAULT_CONFIG = "configs/default.yaml"
 # Keys that may differ when a run is resumed (everything else must match the stored config).
@@ -73,8 +73,11 @@ def _search(cfg: RunConfig, store: Any, problem: Any, problem_ref: str, configs:
     mutators: list[tuple[Any, float]] = []
     for m in cfg.mutators:
         if m.kind == "knobs":     # every evaluated program is committed before the next proposal
+            target = detect_target(dev)   # lets knob conditions rule out dead code
             mutators.append((KnobMutator(cfg.population.crossover_rate,
-                                         is_known=store.has_program), m.weight))
+                                         is_known=store.has_program,
+                                         facts={"target": target} if target else None),
+                             m.weight))
         else:
             from .mutators.llm import CostMeter, LlmMutator
             if meter is None:     # a resumed run keeps counting its earlier calls and spend

@@ -16,6 +16,7 @@ import secrets
 import select
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -283,6 +284,21 @@ def detect_device() -> str:
     if any(os.path.exists(f"/dev/nvidia{i}") for i in range(16)):
         return "cuda"
     return "cpu"
+
+
+def detect_target(device: str) -> str | None:
+    """The run's `@target` fact for knob conditions: "cpu", or "smXY" from the visible GPUs'
+    compute capability (nvidia-smi, so CUDA is not initialised here) when they all agree;
+    None when that cannot be told (the mutator then rules nothing out)."""
+    if device == "cpu":
+        return "cpu"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    caps = {c.strip() for c in out.splitlines() if re.fullmatch(r"\d+\.\d+", c.strip())}
+    return "sm" + caps.pop().replace(".", "") if len(caps) == 1 else None
 
 
 def resolve_device(device: str) -> str:

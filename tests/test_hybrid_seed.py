@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from evoattn.mutators.knobs import find_knobs
+from evoattn.mutators.knobs import active, find_knobs, set_knobs
 
 ROOT = Path(__file__).resolve().parents[1]
 HYBRID = ROOT / "seeds" / "sdpa" / "flash_hybrid.py"
@@ -62,11 +62,33 @@ def test_hybrid_carries_both_seeds_knobs_and_its_routing_knobs():
 
 def test_embedded_cuda_source_is_the_wgmma_seed_with_its_knobs_renamed(hybrid):
     names = [k.name for k in find_knobs(CUDA_SEED.read_text())]
-    source = hybrid._CUDA_SOURCE
+    # the hybrid marks its knob lines with when(...) conditions (see the next test)
+    source = re.sub(r"(// evoattn: choice\([^)]*\))(?: when\([^)]*\))+", r"\1",
+                    hybrid._CUDA_SOURCE)
     for name in names:
         assert not re.search(rf"(?<!WG_)\b{name}\b", source), f"{name} left unrenamed"
         source = re.sub(rf"\bWG_{name}\b", name, source)
     assert source == "\n" + CUDA_SEED.read_text()      # r"""<newline> opens the string
+
+
+def test_the_mutator_leaves_the_knobs_of_kernels_that_run_no_call():
+    knobs = find_knobs(HYBRID.read_text())
+    names = {k.name for k in knobs}
+
+    def dead(src: str, target: str) -> set[str]:
+        return names - {k.name for k in active(find_knobs(src), {"target": target})}
+
+    source = HYBRID.read_text()
+    triton_d128 = {n for n in names if "D128" in n and not n.startswith(("WG_", "CUDA_"))}
+    wg_d64 = {n for n in names if n.startswith("WG_") and n.endswith("_D64")}
+    # the defaults on an H100/H200: D=128 runs CUDA, D=64 Triton
+    assert dead(source, "sm90") == triton_d128 | wg_d64
+    # elsewhere every call runs Triton: every CUDA and routing knob is dead, no Triton one
+    off = {n for n in names if n.startswith(("WG_", "CUDA_"))}
+    assert dead(source, "sm80") == off and dead(source, "cpu") == off
+    # routing D=64 to CUDA too: every Triton knob of D=64, and the shared ones, go dead
+    all_cuda = set_knobs(source, {"CUDA_D64": "True", "CUDA_D64_CAUSAL": "True"})
+    assert dead(all_cuda, "sm90") == {n for n in names if not n.startswith(("WG_", "CUDA_"))}
 
 
 def test_routing_sends_only_sm90_half_precision_calls_whose_knob_is_set(hybrid, monkeypatch):

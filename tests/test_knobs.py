@@ -1,7 +1,7 @@
 """The knob grammar: finding, rewriting, mutating and crossing tunable choices."""
 from __future__ import annotations
 
-from evoattn.mutators.knobs import KnobMutator, find_knobs, set_knobs, space_size
+from evoattn.mutators.knobs import KnobMutator, active, find_knobs, set_knobs, space_size
 from evoattn.types import MutationRequest, Program, program_id
 
 from fakes import TOY_SEED
@@ -83,3 +83,73 @@ def test_a_source_without_knobs_is_rejected_with_a_reason() -> None:
     p = KnobMutator().propose(MutationRequest(parent=_prog("def attention(q,k,v): pass\n"),
                                               inspirations=(), seed=1, iteration=1))
     assert p.rejected and "knobs" in (p.rejected_reason or "")
+
+
+GATED = """\
+PATH = "a"  # evoattn: choice("a", "b")
+TILE = 64  # evoattn: choice(32, 64, 128) when(PATH="b")
+#define DEPTH 2  // evoattn: choice(1, 2, 3) when(PATH="a", PATH="c")
+X = 1  # evoattn: choice(1, 2)
+"""
+
+
+def _changes(src: str, seeds: range) -> list[str]:
+    m = KnobMutator()
+    return [m.propose(MutationRequest(parent=_prog(src), inspirations=(), seed=s,
+                                      iteration=1)).change for s in seeds]
+
+
+def test_gated_knobs_parse_their_conditions_and_survive_rewrites() -> None:
+    knobs = {k.name: k for k in find_knobs(GATED)}
+    assert knobs["TILE"].when == ((("PATH", "=", '"b"'),),)
+    assert knobs["DEPTH"].when == ((("PATH", "=", '"a"'), ("PATH", "=", '"c"')),)
+    assert knobs["PATH"].when == () and knobs["X"].when == ()
+    out = set_knobs(GATED, {"TILE": "32", "DEPTH": "3"})
+    assert 'TILE = 32  # evoattn: choice(32, 64, 128) when(PATH="b")' in out
+    assert {k.name: k.when for k in find_knobs(out)} == {k: v.when for k, v in knobs.items()}
+
+
+def test_a_knob_whose_condition_fails_is_never_mutated() -> None:
+    changes = _changes(GATED, range(300))
+    assert not any("TILE" in c for c in changes)          # PATH is "a": TILE is dead code
+    assert any("DEPTH" in c for c in changes) and any("PATH" in c for c in changes)
+    live = set_knobs(GATED, {"PATH": '"b"'})
+    changes = _changes(live, range(300))
+    assert any("TILE" in c for c in changes)
+    assert not any("DEPTH" in c for c in changes)
+
+
+def test_crossover_leaves_knobs_whose_condition_fails() -> None:
+    other = set_knobs(GATED, {"TILE": "128", "DEPTH": "1", "X": "2"})
+    m = KnobMutator(crossover_rate=1.0)
+    children = [m.propose(MutationRequest(parent=_prog(GATED), inspirations=(_prog(other),),
+                                          seed=s, iteration=1)) for s in range(40)]
+    crossed = [{k.name: k.value for k in find_knobs(c.source)} for c in children if c.source]
+    assert crossed and all(v["TILE"] == "64" for v in crossed)   # dead in the parent: kept
+    assert any(v["DEPTH"] == "1" for v in crossed) and any(v["X"] == "2" for v in crossed)
+
+
+FACTS = """\
+PATH = "a"  # evoattn: choice("a", "b")
+T_TILE = 64  # evoattn: choice(32, 64) when(PATH="a", @target!=sm90)
+#define C_TILE 2  // evoattn: choice(1, 2) when(@target=sm90) when(PATH="b")
+"""
+
+
+def test_facts_and_groups_decide_which_knobs_are_live() -> None:
+    knobs = find_knobs(FACTS)
+    assert knobs[2].when == ((("@target", "=", "sm90"),), (("PATH", "=", '"b"'),))
+
+    def live(src: str, **facts: str) -> set[str]:
+        return {k.name for k in active(find_knobs(src), facts)}
+
+    b = set_knobs(FACTS, {"PATH": '"b"'})
+    assert live(FACTS, target="sm90") == {"PATH", "T_TILE"}      # PATH a: the first kernel
+    assert live(b, target="sm90") == {"PATH", "C_TILE"}          # PATH b: the second one
+    assert live(b, target="sm80") == {"PATH", "T_TILE"}          # only the first runs there
+    assert live(b, target="cpu") == {"PATH", "T_TILE"}
+    assert live(b) == {"PATH", "T_TILE", "C_TILE"}               # no facts: nothing ruled out
+    changes = [KnobMutator(facts={"target": "sm80"}).propose(
+        MutationRequest(parent=_prog(b), inspirations=(), seed=s, iteration=1)).change
+        for s in range(200)]
+    assert not any("C_TILE" in c for c in changes) and any("T_TILE" in c for c in changes)

@@ -12,7 +12,7 @@ import tempfile
 import pytest
 
 from evoattn import sandbox
-from evoattn.sandbox import EvalSettings, SubprocessEvaluator, child_env
+from evoattn.sandbox import EvalSettings, SubprocessEvaluator, child_env, detect_target
 from evaluator.types import Verdict
 
 
@@ -149,3 +149,20 @@ def test_cost_summary_averages_each_stage_over_the_evaluations() -> None:
     line = cost_summary(rs + [EvalResult(Verdict.CRASH, "no stages", 0.0)])
     assert line == "evaluations: 2, 8.0 s each on average (reference 6.0, check 1.0, time 0.5, load 0.0)"
     assert cost_summary([]) == ""
+
+
+@pytest.mark.parametrize("output,want", [("9.0\n", "sm90"), ("9.0\n9.0\n", "sm90"),
+                                         ("8.0\n", "sm80"), ("9.0\n8.0\n", None),
+                                         ("[N/A]\n", None)])
+def test_the_target_fact_comes_from_nvidia_smi(tmp_path, monkeypatch, output, want) -> None:  # noqa: ANN001
+    smi = tmp_path / "nvidia-smi"                      # a real program on PATH, as on a GPU box
+    smi.write_text(f"#!/bin/sh\nprintf '{output.replace(chr(10), chr(92) + 'n')}'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert detect_target("cuda") == want
+    assert detect_target("cpu") == "cpu"
+
+
+def test_without_nvidia_smi_there_is_no_target_fact(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert detect_target("cuda") is None

@@ -32,8 +32,8 @@ SEEDS_DIR = Path(__file__).resolve().parents[1] / "seeds" / "sdpa"
 # dtype before P·V (unit roundoff 2^-11 in float16, 2^-8 in bfloat16), so these are a few times
 # the error seen at these sizes; a mask or rescaling bug gives errors of 0.1 and more.
 TOLERANCE = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2}
-KNOB_LINE = re.compile(r"^(?P<name>[A-Z][A-Z0-9_]*) = (?P<value>\S+)  # evoattn: choice\((?P<choices>[^)]*)\)$",
-                       re.MULTILINE)
+KNOB_LINE = re.compile(r"^(?P<name>[A-Z][A-Z0-9_]*) = (?P<value>\S+)  # evoattn: "
+                       r"choice\((?P<choices>[^)]*)\)(?: when\([^)]*\))*$", re.MULTILINE)
 # Errors that count as failing cleanly on a GPU (a knob setting Triton cannot build for that
 # dtype: too much shared memory, a warp-specialisation pass failure), not as bugs.
 CLEAN_FAILURES = ("WarpSpecializeError", "OutOfResources")

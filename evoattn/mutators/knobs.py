@@ -5,6 +5,14 @@ Grammar (one knob per line; the mutator changes only the value):
     USE_TMA = True  # evoattn: choice(True, False)             structural switch
     #define BLOCK_N 64  // evoattn: choice(32, 64, 128)        CUDA macro
     constexpr int WARPS = 4;  // evoattn: choice(4, 8)         CUDA constant
+    TILE = 64  # evoattn: choice(32, 64) when(PATH=a, PATH=b)  gated: used only when some
+                                                               listed knob has its value
+    #define N 2  // evoattn: choice(1, 2) when(@target=sm90) when(PATH=b, @target!=sm90)
+Terms inside one when(...) are alternatives, separate when(...) groups must all hold, `!=`
+negates, and an @name is a fact about the run that the mutator is given (`@target`: "cpu" or
+"smXY", the GPU's compute capability); a fact it was not given counts as holding. A gated knob
+whose condition fails in the parent changes nothing that runs, so the mutator neither mutates
+nor crosses it (an evaluation spent there would time the parent again).
 """
 from __future__ import annotations
 
@@ -32,6 +40,35 @@ class Knob:
     line: int
     value: str
     choices: tuple[str, ...]
+    # when(...) groups, all of which must hold; each a tuple of (name, op, value) alternatives
+    when: tuple[tuple[tuple[str, str, str], ...], ...] = ()
+
+
+_WHEN = re.compile(r"\bwhen\((?P<conds>[^)]*)\)")
+_TERM = re.compile(r"^\s*(?P<name>@?\w+)\s*(?P<op>!=|=)\s*(?P<value>\S+?)\s*$")
+
+
+def _conditions(post: str) -> tuple[tuple[tuple[str, str, str], ...], ...]:
+    groups = []
+    for m in _WHEN.finditer(post):
+        terms = [t for t in (_TERM.match(c) for c in m.group("conds").split(",")) if t]
+        if terms:
+            groups.append(tuple((t["name"], t["op"], t["value"]) for t in terms))
+    return tuple(groups)
+
+
+def active(knobs: list[Knob], facts: dict[str, str] | None = None) -> list[Knob]:
+    """The knobs whose `when(...)` groups all hold at the knobs' own values and the facts."""
+    values = {k.name: k.value for k in knobs}
+    facts = facts or {}
+
+    def holds(name: str, op: str, value: str) -> bool:
+        have = facts.get(name[1:]) if name.startswith("@") else values.get(name)
+        if have is None:
+            return name.startswith("@")       # a fact not given: holds; an unknown knob: not
+        return (have == value) == (op == "=")
+
+    return [k for k in knobs if all(any(holds(*t) for t in group) for group in k.when)]
 
 
 def find_knobs(source: str) -> list[Knob]:
@@ -41,7 +78,8 @@ def find_knobs(source: str) -> list[Knob]:
         m = _DEFINE.match(line) or _CONST.match(line) or _PY.match(line)
         if m:
             choices = tuple(c.strip() for c in m.group("choices").split(",") if c.strip())
-            knobs.append(Knob(m.group("name"), i, m.group("val").strip(), choices))
+            knobs.append(Knob(m.group("name"), i, m.group("val").strip(), choices,
+                              _conditions(m.group("post"))))
     return knobs
 
 
@@ -93,10 +131,11 @@ class KnobMutator:
     name = "knobs"
 
     def __init__(self, crossover_rate: float = 0.2, is_known: Callable[[str], bool] | None = None,
-                 attempts: int = 20) -> None:
+                 attempts: int = 20, facts: dict[str, str] | None = None) -> None:
         self.crossover_rate = crossover_rate
         self.is_known = is_known or (lambda pid: False)
         self.attempts = attempts
+        self.facts = dict(facts or {})         # e.g. {"target": "sm90"}: see when(...) above
 
     def propose(self, request: MutationRequest) -> Proposal:
         """Returns a child with changed knob values, or a rejection saying why none was found."""
@@ -112,8 +151,9 @@ class KnobMutator:
              for pk in [find_knobs(p.source)] if {k.name for k in pk} == names), (None, []))
         for _ in range(self.attempts):
             use_cross = partner is not None and rng.random() < self.crossover_rate
-            values = (self._crossover(knobs, partner_knobs, rng) if use_cross
-                      else self._mutate(knobs, rng))
+            live = active(knobs, self.facts)
+            values = (self._crossover(knobs, live, partner_knobs, rng) if use_cross
+                      else self._mutate(knobs, live, rng))
             changed = {k.name: (k.value, values[k.name]) for k in knobs
                        if values.get(k.name, k.value) != k.value}
             if not changed:
@@ -130,10 +170,10 @@ class KnobMutator:
                                         f"in {self.attempts} attempts")
 
     @staticmethod
-    def _mutate(knobs: list[Knob], rng: random.Random) -> dict[str, str]:
+    def _mutate(knobs: list[Knob], live: list[Knob], rng: random.Random) -> dict[str, str]:
         values = {k.name: k.value for k in knobs}
         n = 1 if rng.random() < 0.6 else 2 if rng.random() < 0.75 else 3
-        for k in rng.sample(knobs, k=min(n, len(knobs))):
+        for k in rng.sample(live, k=min(n, len(live))):
             others = [c for c in k.choices if c != k.value]
             if not others:
                 continue
@@ -146,6 +186,9 @@ class KnobMutator:
         return values
 
     @staticmethod
-    def _crossover(knobs: list[Knob], other: list[Knob], rng: random.Random) -> dict[str, str]:
+    def _crossover(knobs: list[Knob], live: list[Knob], other: list[Knob],
+                   rng: random.Random) -> dict[str, str]:
         theirs = {k.name: k.value for k in other}
-        return {k.name: (theirs[k.name] if rng.random() < 0.5 else k.value) for k in knobs}
+        names = {k.name for k in live}
+        return {k.name: (theirs[k.name] if k.name in names and rng.random() < 0.5 else k.value)
+                for k in knobs}
