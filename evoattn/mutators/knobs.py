@@ -149,9 +149,9 @@ class KnobMutator:
         partner, partner_knobs = next(
             ((p, pk) for p in request.inspirations if p.id != parent.id
              for pk in [find_knobs(p.source)] if {k.name for k in pk} == names), (None, []))
+        live = active(knobs, self.facts)      # knobs whose code runs some call
         for _ in range(self.attempts):
             use_cross = partner is not None and rng.random() < self.crossover_rate
-            live = active(knobs, self.facts)
             values = (self._crossover(knobs, live, partner_knobs, rng) if use_cross
                       else self._mutate(knobs, live, rng))
             changed = {k.name: (k.value, values[k.name]) for k in knobs
