@@ -484,8 +484,11 @@ def _cuda_entry():
         raise RuntimeError("flash_hybrid: the CUDA path (a CUDA_D* knob set to True) needs nvcc "
                            "on PATH or in $CUDA_HOME/bin; install the CUDA toolkit, or set the "
                            "CUDA_D* knobs to False to run the Triton kernel")
-    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True,
-                             timeout=120).stdout
+    try:
+        version = subprocess.run([nvcc, "--version"], capture_output=True, text=True,
+                                 timeout=120).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"flash_hybrid: cannot run {nvcc} --version: {exc}") from None
     key = hashlib.sha256("\0".join((_CUDA_SOURCE, " ".join(_NVCC_FLAGS), version))
                          .encode()).hexdigest()[:24]
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
