@@ -71,9 +71,9 @@ def _search(cfg: RunConfig, store: Any, problem: Any, problem_ref: str, configs:
     evaluator = SubprocessEvaluator(settings)
     meter = None
     mutators: list[tuple[Any, float]] = []
+    target = detect_target(dev)   # the @target fact: lets knob conditions rule out dead code
     for m in cfg.mutators:
         if m.kind == "knobs":     # every evaluated program is committed before the next proposal
-            target = detect_target(dev)   # lets knob conditions rule out dead code
             mutators.append((KnobMutator(cfg.population.crossover_rate,
                                          is_known=store.has_program,
                                          facts={"target": target} if target else None),

@@ -5,7 +5,7 @@
     python seeds/compose_hybrid.py --check    # exit 1 if the committed one is out of date
 
 Why a hybrid: on Hopper the Triton seed is the faster kernel at D=64 and the CUDA seed's
-warp-specialised path (TMA producer, mbarrier ring, wgmma overlap) at D=128, and a search
+warp-specialised path (TMA producer, mbarrier ring, persistent blocks) at D=128, and a search
 hands back one file. The hybrid is that file: `flash_triton.py` as it is, plus four knobs
 (CUDA_D64, CUDA_D64_CAUSAL, CUDA_D128, CUDA_D128_CAUSAL) that send a head dim and causality
 to `wgmma_flash.cu`, whose source it carries as a string and builds with nvcc on first use.

@@ -40,6 +40,21 @@ def hybrid(tmp_path, monkeypatch):  # noqa: ANN001, ANN201
     return mod
 
 
+@pytest.fixture()
+def builds(hybrid, monkeypatch):  # noqa: ANN001, ANN201
+    """The nvcc builds the hybrid runs (real ones): each command line that writes an output."""
+    seen = []
+    real_run = subprocess.run
+
+    def run(cmd, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if "-o" in cmd:
+            seen.append(cmd)
+        return real_run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(hybrid.subprocess, "run", run)
+    return seen
+
+
 def test_hybrid_is_generated_from_the_current_seeds():
     proc = subprocess.run([sys.executable, str(ROOT / "seeds" / "compose_hybrid.py"), "--check"],
                           capture_output=True, text=True, timeout=120)
@@ -120,17 +135,9 @@ def test_routing_sends_only_sm90_half_precision_calls_whose_knob_is_set(hybrid, 
 
 
 @needs_nvcc
-def test_cuda_path_is_built_once_then_loaded_from_the_cache(hybrid, monkeypatch, tmp_path):
+def test_cuda_path_is_built_once_then_loaded_from_the_cache(hybrid, monkeypatch, tmp_path,
+                                                            builds):
     monkeypatch.setattr(hybrid, "_CUDA_SOURCE", STUB_CU)
-    builds = []
-    real_run = subprocess.run
-
-    def run(cmd, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        if "-o" in cmd:
-            builds.append(cmd)
-        return real_run(cmd, *args, **kwargs)
-
-    monkeypatch.setattr(hybrid.subprocess, "run", run)
     entry = hybrid._cuda_entry()
     assert entry(None, None, None, None, 3, 1, 1, 64, 0, 0, 1.0, None) == 9
     assert len(builds) == 1 and "-gencode=arch=compute_90a,code=sm_90a" in builds[0]
@@ -170,17 +177,8 @@ def test_without_nvcc_cuda_calls_run_triton_after_one_warning(hybrid, monkeypatc
 
 
 @needs_nvcc
-def test_a_failed_build_is_raised_again_without_rebuilding(hybrid, monkeypatch):
+def test_a_failed_build_is_raised_again_without_rebuilding(hybrid, monkeypatch, builds):
     monkeypatch.setattr(hybrid, "_CUDA_SOURCE", STUB_CU.replace("return B + 6;", "return oops;"))
-    builds = []
-    real_run = subprocess.run
-
-    def run(cmd, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        if "-o" in cmd:
-            builds.append(cmd)
-        return real_run(cmd, *args, **kwargs)
-
-    monkeypatch.setattr(hybrid.subprocess, "run", run)
     for _ in range(3):
         with pytest.raises(RuntimeError, match="nvcc failed"):
             hybrid._cuda_kernel()

@@ -71,6 +71,20 @@ def test_knob_search_runs_exports_and_the_export_gets_the_same_verdict(tmp_path:
         == "pass"
 
 
+def test_a_cpu_run_of_the_hybrid_never_spends_an_evaluation_on_its_cuda_knobs(
+        tmp_path: Path) -> None:
+    """On the CPU the hybrid's WG_* and CUDA_* knobs run no call (their when(@target=sm90)):
+    the runner tells the mutator the target, so no candidate changes them."""
+    hybrid = ROOT / "seeds" / "sdpa" / "flash_hybrid.py"
+    cfg = _config(tmp_path, seed=str(hybrid), iterations=8)
+    p = _evoattn("run", "--config", str(cfg), "--quiet")
+    assert p.returncode == 0, p.stdout + p.stderr
+    changes = [c for (c,) in _rows(tmp_path / "run" / "run.sqlite",
+                                   "SELECT change FROM programs WHERE iteration > 0")]
+    assert len(changes) >= 6
+    assert not [c for c in changes if re.search(r"\b(WG|CUDA)_", c)], changes
+
+
 def test_kill_9_mid_run_then_resume_continues_the_same_run(tmp_path: Path) -> None:
     cfg = _config(tmp_path, iterations=5)
     db = tmp_path / "run" / "run.sqlite"
@@ -101,24 +115,24 @@ def test_kill_9_mid_run_then_resume_continues_the_same_run(tmp_path: Path) -> No
     assert len(_rows(db, "SELECT id FROM programs")) == len(after)
 
 
-def _block_n_edit(value: str) -> str:
-    """An LLM reply's edit of the seed's BLOCK_N_D64 line to `value` (from its current value,
-    whatever the seed's default is now)."""
+def _block_n_edits() -> tuple[str, str]:
+    """Two LLM replies' edits of the seed's BLOCK_N_D64 line, each to one of the two values it
+    does not have (whatever the seed's default is now)."""
     line = next(l for l in SEED.read_text().splitlines() if l.startswith("BLOCK_N_D64 = "))
     current = line.split("=")[1].split("#")[0].strip()
-    assert value != current
-    return (f"<<<<<<< SEARCH\n{line}\n=======\n"
-            f"{line.replace(f'= {current}  #', f'= {value}  #')}\n>>>>>>> REPLACE\n")
+    first, second = [v for v in ("32", "64", "128") if v != current]
+    return tuple(f"<<<<<<< SEARCH\n{line}\n=======\n"
+                 f"{line.replace(f'= {current}  #', f'= {v}  #')}\n>>>>>>> REPLACE\n"
+                 for v in (first, second))
 
 
 def test_llm_search_over_a_real_http_server(tmp_path: Path) -> None:
-    line = next(l for l in SEED.read_text().splitlines() if l.startswith("BLOCK_N_D64 = "))
-    first, second = [v for v in ("32", "64", "128") if f"= {v}  #" not in line]
+    first, second = _block_n_edits()
     malformed = ("<<<<<<< SEARCH\nBLOCK_Q = 999\n=======\nBLOCK_Q = 1\n>>>>>>> REPLACE\n")
     with LlmServer() as srv:
-        srv.push(reply(_block_n_edit(first), 1200, 300), reply(malformed, 1000, 100),
+        srv.push(reply(first, 1200, 300), reply(malformed, 1000, 100),
                  error(429, retry_after="0"), stall(3.0, reply("late")),
-                 reply(_block_n_edit(second), 900, 200))
+                 reply(second, 900, 200))
         cfg = _config(tmp_path, iterations=3, mutators=[{"kind": "llm", "weight": 1.0}],
                       llm={"models": [{"name": "scripted", "base_url": srv.base_url,
                                        "api_key_env": "EVOATTN_TEST_KEY",
