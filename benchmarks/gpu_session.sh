@@ -9,8 +9,8 @@
 # spins side by side), PROBE=1 then benchmarks/wgmma_probe.py (with PROBE_ARGS, e.g. "--watchdog").
 # The sdpa search gets whatever time is left before DEADLINE, less SEARCH_RESERVE_S (45); it
 # resumes gpu_runs/default if present (carry gpu_runs/ between calls to continue a run, the
-# script leaves it in $OUT/gpu_runs.tgz). BEST_EVAL=1 re-checks the run's best afterwards
-# against every SDPA backend.
+# script leaves it in $OUT/gpu_runs.tgz; SEARCH_ITERS caps its iterations, default 100).
+# BEST_EVAL=1 re-checks the run's best afterwards against every SDPA backend.
 set -u
 export PYTHONUNBUFFERED=1
 R=$OUT/res; mkdir -p "$R"
@@ -80,7 +80,7 @@ fi
 SEARCH_S=$(( ${DEADLINE:-0} - ($(date +%s) - T0) - ${SEARCH_RESERVE_S:-45} ))
 if [ "$SEARCH_S" -gt 30 ]; then
   log "search for ${SEARCH_S}s"
-  timeout $(( SEARCH_S + 30 )) python -m evoattn.cli run --config configs/default.yaml --iterations 100 --max-wall-s $SEARCH_S \
+  timeout $(( SEARCH_S + 30 )) python -m evoattn.cli run --config configs/default.yaml --iterations ${SEARCH_ITERS:-100} --max-wall-s $SEARCH_S \
      --output gpu_runs/default --quiet > "$R/run.txt" 2>&1
   echo "exit $?" >> "$R/run.txt"; tail -25 "$R/run.txt"
   cp gpu_runs/default/run.sqlite "$OUT/run.sqlite" 2>/dev/null

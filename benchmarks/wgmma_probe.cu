@@ -16,6 +16,14 @@
 #define WGF_PROBE_UNITS 1
 #endif
 
+// The dynamic shared memory the warp-specialised kernel asks for at head dim D (64 or 128) and
+// this build's knobs: the probe compares it with the GPU's limit instead of restating the
+// seed's layout. Host code only: callable without a GPU.
+extern "C" long long probe_ws_smem_bytes(int D) {
+  return D == 64 ? (long long)WsSmem<64, BLOCK_N_D64>::bytes
+                 : (long long)WsSmem<128, BLOCK_N_D128>::bytes;
+}
+
 #if WGF_PROBE_UNITS
 
 // A warpgroup's 64 x N f32 accumulator fragments <-> a row-major [64][N] array. Thread

@@ -111,8 +111,8 @@ WS_INTERACTIONS = ({"PERSISTENT_D64": "1", "PERSISTENT_D128": "1"},
                    {"PERSISTENT_D64": "1", "PERSISTENT_D128": "1", "PERSISTENT_DYNAMIC": "0"},
                    {"PERSISTENT_D64": "1", "PERSISTENT_D128": "1", "PINGPONG": "1"},
                    {"PERSISTENT_D64": "1", "PERSISTENT_D128": "1", "OVERLAP_D64": "1",
-                    "OVERLAP_D128": "0", "WS_STAGES": "3"},
-                   {"PINGPONG": "1", "WS_STAGES": "3"})
+                    "OVERLAP_D128": "0", "WS_STAGES": "3", "TMA_STORE": "0"},
+                   {"PINGPONG": "1", "WS_STAGES": "3", "TMA_STORE": "0"})
 
 
 def probe_settings(knobs) -> list[dict[str, str]]:
@@ -138,13 +138,19 @@ def probe_settings(knobs) -> list[dict[str, str]]:
 SMEM_OPTIN_BYTES = 232448                    # H100/H200: 227 KB of shared memory per block
 
 
-def fits_shared_memory(vals: dict[str, str], D: int) -> bool:
-    """Whether the warp-specialised kernel's shared memory (WsSmem in the seed) fits a block."""
+def load(so: Path) -> ctypes.CDLL:
+    """A built probe library, with the return type of its one 64-bit entry point declared."""
+    lib = ctypes.CDLL(str(so))
+    lib.probe_ws_smem_bytes.restype = ctypes.c_longlong
+    return lib
+
+
+def fits_shared_memory(lib, vals: dict[str, str], D: int) -> bool:
+    """Whether the warp-specialised kernel's shared memory fits a block, as the built library
+    (`lib`, with these knob values `vals`) computes it (WsSmem in the seed)."""
     if vals[f"WARP_SPECIALIZE_D{D}"] != "1":
         return True
-    block_m, stages = 64 * int(vals["NUM_WARPGROUPS"]), int(vals["WS_STAGES"])
-    bn = int(vals["BLOCK_N_D64" if D == 64 else "BLOCK_N_D128"])
-    return block_m * D * 2 + stages * 2 * bn * D * 2 + 8 * (3 + 4 * stages) + 1024 <= SMEM_OPTIN_BYTES
+    return lib.probe_ws_smem_bytes(D) <= SMEM_OPTIN_BYTES
 
 
 def main() -> int:
@@ -197,7 +203,7 @@ def main() -> int:
             print(f"FAIL  build {label}\n{log[-3000:]}")
             return 1
         print(f"      build {label}: {secs:.0f}s, {ptxas_summary(log)}")
-        libs.append((label, vals, ctypes.CDLL(str(so))))
+        libs.append((label, vals, load(so)))
 
     dev = torch.device(DEVICE)
     gen = torch.Generator(device=dev).manual_seed(1234)
@@ -258,7 +264,7 @@ def main() -> int:
                 rc = lib.evoattn_sdpa(ptr(q), ptr(k), ptr(v), ptr(out), B, H, S, D, codes[dname],
                                       int(causal), ctypes.c_float(scale), stream)
                 torch.cuda.synchronize()
-                if dname != "float32" and not fits_shared_memory(vals, D):
+                if dname != "float32" and not fits_shared_memory(lib, vals, D):
                     # more ring stages than shared memory: the seed must fail cleanly, with
                     # cudaFuncSetAttribute's cudaErrorInvalidValue (1)
                     report(f"4 sdpa [{label}] ({B},{H},{S},{D}){' causal' if causal else ''} "
@@ -303,7 +309,7 @@ def main() -> int:
                 flops = 4.0 * B * H * S * S * D / (2 if causal else 1)
                 cells = []
                 for label, vals, lib in libs:
-                    if not fits_shared_memory(vals, D):
+                    if not fits_shared_memory(lib, vals, D):
                         continue              # fails cleanly (checked above); nothing to time
                     def call(lib=lib):
                         lib.evoattn_sdpa(ptr(q), ptr(k), ptr(v), ptr(out), B, H, S, D, 0,

@@ -40,6 +40,7 @@ TRITON_USERS = {           # Triton knob -> routing knobs whose False sends call
     "BLOCK_M_D64": (_D64,), "NUM_STAGES_D64": (_D64,),
     "BLOCK_M_D64_CAUSAL": (_D64C,), "NUM_STAGES_D64_CAUSAL": (_D64C,),
     "BLOCK_N_D64": (_D64, _D64C), "NUM_WARPS_D64": (_D64, _D64C), "BLOCK_N_D64_LONG": (_D64, _D64C),
+    "BLOCK_N_D64_SMALL_GRID": (_D64, _D64C),
     "BLOCK_M_D128": (_D128,), "NUM_STAGES_D128": (_D128,),
     "BLOCK_M_D128_CAUSAL": (_D128C,), "NUM_STAGES_D128_CAUSAL": (_D128C,),
     "BLOCK_N_D128": (_D128, _D128C), "NUM_WARPS_D128": (_D128, _D128C),
@@ -57,6 +58,7 @@ CUDA_USERS = {             # CUDA knob -> routing knobs whose True sends calls t
     "PERSISTENT_D128": (_D128, _D128C),
     "PERSISTENT_DYNAMIC": (_D64C, _D128C),
     "NUM_WARPGROUPS": _ALL, "WS_STAGES": _ALL, "SETMAXNREG": _ALL, "PINGPONG": _ALL,
+    "TMA_STORE": _ALL,
 }
 
 

@@ -296,7 +296,7 @@ def test_tile_settings_follow_the_causal_and_long_sequence_knobs(tmp_path):
              "NUM_STAGES_D64_CAUSAL": 4, "LONG_SEQ": 4096, "BLOCK_N_D64_LONG": 64,
              "BLOCK_M_D128": 64, "BLOCK_N_D128": 32, "NUM_STAGES_D128": 4,
              "BLOCK_M_D128_CAUSAL": 256, "NUM_STAGES_D128_CAUSAL": 1, "BLOCK_N_D128_LONG": 128,
-             "NUM_STAGES_SMALL_GRID": 5}
+             "NUM_STAGES_SMALL_GRID": 5, "BLOCK_N_D64_SMALL_GRID": 64}
     mod = _load_with_knobs(tmp_path, SEEDS_DIR / "flash_triton.py", knobs, "flash_knobs_seed")
     warps = mod.NUM_WARPS_D64
     assert mod._settings(64, False, 4095) == (128, 32, warps, 3)
@@ -305,11 +305,15 @@ def test_tile_settings_follow_the_causal_and_long_sequence_knobs(tmp_path):
     assert mod._settings(64, True, 4096) == (32, 64, warps, 4)
     assert mod._settings(128, False, 100) == (64, 32, mod.NUM_WARPS_D128, 4)
     assert mod._settings(128, True, 4096) == (256, 128, mod.NUM_WARPS_D128, 1)
-    # one wave (at most one program per SM, not persistent): the small-grid depth
-    assert mod._grid_stages(3, 64, 132, persistent=False) == 5
-    assert mod._grid_stages(3, 132, 132, persistent=False) == 5
-    assert mod._grid_stages(3, 133, 132, persistent=False) == 3
-    assert mod._grid_stages(3, 64, 132, persistent=True) == 3
+    # one wave (at most one program per SM, not persistent): the small-grid depth, and at D=64
+    # the small-grid key tile. S=100 with 128-row tiles is one item per head.
+    assert mod._launch_settings(64, False, 100, 132, 132) == (128, 64, warps, 5)
+    assert mod._launch_settings(64, False, 100, 133, 132) == (128, 32, warps, 3)
+    assert mod._launch_settings(64, False, 4096, 4, 132) == (128, 64, warps, 5)   # 32 items
+    assert mod._launch_settings(128, False, 100, 66, 132) == (64, 32, mod.NUM_WARPS_D128, 5)
+    persistent = _load_with_knobs(tmp_path, SEEDS_DIR / "flash_triton.py",
+                                  {**knobs, "PERSISTENT": True}, "flash_knobs_persistent")
+    assert persistent._launch_settings(64, False, 100, 8, 132) == (128, 32, warps, 3)
 
 
 def test_gqa_tile_settings_follow_the_causal_and_long_sequence_knobs(tmp_path):

@@ -51,17 +51,48 @@ def test_probe_builds_every_structural_combination_and_every_knob_value():
         assert any(D == d and B * H * -(-S // 128) > 132 for B, H, S, D, _ in probe.SDPA_SHAPES), d
 
 
-def test_probe_knows_which_ring_depths_fit_in_shared_memory():
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_probe_knows_which_ring_depths_fit_in_shared_memory(tmp_path):
+    """The probe asks the built library (the seed's WsSmem) for its shared memory: host code,
+    so the check runs without a GPU (PTX-only builds, no ptxas)."""
+    import concurrent.futures
     probe = _probe_module()
+    source = SEED.read_text()
     base = {"WARP_SPECIALIZE_D64": "1", "WARP_SPECIALIZE_D128": "1", "NUM_WARPGROUPS": "2",
-            "BLOCK_N_D64": "128", "BLOCK_N_D128": "128"}
-    # D=128, 128-key tiles: q 32 KB + 64 KB per stage; 3 stages fit in 227 KB, 4 do not
-    assert probe.fits_shared_memory({**base, "WS_STAGES": "3"}, 128)
-    assert not probe.fits_shared_memory({**base, "WS_STAGES": "4"}, 128)
-    assert probe.fits_shared_memory({**base, "WS_STAGES": "4"}, 64)
-    assert probe.fits_shared_memory({**base, "WS_STAGES": "4", "BLOCK_N_D128": "64"}, 128)
-    # the cp.async path has its own fixed ring: never refused
-    assert probe.fits_shared_memory({**base, "WS_STAGES": "4", "WARP_SPECIALIZE_D128": "0"}, 128)
+            "BLOCK_N_D64": "128", "BLOCK_N_D128": "128", "TMA_STORE": "0"}
+    cases = [  # (knobs, D, fits)
+        # D=128, 128-key tiles: q 32 KB + 64 KB per stage; 3 stages fit in 227 KB, 4 do not
+        ({**base, "WS_STAGES": "3"}, 128, True),
+        ({**base, "WS_STAGES": "4"}, 128, False),
+        ({**base, "WS_STAGES": "4"}, 64, True),
+        ({**base, "WS_STAGES": "4", "BLOCK_N_D128": "64"}, 128, True),
+        # TMA_STORE adds a 32 KB output tile: 2 stages still fit, 3 no longer do
+        ({**base, "WS_STAGES": "2", "TMA_STORE": "1"}, 128, True),
+        ({**base, "WS_STAGES": "3", "TMA_STORE": "1"}, 128, False),
+        # the cp.async path has its own fixed ring: never refused
+        ({**base, "WS_STAGES": "4", "WARP_SPECIALIZE_D128": "0"}, 128, True),
+    ]
+
+    def build(i: int):
+        seed = tmp_path / f"seed_{i}.cu"
+        seed.write_text(probe.set_knobs(source, cases[i][0]))
+        so = tmp_path / f"probe_{i}.so"
+        proc = subprocess.run(
+            ["nvcc", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
+             "-gencode=arch=compute_90a,code=compute_90a", f'-DWGF_SEED="{seed}"',
+             "-DWGF_PROBE_UNITS=0", "-o", str(so), str(probe.PROBE)],
+            capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return probe.load(so)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        libs = list(ex.map(build, range(len(cases))))
+    for (vals, d, fits), lib in zip(cases, libs):
+        assert probe.fits_shared_memory(lib, vals, d) is fits, (vals, d)
+    # the byte count is the documented layout: q, the k/v stages, the output tile, then the
+    # mbarriers (q full/empty, four per stage) and the item slot, and the alignment slack
+    tile = 128 * 128 * 2
+    assert libs[4].probe_ws_smem_bytes(128) == tile + 2 * 2 * tile + tile + 8 * (2 + 4 * 2) + 8 + 1024
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")

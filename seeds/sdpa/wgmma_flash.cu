@@ -28,7 +28,7 @@
 // P v is on the tensor cores; the cp.async path then uses a three-stage k/v ring),
 // WARP_SPECIALIZE_D64 / _D128 (per head dim: the cp.async path above, or the warp-specialised
 // path below with its knobs WS_STAGES, SETMAXNREG, PINGPONG, PERSISTENT_D64 / _D128,
-// PERSISTENT_DYNAMIC),
+// PERSISTENT_DYNAMIC, TMA_STORE),
 // HEAD_MAJOR_D64 / _D128 (block order per head dim: in a fifth-session call, before later
 // changes to both paths, it left the warp-specialised path unchanged and cost the cp.async
 // path 3%; not re-measured since).
@@ -120,6 +120,7 @@
 #define PERSISTENT_D64 0  // evoattn: choice(0, 1)
 #define PERSISTENT_D128 1  // evoattn: choice(0, 1)
 #define PERSISTENT_DYNAMIC 1  // evoattn: choice(0, 1)
+#define TMA_STORE 1  // evoattn: choice(0, 1)
 
 #define FB_BLOCK_M 32    // fallback tiles; fixed, not knobs
 #define FB_BLOCK_N 32
@@ -694,7 +695,10 @@ template <int D, int BN> struct WsSmem {
   static constexpr uint32_t Q_BYTES = BLOCK_M * D * 2;
   static constexpr uint32_t KV_BYTES = BN * D * 2;
   static constexpr uint32_t STAGE_BYTES = 2 * KV_BYTES;
-  static constexpr uint32_t BAR_OFFSET = Q_BYTES + WS_STAGES * STAGE_BYTES;
+  // TMA_STORE: the output tile, 64 rows x D per consumer warpgroup, after the k/v stages
+  static constexpr uint32_t O_OFFSET = Q_BYTES + WS_STAGES * STAGE_BYTES;
+  static constexpr uint32_t O_WG_BYTES = 64 * D * 2;
+  static constexpr uint32_t BAR_OFFSET = O_OFFSET + (TMA_STORE ? NUM_WARPGROUPS * O_WG_BYTES : 0);
   // barriers: q_full, q_empty, then per stage k_full, v_full, k_empty, v_empty (8 bytes each),
   // then the item slot (4 bytes, offset from q_full)
   static constexpr uint32_t ITEM_SLOT = 8 * (2 + 4 * WS_STAGES);
@@ -762,6 +766,39 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// TMA_STORE: four 8x8 16-bit matrices from registers into shared memory (lanes 8i .. 8i+7 give
+// the row addresses of matrix i; register i holds matrix i in the mma accumulator layout, the
+// same as the A fragment of P), then a bulk tensor store of a 64-column panel to global memory.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
+                                            uint32_t r3) {
+#if WGF_SM90A
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+#endif
+}
+__device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, int x, int y, int z) {
+#if WGF_SM90A
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n"
+               ::"l"((uint64_t)map), "r"(src), "r"(x), "r"(y), "r"(z) : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_commit() {
+#if WGF_SM90A
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+// Waits until this thread's bulk stores have read their shared memory (the buffer is free).
+__device__ __forceinline__ void bulk_wait_read() {
+#if WGF_SM90A
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+#endif
+}
+// Waits until this thread's bulk stores have completed (written global memory).
+__device__ __forceinline__ void bulk_wait_all() {
+#if WGF_SM90A
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+#endif
+}
 template <int R> __device__ __forceinline__ void set_max_regs_inc() {
 #if WGF_SM90A
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
@@ -773,10 +810,56 @@ template <int R> __device__ __forceinline__ void set_max_regs_dec() {
 #endif
 }
 
+// TMA_STORE's epilogue for one consumer warpgroup (all its 128 threads call it): normalises o
+// by the full row sums, writes the warpgroup's 64 x D output tile into its shared buffer `so`
+// (swizzled as the loads are, so a TMA store of each panel reads it back in order) with
+// stmatrix, and lets one thread (`leader`) store it to rows row0 .. row0+63 of slice bh with TMA
+// (rows past S are clipped by the tensor map). The store runs on while the warpgroup goes on to
+// its next item; the leader waits for it to have read the buffer before the buffer is written
+// again (here, at the next item), and for completion before the block exits (the caller).
+// Named barrier 3 + wg (1 and 2 are the PINGPONG turns) orders the warpgroup's threads.
+template <typename T, int D>
+__device__ __forceinline__ void store_rows_tma(const CUtensorMap* map, uint32_t so,
+                                               const float (&o)[D / 2], const float (&l_run)[2],
+                                               int warp, int lane, int wg, int row0, int bh,
+                                               bool leader) {
+  float inv[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = l_run[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    inv[h] = l > 0.f ? 1.f / l : 0.f;
+  }
+  if (leader) bulk_wait_read();               // the previous item's store has read the buffer
+  named_sync(3 + wg, WG_THREADS);
+  // Lane l addresses row l % 8 of matrix l / 8: matrices 0 and 1 are rows 0-7 and 8-15 of the
+  // warp's 16 rows at the key step's first 8 columns, matrices 2 and 3 the next 8 columns.
+  const int mi = lane / 8;
+  const int r = 16 * warp + lane % 8 + 8 * (mi & 1);
+#pragma unroll
+  for (int j = 0; j < D / 16; ++j) {
+    const int c = 2 * j + (mi >> 1);          // 16-byte chunk of the row (8 columns)
+    const uint32_t addr = so + (uint32_t)((c >> 3) * 64 * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+    stmatrix_x4(addr, pack2<T>(o[8 * j] * inv[0], o[8 * j + 1] * inv[0]),
+                pack2<T>(o[8 * j + 2] * inv[1], o[8 * j + 3] * inv[1]),
+                pack2<T>(o[8 * j + 4] * inv[0], o[8 * j + 5] * inv[0]),
+                pack2<T>(o[8 * j + 6] * inv[1], o[8 * j + 7] * inv[1]));
+  }
+  fence_proxy_async();                        // the writes, visible to the TMA (async proxy)
+  named_sync(3 + wg, WG_THREADS);
+  if (leader) {
+#pragma unroll
+    for (int p = 0; p < D / 64; ++p) tma_store(map, so + p * 64 * 128, 64 * p, row0, bh);
+    bulk_commit();
+  }
+}
+
 template <typename T, int D, int BN, bool OV>
 __global__ void __launch_bounds__(WS_THREADS, 1)
 wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                const __grid_constant__ CUtensorMap tm_v, T* __restrict__ out, int BH, int S,
+                const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
+                T* __restrict__ out, int BH, int S,
                 int causal, float scale_log2, int* __restrict__ item_counter) {
 #if WGF_SM90A
   constexpr bool BF16 = std::is_same<T, __nv_bfloat16>::value;
@@ -892,6 +975,8 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
   const int g = lane / 4, t = lane % 4;
   const uint32_t q_addr = sq + wg * 64 * 128;
   const bool pingpong = PINGPONG && NUM_WARPGROUPS == 2;
+  const uint32_t so_wg = sbase + L::O_OFFSET + wg * L::O_WG_BYTES;   // TMA_STORE's buffer
+  const bool leader = ctid % WG_THREADS == 0;                        // ... and its storer
 
   for (int ring = 0, n = 0;; ++n) {            // as the producer counts them (ring modulo
                                               // 2 * WS_STAGES)
@@ -1023,9 +1108,15 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
       mbar_wait(bar_v(st), phase(it));
       mbar_arrive(bar_ve(st));
     }
-    if (wg_live) store_rows<T, D>(out + (long long)bh * S * D, o, l_run, row_a, row_b, t, S);
+    if (wg_live) {
+      if constexpr (TMA_STORE)
+        store_rows_tma<T, D>(&tm_o, so_wg, o, l_run, warp, lane, wg, wg_row0, bh, leader);
+      else
+        store_rows<T, D>(out + (long long)bh * S * D, o, l_run, row_a, row_b, t, S);
+    }
     ring = (ring + ntiles) % (2 * WS_STAGES);
   }
+  if (TMA_STORE && leader) bulk_wait_all();   // the block's shared memory outlives its stores
 #else
   __trap();
 #endif
@@ -1080,9 +1171,10 @@ static int launch_ws(const void* q, const void* k, const void* v, void* out, int
     return (int)err;
   }
   if (tensor_map_encoder() == nullptr) return (int)cudaErrorNotSupported;   // driver too old
-  CUtensorMap tq, tk, tv;
+  CUtensorMap tq, tk, tv, to{};               // to: the output's, used only with TMA_STORE
   if (!make_tensor_map<T>(&tq, q, BH, S, D, BLOCK_M) || !make_tensor_map<T>(&tk, k, BH, S, D, BN) ||
-      !make_tensor_map<T>(&tv, v, BH, S, D, BN))
+      !make_tensor_map<T>(&tv, v, BH, S, D, BN) ||
+      (TMA_STORE && !make_tensor_map<T>(&to, out, BH, S, D, 64)))
     return (int)cudaErrorInvalidValue;        // the driver refused a map (shape or alignment)
   const long long items = (long long)((S + BLOCK_M - 1) / BLOCK_M) * BH;
   long long blocks = items;
@@ -1115,7 +1207,7 @@ static int launch_ws(const void* q, const void* k, const void* v, void* out, int
     }
   }
   wgmma_ws_kernel<T, D, BN, OV><<<(unsigned)blocks, WS_THREADS, smem, stream>>>(
-      tq, tk, tv, (T*)out, BH, S, causal, scale * LOG2E, counter);
+      tq, tk, tv, to, (T*)out, BH, S, causal, scale * LOG2E, counter);
   err = cudaGetLastError();
   if (counter != nullptr && cudaFreeAsync(counter, stream) != cudaSuccess) {
     (void)cudaGetLastError();                 // a leaked 4 bytes, not a failed call
