@@ -58,7 +58,7 @@ CUDA_USERS = {             # CUDA knob -> routing knobs whose True sends calls t
     "PERSISTENT_D128": (_D128, _D128C),
     "PERSISTENT_DYNAMIC": (_D64C, _D128C),
     "NUM_WARPGROUPS": _ALL, "WS_STAGES": _ALL, "SETMAXNREG": _ALL, "PINGPONG": _ALL,
-    "TMA_STORE": _ALL,
+    "TMA_STORE_MAX_S": _ALL,
 }
 
 

@@ -59,16 +59,16 @@ def test_probe_knows_which_ring_depths_fit_in_shared_memory(tmp_path):
     probe = _probe_module()
     source = SEED.read_text()
     base = {"WARP_SPECIALIZE_D64": "1", "WARP_SPECIALIZE_D128": "1", "NUM_WARPGROUPS": "2",
-            "BLOCK_N_D64": "128", "BLOCK_N_D128": "128", "TMA_STORE": "0"}
+            "BLOCK_N_D64": "128", "BLOCK_N_D128": "128", "TMA_STORE_MAX_S": "0"}
     cases = [  # (knobs, D, fits)
         # D=128, 128-key tiles: q 32 KB + 64 KB per stage; 3 stages fit in 227 KB, 4 do not
         ({**base, "WS_STAGES": "3"}, 128, True),
         ({**base, "WS_STAGES": "4"}, 128, False),
         ({**base, "WS_STAGES": "4"}, 64, True),
         ({**base, "WS_STAGES": "4", "BLOCK_N_D128": "64"}, 128, True),
-        # TMA_STORE adds a 32 KB output tile: 2 stages still fit, 3 no longer do
-        ({**base, "WS_STAGES": "2", "TMA_STORE": "1"}, 128, True),
-        ({**base, "WS_STAGES": "3", "TMA_STORE": "1"}, 128, False),
+        # the TMA-store epilogue adds a 32 KB output tile: 2 stages still fit, 3 no longer do
+        ({**base, "WS_STAGES": "2", "TMA_STORE_MAX_S": "1024"}, 128, True),
+        ({**base, "WS_STAGES": "3", "TMA_STORE_MAX_S": "1024"}, 128, False),
         # the cp.async path has its own fixed ring: never refused
         ({**base, "WS_STAGES": "4", "WARP_SPECIALIZE_D128": "0"}, 128, True),
     ]

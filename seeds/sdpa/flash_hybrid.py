@@ -608,7 +608,9 @@ _CUDA_SOURCE = r"""
 // P v is on the tensor cores; the cp.async path then uses a three-stage k/v ring),
 // WG_WARP_SPECIALIZE_D64 / _D128 (per head dim: the cp.async path above, or the warp-specialised
 // path below with its knobs WG_WS_STAGES, WG_SETMAXNREG, WG_PINGPONG, WG_PERSISTENT_D64 / _D128,
-// WG_PERSISTENT_DYNAMIC, WG_TMA_STORE),
+// WG_PERSISTENT_DYNAMIC, and WG_TMA_STORE_MAX_S: calls with S up to it write O with stmatrix into a
+// shared tile per consumer warpgroup and one TMA store that runs on under the next work item,
+// instead of st.global from registers; 0: never, and no shared tile),
 // WG_HEAD_MAJOR_D64 / _D128 (block order per head dim: in a fifth-session call, before later
 // changes to both paths, it left the warp-specialised path unchanged and cost the cp.async
 // path 3%; not re-measured since).
@@ -700,7 +702,7 @@ _CUDA_SOURCE = r"""
 #define WG_PERSISTENT_D64 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True)
 #define WG_PERSISTENT_D128 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
 #define WG_PERSISTENT_DYNAMIC 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64_CAUSAL=True, CUDA_D128_CAUSAL=True)
-#define WG_TMA_STORE 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True)
+#define WG_TMA_STORE_MAX_S 1024  // evoattn: choice(0, 1024, 2048, 4096, 65536) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True)
 
 #define FB_BLOCK_M 32    // fallback tiles; fixed, not knobs
 #define FB_BLOCK_N 32
@@ -1275,10 +1277,11 @@ template <int D, int BN> struct WsSmem {
   static constexpr uint32_t Q_BYTES = BLOCK_M * D * 2;
   static constexpr uint32_t KV_BYTES = BN * D * 2;
   static constexpr uint32_t STAGE_BYTES = 2 * KV_BYTES;
-  // WG_TMA_STORE: the output tile, 64 rows x D per consumer warpgroup, after the k/v stages
+  // WG_TMA_STORE_MAX_S > 0: the output tile, 64 rows x D per consumer warpgroup, after the stages
   static constexpr uint32_t O_OFFSET = Q_BYTES + WG_WS_STAGES * STAGE_BYTES;
   static constexpr uint32_t O_WG_BYTES = 64 * D * 2;
-  static constexpr uint32_t BAR_OFFSET = O_OFFSET + (WG_TMA_STORE ? WG_NUM_WARPGROUPS * O_WG_BYTES : 0);
+  static constexpr uint32_t BAR_OFFSET =
+      O_OFFSET + (WG_TMA_STORE_MAX_S > 0 ? WG_NUM_WARPGROUPS * O_WG_BYTES : 0);
   // barriers: q_full, q_empty, then per stage k_full, v_full, k_empty, v_empty (8 bytes each),
   // then the item slot (4 bytes, offset from q_full)
   static constexpr uint32_t ITEM_SLOT = 8 * (2 + 4 * WG_WS_STAGES);
@@ -1346,7 +1349,7 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-// WG_TMA_STORE: four 8x8 16-bit matrices from registers into shared memory (lanes 8i .. 8i+7 give
+// The TMA-store epilogue: four 8x8 16-bit matrices from registers into shared memory (lanes 8i .. 8i+7 give
 // the row addresses of matrix i; register i holds matrix i in the mma accumulator layout, the
 // same as the A fragment of P), then a bulk tensor store of a 64-column panel to global memory.
 __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
@@ -1390,10 +1393,10 @@ template <int R> __device__ __forceinline__ void set_max_regs_dec() {
 #endif
 }
 
-// WG_TMA_STORE's epilogue for one consumer warpgroup (all its 128 threads call it): normalises o
-// by the full row sums, writes the warpgroup's 64 x D output tile into its shared buffer `so`
-// (swizzled as the loads are, so a TMA store of each panel reads it back in order) with
-// stmatrix, and lets one thread (`leader`) store it to rows row0 .. row0+63 of slice bh with TMA
+// The TMA-store epilogue (WG_TMA_STORE_MAX_S) for one consumer warpgroup (all its 128 threads call
+// it): normalises o by the full row sums, writes the warpgroup's 64 x D output tile into its
+// shared buffer `so` (swizzled as the loads are, so a TMA store of each panel reads it back in
+// order) with stmatrix, and lets one thread (`leader`) store it to rows row0 .. row0+63 of slice bh with TMA
 // (rows past S are clipped by the tensor map). The store runs on while the warpgroup goes on to
 // its next item; the leader waits for it to have read the buffer before the buffer is written
 // again (here, at the next item), and for completion before the block exits (the caller).
@@ -1440,7 +1443,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
 wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                 const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
                 T* __restrict__ out, int BH, int S,
-                int causal, float scale_log2, int* __restrict__ item_counter) {
+                int causal, float scale_log2, int* __restrict__ item_counter, int tma_store) {
 #if WGF_SM90A
   constexpr bool BF16 = std::is_same<T, __nv_bfloat16>::value;
   using L = WsSmem<D, BN>;
@@ -1555,7 +1558,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
   const int g = lane / 4, t = lane % 4;
   const uint32_t q_addr = sq + wg * 64 * 128;
   const bool pingpong = WG_PINGPONG && WG_NUM_WARPGROUPS == 2;
-  const uint32_t so_wg = sbase + L::O_OFFSET + wg * L::O_WG_BYTES;   // WG_TMA_STORE's buffer
+  const uint32_t so_wg = sbase + L::O_OFFSET + wg * L::O_WG_BYTES;   // the TMA store's tile
   const bool leader = ctid % WG_THREADS == 0;                        // ... and its storer
 
   for (int ring = 0, n = 0;; ++n) {            // as the producer counts them (ring modulo
@@ -1689,14 +1692,15 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
       mbar_arrive(bar_ve(st));
     }
     if (wg_live) {
-      if constexpr (WG_TMA_STORE)
+      if (WG_TMA_STORE_MAX_S > 0 && tma_store)
         store_rows_tma<T, D>(&tm_o, so_wg, o, l_run, warp, lane, wg, wg_row0, bh, leader);
       else
         store_rows<T, D>(out + (long long)bh * S * D, o, l_run, row_a, row_b, t, S);
     }
     ring = (ring + ntiles) % (2 * WG_WS_STAGES);
   }
-  if (WG_TMA_STORE && leader) bulk_wait_all();   // the block's shared memory outlives its stores
+  if (WG_TMA_STORE_MAX_S > 0 && tma_store && leader)
+    bulk_wait_all();                          // the block's shared memory outlives its stores
 #else
   __trap();
 #endif
@@ -1751,10 +1755,13 @@ static int launch_ws(const void* q, const void* k, const void* v, void* out, int
     return (int)err;
   }
   if (tensor_map_encoder() == nullptr) return (int)cudaErrorNotSupported;   // driver too old
-  CUtensorMap tq, tk, tv, to{};               // to: the output's, used only with WG_TMA_STORE
+  // The TMA-store epilogue for sequences up to WG_TMA_STORE_MAX_S: in the seventh session it gained
+  // 1-4% at S=1024 and lost 5-6% at S=4096 (D=128; the loss was not the larger shared memory).
+  const int tma_store = WG_TMA_STORE_MAX_S > 0 && S <= WG_TMA_STORE_MAX_S;
+  CUtensorMap tq, tk, tv, to{};               // to: the output's, used only with tma_store
   if (!make_tensor_map<T>(&tq, q, BH, S, D, BLOCK_M) || !make_tensor_map<T>(&tk, k, BH, S, D, BN) ||
       !make_tensor_map<T>(&tv, v, BH, S, D, BN) ||
-      (WG_TMA_STORE && !make_tensor_map<T>(&to, out, BH, S, D, 64)))
+      (tma_store && !make_tensor_map<T>(&to, out, BH, S, D, 64)))
     return (int)cudaErrorInvalidValue;        // the driver refused a map (shape or alignment)
   const long long items = (long long)((S + BLOCK_M - 1) / BLOCK_M) * BH;
   long long blocks = items;
@@ -1787,7 +1794,7 @@ static int launch_ws(const void* q, const void* k, const void* v, void* out, int
     }
   }
   wgmma_ws_kernel<T, D, BN, OV><<<(unsigned)blocks, WS_THREADS, smem, stream>>>(
-      tq, tk, tv, to, (T*)out, BH, S, causal, scale * LOG2E, counter);
+      tq, tk, tv, to, (T*)out, BH, S, causal, scale * LOG2E, counter, tma_store);
   err = cudaGetLastError();
   if (counter != nullptr && cudaFreeAsync(counter, stream) != cudaSuccess) {
     (void)cudaGetLastError();                 // a leaked 4 bytes, not a failed call
