@@ -386,18 +386,21 @@ def _define(name: str, value: int) -> list[str]:
 def hybrid_gpu_cases() -> list[dict[str, Any]]:
     """The hybrid's two kernels per head dim, the CUDA kernel's persistent path (the default at
     D=128) on shapes where a block takes several work items (more items than SMs), and the
-    settings around it: persistence at D=64, none at D=128, ping-pong, overlap."""
+    settings around it: persistence at D=64, none at D=128, ping-pong, overlap, and the
+    TMA-store epilogue (on up to S=1024 by default) switched off."""
     both = {"CUDA_D64": True, "CUDA_D64_CAUSAL": True, "CUDA_D128": True, "CUDA_D128_CAUSAL": True}
     settings = [({}, []),
                 ({"CUDA_D128": False, "CUDA_D128_CAUSAL": False}, []),
                 (both, []),
                 (both, [_define("WG_PERSISTENT_D64", 1), _define("WG_WARP_SPECIALIZE_D64", 1)]),
-                (both, [_define("WG_PERSISTENT_D128", 0), _define("WG_PINGPONG", 1)]),
+                (both, [_define("WG_PERSISTENT_D128", 0), _define("WG_PINGPONG", 1),
+                        _define("WG_TMA_STORE_MAX_S", 0)]),
                 (both, [_define("WG_PINGPONG", 1), _define("WG_OVERLAP_D128", 1),
                         _define("WG_PERSISTENT_DYNAMIC", 0)])]
     shapes = [((2, 3, 1000, 64), "float16"), ((1, 2, 77, 128), "bfloat16"),
               ((4, 16, 1000, 128), "float16"), ((4, 24, 700, 64), "bfloat16"),
-              ((1, 2, 300, 64), "float32")]
+              ((1, 2, 300, 64), "float32"),
+              ((1, 4, 1500, 128), "float16")]   # past WG_TMA_STORE_MAX_S: st.global epilogue
     return [case("flash_hybrid", shape, dtype, causal, 0.125, knobs=k, mutations=m)
             for k, m in settings for shape, dtype in shapes for causal in (False, True)]
 
