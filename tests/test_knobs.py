@@ -153,3 +153,11 @@ def test_facts_and_groups_decide_which_knobs_are_live() -> None:
         MutationRequest(parent=_prog(b), inspirations=(), seed=s, iteration=1)).change
         for s in range(200)]
     assert not any("C_TILE" in c for c in changes) and any("T_TILE" in c for c in changes)
+
+
+def test_a_condition_on_a_knob_the_file_lacks_leaves_the_knob_live() -> None:
+    """A typo in when(...) (or a knob an edit removed) must not freeze a knob for the run."""
+    src = ('A = 1  # evoattn: choice(1, 2)\n'
+           'B = 1  # evoattn: choice(1, 2) when(A_TYPO=2)\n'
+           'C = 1  # evoattn: choice(1, 2) when(A=2)\n')
+    assert {k.name for k in active(find_knobs(src), {"target": "sm90"})} == {"A", "B"}

@@ -10,7 +10,9 @@ Grammar (one knob per line; the mutator changes only the value):
     #define N 2  // evoattn: choice(1, 2) when(@target=sm90) when(PATH=b, @target!=sm90)
 Terms inside one when(...) are alternatives, separate when(...) groups must all hold, `!=`
 negates, and an @name is a fact about the run that the mutator is given (`@target`: "cpu" or
-"smXY", the GPU's compute capability); a fact it was not given counts as holding. A gated knob
+"smXY", the GPU's compute capability); a fact it was not given counts as holding, and so does a
+term naming a knob the file does not have (a typo, or a knob an edit removed, leaves the knob
+live: a wasted evaluation, never a knob frozen for the whole run). A gated knob
 whose condition fails in the parent changes nothing that runs, so the mutator neither mutates
 nor crosses it (an evaluation spent there would time the parent again).
 """
@@ -65,7 +67,7 @@ def active(knobs: list[Knob], facts: dict[str, str] | None = None) -> list[Knob]
     def holds(name: str, op: str, value: str) -> bool:
         have = facts.get(name[1:]) if name.startswith("@") else values.get(name)
         if have is None:
-            return name.startswith("@")       # a fact not given: holds; an unknown knob: not
+            return True                       # a fact not given, or an unknown knob: holds
         return (have == value) == (op == "=")
 
     return [k for k in knobs if all(any(holds(*t) for t in group) for group in k.when)]
