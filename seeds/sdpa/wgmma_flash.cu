@@ -478,6 +478,18 @@ __device__ __forceinline__ void block_coords(int b, int n_mblocks, int BH, int& 
   }
 }
 
+// 1 / (the full row sum) of this lane's two rows (0 for an empty row): the quad's 4 lanes
+// hold partial sums of the same rows.
+__device__ __forceinline__ void row_inverse_sums(const float (&l_run)[2], float (&inv)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = l_run[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    inv[h] = l > 0.f ? 1.f / l : 0.f;
+  }
+}
+
 // Full row sums across the quad, then normalises the warpgroup's output fragments o and
 // stores this lane's two rows (row_a, row_b; rows >= S are not stored) of the (S, D) slice
 // `ob`, two dims (4 bytes) per store.
@@ -486,13 +498,7 @@ __device__ __forceinline__ void store_rows(T* ob_t, const float (&o)[D / 2],
                                            const float (&l_run)[2], int row_a, int row_b, int t,
                                            int S) {
   float inv[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float l = l_run[h];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    inv[h] = l > 0.f ? 1.f / l : 0.f;
-  }
+  row_inverse_sums(l_run, inv);
   uint32_t* ob = reinterpret_cast<uint32_t*>(ob_t);
 #pragma unroll
   for (int dt = 0; dt < D / 8; ++dt) {
@@ -828,13 +834,7 @@ __device__ __forceinline__ void store_rows_tma(const CUtensorMap* map, uint32_t 
                                                int warp, int lane, int wg, int row0, int bh,
                                                bool leader) {
   float inv[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float l = l_run[h];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    inv[h] = l > 0.f ? 1.f / l : 0.f;
-  }
+  row_inverse_sums(l_run, inv);
   if (leader) bulk_wait_read();               // the previous item's store has read the buffer
   named_sync(3 + wg, WG_THREADS);
   // Lane l addresses row l % 8 of matrix l / 8: matrices 0 and 1 are rows 0-7 and 8-15 of the
