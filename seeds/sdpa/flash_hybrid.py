@@ -1356,9 +1356,10 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-// The TMA-store epilogue: four 8x8 16-bit matrices from registers into shared memory (lanes 8i .. 8i+7 give
-// the row addresses of matrix i; register i holds matrix i in the mma accumulator layout, the
-// same as the A fragment of P), then a bulk tensor store of a 64-column panel to global memory.
+// The TMA-store epilogue: four 8x8 16-bit matrices from registers into shared memory (lanes
+// 8i .. 8i+7 give the row addresses of matrix i; register i holds matrix i in the mma
+// accumulator layout, the same as the A fragment of P), then a bulk tensor store of a 64-column
+// panel to global memory.
 __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
                                             uint32_t r3) {
 #if WGF_SM90A
@@ -1366,7 +1367,8 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t
                ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
 #endif
 }
-__device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, int x, int y, int z) {
+__device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, int x, int y,
+                                          int z) {
 #if WGF_SM90A
   asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n"
                ::"l"((uint64_t)map), "r"(src), "r"(x), "r"(y), "r"(z) : "memory");
@@ -1403,10 +1405,11 @@ template <int R> __device__ __forceinline__ void set_max_regs_dec() {
 // The TMA-store epilogue (WG_TMA_STORE_MAX_S) for one consumer warpgroup (all its 128 threads call
 // it): normalises o by the full row sums, writes the warpgroup's 64 x D output tile into its
 // shared buffer `so` (swizzled as the loads are, so a TMA store of each panel reads it back in
-// order) with stmatrix, and lets one thread (`leader`) store it to rows row0 .. row0+63 of slice bh with TMA
-// (rows past S are clipped by the tensor map). The store runs on while the warpgroup goes on to
-// its next item; the leader waits for it to have read the buffer before the buffer is written
-// again (here, at the next item), and for completion before the block exits (the caller).
+// order) with stmatrix, and lets one thread (`leader`) store it to rows row0 .. row0+63 of
+// slice bh with TMA (rows past S are clipped by the tensor map). The store runs on while the
+// warpgroup goes on to its next item; the leader waits for it to have read the buffer before the
+// buffer is written again (here, at the next item), and for completion before the block exits
+// (the caller).
 // Named barrier 3 + wg (1 and 2 are the WG_PINGPONG turns) orders the warpgroup's threads.
 template <typename T, int D>
 __device__ __forceinline__ void store_rows_tma(const CUtensorMap* map, uint32_t so,
@@ -1424,7 +1427,8 @@ __device__ __forceinline__ void store_rows_tma(const CUtensorMap* map, uint32_t 
 #pragma unroll
   for (int j = 0; j < D / 16; ++j) {
     const int c = 2 * j + (mi >> 1);          // 16-byte chunk of the row (8 columns)
-    const uint32_t addr = so + (uint32_t)((c >> 3) * 64 * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+    const uint32_t addr =
+        so + (uint32_t)((c >> 3) * 64 * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
     stmatrix_x4(addr, pack2<T>(o[8 * j] * inv[0], o[8 * j + 1] * inv[0]),
                 pack2<T>(o[8 * j + 2] * inv[1], o[8 * j + 3] * inv[1]),
                 pack2<T>(o[8 * j + 4] * inv[0], o[8 * j + 5] * inv[0]),
@@ -1756,8 +1760,9 @@ static int launch_ws(const void* q, const void* k, const void* v, void* out, int
     return (int)err;
   }
   if (tensor_map_encoder() == nullptr) return (int)cudaErrorNotSupported;   // driver too old
-  // The TMA-store epilogue for sequences up to WG_TMA_STORE_MAX_S: in the seventh session it gained
-  // 1-4% at S=1024 and lost 5-6% at S=4096 (D=128; the loss was not the larger shared memory).
+  // The TMA-store epilogue for sequences up to WG_TMA_STORE_MAX_S. Seventh session, D=128: built in
+  // for every call it gained 1-4% at S=1024 and lost 5-6% at S=4096 (not through the larger
+  // shared memory; the cause was not found); up to S=1024 only, S=1024 gained 2.5-6%.
   const int tma_store = WG_TMA_STORE_MAX_S > 0 && S <= WG_TMA_STORE_MAX_S;
   CUtensorMap tq, tk, tv, to{};               // to: the output's, used only with tma_store
   if (!make_tensor_map<T>(&tq, q, BH, S, D, BLOCK_M) || !make_tensor_map<T>(&tk, k, BH, S, D, BN) ||
