@@ -92,8 +92,8 @@ except ImportError:  # Triton older than 3.3
 # The sixth session's run (of the hybrid seed, which carries this file) took 64x128 D=64 tiles
 # at every length: -4% on (8,32,512,64) (causal too), +2-5% on (1,8,512,64) and causal
 # (4,32,1024,64). Since the seventh session the one-wave grids have their own key tile
-# (BLOCK_N_D64_SMALL_GRID = 128), 64x64 tiles serve S < 1024 and 64x128 tiles S >= 1024.
-# (4,32,1024,64).
+# (BLOCK_N_D64_SMALL_GRID = 128), 64x64 tiles serve S < 1024 and 64x128 tiles S >= 1024:
+# +3.5% on (8,32,512,64), causal and not (BENCHMARKS.md, seventh session).
 BLOCK_M_D64 = 64  # evoattn: choice(32, 64, 128, 256) when(CUDA_D64=False, @target!=sm90)
 BLOCK_N_D64 = 64  # evoattn: choice(32, 64, 128) when(CUDA_D64=False, CUDA_D64_CAUSAL=False, @target!=sm90)
 NUM_WARPS_D64 = 4  # evoattn: choice(4, 8) when(CUDA_D64=False, CUDA_D64_CAUSAL=False, @target!=sm90)
