@@ -108,7 +108,8 @@ _NVCC_FALLBACKS = ("/usr/local/cuda/bin/nvcc",)
 _NVCC_TIMEOUT_S = 300             # well inside the evaluator's run deadline (600 s by default)
 # The codes the CUDA entry returns itself, named in errors (others are raised by number).
 _CUDA_ERRORS = {1: "cudaErrorInvalidValue: a shape, or more shared memory than a block can "
-                   "have (WG_WS_STAGES too deep for the tile)",
+                   "have (WG_WS_STAGES too deep for the tile; at D=128 only 2 stages fit beside "
+                   "WG_TMA_STORE_MAX_S's output tile)",
                 9: "cudaErrorInvalidConfiguration: too many work items for one grid",
                 98: "cudaErrorInvalidDeviceFunction: built without sm_90a code",
                 801: "cudaErrorNotSupported: the driver has no cuTensorMapEncodeTiled"}
