@@ -1,7 +1,8 @@
-"""`python -m evaluator.baseline`: times every PyTorch implementation of a problem (trusted code).
+"""`python -m evaluator.baseline`: times every baseline and backend of a problem (trusted code).
 
-Request JSON on stdin ({problem, configs, dtype, device, reps, warmup}); prints
-one JSON line `{"device": ..., "rows": [{"cfg", "flops", "ms": {name: ms|None}}]}`.
+Request JSON on stdin ({problem, configs, dtype, device, reps, warmup}); prints one JSON
+line `{"device": ..., "versions": ..., "rows": [{"cfg", "flops", "times": {name: Times|None}}]}`
+with every timing mode per implementation (evaluator/timing.py).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def main() -> None:
 
     from . import device as devinfo
     from .problems import get_problem
-    from .timing import CpuTimer, GpuTimer
+    from .timing import CpuTimer, GpuTimer, Plan, set_bytes
 
     problem = get_problem(req["problem"])
     dev = req["device"]
@@ -30,21 +31,23 @@ def main() -> None:
         gen = torch.Generator(device=dev)
         gen.manual_seed(rng.getrandbits(62))
         inputs = problem.make_inputs(cfg, dtype, torch.device(dev), gen)
-        fns = {"default": lambda inp, c=cfg: problem.baseline(inp, c)}
-        fns.update({n: (lambda f, c=cfg: (lambda inp: f(inp, c)))(f)
-                    for n, f in problem.extra_baselines().items()})
-        ms: dict[str, float | None] = {}
+        fns = {**problem.baselines(), **problem.extra_baselines()}
+        plan = Plan.for_device(on_gpu, int(req.get("warmup", 5 if on_gpu else 1)),
+                               int(req.get("reps", 30 if on_gpu else 3)),
+                               set_bytes(inputs, problem.random_inputs))
+        times: dict[str, dict | None] = {}
         for name, fn in fns.items():
+            bound = (lambda f, c=cfg: (lambda inp: f(inp, c)))(fn)
             try:
-                t = timer.run({name: fn}, inputs, lambda inp: problem.refill(inp, gen),
-                              int(req.get("warmup", 5 if on_gpu else 1)),
-                              int(req.get("reps", 30 if on_gpu else 3)), set(), "")
-                ms[name] = t.ms[name]
-            except Exception:  # noqa: BLE001 - backend unsupported for this config
-                ms[name] = None
+                bound(inputs)                          # unsupported configs raise here
+                m = timer.measure({name: bound}, inputs, problem.random_inputs,
+                                  lambda inp: problem.refill(inp, gen), plan, "", rng)
+                times[name] = m.times[name].to_json()
+            except Exception:  # noqa: BLE001 - a backend that does not support this config
+                times[name] = None
             if on_gpu:
                 torch.cuda.empty_cache()
-        rows.append({"cfg": cfg, "flops": problem.flops(cfg), "ms": ms})
+        rows.append({"cfg": cfg, "flops": problem.flops(cfg), "times": times})
     print(json.dumps({"device": devinfo.describe(dev)["name"], "versions": devinfo.versions(),
                       "rows": rows}))
 

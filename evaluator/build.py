@@ -117,14 +117,21 @@ def fast_flags(arch: str) -> list[str]:
 
 
 def build_fast(source_path: str | os.PathLike[str], cache_dir: str | os.PathLike[str],
-               arch: str, timeout_s: float, nvcc: str = "nvcc") -> BuildResult:
-    """Compiles a fast-form .cu into `cache_dir/<key>/lib.so`, or returns the cached one."""
+               arch: str, timeout_s: float, nvcc: str = "nvcc",
+               extra_files: dict[str, bytes] | None = None) -> BuildResult:
+    """Compiles a fast-form .cu into `cache_dir/<key>/lib.so`, or returns the cached one.
+
+    `extra_files` (a program's headers, by file name) are written beside the source and are
+    part of the cache key.
+    """
     t0 = time.monotonic()
     flags = fast_flags(arch)
     source, err = _read(source_path)
     if source is None:
         return BuildResult(False, None, err, False, 0.0)
-    key = cache_key(source, "fast", arch, flags, toolchain_id(nvcc))
+    extra = dict(sorted((extra_files or {}).items()))
+    keyed = source + b"".join(b"\0" + n.encode() + b"\0" + t for n, t in extra.items())
+    key = cache_key(keyed, "fast", arch, flags, toolchain_id(nvcc))
     final = Path(cache_dir) / key
     if (final / _FAST_LIB).is_file():
         return BuildResult(True, str(final / _FAST_LIB), _read_log(final), True,
@@ -134,6 +141,8 @@ def build_fast(source_path: str | os.PathLike[str], cache_dir: str | os.PathLike
 
     tmp = _make_tmp(cache_dir)
     name = _safe_name(Path(source_path).name)
+    for extra_name, text in extra.items():
+        (tmp / Path(extra_name).name).write_bytes(text)
     (tmp / name).write_bytes(source)
     ok, log = _run_group([nvcc, *flags, "-o", _FAST_LIB, name], tmp, timeout_s, os.environ)
     log = log.replace(str(tmp) + os.sep, "")

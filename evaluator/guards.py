@@ -371,23 +371,29 @@ def harness_snapshot(modules: list[Any]) -> Callable[[], list[str]]:
     return tampered
 
 
-def candidate_threads(candidate_file: str) -> list[str]:
-    """Returns names of live threads whose current stack runs candidate code."""
+def candidate_threads(root: str) -> list[str]:
+    """Returns names of live threads whose current stack runs code from the candidate's
+    directory `root` (its main file and companions)."""
     frames = sys._current_frames()
     me = threading.get_ident()
+    prefix = os.path.realpath(root).rstrip("/") + "/"
+
+    def ours(filename: str) -> bool:
+        return os.path.realpath(filename).startswith(prefix)
+
     found = []
     for t in threading.enumerate():
         if t.ident == me or t.ident not in frames:
             continue
         f = frames[t.ident]
         while f is not None:
-            if os.path.realpath(f.f_code.co_filename) == candidate_file:
+            if ours(f.f_code.co_filename):
                 found.append(t.name)
                 break
             f = f.f_back
         target = getattr(t, "_target", None)
         code = getattr(target, "__code__", None)
-        if t.name not in found and code and os.path.realpath(code.co_filename) == candidate_file:
+        if t.name not in found and code and ours(code.co_filename):
             found.append(t.name)
     return found
 

@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .problems.base import Problem
+from .program import LIBRARIES_GLOBAL, declared_companions
+
+_HEADERS = (".cuh", ".h", ".hpp", ".inc")
 
 RunFn = Callable[[dict[str, Any], dict[str, Any]], Any]
 
@@ -23,7 +26,7 @@ class LoadFailure(Exception):
 
     def __init__(self, kind: str, reason: str, log: str = "") -> None:
         super().__init__(reason)
-        self.kind = kind          # "build" or "load"
+        self.kind = kind          # "build", "load", or "compiled" (built; no GPU to run it)
         self.reason = reason
         self.log = log
 
@@ -46,16 +49,23 @@ def cuda_form(source: str) -> str:
 
 
 def build_candidate(path: Path, problem: Problem, cache_dir: Path, build_timeout_s: float,
-                    arch: str | None) -> Callable[[], Loaded]:
-    """Builds a CUDA candidate now (before sandboxing); returns a loader to call after."""
-    if path.suffix == ".py":
-        return lambda: _load_python(path, problem)
+                    arch: str | None, facts: dict[str, str] | None = None
+                    ) -> Callable[[], Loaded]:
+    """Builds a CUDA candidate, or a Python candidate's CUDA companions, now (before
+    sandboxing); returns a loader to call after."""
     source = path.read_text(errors="replace")   # bad bytes are nvcc's to report, not a crash
-    from . import build
+    companions = declared_companions(source)
+    headers = {c.name: (path.parent / c.name).read_bytes() for c in companions
+               if Path(c.name).suffix in _HEADERS and (path.parent / c.name).is_file()}
     import torch
-
     has_gpu = torch.cuda.is_available()
+    from . import build
     arch = arch or (build.detect_arch() if has_gpu else "sm_90a")
+    if path.suffix == ".py":
+        libraries, log, cached, seconds = _build_companions(path, source, companions, headers,
+                                                            cache_dir, build_timeout_s, arch,
+                                                            has_gpu, facts)
+        return lambda: _load_python(path, problem, libraries, log, cached, seconds)
     form = cuda_form(source)
     if form == "cuda-fast":
         if not problem.cuda_symbol:
@@ -63,7 +73,7 @@ def build_candidate(path: Path, problem: Problem, cache_dir: Path, build_timeout
         if problem.cuda_symbol not in source:
             raise LoadFailure("load", f"{path.name}: no extern \"C\" function "
                                       f"{problem.cuda_symbol} (see the README's CUDA contract)")
-        res = build.build_fast(path, cache_dir, arch, build_timeout_s)
+        res = build.build_fast(path, cache_dir, arch, build_timeout_s, extra_files=headers)
     else:
         res = build.build_extension(path, cache_dir, arch, build_timeout_s)
     if not res.ok:
@@ -71,7 +81,7 @@ def build_candidate(path: Path, problem: Problem, cache_dir: Path, build_timeout
 
     def load() -> Loaded:
         if not has_gpu:
-            raise LoadFailure("load", f"{path.name}: compiled for {arch} "
+            raise LoadFailure("compiled", f"{path.name}: compiled for {arch} "
                               f"({'cached' if res.cached else 'built'}), but CUDA candidates "
                               "need a GPU to run", res.log)
         if form == "cuda-fast":
@@ -97,6 +107,39 @@ def build_candidate(path: Path, problem: Problem, cache_dir: Path, build_timeout
     return load
 
 
+def _build_companions(path: Path, source: str, companions: Any, headers: dict[str, bytes],
+                      cache_dir: Path, timeout_s: float, arch: str, has_gpu: bool,
+                      facts: dict[str, str] | None
+                      ) -> tuple[dict[str, str], str, bool | None, float | None]:
+    """Builds the `.cu` companions a Python main file declares, where their conditions hold
+    (never without a GPU: nothing could run them); returns {name: library path} and the log."""
+    from . import build
+    from .conditions import holds
+    from .knobs import find_knobs, values_of
+    if not has_gpu:
+        return {}, "", None, None
+    import torch
+    major, minor = torch.cuda.get_device_capability()
+    facts = {"target": f"sm{major}{minor}", **(facts or {})}
+    values = values_of(find_knobs(source))
+    libraries, logs, cached, seconds = {}, [], True, 0.0
+    for comp in companions:
+        if Path(comp.name).suffix != ".cu" or not holds(comp.when, values, facts):
+            continue
+        res = build.build_fast(path.parent / comp.name, cache_dir, arch, timeout_s,
+                               extra_files=headers)
+        logs.append(f"[{comp.name}] {res.log}".strip())
+        if not res.ok:
+            raise LoadFailure("build", f"{comp.name}: " + (_first_error(res.log) or
+                                                           "build failed"), res.log)
+        libraries[comp.name] = res.path
+        cached = cached and res.cached
+        seconds += res.seconds
+    if not libraries:
+        return {}, "", None, None
+    return libraries, "\n".join(logs), cached, seconds
+
+
 def _fast_runner(cfn: Any, problem: Problem) -> RunFn:
     import torch
 
@@ -111,12 +154,14 @@ def _fast_runner(cfn: Any, problem: Problem) -> RunFn:
     return run
 
 
-def _load_python(path: Path, problem: Problem) -> Loaded:
+def _load_python(path: Path, problem: Problem, libraries: dict[str, str], log: str,
+                 cached: bool | None, seconds: float | None) -> Loaded:
     name = f"evoattn_candidate_{abs(hash(str(path))) % 10**8}"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise LoadFailure("load", f"{path.name}: cannot be imported as a Python module")
     mod = importlib.util.module_from_spec(spec)
+    setattr(mod, LIBRARIES_GLOBAL, dict(libraries))   # the built companions, before it runs
     sys.modules[name] = mod
     try:
         spec.loader.exec_module(mod)
@@ -128,7 +173,8 @@ def _load_python(path: Path, problem: Problem) -> Loaded:
     fn = getattr(mod, problem.entry, None)
     if not callable(fn):
         raise LoadFailure("load", f"{path.name}: defines no function {problem.entry}()")
-    return Loaded(run=lambda inputs, cfg: problem.call(fn, inputs, cfg), form="python")
+    return Loaded(run=lambda inputs, cfg: problem.call(fn, inputs, cfg), form="python",
+                  build_log=log, build_cached=cached, build_seconds=seconds)
 
 
 def _first_error(log: str) -> str:

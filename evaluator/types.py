@@ -28,6 +28,8 @@ class Verdict(str, enum.Enum):
     IMPLAUSIBLE = "implausible"        # faster than physics allows and failed re-verification
     SANDBOX = "sandbox_violation"      # secrets, writes outside its dir, spawning processes
     SKIPPED = "skipped"                # not run because an earlier check failed
+    EVALUATOR_FAULT = "evaluator_fault"  # the evaluator's process died: no verdict on the kernel
+    COMPILED = "compiled"              # a CUDA file built, with no GPU here to run it
 
     @property
     def is_pass(self) -> bool:
@@ -40,6 +42,9 @@ EXIT_INCORRECT = 1      # incorrect, or any integrity verdict
 EXIT_BUILD = 2          # build_error / load_error
 EXIT_CRASH = 3          # timeout / crash / oom
 EXIT_USAGE = 4          # bad usage: missing file, unknown problem, malformed YAML
+EXIT_FAULT = 5          # the evaluator itself failed twice: no verdict on the kernel
+EXIT_COMPILED = 6       # compile-only: a CUDA file built, but there is no GPU to run it
+EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM, after a clean stop
 
 
 def exit_code_for(verdict: Verdict) -> int:
@@ -50,12 +55,49 @@ def exit_code_for(verdict: Verdict) -> int:
         return EXIT_BUILD
     if verdict in (Verdict.TIMEOUT, Verdict.CRASH, Verdict.OOM):
         return EXIT_CRASH
+    if verdict is Verdict.EVALUATOR_FAULT:
+        return EXIT_FAULT
+    if verdict is Verdict.COMPILED:
+        return EXIT_COMPILED
     return EXIT_INCORRECT
 
 
 @dataclasses.dataclass(frozen=True)
+class Times:
+    """One function's times on one config in every timing mode (evaluator/timing.py).
+
+    kernel_ms  the call alone on the GPU: L2 flushed, inputs refilled, host launch hidden
+    call_ms    steady state of back-to-back eager calls on distinct inputs, host cost included
+    graph_ms   the same calls replayed from a CUDA graph (None, with graph_error, when the
+               call cannot be captured, and always on the CPU)
+    host_us    CPU time of one call while the GPU is busy
+    """
+
+    kernel_ms: float | None = None
+    call_ms: float | None = None
+    graph_ms: float | None = None
+    graph_error: str = ""
+    host_us: float | None = None
+
+    def in_mode(self, mode: str) -> float | None:
+        """Returns the time (ms) in one timing mode."""
+        return {"kernel": self.kernel_ms, "call": self.call_ms, "graph": self.graph_ms}[mode]
+
+    def to_json(self) -> dict[str, Any]:
+        return _clean(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Times":
+        return _from_json(cls, d)
+
+
+@dataclasses.dataclass(frozen=True)
 class ConfigResult:
-    """One benchmark config of one candidate. Times in milliseconds, memory in bytes."""
+    """One benchmark config of one candidate. Times in milliseconds, memory in bytes.
+
+    `ms`, `baseline_ms`, `speedup` and the TFLOP/s are in the result's timing mode; `times`
+    and `baseline_times` hold every mode.
+    """
 
     params: dict[str, Any]             # e.g. {"B": 2, "H": 32, "S": 2048, "D": 64, "causal": True}
     dtype: str
@@ -63,28 +105,31 @@ class ConfigResult:
     reason: str = ""
     max_abs_err: float | None = None
     tolerance: float | None = None
-    ms: float | None = None            # candidate median
-    baseline_ms: float | None = None   # problem baseline median, timed interleaved
+    ms: float | None = None            # candidate median in the timing mode
+    baseline_ms: float | None = None   # the fitness baseline's, in the timing mode
+    baseline_name: str = ""            # which baseline that is (the fastest, by default)
     tflops: float | None = None
     baseline_tflops: float | None = None
     speedup: float | None = None       # baseline_ms / ms
     frac_peak: float | None = None     # tflops / the GPU's peak
     peak_mem_bytes: int | None = None  # candidate's peak beyond inputs and output
     baseline_peak_mem_bytes: int | None = None
-    extra_baselines_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+    times: Times | None = None         # the candidate in every mode
+    baselines: dict[str, float] = dataclasses.field(default_factory=dict)  # name -> ms (mode)
+    baseline_times: dict[str, Times] = dataclasses.field(default_factory=dict)
+    backends_ms: dict[str, float] = dataclasses.field(default_factory=dict)  # --all-backends
 
     def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["verdict"] = self.verdict.value
+        d = _clean(dataclasses.asdict(self))
+        t = self.times or Times()
+        d.update(kernel_ms=t.kernel_ms, call_ms=t.call_ms, graph_ms=t.graph_ms,
+                 graph_error=t.graph_error, host_us=t.host_us)   # flat, as documented
         d.update(self.params)          # flat B, H, S, D, causal keys as documented
         return _clean(d)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ConfigResult":
-        fields = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: v for k, v in d.items() if k in fields}
-        kw["verdict"] = Verdict(d["verdict"])
-        return cls(**kw)
+        return _from_json(cls, d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +141,8 @@ class EvalResult:
     fitness: float                     # geometric-mean speedup; 0 unless correct
     configs: tuple[ConfigResult, ...] = ()
     problem: str = "sdpa"
-    baseline: str = "sdpa"             # what speedups are measured against
+    timing: str = "call"               # the timing mode of ms, speedup and fitness
+    baseline: str = "best"             # the fitness baseline: "best" (fastest per config) or a name
     candidate: str = ""
     device: str = ""                   # e.g. "NVIDIA H100 80GB HBM3" or "cpu"
     timing_device: str = "cuda"        # "cpu" timings are labelled as such everywhere
@@ -115,55 +161,42 @@ class EvalResult:
         return self.verdict is Verdict.PASS
 
     def to_json(self) -> dict[str, Any]:
-        return _clean({
-            "correct": self.correct,
-            "verdict": self.verdict.value,
-            "reason": self.reason,
-            "fitness": self.fitness,
-            "problem": self.problem,
-            "baseline": self.baseline,
-            "candidate": self.candidate,
-            "device": self.device,
-            "timing_device": self.timing_device,
-            "versions": self.versions,
-            "device_info": self.device_info,
-            "flags": list(self.flags),
-            "build_log": self.build_log,
-            "log_tail": self.log_tail,
-            "build_cached": self.build_cached,
-            "build_seconds": self.build_seconds,
-            "duration_s": self.duration_s,
-            "stage_s": self.stage_s,
-            "configs": [c.to_json() for c in self.configs],
-        })
+        d = _clean(dataclasses.asdict(self))
+        d["correct"] = self.correct
+        d["configs"] = [c.to_json() for c in self.configs]
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "EvalResult":
-        return cls(
-            verdict=Verdict(d["verdict"]),
-            reason=d.get("reason", ""),
-            fitness=float(d.get("fitness", 0.0)),
-            configs=tuple(ConfigResult.from_json(c) for c in d.get("configs", [])),
-            problem=d.get("problem", "sdpa"),
-            baseline=d.get("baseline", "sdpa"),
-            candidate=d.get("candidate", ""),
-            device=d.get("device", ""),
-            timing_device=d.get("timing_device", "cuda"),
-            versions=dict(d.get("versions", {})),
-            device_info=dict(d.get("device_info", {})),
-            flags=tuple(d.get("flags", ())),
-            build_log=d.get("build_log", ""),
-            log_tail=d.get("log_tail", ""),
-            build_cached=d.get("build_cached"),
-            build_seconds=d.get("build_seconds"),
-            duration_s=float(d.get("duration_s", 0.0)),
-            stage_s={str(k): float(v) for k, v in (d.get("stage_s") or {}).items()},
-        )
+        return _from_json(cls, d)
 
     @classmethod
     def failure(cls, verdict: Verdict, reason: str, **kw: Any) -> "EvalResult":
         """Returns a non-passing result with fitness 0."""
         return cls(verdict=verdict, reason=reason, fitness=0.0, **kw)
+
+
+def _from_json(cls: type, d: dict[str, Any]) -> Any:
+    """Builds a result dataclass from its JSON, field by field (unknown keys are ignored)."""
+    kw: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in d:
+            continue
+        value = d[f.name]
+        if f.name == "verdict":
+            value = Verdict(value)
+        elif f.name == "configs":
+            value = tuple(ConfigResult.from_json(c) for c in value)
+        elif f.name == "times":
+            value = None if value is None else Times.from_json(value)
+        elif f.name == "baseline_times":
+            value = {k: Times.from_json(v) for k, v in (value or {}).items()}
+        elif f.name == "flags":
+            value = tuple(value)
+        elif isinstance(value, str) and value in ("nan", "inf", "-inf") and f.name != "reason":
+            value = float(value)           # _clean wrote non-finite floats as strings
+        kw[f.name] = value
+    return cls(**kw)
 
 
 def geometric_mean(values: list[float]) -> float:

@@ -11,6 +11,19 @@ import os
 import sys
 
 
+def die_with_parent(parent_pid: int) -> None:
+    """Asks Linux to SIGKILL this process when its parent dies (so no evaluator process outlives
+    the tool, however it ends), and exits now if the parent is already gone."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0)   # PR_SET_PDEATHSIG, SIGKILL
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(70)
+
+
 class Channel:
     """Writes framed messages to the parent over the result pipe."""
 
@@ -27,12 +40,14 @@ class Channel:
             data = data[n:]
 
 
-def serve(fd: int, request: dict) -> None:
-    """Evaluates one request, sends the result on fd, and exits this process."""
-    chan = Channel(fd, request.pop("nonce"))
+def serve(fd: int, message: dict) -> None:
+    """Evaluates one request ({"nonce", "request"}), sends the result on fd, and exits."""
+    chan = Channel(fd, message["nonce"])
     from .harness import evaluate
+    from .request import EvalRequest
     from .types import EvalResult, Verdict
     try:
+        request = EvalRequest.from_json(message["request"])
         result = evaluate(request, lambda stage: chan.send("stage", stage))
     except BaseException as e:  # noqa: BLE001 - the harness itself failed; still answer
         import traceback
@@ -45,6 +60,7 @@ def serve(fd: int, request: dict) -> None:
 
 
 def main() -> None:
+    die_with_parent(int(sys.argv[sys.argv.index("--parent") + 1]))
     fd = int(sys.argv[sys.argv.index("--fd") + 1])
     request = json.loads(sys.stdin.read())
     sys.stdin.close()

@@ -15,12 +15,15 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import sys
 
 
-def _child(job: dict) -> None:
+def _child(job: dict, zygote_pid: int) -> None:
     """Becomes the candidate's process: never returns."""
     try:
+        from .worker import die_with_parent
+        die_with_parent(zygote_pid)
         os.setsid()
         os.chdir(job["workdir"])
         log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -73,6 +76,8 @@ def _warm_imports(torch, guards) -> None:  # noqa: ANN001
 
 
 def main() -> None:
+    from .worker import die_with_parent
+    die_with_parent(int(sys.argv[sys.argv.index("--parent") + 1]))
     import torch  # (the point of the zygote: imported once, CUDA untouched)
     # Triton's modules are imported here too; its driver is initialised lazily, on the first
     # launch, so that happens in the candidate's own process (checked below with torch's).
@@ -87,8 +92,14 @@ def main() -> None:
     if torch.cuda.is_initialized() or _cuda_driver_initialised():
         print("error CUDA was initialised in the zygote", flush=True)   # a fork would share it
         return
+    _serve(os.getpid())
 
+
+def _serve(me: int) -> None:
+    """Forks a child per job line on stdin; when stdin closes (the parent has gone, however it
+    ended), kills every child's session and exits."""
     out = sys.stdout
+    children: set[int] = set()
 
     def say(line: str) -> None:
         out.write(line + "\n")
@@ -106,11 +117,17 @@ def main() -> None:
                 break
             if pid == 0:
                 break
+            children.discard(pid)
             say(f"exit {pid} {status}")
         if not ready:
             continue
         chunk = os.read(stdin, 1 << 16)
         if not chunk:                              # the parent went away: tidy up and go
+            for pid in children:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except OSError:
+                    pass
             here = os.getcwd()
             if os.path.basename(here).startswith("evoattn-zygote-"):
                 import shutil
@@ -126,7 +143,8 @@ def main() -> None:
                 continue
             pid = os.fork()
             if pid == 0:
-                _child(job)
+                _child(job, me)
+            children.add(pid)
             say(f"pid {pid}")
 
 

@@ -1,8 +1,14 @@
-"""The `evoattn` command: a thin layer over the library; every tool error is one line."""
+"""The `evoattn` command: a thin layer over the library; every tool error is one line.
+
+Exit codes (README): 0 correct, 1 incorrect or an integrity verdict (and tool errors that are
+not the user's input), 2 build/load error, 3 timeout/crash/oom, 4 bad usage, 5 evaluator fault,
+6 compiled only (no GPU), 130 Ctrl-C (128 + the signal for SIGTERM, SIGHUP).
+"""
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,109 +17,136 @@ from typing import Any
 import click
 from rich.console import Console
 
-from evaluator.types import EXIT_USAGE, exit_code_for
+from evaluator import program
+from evaluator.request import TIMING_MODES
+from evaluator.types import EXIT_INTERRUPTED, EXIT_USAGE, exit_code_for
 
-from . import report
-from .errors import EvoattnError, UsageError
-from .problems import load_problem
-from .sandbox import resolve_device
+from . import report, settings
+from .errors import EvoattnError, Interrupted, RunDirError, UsageError
 
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 err_console = Console(stderr=True, highlight=False)
 
 
-def _die(e: Exception, code: int = 1) -> None:
-    err_console.print(f"[red]{type(e).__name__}[/red]: {e}", soft_wrap=True)
+def _die(name: str, message: str, code: int) -> None:
+    err_console.print(f"[red]{name}[/red]: {message}", soft_wrap=True)
     sys.exit(code)
 
 
-class _Group(click.Group):
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except UsageError as e:
-            _die(e, EXIT_USAGE)
-        except EvoattnError as e:
-            _die(e, 1)
-        except OSError as e:    # an unwritable --output or --out, a full disk: one line too
-            _die(e, 1)
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    raise Interrupted(signum)
 
 
-@click.group(cls=_Group)
-@click.version_option(package_name="evoattn")
-def main() -> None:
-    """Evolve fast CUDA and Triton attention kernels, checked and timed against PyTorch SDPA."""
+class _Cli(click.Group):
+    """The command group: every way a command can end becomes one line and an exit code."""
+
+    def main(self, args: Any = None, prog_name: str | None = None,  # type: ignore[override]
+             complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _raise_interrupted)
+        sys.exit(_run(lambda: super(_Cli, self).main(args, prog_name, complete_var, False,
+                                                     **extra)))
 
 
-def _problem_ref(name: str) -> str:
-    """Returns a built-in name as is, or a problem .py path made absolute (for the child)."""
-    return str(Path(name).resolve()) if name.endswith(".py") else name
-
-
-def _configs(problem: Any, spec: str | None) -> tuple[dict[str, Any], ...] | None:
-    if not spec:
-        return None
+def _run(command: Any) -> int:
     try:
-        return tuple(problem.parse_configs(spec))
-    except ValueError as e:
-        raise UsageError(f"--configs: {e}") from None
+        code = command()
+    except click.exceptions.Exit as e:
+        code = e.exit_code
+    except click.exceptions.Abort:
+        code = EXIT_INTERRUPTED
+    except click.ClickException as e:      # click's own usage errors: a missing option, say
+        _die("UsageError", e.format_message(), EXIT_USAGE)
+    except (UsageError, RunDirError) as e:
+        _die(type(e).__name__, str(e), EXIT_USAGE)
+    except SystemExit as e:
+        code = e.code
+    except EvoattnError as e:
+        _die(type(e).__name__, str(e), 1)
+    except OSError as e:    # an unwritable --output or --out, a full disk: one line too
+        _die(type(e).__name__, str(e), 1)
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        err_console.print("interrupted: every evaluation process was stopped")
+        code = 128 + signum
+    return code if isinstance(code, int) else 0
 
 
-@main.command("eval")
+@click.group(cls=_Cli)
+@click.version_option(package_name="evoattn")
+def cli() -> None:
+    """Evolve fast CUDA and Triton attention kernels, checked and timed against PyTorch."""
+
+
+def main() -> None:
+    """The console entry point (`evoattn`)."""
+    cli.main()
+
+
+@cli.command("eval")
 @click.argument("path", type=click.Path(dir_okay=False))
 @click.option("--problem", default="sdpa", show_default=True, help="built-in name or problem .py")
 @click.option("--configs", help="'B,H,S,D[,causal|nc];...' (default: the problem's configs)")
 @click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]))
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto",
               show_default=True)
+@click.option("--timing", type=click.Choice(TIMING_MODES),
+              help="the time fitness uses (default: call, what a model's eager loop pays)")
+@click.option("--baseline", help="the baseline fitness uses: 'best' (default) or a name")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the result")
-@click.option("--trials", type=int, default=3, show_default=True)
+@click.option("--trials", type=int, help="fresh input sets per config (default 3)")
 @click.option("--reps", type=int, help="timed repetitions per config")
 @click.option("--warmup", type=int, help="untimed calls per config before timing")
-@click.option("--policy", type=click.Choice(["kernel-only", "allow-library"]),
-              default="kernel-only", show_default=True)
+@click.option("--policy", type=click.Choice(["kernel-only", "allow-library"]))
 @click.option("--max-abs", type=float, help="fixed absolute tolerance instead of the relative rule")
-@click.option("--tolerance-factor", type=float, help="factor x torch's own error (default 2)")
-@click.option("--all-backends", is_flag=True, help="also time every SDPA backend")
+@click.option("--tolerance-factor", type=float, help="factor x torch's own error (default: "
+              "the problem's, 2 for the built-in ones)")
+@click.option("--all-backends", is_flag=True,
+              help="also time every SDPA backend and a naive implementation")
 @click.option("--no-screen", is_flag=True, help="check every config even after one fails")
-@click.option("--timeout", type=float, default=600.0, show_default=True, help="run limit, s")
+@click.option("--timeout", type=float, help="run-stage limit in seconds (default 600)")
 @click.option("--set", "knob_sets", multiple=True, metavar="NAME=VALUE",
               help="evaluate with this knob (a `# evoattn: choice(...)` line) set; repeatable")
 def eval_cmd(path: str, problem: str, configs: str | None, dtype: str | None, device: str,
-             json_path: str | None, trials: int, reps: int | None, warmup: int | None,
-             policy: str,
-             max_abs: float | None, tolerance_factor: float | None, all_backends: bool,
-             no_screen: bool, timeout: float, knob_sets: tuple[str, ...]) -> None:
-    """Check one kernel file against the reference and time it against SDPA."""
-    from .sandbox import EvalSettings, SubprocessEvaluator
+             timing: str | None, baseline: str | None, json_path: str | None,
+             trials: int | None, reps: int | None, warmup: int | None, policy: str | None,
+             max_abs: float | None, tolerance_factor: float | None,
+             all_backends: bool, no_screen: bool, timeout: float | None,
+             knob_sets: tuple[str, ...]) -> None:
+    """Check one kernel file against the reference and time it against PyTorch's baselines."""
+    from .sandbox import SubprocessEvaluator
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"{path}: file not found")
     if p.suffix not in (".py", ".cu"):
         raise UsageError(f"{path}: expected a .py (Python/Triton) or .cu (CUDA) file")
-    prob = load_problem(problem)
-    dev = resolve_device(device)
-    if p.suffix == ".cu" and dev == "cpu":
+    ref = settings.problem_ref(problem)
+    prob = settings.problem(ref)
+    dev = settings.resolve_device(device)
+    ev = settings.evaluator_config(
+        trials=trials, reps=reps, warmup=warmup, policy=policy, max_abs=max_abs,
+        tolerance_factor=tolerance_factor, all_backends=all_backends or None,
+        screen=False if no_screen else None, run_timeout_s=timeout, timing=timing,
+        baseline=baseline)
+    request = settings.eval_request(ref, prob, dev, settings.parse_configs(prob, configs,
+                                                                           "--configs"),
+                                    dtype, ev)
+    if settings.cuda_on_cpu(p, dev):
         console.print("[yellow]no GPU[/yellow]: a .cu candidate is only compiled here, not run")
-    if trials < 1:
-        raise UsageError("--trials must be >= 1")
-    source = _with_knobs(p, p.read_text(), knob_sets)
-    tol: dict[str, Any] = {}
-    if max_abs is not None:
-        tol["max_abs"] = max_abs
-    if tolerance_factor is not None:
-        tol["factor"] = tolerance_factor
-    settings = EvalSettings(problem=_problem_ref(problem), configs=_configs(prob, configs),
-                            dtype=dtype, device=dev, trials=trials, reps=reps, warmup=warmup,
-                            tolerance=tol, policy=policy, all_backends=all_backends,
-                            run_timeout_s=timeout, screen=not no_screen)
-    if dev == "cpu":
-        console.print("[yellow]CPU mode[/yellow]: Triton runs in its interpreter; "
-                      "timings are CPU timings, not GPU performance.")
-    with console.status(f"evaluating {p.name} on {dev} ..."):
-        name = p.name + (f" [{', '.join(knob_sets)}]" if knob_sets else "")
-        result = SubprocessEvaluator(settings).evaluate(source, p.suffix, name)
-    report.print_eval(console, result)
+    elif dev == "cpu":
+        settings.cpu_notice(console)
+    try:
+        source = _with_knobs(p, program.read(p), knob_sets)
+    except program.ProgramError as e:
+        raise UsageError(str(e)) from None
+    evaluator = SubprocessEvaluator(request)
+    try:
+        with console.status(f"evaluating {p.name} on {dev} ..."):
+            name = p.name + (f" [{', '.join(knob_sets)}]" if knob_sets else "")
+            result = evaluator.evaluate(source, p.suffix, name)
+    finally:
+        evaluator.close()
+    report.print_eval(console, result, prob.flops)
     if json_path:
         _write_json_atomic(Path(json_path), result.to_json())
     sys.exit(exit_code_for(result.verdict))
@@ -130,7 +163,7 @@ def _with_knobs(path: Path, source: str, knob_sets: tuple[str, ...]) -> str:
         raise UsageError(str(e)) from None
 
 
-@main.command()
+@cli.command()
 @click.option("--problem", default="sdpa", show_default=True)
 @click.option("--configs", help="'B,H,S,D[,causal|nc];...'")
 @click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]))
@@ -138,13 +171,16 @@ def _with_knobs(path: Path, source: str, knob_sets: tuple[str, ...]) -> str:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))
 def baseline(problem: str, configs: str | None, dtype: str | None, device: str,
              json_path: str | None) -> None:
-    """Time every PyTorch implementation (SDPA backends, naive) per config."""
-    prob = load_problem(problem)
-    cfgs = _configs(prob, configs)
-    dev = resolve_device(device)
-    req = {"problem": _problem_ref(problem), "configs": list(cfgs) if cfgs else None,
-           "dtype": dtype, "device": dev}
+    """Time every baseline and PyTorch backend of a problem, per config, in every mode."""
+    ref = settings.problem_ref(problem)
+    prob = settings.problem(ref)
+    cfgs = settings.parse_configs(prob, configs, "--configs")
+    dev = settings.resolve_device(device)
+    req = {"problem": ref, "configs": list(cfgs) if cfgs else None, "dtype": dtype,
+           "device": dev}
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    if dev == "cpu":
+        env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     with console.status("timing PyTorch baselines ..."):
         proc = subprocess.run([sys.executable, "-m", "evaluator.baseline"], input=json.dumps(req),
                               capture_output=True, text=True, env=env)
@@ -157,26 +193,19 @@ def baseline(problem: str, configs: str | None, dtype: str | None, device: str,
         _write_json_atomic(Path(json_path), data)
 
 
-@main.command()
+@cli.command()
 @click.argument("paths", nargs=-1, type=click.Path(dir_okay=False))
 def problems(paths: tuple[str, ...]) -> None:
     """List the built-in problems (and any problem .py files given) with their contracts."""
     from evaluator.problems import builtin_names
     for name in list(builtin_names()) + list(paths):
-        p = load_problem(name)
-        console.print(f"[bold]{p.name}[/bold] — {p.summary}")
-        console.print(f"  contract: {p.contract}")
-        if p.cuda_symbol:
-            console.print("  CUDA fast form:\n    " + p.cuda_signature.replace("\n", "\n    "))
-        console.print(f"  domain: {p.domain}")
-        console.print(f"  dtypes: {', '.join(p.dtypes)} (default {p.default_dtype})")
-        console.print("  configs: " + "; ".join(p.label(c) for c in p.default_configs))
-        console.print(f"  baseline: {p.baseline_name}\n")
+        p = settings.problem(settings.problem_ref(name) if name.endswith(".py") else name)
+        console.print(report.problem_text(p))
     console.print("user-defined problems: pass a problem .py file as --problem "
                   "(see examples/README.md)")
 
 
-@main.command()
+@cli.command()
 @click.option("--config", "config_path", type=click.Path(dir_okay=False),
               help="run YAML (default: configs/default.yaml)")
 @click.option("--iterations", type=int, help="override the config's iterations")
@@ -192,24 +221,25 @@ def run(config_path: str | None, iterations: int | None, output: str | None,
         max_wall_s: float | None, quiet: bool) -> None:
     """Evolve kernels from a seed program (the main job)."""
     from .runner import start_run
-    start_run(config_path=config_path, iterations=iterations, output=output,
-              random_seed=random_seed, device=device, resume_dir=resume_dir, quiet=quiet,
-              console=console, max_wall_s=max_wall_s)
+    sys.exit(start_run(config_path=config_path, iterations=iterations, output=output,
+                       random_seed=random_seed, device=device, resume_dir=resume_dir,
+                       quiet=quiet, console=console, max_wall_s=max_wall_s))
 
 
-@main.command()
+@cli.command()
 @click.argument("run_dir", type=click.Path(file_okay=False))
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False))
-def export(run_dir: str, out_dir: str) -> None:
+@click.option("--out", "out_dir", type=click.Path(file_okay=False),
+              help="where to write the export (default: RUN_DIR/best)")
+def export(run_dir: str, out_dir: str | None) -> None:
     """Export a run's best kernel, its evaluation, lineage and leaderboard."""
     from .export import export_run
     if not Path(run_dir, "run.sqlite").is_file():
         raise UsageError(f"{run_dir}: not a run directory (no run.sqlite)")
-    summary = export_run(run_dir, out_dir)
-    console.print(f"exported to {out_dir}:")
-    for f in sorted(Path(out_dir).iterdir()):
+    target = Path(out_dir) if out_dir else Path(run_dir) / "best"
+    export_run(run_dir, target)
+    console.print(f"exported to {target}:")
+    for f in sorted(target.iterdir()):
         console.print(f"  {f.name}")
-    del summary
 
 
 def _write_json_atomic(path: Path, data: Any) -> None:

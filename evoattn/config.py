@@ -13,6 +13,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from evaluator.request import DEFAULTS, TIMING_MODES
+
 from .errors import ConfigError
 
 
@@ -58,17 +60,29 @@ class LlmConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EvaluatorConfig:
-    build_timeout_s: float = 300.0
-    run_timeout_s: float = 600.0
-    trials: int = 3
-    tolerance_factor: float = 2.0
-    tolerance_floor: float = 1e-5
+    """How candidates are evaluated. Unset values (None) mean evaluator/request.py's defaults;
+    tolerances left unset are the problem's own."""
+
+    build_timeout_s: float = DEFAULTS.build_timeout_s
+    run_timeout_s: float = DEFAULTS.run_timeout_s      # a ceiling: see run_deadline below
+    trials: int = DEFAULTS.trials
+    tolerance_factor: float | None = None
+    tolerance_floor: float | None = None
     max_abs: float | None = None
-    warmup: int = 10
-    reps: int = 50
-    policy: str = "kernel-only"        # or "allow-library"
-    screen: bool = True                # stop a candidate's checks at its first failing config
-    all_backends: bool = False
+    warmup: int | None = None
+    reps: int | None = None
+    policy: str = DEFAULTS.policy      # or "allow-library"
+    screen: bool = DEFAULTS.screen     # stop a candidate's checks at its first failing config
+    all_backends: bool = DEFAULTS.all_backends
+    timing: str = DEFAULTS.timing      # what fitness measures: call | kernel | graph
+    baseline: str = DEFAULTS.baseline  # "best" (the fastest per config) or a baseline's name
+    # A candidate's run stage (after its build) may take this many times the seed's, but at
+    # least run_floor_s and at most run_timeout_s: a hang costs seconds, not minutes.
+    run_factor: float = 10.0
+    run_floor_s: float = 60.0
+    backend: str = "local"             # "local" (this machine's GPUs) or "dask"
+    scheduler_address: str | None = None   # the Dask scheduler, e.g. tcp://host:8786
+    gpus: tuple[int, ...] | None = None    # local: the GPU indices to use (default: all visible)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +109,8 @@ _CHOICES = {
     "device": ("auto", "cuda", "cpu"),
     "mutators.kind": ("knobs", "llm"),
     "evaluator.policy": ("kernel-only", "allow-library"),
+    "evaluator.timing": TIMING_MODES,
+    "evaluator.backend": ("local", "dask"),
     "llm.output_format": ("diff", "full"),
     "dtype": ("float16", "bfloat16", "float32", None),
 }
@@ -114,7 +130,8 @@ def load_config(path: str | Path) -> RunConfig:
         where = f" (line {mark.line + 1})" if mark else ""
         raise ConfigError(f"{p}{where}: malformed YAML: {getattr(e, 'problem', e)}") from None
     if raw is None:
-        raw = {}
+        raise ConfigError(f"{p}: the file is empty (a run config needs at least problem: and "
+                          "seed:; see configs/default.yaml)")
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: top level must be a mapping of keys, got {type(raw).__name__}")
     cfg = _build(RunConfig, raw, str(p), "")
@@ -216,6 +233,20 @@ def check_config(cfg: RunConfig, origin: str) -> None:
         raise bad("population.elites_per_island", "must be >= 1")
     if cfg.evaluator.trials < 1:
         raise bad("evaluator.trials", "must be >= 1")
+    for key in ("timing", "backend"):
+        allowed = _CHOICES[f"evaluator.{key}"]
+        if getattr(cfg.evaluator, key) not in allowed:
+            raise bad(f"evaluator.{key}", f"must be one of {', '.join(allowed)}, got "
+                      f"{getattr(cfg.evaluator, key)!r}")
+    if cfg.evaluator.backend == "dask" and not cfg.evaluator.scheduler_address:
+        raise bad("evaluator.scheduler_address", "is needed with backend: dask "
+                  "(e.g. tcp://host:8786)")
+    for key in ("warmup", "reps"):
+        value = getattr(cfg.evaluator, key)
+        if value is not None and value < 0:
+            raise bad(f"evaluator.{key}", "must be >= 0")
+    if cfg.evaluator.run_factor <= 0 or cfg.evaluator.run_floor_s <= 0:
+        raise bad("evaluator.run_factor", "and run_floor_s must be > 0")
     if any(m.kind == "llm" for m in cfg.mutators) and not cfg.llm.models:
         raise bad("llm.models", "must list at least one model when an llm mutator is used")
     for i, model in enumerate(cfg.llm.models):

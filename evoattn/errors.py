@@ -6,8 +6,10 @@
     ├── RunDirError         a run directory is missing, locked or from another config
     ├── LlmError            the LLM endpoint failed after retries
     └── BudgetExceeded      the run's cost budget is spent (stops the run cleanly)
+    Interrupted             SIGTERM or SIGHUP (a KeyboardInterrupt, as Ctrl-C is)
 
-The CLI catches EvoattnError, prints `Name: message` on one line and exits non-zero.
+The CLI catches EvoattnError, prints `Name: message` on one line and exits with the code the
+README documents (4 for usage errors, 1 for the rest); an interruption exits 128 + signal.
 """
 
 
@@ -33,3 +35,11 @@ class LlmError(EvoattnError):
 
 class BudgetExceeded(EvoattnError):
     """The configured LLM cost budget is spent."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised like Ctrl-C so every `finally` stops its child processes."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum

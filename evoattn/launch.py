@@ -34,7 +34,8 @@ class PopenChild:
         rfd, wfd = os.pipe()
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "evaluator.worker", "--fd", str(wfd)],
+                [sys.executable, "-m", "evaluator.worker", "--fd", str(wfd),
+                 "--parent", str(os.getpid())],
                 stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, cwd=work, env=env,
                 pass_fds=(wfd,), start_new_session=True)
         os.close(wfd)
@@ -91,7 +92,8 @@ class Zygote:
     def __init__(self, env: dict[str, str]) -> None:
         self._dir = tempfile.mkdtemp(prefix="evoattn-zygote-")
         env = dict(env, HOME=self._dir, TMPDIR=self._dir)
-        self.proc = subprocess.Popen([sys.executable, "-m", "evaluator.zygote"],
+        self.proc = subprocess.Popen([sys.executable, "-m", "evaluator.zygote",
+                                      "--parent", str(os.getpid())],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, cwd=self._dir, env=env,
                                      start_new_session=True)
@@ -107,6 +109,10 @@ class Zygote:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def exit_code(self) -> int | None:
+        """Returns the zygote's exit code once it has died (negative: killed by that signal)."""
+        return self.proc.poll()
 
     def launch(self, request: dict[str, Any], work: str, env: dict[str, str],
                log_path: Path) -> ZygoteChild:
@@ -190,6 +196,15 @@ class Zygote:
             if left <= 0 or not self.alive():
                 return None
             select.select([self._out], [], [], min(left, 0.2))
+
+
+def pid_alive(pid: int) -> bool:
+    """Returns whether a process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _killpg(pid: int) -> None:

@@ -1,12 +1,16 @@
-"""Rich renderings of results: the eval table, the closing block, baselines, problems."""
+"""Rich renderings of results: the eval tables, the closing block, baselines, problems."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from rich.console import Console
 from rich.table import Table
 
+from evaluator import scoring
+from evaluator.request import TIMING_MODES
 from evaluator.types import EvalResult, Verdict
+
+MODE_WORDS = {"call": "call time", "kernel": "kernel time", "graph": "graph time"}
 
 
 def _f(x: Any, fmt: str) -> str:
@@ -23,33 +27,66 @@ def label(params: dict[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in params.items())
 
 
+def headline(result: EvalResult) -> str:
+    """Returns e.g. '0.94x vs the best baseline, call time' (the fitness, named)."""
+    vs = "the best baseline" if result.baseline == "best" else result.baseline
+    cpu = " (CPU timing)" if result.timing_device == "cpu" else ""
+    return f"{result.fitness:.2f}x vs {vs}, {MODE_WORDS.get(result.timing, result.timing)}{cpu}"
+
+
 def eval_table(result: EvalResult) -> Table:
-    """Returns the per-config table of one evaluation."""
+    """Returns the per-config table of one evaluation, in its timing mode."""
     cpu = result.timing_device == "cpu"
-    t = Table(title=f"{result.candidate} on {result.device}, baseline: {result.baseline}"
+    mode = MODE_WORDS.get(result.timing, result.timing)
+    t = Table(title=f"{result.candidate} on {result.device}: {mode}, against "
+                    f"{'the fastest baseline' if result.baseline == 'best' else result.baseline}"
                     + (" — CPU timings (Triton interpreter), not GPU performance" if cpu else ""))
-    for col in ("config", "dtype", "verdict", "max err", "tol", "ms", "baseline ms", "TFLOP/s",
-                "baseline TFLOP/s", "speedup", "% peak", "mem MB", "baseline mem MB"):
-        t.add_column(col, justify="left" if col in ("config", "verdict", "dtype") else "right")
+    for col in ("config", "verdict", "max err", "tol", "ms", "baseline", "baseline ms",
+                "speedup", "TFLOP/s", "host µs", "baseline host µs", "mem MB"):
+        t.add_column(col, justify="left" if col in ("config", "verdict", "baseline") else "right")
     for c in result.configs:
         style = "green" if c.verdict is Verdict.PASS else "red"
-        t.add_row(label(c.params), c.dtype, f"[{style}]{c.verdict.value}[/{style}]",
+        base = c.baseline_times.get(c.baseline_name)
+        t.add_row(label(c.params), f"[{style}]{c.verdict.value}[/{style}]",
                   _f(c.max_abs_err, ".2e"), _f(c.tolerance, ".2e"), _f(c.ms, ".4f"),
-                  _f(c.baseline_ms, ".4f"), _f(c.tflops, ".1f"), _f(c.baseline_tflops, ".1f"),
-                  _f(c.speedup, ".3f") + ("x" if c.speedup else ""),
-                  _f(c.frac_peak * 100 if c.frac_peak else None, ".1f"),
-                  _f(c.peak_mem_bytes / 2**20 if c.peak_mem_bytes is not None else None, ".1f"),
-                  _f(c.baseline_peak_mem_bytes / 2**20
-                     if c.baseline_peak_mem_bytes is not None else None, ".1f"))
+                  c.baseline_name or "-", _f(c.baseline_ms, ".4f"),
+                  _f(c.speedup, ".3f") + ("x" if c.speedup else ""), _f(c.tflops, ".1f"),
+                  _f(c.times.host_us if c.times else None, ".1f"),
+                  _f(base.host_us if base else None, ".1f"),
+                  _f(c.peak_mem_bytes / 2**20 if c.peak_mem_bytes is not None else None, ".1f"))
     return t
 
 
-def extra_backends_table(result: EvalResult) -> Table | None:
-    """Returns a table of every SDPA backend's time per config, if they were timed."""
-    names = sorted({n for c in result.configs for n in c.extra_baselines_ms})
+def modes_table(result: EvalResult) -> Table | None:
+    """Returns every timing mode of the candidate and each baseline, per config (ms)."""
+    rows = [c for c in result.configs if c.times is not None]
+    if not rows:
+        return None
+    names = list(dict.fromkeys(n for c in rows for n in c.baseline_times))
+    t = Table(title="every mode (ms; host µs): kernel / call / graph")
+    t.add_column("config")
+    for who in ["candidate"] + names:
+        t.add_column(who, justify="right")
+    for c in rows:
+        cells = [_modes(c.times)] + [_modes(c.baseline_times.get(n)) for n in names]
+        t.add_row(label(c.params), *cells)
+    return t
+
+
+def _modes(times: Any) -> str:
+    if times is None:
+        return "-"
+    return (f"{_f(times.kernel_ms, '.4f')} / {_f(times.call_ms, '.4f')} / "
+            f"{_f(times.graph_ms, '.4f')}; {_f(times.host_us, '.0f')}")
+
+
+def backends_table(result: EvalResult) -> Table | None:
+    """Returns the diagnostic backends' times per config (--all-backends), if timed."""
+    names = sorted({n for c in result.configs for n in c.backends_ms})
     if not names:
         return None
-    t = Table(title="every backend (ms; speedup of the candidate over it)")
+    t = Table(title=f"every backend ({MODE_WORDS.get(result.timing, result.timing)} ms; "
+                    "speedup of the candidate over it)")
     t.add_column("config")
     t.add_column("candidate", justify="right")
     for n in names:
@@ -57,14 +94,26 @@ def extra_backends_table(result: EvalResult) -> Table | None:
     for c in result.configs:
         cells = []
         for n in names:
-            ms = c.extra_baselines_ms.get(n)
+            ms = c.backends_ms.get(n)
             cells.append("-" if ms is None or not c.ms else f"{ms:.4f} ({ms / c.ms:.2f}x)")
         t.add_row(label(c.params), _f(c.ms, ".4f"), *cells)
     return t
 
 
-def cost_summary(results: list[EvalResult]) -> str:
-    """Returns one line on what the evaluations cost: count, mean seconds, the main stages."""
+def other_modes(result: EvalResult, flops: Callable[[dict[str, Any]], float]) -> str:
+    """Returns the fitness the same times give in the other modes, e.g. 'kernel time 0.95x'."""
+    parts = []
+    for mode in TIMING_MODES:
+        if mode == result.timing:
+            continue
+        _, value = scoring.rescore(result.configs, mode, result.baseline, flops)
+        parts.append(f"{MODE_WORDS[mode]} {value:.2f}x" if value else f"{MODE_WORDS[mode]} -")
+    return ", ".join(parts)
+
+
+def cost_summary(results: list[EvalResult], elapsed_s: float | None = None,
+                 evaluated: int | None = None) -> str:
+    """Returns one line on what the evaluations cost: count, rate, mean seconds, main stages."""
     timed = [r for r in results if r.stage_s]
     if not timed:
         return ""
@@ -74,17 +123,20 @@ def cost_summary(results: list[EvalResult]) -> str:
         for name, sec in r.stage_s.items():
             stages[name] = stages.get(name, 0.0) + sec / len(timed)
     top = sorted(stages.items(), key=lambda kv: -kv[1])[:4]
+    rate = (f"; {evaluated / (elapsed_s / 60):.1f} per minute this session"
+            if elapsed_s and evaluated else "")
     return (f"evaluations: {len(timed)}, {mean:.1f} s each on average ("
-            + ", ".join(f"{name} {sec:.1f}" for name, sec in top) + ")")
+            + ", ".join(f"{name} {sec:.1f}" for name, sec in top) + f"){rate}")
 
 
-def print_eval(console: Console, result: EvalResult) -> None:
-    """Prints the table and the closing block (Correctness / Speedup / Score)."""
+def print_eval(console: Console, result: EvalResult,
+               flops: Callable[[dict[str, Any]], float] | None = None) -> None:
+    """Prints the tables and the closing block (Correctness / Speedup / Score)."""
     if result.configs:
         console.print(eval_table(result))
-        extra = extra_backends_table(result)
-        if extra is not None:
-            console.print(extra)
+        for extra in (modes_table(result), backends_table(result)):
+            if extra is not None:
+                console.print(extra)
     if result.build_cached is not None:
         console.print(f"build: {'cached (skipped)' if result.build_cached else 'built'}"
                       + (f" in {result.build_seconds:.1f} s" if result.build_seconds else ""))
@@ -94,30 +146,48 @@ def print_eval(console: Console, result: EvalResult) -> None:
     for flag in result.flags:
         console.print(f"[yellow]flag[/yellow]: {flag}")
     ok = result.correct
-    console.print(f"Correctness: {'[green]PASS[/green]' if ok else '[red]FAIL[/red]'}"
-                  + ("" if ok else f" ({result.verdict.value}: {result.reason})"))
+    if result.verdict is Verdict.COMPILED:
+        console.print(f"Compiled: {result.reason}")
+    else:
+        console.print(f"Correctness: {'[green]PASS[/green]' if ok else '[red]FAIL[/red]'}"
+                      + ("" if ok else f" ({result.verdict.value}: {result.reason})"))
     timed = [c.speedup for c in result.configs if c.speedup]
     if ok and timed:
-        unit = " (CPU timing)" if result.timing_device == "cpu" else ""
-        console.print(f"Speedup: {result.fitness:.2f}x vs {result.baseline} (geometric mean over "
-                      f"{len(timed)} configs){unit}")
+        console.print(f"Speedup: {headline(result)} (geometric mean over {len(timed)} configs)")
+        if flops is not None:
+            console.print(f"  the same times in the other modes: {other_modes(result, flops)}")
     console.print(f"Score: {result.fitness:.4f}")
 
 
 def baseline_table(rows: list[dict[str, Any]], device: str) -> Table:
-    """Returns the table of every PyTorch implementation per config."""
-    names = sorted({n for r in rows for n in r["ms"]} - {"default"})
-    t = Table(title=f"PyTorch baselines on {device} (TFLOP/s; speedup vs SDPA default)")
+    """Returns the table of every baseline and backend per config: TFLOP/s in each mode."""
+    names = list(dict.fromkeys(n for r in rows for n in r["times"]))
+    t = Table(title=f"PyTorch on {device}: ms in kernel / call / graph time; host µs")
     t.add_column("config")
-    t.add_column("default", justify="right")
     for n in names:
         t.add_column(n, justify="right")
     for r in rows:
-        d = r["ms"].get("default")
         cells = []
         for n in names:
-            ms = r["ms"].get(n)
-            cells.append("n/a" if ms is None else
-                         f"{r['flops'] / ms / 1e9:.1f} ({d / ms:.2f}x)" if d else f"{ms:.3f} ms")
-        t.add_row(label(r["cfg"]), "n/a" if d is None else f"{r['flops'] / d / 1e9:.1f}", *cells)
+            times = r["times"].get(n)
+            cells.append("n/a" if not times else
+                         f"{_f(times.get('kernel_ms'), '.4f')} / {_f(times.get('call_ms'), '.4f')}"
+                         f" / {_f(times.get('graph_ms'), '.4f')}; "
+                         f"{_f(times.get('host_us'), '.0f')}")
+        t.add_row(label(r["cfg"]), *cells)
     return t
+
+
+def problem_text(p: Any) -> str:
+    """Returns what `evoattn problems` prints for one problem."""
+    lines = [f"[bold]{p.name}[/bold] — {p.summary}", f"  contract: {p.contract}"]
+    if p.cuda_symbol:
+        lines.append("  CUDA fast form:\n    " + p.cuda_signature.replace("\n", "\n    "))
+    lines += [f"  domain: {p.domain}",
+              f"  dtypes: {', '.join(p.dtypes)} (default {p.default_dtype})",
+              "  configs (GPU): " + "; ".join(p.label(c) for c in p.default_configs),
+              "  configs (CPU, Triton's interpreter): "
+              + "; ".join(p.label(c) for c in p.cpu_configs),
+              f"  baselines: {', '.join(p.baseline_names)} ({p.baseline_name}); fitness takes "
+              "the fastest unless evaluator.baseline names one", ""]
+    return "\n".join(lines)

@@ -2,76 +2,106 @@
 from __future__ import annotations
 
 import dataclasses
-import signal
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
+from evaluator import program
+from evaluator.request import EvalRequest
+from evaluator.types import EXIT_OK
+
+from . import settings
 from .config import RunConfig, check_config, config_from_dict, config_to_dict, load_config
 from .errors import EvoattnError, RunDirError, UsageError
-from .problems import load_problem
 from .report import cost_summary, label
-from .sandbox import EvalSettings, SubprocessEvaluator, detect_target, resolve_device
+from .sandbox import detect_target
 
 DEFAULT_CONFIG = "configs/default.yaml"
-# Keys that may differ when a run is resumed (everything else must match the stored config).
-_RESUMABLE = {"iterations", "output", "max_wall_s", "target_fitness"}
+# Keys that may differ when a run is resumed (everything else must match the stored config):
+# limits, and the LLM settings (another model is another mutator, not another search).
+_RESUMABLE = {"iterations", "output", "max_wall_s", "target_fitness", "llm"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """A run's resolved inputs: config, device, problem, configs, seed and request."""
+
+    cfg: RunConfig
+    resuming: bool
+    device: str
+    problem_ref: str
+    problem: Any
+    configs: tuple[dict[str, Any], ...] | None
+    seed_path: Path
+    seed_source: str
+    request: EvalRequest
+    run_dir: Path
 
 
 def start_run(*, config_path: str | None, iterations: int | None, output: str | None,
               random_seed: int | None, device: str | None, resume_dir: str | None, quiet: bool,
-              console: Console, max_wall_s: float | None = None) -> None:
-    """Runs (or resumes) a search and exports its best kernel into RUN_DIR/best."""
+              console: Console, max_wall_s: float | None = None) -> int:
+    """Runs (or resumes) a search, exports its best kernel into RUN_DIR/best; returns the exit
+    code (130 after a clean stop on Ctrl-C)."""
     from .store import RunStore
-    cfg, resuming = _resolve_config(config_path, resume_dir, iterations, output, random_seed,
-                                    device)
-    if max_wall_s is not None:
-        cfg = dataclasses.replace(cfg, max_wall_s=max_wall_s)
-    dev = resolve_device(cfg.device)
-    cfg = dataclasses.replace(cfg, device=dev)
-    problem_ref = _problem_ref(cfg.problem, config_path)
-    problem = _problem(problem_ref)
-    seed_path = _find(cfg.seed, config_path)
-    if seed_path.suffix == ".cu" and dev == "cpu":
-        raise UsageError(f"{seed_path}: a CUDA seed needs a GPU; use a .py seed with device: cpu")
-    configs = _parse_configs(problem, cfg)
-    run_dir = Path(resume_dir or cfg.output)
-    store = RunStore.open(run_dir, config_to_dict(cfg), create=not resuming)
+    plan = plan_run(config_path, iterations, output, random_seed, device, resume_dir, max_wall_s)
+    store = RunStore.open(plan.run_dir, config_to_dict(plan.cfg), create=not plan.resuming)
     try:
-        if resuming:
+        if plan.resuming:
             was = store.stored_config().get("device")
-            if was != dev:   # CPU and GPU speedups must not compete in one population
-                raise RunDirError(f"{run_dir}: this run was timed on {was}; it cannot "
-                                  f"continue on {dev} (use --device {was}, or a new --output)")
+            if was != plan.device:   # CPU and GPU speedups must not compete in one population
+                raise RunDirError(f"{plan.run_dir}: this run was timed on {was}; it cannot "
+                                  f"continue on {plan.device} (use --device {was}, or a new "
+                                  "--output)")
+            state = store.load_state()
+            done = state["iteration"] if state else 0
+            console.print(f"resuming the run in {plan.run_dir} after iteration {done} "
+                          f"({len(store.load_programs())} programs stored)")
             store.record_stop(None)
-        _search(cfg, store, problem, problem_ref, configs, seed_path, dev, quiet, console,
-                run_dir)
+        return _search(plan, store, quiet, console)
     finally:
         store.close()
 
 
-def _search(cfg: RunConfig, store: Any, problem: Any, problem_ref: str, configs: Any,
-            seed_path: Path, dev: str, quiet: bool, console: Console, run_dir: Path) -> None:
+def plan_run(config_path: str | None, iterations: int | None, output: str | None,
+             random_seed: int | None, device: str | None, resume_dir: str | None,
+             max_wall_s: float | None) -> RunPlan:
+    """Returns what a run needs, checked; every bad input is one UsageError/ConfigError line."""
+    cfg, resuming = _resolve_config(config_path, resume_dir, iterations, output, random_seed,
+                                    device)
+    if max_wall_s is not None:
+        cfg = dataclasses.replace(cfg, max_wall_s=max_wall_s)
+    dev = settings.resolve_device(cfg.device)
+    cfg = dataclasses.replace(cfg, device=dev)
+    ref = settings.problem_ref(cfg.problem, config_path)
+    prob = settings.problem(ref, "problem: ")
+    seed_path = _find_seed(cfg.seed, config_path)
+    if settings.cuda_on_cpu(seed_path, dev):
+        raise UsageError(f"{seed_path}: a CUDA seed needs a GPU; use a .py seed with "
+                         "device: cpu")
+    try:
+        source = program.read(seed_path)
+    except program.ProgramError as e:
+        raise UsageError(str(e)) from None
+    configs = settings.parse_configs(prob, cfg.configs, "configs")
+    request = settings.eval_request(ref, prob, dev, configs, cfg.dtype, cfg.evaluator)
+    return RunPlan(cfg, resuming, dev, ref, prob, configs, seed_path, source, request,
+                   Path(resume_dir or cfg.output))
+
+
+def _search(plan: RunPlan, store: Any, quiet: bool, console: Console) -> int:
     from .export import export_run
     from .mutators.knobs import KnobMutator
+    from .pool import make_evaluator
     from .progress import EventLog, LiveView
     from .search import Search
 
-    ev = cfg.evaluator
-    on_cpu = dev == "cpu"
-    settings = EvalSettings(
-        problem=problem_ref, configs=configs, dtype=cfg.dtype, device=dev, trials=ev.trials,
-        warmup=1 if on_cpu else ev.warmup, reps=min(ev.reps, 3) if on_cpu else ev.reps,
-        tolerance={"factor": ev.tolerance_factor, "floor": ev.tolerance_floor,
-                   **({"max_abs": ev.max_abs} if ev.max_abs is not None else {})},
-        policy=ev.policy, all_backends=ev.all_backends, build_timeout_s=ev.build_timeout_s,
-        run_timeout_s=ev.run_timeout_s, screen=ev.screen,
-        secret_env_names=tuple(m.api_key_env for m in cfg.llm.models))
-    evaluator = SubprocessEvaluator(settings)
+    cfg = plan.cfg
+    evaluator = make_evaluator(cfg, plan.request, tuple(m.api_key_env for m in cfg.llm.models))
     meter = None
     mutators: list[tuple[Any, float]] = []
-    target = detect_target(dev)   # the @target fact: lets knob conditions rule out dead code
+    target = detect_target(plan.device)   # the @target fact: lets knob conditions rule out code
     for m in cfg.mutators:
         if m.kind == "knobs":     # every evaluated program is committed before the next proposal
             mutators.append((KnobMutator(cfg.population.crossover_rate,
@@ -85,7 +115,7 @@ def _search(cfg: RunConfig, store: Any, problem: Any, problem_ref: str, configs:
                 t = store.llm_totals()
                 meter.carry_over(t.calls, t.prompt_tokens, t.completion_tokens, t.cost_usd)
             mutators.append((LlmMutator(cfg.llm, meter), m.weight))
-    events = EventLog(run_dir / "events.jsonl")
+    events = EventLog(plan.run_dir / "events.jsonl")
 
     def llm_totals() -> dict[str, float]:
         if meter is None:
@@ -93,56 +123,71 @@ def _search(cfg: RunConfig, store: Any, problem: Any, problem_ref: str, configs:
         return {"calls": meter.calls, "prompt_tokens": meter.prompt_tokens,
                 "completion_tokens": meter.completion_tokens, "cost_usd": meter.spent_usd}
 
-    if on_cpu:
-        console.print("[yellow]CPU mode[/yellow]: no GPU here, so candidates run through "
-                      "Triton's interpreter on small configs; speedups are CPU timings, "
-                      "not GPU performance.")
-    view = LiveView(console, quiet, events, dev)
-    search = Search(cfg, store, evaluator, mutators, seed_path.read_text(), seed_path.suffix,
-                    contract=problem.contract, on_progress=view.update,
+    if plan.device == "cpu":
+        settings.cpu_notice(console)
+    view = LiveView(console, quiet, events, plan.device)
+    search = Search(cfg, store, evaluator, mutators, plan.seed_source, plan.seed_path.suffix,
+                    contract=plan.problem.contract, on_progress=view.update,
                     budget_exhausted=lambda: bool(meter and meter.exhausted),
                     llm_totals=llm_totals,
                     lookahead=cfg.llm.concurrency if meter is not None else 0)
-    events.write("start", config=config_to_dict(cfg), device=dev, run_dir=str(run_dir))
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    events.write("start", config=config_to_dict(cfg), device=plan.device,
+                 run_dir=str(plan.run_dir))
     try:
         with view:
             outcome = search.run()
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        evaluator.close()                       # stops the zygote
+        evaluator.close()                       # stops every child process and zygote
     events.write("stop", reason=outcome.stop_reason, iterations=outcome.iterations_done,
                  best_id=outcome.best.id if outcome.best else None,
                  best_fitness=outcome.best.fitness if outcome.best else None,
-                 elapsed_s=outcome.elapsed_s)
+                 elapsed_s=outcome.elapsed_s, run_elapsed_s=outcome.run_elapsed_s)
     events.close()
     _summary(console, outcome, search)
     if outcome.best is None:
         raise EvoattnError(f"no correct program, nothing exported ({outcome.stop_reason})")
-    export_run(store, run_dir / "best")
-    extra = "" if problem_ref == "sdpa" else f" --problem {problem_ref}"
-    extra += f" --device {dev}" if dev == "cpu" else ""
-    if configs:
-        extra += " --configs '" + ";".join(_config_spec(c) for c in configs) + "'"
-    console.print(f"best kernel exported to {run_dir / 'best'} (re-check it with "
-                  f"`evoattn eval {run_dir / 'best'}/best{outcome.best.suffix}{extra}`)")
+    export_run(store, plan.run_dir / "best")
+    console.print(f"best kernel exported to {plan.run_dir / 'best'} (re-check it with "
+                  f"`evoattn eval {plan.run_dir / 'best'}/best{outcome.best.suffix}"
+                  f"{_eval_flags(plan)}`)")
+    return outcome.exit_code if outcome.exit_code else EXIT_OK
+
+
+def _eval_flags(plan: RunPlan) -> str:
+    """Returns the `evoattn eval` flags that re-check the best as the run evaluated it."""
+    extra = "" if plan.problem_ref == "sdpa" else f" --problem {plan.problem_ref}"
+    extra += f" --device {plan.device}" if plan.device == "cpu" else ""
+    extra += f" --timing {plan.request.timing}" if plan.request.timing != "call" else ""
+    if plan.configs:
+        extra += " --configs '" + ";".join(_config_spec(c) for c in plan.configs) + "'"
+    return extra
 
 
 def _summary(console: Console, outcome: Any, search: Any) -> None:
     seed, best = outcome.seed, outcome.best
     console.print(f"stopped after iteration {outcome.iterations_done}: {outcome.stop_reason}")
+    whole = (f"; the whole run so far {outcome.run_elapsed_s:.0f} s"
+             if outcome.run_elapsed_s > outcome.elapsed_s + 1 else "")
+    mode = best.result.timing if best and best.result else ""
     console.print(f"seed fitness {seed.fitness:.4f} -> best fitness "
-                  f"{best.fitness if best else 0.0:.4f} ({best.id if best else '-'}) in "
-                  f"{outcome.elapsed_s:.0f} s")
+                  f"{best.fitness if best else 0.0:.4f} ({best.id if best else '-'}"
+                  f"{', ' + mode + ' time' if mode else ''}) in {outcome.elapsed_s:.0f} s "
+                  f"(this session{whole})")
     if best and best.result and seed.result:
         by_cfg = {str(c.params): c.speedup for c in seed.result.configs}
         for c in best.result.configs:
             before = by_cfg.get(str(c.params))
             console.print(f"  {label(c.params)}: {before or 0:.3f}x -> {c.speedup or 0:.3f}x "
-                          f"vs {best.result.baseline}")
-    cost = cost_summary([p.result for p in search.programs.values() if p.result is not None])
+                          f"vs {c.baseline_name or best.result.baseline}")
+    cost = cost_summary([p.result for p in search.programs.values() if p.result is not None],
+                        outcome.elapsed_s, search.evaluated_this_session)
     if cost:
         console.print(cost)
+    llm = search.llm_totals()
+    if llm:
+        console.print(f"LLM: {int(llm.get('calls', 0))} calls, {int(llm.get('prompt_tokens', 0))} "
+                      f"tokens in, {int(llm.get('completion_tokens', 0))} out, "
+                      f"${llm.get('cost_usd', 0.0):.4f}")
 
 
 def _config_spec(cfg: dict[str, Any]) -> str:
@@ -150,10 +195,6 @@ def _config_spec(cfg: dict[str, Any]) -> str:
     if set(cfg) == {"B", "H", "S", "D", "causal"}:
         return f"{cfg['B']},{cfg['H']},{cfg['S']},{cfg['D']},{'causal' if cfg['causal'] else 'nc'}"
     return ",".join(f"{k}={v}" for k, v in cfg.items())
-
-
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
 
 
 def _stored_config(run_dir: str) -> RunConfig:
@@ -173,12 +214,11 @@ def _resolve_config(config_path: str | None, resume_dir: str | None, iterations:
     if resume_dir and (config_path or output):
         raise UsageError("--resume continues a run with its stored config; "
                          "it takes no --config or --output")
+    path = config_path or DEFAULT_CONFIG
     if resume_dir:
-        cfg = _stored_config(resume_dir)
+        cfg = dataclasses.replace(_stored_config(resume_dir), output=resume_dir)
         resuming = True
-        cfg = dataclasses.replace(cfg, output=resume_dir)
     else:
-        path = config_path or DEFAULT_CONFIG
         # Stored with absolute seed and problem paths, so --resume works from any directory.
         cfg = _absolute_paths(load_config(path), path)
     over: dict[str, Any] = {}
@@ -209,57 +249,17 @@ def _resolve_config(config_path: str | None, resume_dir: str | None, iterations:
     return cfg, resuming
 
 
-def _problem(name: str) -> Any:
-    return load_problem(name, where="problem: ")
-
-
-def _locate(path: str, config_path: str | None, what: str) -> Path:
-    """Returns an existing file: the path itself, else relative to the config's dir or its parent."""
-    p = Path(path)
-    candidates = [p] if p.is_absolute() else [Path.cwd() / p]
-    if config_path and not p.is_absolute():
-        here = Path(config_path).resolve().parent
-        candidates += [here / p, here.parent / p]
-    for c in candidates:
-        if c.is_file():
-            return c.resolve()
-    raise UsageError(f"{what} {path} not found" +
-                     (f" (config {config_path})" if config_path else ""))
-
-
 def _absolute_paths(cfg: RunConfig, config_path: str) -> RunConfig:
     """Returns cfg with its seed and problem file found relative to the config, made absolute."""
-    return dataclasses.replace(cfg, seed=str(_find(cfg.seed, config_path)),
-                               problem=_problem_ref(cfg.problem, config_path))
+    return dataclasses.replace(cfg, seed=str(_find_seed(cfg.seed, config_path)),
+                               problem=settings.problem_ref(cfg.problem, config_path))
 
 
-def _problem_ref(name: str, config_path: str | None) -> str:
-    """Returns a built-in name as is, or a problem .py path made absolute.
-
-    The evaluator's child runs in a temporary directory, so it must get an absolute path.
-    """
-    if not name.endswith(".py"):
-        return name
-    return str(_locate(name, config_path, "problem file"))
-
-
-def _find(path: str, config_path: str | None) -> Path:
-    found = _locate(path, config_path, "seed program")
+def _find_seed(path: str, config_path: str | None) -> Path:
+    found = settings.locate(path, config_path, "seed program")
     if found.suffix not in (".py", ".cu"):
         raise UsageError(f"{found}: seed must be a .py or .cu file")
     return found
 
 
-def _parse_configs(problem: Any, cfg: RunConfig) -> tuple[dict[str, Any], ...] | None:
-    if not cfg.configs:
-        return None
-    out: list[dict[str, Any]] = []
-    for i, spec in enumerate(cfg.configs):
-        try:
-            out += problem.parse_configs(spec)
-        except ValueError as e:
-            raise UsageError(f"configs[{i}]: {e}") from None
-    return tuple(out)
-
-
-__all__ = ["start_run"]
+__all__ = ["start_run", "plan_run"]

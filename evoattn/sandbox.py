@@ -1,10 +1,12 @@
 """Parent side of the evaluator boundary: one child process per candidate.
 
-The orchestrator never imports candidate code and never touches CUDA. Each
-candidate runs in `python -m evaluator.worker` in a fresh process session, in a
-temporary directory of its own, with an environment stripped of secrets, and
-under hard deadlines for build and run. Whatever happens to the child, the
-parent returns an EvalResult.
+The orchestrator never imports candidate code and never touches CUDA. Each candidate runs
+in a process of its own (forked from a warm zygote, or a fresh `python -m evaluator.worker`),
+in a fresh process session, in a temporary directory, with an environment stripped of
+secrets, and under deadlines for its build and its run. Whatever happens to the child, the
+parent returns an EvalResult; when the evaluator itself fails (the zygote or the child
+killed from outside), that is an `evaluator_fault`, not a verdict on the kernel, and the
+candidate is evaluated once more on a fresh zygote.
 """
 from __future__ import annotations
 
@@ -17,15 +19,17 @@ import select
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from evaluator import program
+from evaluator.request import EvalRequest
 from evaluator.types import EvalResult, Verdict
 
-from .launch import LaunchError, PopenChild, Zygote
+from .launch import LaunchError, PopenChild, Zygote, pid_alive
 
 _ENV_KEEP = re.compile(r"^(PATH|LD_LIBRARY_PATH|LANG|LC_\w+|CUDA_\w+|NVIDIA_\w+|TRITON_\w+|"
                        r"TORCH_\w+|PYTORCH_\w+|NCCL_\w+|CC|CXX|CUDAHOSTCXX|OMP_NUM_THREADS|"
@@ -45,7 +49,8 @@ def child_env(base: dict[str, str], workdir: str, cache_dir: str, device: str,
     pythonpath = os.pathsep.join(p for p in [repo_root, base.get("PYTHONPATH", "")] if p)
     env.update(HOME=workdir, TMPDIR=workdir, PYTHONPATH=pythonpath, PYTHONUNBUFFERED="1",
                PYTHONDONTWRITEBYTECODE="1", TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"),
-               TORCH_EXTENSIONS_DIR=os.path.join(cache_dir, "torch_ext"))
+               TORCH_EXTENSIONS_DIR=os.path.join(cache_dir, "torch_ext"),
+               TORCHINDUCTOR_COMPILE_THREADS="1")   # compiles in-process, no worker pool
     if device == "cpu":
         env["TRITON_INTERPRET"] = "1"
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -55,154 +60,213 @@ def child_env(base: dict[str, str], workdir: str, cache_dir: str, device: str,
 
 
 @dataclasses.dataclass(frozen=True)
-class EvalSettings:
-    """What to evaluate against: the request fields the child needs besides the candidate."""
+class SandboxSettings:
+    """How the parent runs children: limits, the cache, which GPU, what never reaches them."""
 
-    problem: str = "sdpa"
-    configs: tuple[dict[str, Any], ...] | None = None
-    dtype: str | None = None
-    device: str = "cuda"
-    trials: int = 3
-    warmup: int | None = None
-    reps: int | None = None
-    tolerance: dict[str, Any] = dataclasses.field(default_factory=dict)
-    policy: str = "kernel-only"
-    all_backends: bool = False
-    build_timeout_s: float = 300.0
-    run_timeout_s: float = 600.0
+    cache_dir: str = ""                        # "" = $EVOATTN_CACHE or ~/.cache/evoattn
     max_host_mem_bytes: int = 32 * 2 ** 30
-    cache_dir: str = ""
-    gpu_index: int | None = None
-    secret_env_names: tuple[str, ...] = ()
-    check_only: bool = False
-    screen: bool = True               # stop checking at the first failing config
+    visible_device: str | None = None          # the child's CUDA_VISIBLE_DEVICES (one GPU)
+    secret_env_names: tuple[str, ...] = ()     # e.g. the LLM key's variable
     # Fork candidates from a warm zygote (torch imported once); EVOATTN_ZYGOTE=0 turns it off.
     zygote: bool = dataclasses.field(
         default_factory=lambda: os.environ.get("EVOATTN_ZYGOTE", "1") != "0")
 
 
+def run_deadline(seed: EvalResult, factor: float, floor_s: float, ceiling_s: float) -> float:
+    """Returns a run-stage deadline from the seed's: `factor` × its run stages (everything
+    after its build), at least `floor_s` and at most `ceiling_s`."""
+    ran = sum(v for k, v in seed.stage_s.items() if k not in ("start", "build"))
+    return max(floor_s, min(ceiling_s, factor * ran)) if ran > 0 else ceiling_s
+
+
 class SubprocessEvaluator:
     """Evaluates candidates in child processes (implements evoattn.types.Evaluator)."""
 
-    def __init__(self, settings: EvalSettings) -> None:
-        cache = settings.cache_dir or default_cache_dir()
+    def __init__(self, request: EvalRequest, sandbox: SandboxSettings = SandboxSettings()) -> None:
+        cache = os.path.realpath(sandbox.cache_dir or default_cache_dir())
         os.makedirs(cache, exist_ok=True)
-        self.settings = dataclasses.replace(settings, cache_dir=os.path.realpath(cache))
+        self.sandbox = dataclasses.replace(sandbox, cache_dir=cache)
+        self.request = dataclasses.replace(request, cache_dir=cache)
         self._zygote: Zygote | None = None
         self._zygote_failed = False
+        self._abort = threading.Event()
 
     def evaluate(self, source: str, suffix: str, label: str = "candidate") -> EvalResult:
-        """Returns the verdict on `source` (a .py or .cu program)."""
-        s = self.settings
+        """Returns the verdict on `source` (a program text, see evaluator/program.py)."""
+        result = self._evaluate_once(source, suffix, label)
+        if result.verdict is Verdict.EVALUATOR_FAULT and not self._abort.is_set():
+            # once more, on a fresh zygote
+            self._stop_zygote()
+            again = self._evaluate_once(source, suffix, label)
+            if again.verdict is Verdict.EVALUATOR_FAULT:
+                return dataclasses.replace(again, reason=f"twice: {again.reason} (first: "
+                                           f"{result.reason})")
+            return again
+        return result
+
+    def calibrate(self, seed: EvalResult, factor: float, floor_s: float) -> float:
+        """Derives the run deadline from the seed's evaluation; returns it."""
+        deadline = run_deadline(seed, factor, floor_s, self.request.run_timeout_s)
+        self.request = dataclasses.replace(self.request, run_timeout_s=deadline)
+        return deadline
+
+    def abort(self) -> None:
+        """Ends the evaluation in progress, if any, at once (its child is killed); for good."""
+        self._abort.set()
+
+    def close(self) -> None:
+        """Stops the zygote, if one was started."""
+        self._stop_zygote()
+
+    def _stop_zygote(self) -> None:
+        if self._zygote is not None:
+            self._zygote.close()
+            self._zygote = None
+
+    def _evaluate_once(self, source: str, suffix: str, label: str) -> EvalResult:
         work = tempfile.mkdtemp(prefix="evoattn-")
         t0 = time.monotonic()
         try:
-            cand = Path(work) / f"candidate{suffix}"
-            cand.write_text(source)
-            request = {
-                "candidate": str(cand), "problem": s.problem,
-                "configs": [dict(c) for c in s.configs] if s.configs else None,
-                "dtype": s.dtype, "device": s.device, "trials": s.trials,
-                "tolerance": s.tolerance, "policy": s.policy, "all_backends": s.all_backends,
-                "build_timeout_s": s.build_timeout_s, "cache_dir": s.cache_dir,
-                "allowed_dirs": [work, s.cache_dir], "secret_seed": secrets.randbits(62),
-                "check_only": s.check_only, "screen": s.screen,
-                "nonce": secrets.token_hex(16),
-            }
-            if s.warmup is not None:
-                request["warmup"] = s.warmup
-            if s.reps is not None:
-                request["reps"] = s.reps
-            result, stages = self._run_child(request, work)
+            try:
+                main = program.write(source, work, f"candidate{suffix}")
+            except (program.ProgramError, OSError) as e:
+                return EvalResult.failure(Verdict.LOAD_ERROR, f"cannot write the program: {e}",
+                                          problem=self.request.problem, candidate=label)
+            req = dataclasses.replace(self.request, candidate=str(main),
+                                      allowed_dirs=(work, os.path.join(self.sandbox.cache_dir,
+                                                                       "triton")),
+                                      secret_seed=secrets.randbits(62))
+            result, stages = self._run_child(req, work)
             return dataclasses.replace(result, candidate=label, stage_s=stages,
                                        duration_s=round(time.monotonic() - t0, 3))
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
-    def close(self) -> None:
-        """Stops the zygote, if one was started."""
-        if self._zygote is not None:
-            self._zygote.close()
-            self._zygote = None
-
-    def _launch(self, request: dict[str, Any], work: str, env: dict[str, str],
+    def _launch(self, message: dict[str, Any], work: str, env: dict[str, str],
                 log_path: Path) -> Any:
         """Starts the candidate's process: a zygote fork when possible, else a fresh one."""
-        if self.settings.zygote and not self._zygote_failed:
+        s = self.sandbox
+        if s.zygote and not self._zygote_failed:
             try:
                 if self._zygote is None or not self._zygote.alive():
-                    template = child_env(dict(os.environ), work, self.settings.cache_dir,
-                                         self.settings.device, self.settings.secret_env_names)
+                    template = child_env(dict(os.environ), work, s.cache_dir,
+                                         self.request.device, s.secret_env_names)
                     self._zygote = Zygote(template)
-                return self._zygote.launch(request, work, env, log_path)
-            except LaunchError:
+                return self._zygote.launch(message, work, env, log_path)
+            except LaunchError as e:
                 self._zygote_failed = True     # say so once, then use fresh interpreters
-                print("evoattn: the zygote failed; starting each candidate in a fresh "
-                      "interpreter", file=sys.stderr)
-        return PopenChild(request, work, env, log_path)
+                import sys
+                print(f"evoattn: the zygote failed ({e}); starting each candidate in a "
+                      "fresh interpreter", file=sys.stderr)
+        return PopenChild(message, work, env, log_path)
 
-    def _run_child(self, request: dict[str, Any], work: str
-                   ) -> tuple[EvalResult, dict[str, float]]:
+    def _run_child(self, req: EvalRequest, work: str) -> tuple[EvalResult, dict[str, float]]:
         """Returns the child's result and the wall seconds spent in each stage it reported."""
-        s = self.settings
-        env = child_env(dict(os.environ), work, s.cache_dir, s.device, s.secret_env_names)
-        if s.gpu_index is not None and s.device == "cuda":
-            env["CUDA_VISIBLE_DEVICES"] = str(s.gpu_index)
+        s = self.sandbox
+        env = child_env(dict(os.environ), work, s.cache_dir, req.device, s.secret_env_names)
+        if s.visible_device is not None and req.device == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = s.visible_device
         log_path = Path(work) / "child.log"
-        nonce = request["nonce"]
+        nonce = secrets.token_hex(16)
         marks: list[tuple[str, float]] = [("start", time.monotonic())]   # zygote start too
-        child = self._launch(request, work, env, log_path)
-        rfd = child.result_fd
-        stage, result, reason = "start", None, None
-        deadline = time.monotonic() + _STARTUP_S + s.build_timeout_s
-        buf = b""
+        child = self._launch({"nonce": nonce, "request": req.to_json()}, work, env, log_path)
+        watch = _Watch(child, req, s, self._zygote if s.zygote else None, self._abort)
         try:
-            while result is None:
-                now = time.monotonic()
-                if now > deadline:
-                    limit = s.build_timeout_s if stage in ("start", "build") else s.run_timeout_s
-                    reason = (Verdict.TIMEOUT, f"timed out in stage '{stage}' (limit {limit:.0f} s)")
-                    break
-                rss = _rss_bytes(child.pid)
-                if rss > s.max_host_mem_bytes:
-                    reason = (Verdict.OOM, f"host memory {rss / 2**30:.1f} GiB over the limit "
-                              f"{s.max_host_mem_bytes / 2**30:.1f} GiB")
-                    break
-                dead = child.returncode() is not None
-                ready, _, _ = select.select([rfd], [], [], 0 if dead else
-                                            min(0.2, max(0.0, deadline - now)))
-                chunk = _read(rfd) if ready else b""
-                if chunk is None:                     # EOF: every writer has gone
-                    break
-                buf += chunk
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
-                    msg = _parse(line, nonce)
-                    if msg is None:
-                        continue
-                    if msg["type"] == "stage":
-                        stage = str(msg["payload"])[:40]
-                        marks.append((stage, time.monotonic()))
-                        if stage == "build":
-                            deadline = time.monotonic() + s.build_timeout_s
-                        elif stage == "reference":   # everything after the build
-                            deadline = time.monotonic() + s.run_timeout_s
-                    elif msg["type"] == "result" and result is None:
-                        result = msg["payload"]       # first result wins
-                if dead and not chunk:
-                    break
+            result, reason = watch.follow(nonce, marks)
         finally:
             child.kill()
             child.close()
         stages = _stage_seconds(marks, time.monotonic())
         tail = _tail(log_path)
+        common = dict(log_tail=tail, problem=req.problem, timing=req.timing,
+                      baseline=req.baseline, timing_device=req.device)
         if reason is not None:
-            return (EvalResult.failure(reason[0], reason[1], log_tail=tail, problem=s.problem),
-                    stages)
+            return EvalResult.failure(reason[0], reason[1], **common), stages
         if result is not None:
             return dataclasses.replace(EvalResult.from_json(result), log_tail=tail), stages
-        return EvalResult.failure(*_classify_death(child.returncode(), tail, stage),
-                                  log_tail=tail, problem=s.problem), stages
+        return EvalResult.failure(*_classify_death(child.returncode(), tail, watch.stage),
+                                  **common), stages
+
+
+class _Watch:
+    """Follows one child: its messages, its deadlines, its memory, and the evaluator's health."""
+
+    def __init__(self, child: Any, req: EvalRequest, s: SandboxSettings,
+                 zygote: Zygote | None, abort: threading.Event) -> None:
+        self.child, self.req, self.s, self.zygote = child, req, s, zygote
+        self.abort = abort
+        self.stage = "start"
+
+    def follow(self, nonce: str, marks: list[tuple[str, float]]
+               ) -> tuple[dict[str, Any] | None, tuple[Verdict, str] | None]:
+        """Returns (the child's result JSON, None) or (None, a verdict the parent reached)."""
+        req, rfd = self.req, self.child.result_fd
+        deadline = time.monotonic() + _STARTUP_S + req.build_timeout_s
+        buf = b""
+        while True:
+            now = time.monotonic()
+            if self.abort.is_set():
+                return None, (Verdict.EVALUATOR_FAULT, "the evaluation was stopped (the run "
+                              "is ending)")
+            if now > deadline:
+                limit = req.build_timeout_s if self.stage in ("start", "build") else \
+                    req.run_timeout_s
+                return None, (Verdict.TIMEOUT, f"timed out in stage '{self.stage}' "
+                              f"(limit {limit:.0f} s)")
+            rss = _rss_bytes(self.child.pid)
+            if rss > self.s.max_host_mem_bytes:
+                return None, (Verdict.OOM, f"host memory {rss / 2**30:.1f} GiB over the limit "
+                              f"{self.s.max_host_mem_bytes / 2**30:.1f} GiB")
+            fault = self._fault()
+            if fault:
+                return None, (Verdict.EVALUATOR_FAULT, fault)
+            dead = self.child.returncode() is not None
+            ready, _, _ = select.select([rfd], [], [], 0 if dead else
+                                        min(0.2, max(0.0, deadline - now)))
+            chunk = _read(rfd) if ready else b""
+            if chunk is None:                     # EOF: every writer has gone
+                return None, self._death_fault()
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                msg = _parse(line, nonce)
+                if msg is None:
+                    continue
+                if msg["type"] == "stage":
+                    self.stage = str(msg["payload"])[:40]
+                    marks.append((self.stage, time.monotonic()))
+                    if self.stage == "build":
+                        deadline = time.monotonic() + req.build_timeout_s
+                    elif self.stage == "reference":   # everything after the build
+                        deadline = time.monotonic() + req.run_timeout_s
+                elif msg["type"] == "result":
+                    return msg["payload"], None    # the first result wins
+            if dead and not chunk:
+                return None, self._death_fault()
+
+    def _fault(self) -> str | None:
+        """Returns why the evaluator itself failed (its zygote died), or None."""
+        if self.zygote is not None and not self.zygote.alive():
+            return (f"the evaluator's zygote process died (exit code {self.zygote.exit_code()}) "
+                    f"in stage '{self.stage}', taking the candidate's process with it")
+        return None
+
+    def _death_fault(self) -> tuple[Verdict, str] | None:
+        """A child killed by SIGKILL that the parent did not send: the OOM killer or a stray
+        kill, from outside; the candidate is evaluated again (None: judge the death as usual)."""
+        code = self.child.returncode()
+        until = time.monotonic() + 2.0        # the zygote reports a child's exit within 0.1 s
+        while code is None and time.monotonic() < until and self._fault() is None:
+            time.sleep(0.02)
+            code = self.child.returncode()
+        if code == -signal.SIGKILL or (code is None and not pid_alive(self.child.pid)):
+            return Verdict.EVALUATOR_FAULT, (f"the candidate's process was killed from outside "
+                                             f"(SIGKILL) in stage '{self.stage}'")
+        return self._fault_verdict()
+
+    def _fault_verdict(self) -> tuple[Verdict, str] | None:
+        fault = self._fault()
+        return (Verdict.EVALUATOR_FAULT, fault) if fault else None
 
 
 def _stage_seconds(marks: list[tuple[str, float]], end: float) -> dict[str, float]:
@@ -277,15 +341,6 @@ def _tail(path: Path, lines: int = 40, max_bytes: int = 64 * 1024) -> str:
     return "\n".join(data.splitlines()[-lines:])
 
 
-def detect_device() -> str:
-    """Returns 'cuda' when an NVIDIA GPU is visible (without initialising CUDA here), else 'cpu'."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
-        return "cpu"
-    if any(os.path.exists(f"/dev/nvidia{i}") for i in range(16)):
-        return "cuda"
-    return "cpu"
-
-
 def detect_target(device: str) -> str | None:
     """The run's `@target` fact for knob conditions: "cpu", or "smXY" from the visible GPUs'
     compute capability (nvidia-smi, so CUDA is not initialised here) when they all agree;
@@ -299,8 +354,3 @@ def detect_target(device: str) -> str | None:
         return None
     caps = {c.strip() for c in out.splitlines() if re.fullmatch(r"\d+\.\d+", c.strip())}
     return "sm" + caps.pop().replace(".", "") if len(caps) == 1 else None
-
-
-def resolve_device(device: str) -> str:
-    """Returns the device to run on: 'auto' becomes what detect_device() finds."""
-    return detect_device() if device == "auto" else device

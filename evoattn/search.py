@@ -1,12 +1,15 @@
 """The search loop: the only place that changes the population and writes the run.
 
-Each iteration: pick an island, a parent and inspirations; ask a mutator for a
-child; evaluate it in the sandbox unless it is a known program; offer it to the
-population; commit the iteration to SQLite in one transaction. Mutations are
-prepared ahead (LLM requests in flight while the GPU evaluates) but always
-consumed in the order they were prepared, and every random choice is drawn here
-from one seeded RNG, so the same seed and the same evaluation results give the
-same run.
+Each iteration: pick an island, a parent and inspirations; ask a mutator for a child;
+evaluate it in the sandbox unless it is a known program; offer it to the population; commit
+the iteration to SQLite in one transaction.
+
+Several iterations are in flight at once: a window of `slots + lookahead` iterations (slots:
+the evaluations the evaluator runs at once, one per GPU; lookahead: LLM requests sent ahead).
+Iterations are prepared in order, each right after the commit of the iteration `window`
+places before it, and committed in order whatever order their evaluations finish in; every
+random choice is drawn here from one seeded RNG. So a given seed and given evaluation
+results give the same run, however many slots evaluate it and however fast each one is.
 """
 from __future__ import annotations
 
@@ -17,12 +20,15 @@ import random
 import time
 from typing import Any, Callable, Sequence
 
-from evaluator.types import Verdict
+from evaluator.types import EXIT_INTERRUPTED, EvalResult, Verdict
 
 from .config import RunConfig
+from .pool import as_pool
 from .population import Population
 from .store import RunStore
 from .types import Evaluator, MutationRequest, Mutator, Program, Proposal, program_id
+
+GPU_STAGES = ("reference", "baselines", "ceiling", "check", "profile", "time")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +45,10 @@ class Progress:
     rejected: int
     cached: int
     elapsed_s: float
-    evaluated: int
+    evaluated: int                       # this session
     llm: dict[str, float]
+    per_minute: float = 0.0              # candidates evaluated per minute, this session
+    gpu_busy: float = 0.0                # GPU-stage seconds / (wall seconds × slots)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,13 +59,29 @@ class Outcome:
     seed: Program
     iterations_done: int
     stop_reason: str
-    elapsed_s: float
+    elapsed_s: float                     # this session
+    run_elapsed_s: float = 0.0           # every session of the run
+    exit_code: int = 0                   # 130 (or 128 + signal) after a clean stop on a signal
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """One iteration in the window."""
+
+    iteration: int
+    request: MutationRequest
+    mutator: Mutator
+    proposal: cf.Future[Proposal]
+    evaluation: cf.Future[EvalResult] | None = None
+    decided: bool = False                # rejected, a duplicate, or sent to the evaluator
+    program_id: str | None = None
+    note: str | None = None              # why it is not evaluated
 
 
 class Search:
     """Runs the evolutionary loop over a store, an evaluator and weighted mutators."""
 
-    def __init__(self, cfg: RunConfig, store: RunStore, evaluator: Evaluator,
+    def __init__(self, cfg: RunConfig, store: RunStore, evaluator: Evaluator | Any,
                  mutators: Sequence[tuple[Mutator, float]], seed_source: str, seed_suffix: str,
                  contract: str = "", on_progress: Callable[[Progress], None] = lambda p: None,
                  clock: Callable[[], float] = time.monotonic,
@@ -66,7 +90,7 @@ class Search:
                  lookahead: int = 0) -> None:
         self.cfg = cfg
         self.store = store
-        self.evaluator = evaluator
+        self.evaluator = as_pool(evaluator)
         self.mutators = list(mutators)
         self.seed_source = seed_source
         self.suffix = seed_suffix
@@ -82,7 +106,15 @@ class Search:
         self.feedback: dict[str, collections.deque[str]] = {}
         self.iteration = 0
         self.gpu_info: dict[str, Any] = {}
-        self._stats = collections.Counter()
+        self.evaluated_this_session = 0
+        self._stats: collections.Counter[str] = collections.Counter()
+        self._gpu_s = 0.0
+        self._prior_elapsed = 0.0
+        self._in_flight: set[str] = set()
+
+    def known(self, pid: str) -> bool:
+        """Returns whether a program was evaluated or is being evaluated (mutators skip it)."""
+        return pid in self.programs or pid in self._in_flight or self.store.has_program(pid)
 
     # ---- setup ---------------------------------------------------------------
     def _start(self) -> tuple[Population, Program]:
@@ -91,67 +123,115 @@ class Search:
         if state is not None:
             self.iteration = int(state["iteration"])
             self.rng.setstate(state["rng_state"])
+            self._prior_elapsed = float(state.get("elapsed_s") or 0.0)
             # The view's counters cover the whole run, not only this session.
             cached = self.store.rejection_count(_DUPLICATE)
             self._stats.update(rejected=self.store.rejection_count() - cached, cached=cached)
             pop = Population.restore(state["population"], self.programs, self.cfg.population)
             return pop, pop.seed
-        result = self.evaluator.evaluate(self.seed_source, self.suffix, "seed")
+        result = self.evaluator.submit(self.seed_source, self.suffix, "seed").result()
+        self._count(result)
         seed = Program(program_id(self.seed_source), self.seed_source, self.suffix, None, 0, 0,
                        "seed", "the seed program", result)
         self.programs[seed.id] = seed
         pop = Population(self.cfg.population, seed)
         self.store.commit_iteration(iteration=0, program=seed, rejection=None, llm_usage=None,
                                     rng_state=self.rng.getstate(),
-                                    population_snapshot=pop.snapshot())
+                                    population_snapshot=pop.snapshot(), elapsed_s=0.0)
         return pop, seed
 
     # ---- the loop ------------------------------------------------------------
     def run(self) -> Outcome:
         """Runs until iterations, wall time, target fitness, budget or a stop request."""
         t0 = self.clock()
-        pop, seed = self._start()
-        self._gpu_info_from(seed)
-        stop = self._stop_reason(pop, t0)
-        if not seed.correct and stop is None:
-            stop = f"the seed is not correct ({seed.result.verdict.value if seed.result else '?'}" \
-                   f": {seed.result.reason if seed.result else ''})"
-        pending: collections.deque[tuple[int, MutationRequest, Mutator, cf.Future[Proposal]]] = \
-            collections.deque()
+        self._t0 = t0
+        exit_code = 0
+        window: collections.deque[_InFlight] = collections.deque()
         pool = cf.ThreadPoolExecutor(max_workers=self.lookahead) if self.lookahead else None
-        next_iter = self.iteration + 1
+        seed: Program | None = None
         try:
+            pop, seed = self._start()
+            self._gpu_info_from(seed)
+            if seed.correct:
+                self.evaluator.calibrate(seed.result)
+            stop = self._stop_reason(pop, t0)
+            if not seed.correct and stop is None:
+                r = seed.result
+                stop = f"the seed is not correct ({r.verdict.value if r else '?'}: " \
+                       f"{r.reason if r else ''})"
+            next_iter = self.iteration + 1
             while stop is None:
-                while next_iter <= self.cfg.iterations and len(pending) <= self.lookahead:
-                    req, mut = self._prepare(pop, next_iter)
-                    fut: cf.Future[Proposal]
-                    if pool is None or not getattr(mut, "blocking_io", False):
-                        # Local mutators answer here, in order, seeing the state as it is
-                        # now: only requests that wait on the network go to the pool.
-                        fut = cf.Future()
-                        fut.set_result(_safe_propose(mut, req))
-                    else:
-                        fut = pool.submit(_safe_propose, mut, req)
-                    pending.append((next_iter, req, mut, fut))
-                    next_iter += 1
-                if not pending:
+                next_iter = self._fill(window, pop, next_iter, pool)
+                if not window:
                     stop = "iterations"
                     break
-                it, req, mut, fut = pending.popleft()
-                proposal = fut.result()
-                note = self._step(pop, it, req, proposal)
-                self.iteration = it
+                self._dispatch(window)
+                head = window[0]
+                proposal = head.proposal.result()
+                self._dispatch(window)
+                result = head.evaluation.result() if head.evaluation is not None else None
+                window.popleft()
+                note = self._step(pop, head, proposal, result)
+                self.iteration = head.iteration
                 self._report(pop, seed, t0, note)
                 stop = self._stop_reason(pop, t0)
-        except KeyboardInterrupt:
-            stop = "interrupted (Ctrl-C); in-flight candidates were not recorded"
+        except KeyboardInterrupt as e:
+            signum = getattr(e, "signum", 2)
+            exit_code = 128 + signum if signum != 2 else EXIT_INTERRUPTED
+            stop = (f"interrupted ({'Ctrl-C' if signum == 2 else f'signal {signum}'}); "
+                    "in-flight candidates were not recorded")
         finally:
+            for entry in window:
+                entry.proposal.cancel()
+                if entry.evaluation is not None:
+                    entry.evaluation.cancel()
             if pool is not None:
-                for *_, fut in pending:
-                    fut.cancel()
                 pool.shutdown(wait=False, cancel_futures=True)
+        if seed is None:                       # interrupted while the seed was evaluated
+            raise KeyboardInterrupt
         self.store.record_stop(stop)
-        return Outcome(pop.best(), seed, self.iteration, stop, self.clock() - t0)
+        elapsed = self.clock() - t0
+        return Outcome(pop.best(), seed, self.iteration, stop, elapsed,
+                       self._prior_elapsed + elapsed, exit_code)
+
+    def _fill(self, window: collections.deque[_InFlight], pop: Population, next_iter: int,
+              pool: cf.ThreadPoolExecutor | None) -> int:
+        """Prepares iterations until the window is full; returns the next iteration number."""
+        depth = max(1, self.evaluator.slots) + self.lookahead
+        while next_iter <= self.cfg.iterations and len(window) < depth:
+            req, mut = self._prepare(pop, next_iter)
+            fut: cf.Future[Proposal]
+            if pool is None or not getattr(mut, "blocking_io", False):
+                # Local mutators answer here, in order, seeing the state as it is now: only
+                # requests that wait on the network go to the pool.
+                fut = cf.Future()
+                fut.set_result(_safe_propose(mut, req))
+            else:
+                fut = pool.submit(_safe_propose, mut, req)
+            window.append(_InFlight(next_iter, req, mut, fut))
+            next_iter += 1
+        return next_iter
+
+    def _dispatch(self, window: collections.deque[_InFlight]) -> None:
+        """Sends answered proposals to the evaluator, in order, up to the first unanswered one
+        (so which earlier program a later one duplicates never depends on timing)."""
+        for entry in window:
+            if entry.decided:
+                continue
+            if not entry.proposal.done():
+                return
+            entry.decided = True
+            proposal = entry.proposal.result()
+            if proposal.source is None:
+                entry.note = proposal.rejected_reason or "rejected"
+                continue
+            pid = program_id(proposal.source)
+            entry.program_id = pid
+            if pid in self.programs or pid in self._in_flight:
+                entry.note = f"{_DUPLICATE} {pid} (not evaluated again)"
+                continue
+            self._in_flight.add(pid)
+            entry.evaluation = self.evaluator.submit(proposal.source, self.suffix, pid)
 
     def _prepare(self, pop: Population, iteration: int) -> tuple[MutationRequest, Mutator]:
         island = pop.island_of_next(iteration)
@@ -165,35 +245,41 @@ class Search:
                               feedback=tuple(self.feedback.get(parent.id, ())))
         return req, mutator
 
-    def _step(self, pop: Population, iteration: int, req: MutationRequest,
-              proposal: Proposal) -> str:
-        """Evaluates one proposal and commits the iteration; returns a note for the view."""
+    def _step(self, pop: Population, entry: _InFlight, proposal: Proposal,
+              result: EvalResult | None) -> str:
+        """Commits one iteration (its child, or why there is none); returns a note for the view."""
+        iteration, parent = entry.iteration, entry.request.parent
         island = pop.island_of_next(iteration)
-        parent = req.parent
-        if proposal.source is None:        # a rejection
-            reason = proposal.rejected_reason or "rejected"
-            self._remember(parent.id, reason)
-            self._stats["rejected"] += 1
+        if result is None:                   # a rejection or a duplicate
+            reason = entry.note or "rejected"
+            if reason.startswith(_DUPLICATE):
+                self._stats["cached"] += 1
+            else:
+                self._remember(parent.id, reason)
+                self._stats["rejected"] += 1
             self._commit(pop, iteration, None, (parent.id, proposal.mutator, reason), proposal)
-            return f"{proposal.mutator}: rejected: {reason}"
-        pid = program_id(proposal.source)
-        if pid in self.programs:
-            self._stats["cached"] += 1
-            reason = f"{_DUPLICATE} {pid} (not evaluated again)"
-            self._commit(pop, iteration, None, (parent.id, proposal.mutator, reason), proposal)
-            return f"{proposal.mutator}: {reason}"
-        result = self.evaluator.evaluate(proposal.source, self.suffix, pid)
-        self._stats["evaluated"] += 1
-        child = Program(pid, proposal.source, self.suffix, parent.id, iteration, island,
+            return f"{proposal.mutator}: {'' if reason.startswith(_DUPLICATE) else 'rejected: '}" \
+                   f"{reason}"
+        pid = entry.program_id or program_id(proposal.source or "")
+        self._in_flight.discard(pid)
+        self._count(result)
+        child = Program(pid, proposal.source or "", self.suffix, parent.id, iteration, island,
                         proposal.mutator, proposal.change, result, proposal.second_parent_id)
         self.programs[pid] = child
         pop.add(child)
-        if not child.correct:
+        if result.verdict is Verdict.EVALUATOR_FAULT:
+            pass                             # not the mutation's fault: no feedback for it
+        elif not child.correct:
             self._remember(parent.id, f"a child ({proposal.change[:200]}) failed: "
                                       f"{result.verdict.value}: {result.reason[:300]}")
         self._commit(pop, iteration, child, None, proposal)
         return (f"{proposal.mutator}: {result.verdict.value} fitness {result.fitness:.3f} "
                 f"({proposal.change[:80]})")
+
+    def _count(self, result: EvalResult) -> None:
+        self._stats["evaluated"] += 1
+        self.evaluated_this_session += 1
+        self._gpu_s += sum(v for k, v in result.stage_s.items() if k in GPU_STAGES)
 
     def _remember(self, parent_id: str, text: str) -> None:
         """Keeps the last few failures of a parent's children for its next prompts."""
@@ -207,7 +293,8 @@ class Search:
             pop.migrate()
         self.store.commit_iteration(iteration=iteration, program=program, rejection=rejection,
                                     llm_usage=proposal.usage, rng_state=self.rng.getstate(),
-                                    population_snapshot=pop.snapshot())
+                                    population_snapshot=pop.snapshot(),
+                                    elapsed_s=self._prior_elapsed + self.clock() - self._t0)
 
     # ---- stopping and reporting -------------------------------------------------
     def _stop_reason(self, pop: Population, t0: float) -> str | None:
@@ -229,12 +316,16 @@ class Search:
                                      if p.result)
         flagged = sum(1 for p in self.programs.values() if p.result and
                       (p.result.flags or p.result.verdict in _INTEGRITY))
+        elapsed = self.clock() - t0
         self.on_progress(Progress(
             iteration=self.iteration, iterations=self.cfg.iterations, best=pop.best(),
             seed_fitness=seed.fitness, last_note=note, counts=dict(counts),
             flags=flagged, rejected=self._stats["rejected"], cached=self._stats["cached"],
-            elapsed_s=self.clock() - t0, evaluated=self._stats["evaluated"],
-            llm=self.llm_totals()))
+            elapsed_s=elapsed, evaluated=self.evaluated_this_session,
+            llm=self.llm_totals(),
+            per_minute=self.evaluated_this_session / (elapsed / 60) if elapsed > 0 else 0.0,
+            gpu_busy=self._gpu_s / (elapsed * max(1, self.evaluator.slots)) if elapsed > 0
+            else 0.0))
 
     def _gpu_info_from(self, seed: Program) -> None:
         if seed.result is not None:

@@ -196,7 +196,7 @@ class RunStore:
     def commit_iteration(self, *, iteration: int, program: Program | None,
                          rejection: tuple[str | None, str, str] | None,
                          llm_usage: LlmUsage | None, rng_state: Any,
-                         population_snapshot: dict[str, Any]) -> None:
+                         population_snapshot: dict[str, Any], elapsed_s: float = 0.0) -> None:
         """Writes one iteration's program/rejection, LLM call and search state atomically."""
         now = self._now()
         with self._transaction() as c:
@@ -214,7 +214,7 @@ class RunStore:
                            u.cost_usd, u.latency_s, u.attempts, status, now))
             # Serialised inside the transaction: a failure here rolls back the rows above.
             state = {"iteration": iteration, "rng_state": rng_state_to_json(rng_state),
-                     "population": population_snapshot}
+                     "population": population_snapshot, "elapsed_s": round(elapsed_s, 3)}
             c.executemany("INSERT OR REPLACE INTO state (key, value) VALUES (?, ?)",
                           [(k, json.dumps(v, allow_nan=False)) for k, v in state.items()])
 
@@ -254,14 +254,16 @@ class RunStore:
                                   (program_id,)).fetchone() is not None
 
     def load_state(self) -> dict[str, Any] | None:
-        """Returns {iteration, rng_state, population, stop_reason}, or None before iteration 0."""
+        """Returns {iteration, rng_state, population, stop_reason, elapsed_s} (elapsed_s: the
+        run's wall time over every session), or None before iteration 0."""
         values = {k: json.loads(v) for k, v in self._conn.execute("SELECT key, value FROM state")}
         if "iteration" not in values:
             return None
         return {"iteration": values["iteration"],
                 "rng_state": rng_state_from_json(values["rng_state"]),
                 "population": values["population"],
-                "stop_reason": values.get("stop_reason")}
+                "stop_reason": values.get("stop_reason"),
+                "elapsed_s": values.get("elapsed_s", 0.0)}
 
     def stored_config(self) -> dict[str, Any]:
         """Returns the config dict the run was created with."""

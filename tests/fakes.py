@@ -32,7 +32,9 @@ class FakeEvaluator:
             except ValueError:
                 pass
         cfg = ConfigResult({"B": 1, "H": 1, "S": 64, "D": 64, "causal": False}, "float16",
-                           Verdict.PASS, "", 0.0, 1e-3, 1.0 / score, 1.0, score, score, score)
+                           Verdict.PASS, "", 0.0, 1e-3, ms=1.0 / score, baseline_ms=1.0,
+                           baseline_name="baseline", tflops=score, baseline_tflops=score,
+                           speedup=score)
         return EvalResult(Verdict.PASS, "ok", score, (cfg,), device="fake")
 
 
@@ -45,3 +47,18 @@ SPLIT = False  # evoattn: choice(True, False)
 def attention(q, k, v, causal=False, scale=None):
     return q
 """
+
+
+def sandboxed(*, cache_dir: str = "", zygote: bool | None = None,
+              max_host_mem_bytes: int | None = None, **request: object) -> "SubprocessEvaluator":
+    """Returns a real sandboxed evaluator: request fields and sandbox settings by keyword."""
+    from evaluator.request import EvalRequest
+    from evoattn.sandbox import SandboxSettings, SubprocessEvaluator
+    sandbox: dict[str, object] = {"cache_dir": cache_dir}
+    if zygote is not None:
+        sandbox["zygote"] = zygote
+    if max_host_mem_bytes is not None:
+        sandbox["max_host_mem_bytes"] = max_host_mem_bytes
+    if request.get("configs") is not None:
+        request["configs"] = tuple(request["configs"])  # type: ignore[arg-type]
+    return SubprocessEvaluator(EvalRequest(**request), SandboxSettings(**sandbox))  # type: ignore

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from evoattn.sandbox import EvalSettings, SubprocessEvaluator
+from evoattn.sandbox import SubprocessEvaluator
+from fakes import sandboxed
 from evaluator.types import EvalResult, Verdict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +68,7 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def cpu_eval(cache_dir: str) -> SubprocessEvaluator:
-    return SubprocessEvaluator(EvalSettings(device="cpu", cache_dir=cache_dir))
+    return sandboxed(device="cpu", cache_dir=cache_dir)
 
 
 # ---- honest kernels are not flagged ------------------------------------------------------
@@ -83,8 +84,8 @@ def test_honest_candidate_passes_without_flags(cpu_eval: SubprocessEvaluator, pa
 
 
 def test_library_attention_passes_under_allow_library_policy(cache_dir: str) -> None:
-    ev = SubprocessEvaluator(EvalSettings(device="cpu", cache_dir=cache_dir,
-                                          policy="allow-library"))
+    ev = sandboxed(device="cpu", cache_dir=cache_dir,
+                                          policy="allow-library")
     result = evaluate(ev, ADV / "honest_sdpa.py")
     assert result.verdict is Verdict.PASS, f"{result.reason}\n{result.log_tail}"
 
@@ -121,7 +122,7 @@ CHEATS = [
     # 8. harness tampering by code swap (attribute replacement: its own test below)
     ("tamper_code.py", Verdict.TAMPERING, r"evaluator\.checks\.max_abs_err\.__code__"),
     # ... by swapping the module the harness calls through, or a method of the problem class
-    ("tamper_module.py", Verdict.TAMPERING, r"replaced harness functions: evaluator\.harness\.checks"),
+    ("tamper_module.py", Verdict.TAMPERING, r"replaced harness functions: evaluator\.checking\.checks"),
     ("tamper_baseline.py", Verdict.TAMPERING, r"evaluator\.problems\.sdpa\.Sdpa\.baseline"),
     # 10. non-determinism
     ("nondeterministic.py", Verdict.NONDETERMINISTIC, r"two runs on the same inputs differ"),
@@ -143,7 +144,7 @@ def test_cheat_is_caught_with_its_cause(cpu_eval: SubprocessEvaluator, name: str
 
 
 def test_float32_problem_computed_in_bfloat16_is_incorrect(cache_dir: str) -> None:
-    ev = SubprocessEvaluator(EvalSettings(device="cpu", cache_dir=cache_dir, dtype="float32"))
+    ev = sandboxed(device="cpu", cache_dir=cache_dir, dtype="float32")
     result = evaluate(ev, ADV / "precision_bf16.py")
     assert_verdict(result, Verdict.INCORRECT, r"max abs error .* > tolerance")
     assert result.configs[0].dtype == "float32"
@@ -220,13 +221,13 @@ def test_spawning_processes_is_refused(cpu_eval: SubprocessEvaluator) -> None:
 
 # ---- 11. resource exhaustion is contained ---------------------------------------------------
 def test_host_memory_hog_is_killed(cache_dir: str) -> None:
-    ev = SubprocessEvaluator(EvalSettings(device="cpu", cache_dir=cache_dir,
-                                          max_host_mem_bytes=3 * 2 ** 29))   # 1.5 GiB
+    ev = sandboxed(device="cpu", cache_dir=cache_dir,
+                                          max_host_mem_bytes=3 * 2 ** 29)   # 1.5 GiB
     assert_verdict(evaluate(ev, ADV / "memory_hog.py"), Verdict.OOM, r"host memory .* over the limit")
 
 
 def test_hang_times_out_and_the_next_candidate_still_passes(cache_dir: str) -> None:
-    ev = SubprocessEvaluator(EvalSettings(device="cpu", cache_dir=cache_dir, run_timeout_s=20))
+    ev = sandboxed(device="cpu", cache_dir=cache_dir, run_timeout_s=20)
     assert_verdict(evaluate(ev, ADV / "hang.py"), Verdict.TIMEOUT,
                    r"timed out in stage 'check' \(limit 20 s\)")
     after = evaluate(ev, SEEDS / "naive_torch.py")
@@ -241,12 +242,16 @@ class _FakeTimer:
         self.ms = {"candidate": candidate_ms, "baseline": baseline_ms}
         self.kept_out = kept_out            # a timed output to hand back for re-checking
 
-    def run(self, fns, inputs, refill, warmup, reps, keep_reps, keep_name):  # noqa: ANN001
-        from evaluator.timing import Timing
-        kept = [] if self.kept_out is None else [(0, self.kept_out, dict(inputs))]
-        return Timing(ms=dict(self.ms), samples_ms={n: [v] for n, v in self.ms.items()},
-                      host_ms_per_call=dict(self.ms), peak_mem_bytes={n: None for n in self.ms},
-                      kept_outputs=kept)
+    def measure(self, fns, inputs, random_names, refill, plan, keep, rng):  # noqa: ANN001
+        from evaluator.timing import Kept, Measurement
+        from evaluator.types import Times
+        names = list(fns)
+        ms = {n: self.ms["candidate" if n == "candidate" else "baseline"] for n in names}
+        kept = [] if self.kept_out is None else [Kept("timed call 0", self.kept_out, dict(inputs))]
+        return Measurement(times={n: Times(kernel_ms=v, call_ms=v, host_us=v * 1e3)
+                                  for n, v in ms.items()},
+                           kept=kept, peak_mem_bytes={n: None for n in names},
+                           host_ms_per_call=dict(ms), launch_ms={})
 
 
 def _load_entry(path: Path):  # noqa: ANN202
@@ -257,33 +262,36 @@ def _load_entry(path: Path):  # noqa: ANN202
 
 
 def _time_with(entry, candidate_ms: float, ceiling: float | None = None,  # noqa: ANN001, ANN202
-               kept_out=None, torch_err: float | None = None):  # noqa: ANN001
+               kept_out=None, torch_err: float | None = None, device: str = "cuda"):  # noqa: ANN001
     """Runs the harness's timing step for one CPU config with a fake timer; returns (result, flags).
 
-    kept_out: a timed output the fake timer hands back; torch_err: overrides torch's error
+    The request says `device` (the implausibility rule is a GPU rule; the tensors stay on the
+    CPU). kept_out: a timed output the fake timer hands back; torch_err: overrides torch's error
     measured in the correctness pass (and so the bound)."""
     import torch
 
-    from evaluator import harness
+    from evaluator.cases import prepare_case
+    from evaluator.measure import TimingContext, time_case
     from evaluator.problems import get_problem
+    from evaluator.request import EvalRequest
     from evaluator.types import ConfigResult
 
     problem = get_problem("sdpa")
     cfg = dict(problem.cpu_configs[0])
     rng = random.Random(1234)
-    case = harness._prepare_config(problem, cfg, torch.float16, torch.device("cpu"), rng, 1)
+    case = prepare_case(problem, cfg, False, torch.float16, torch.device("cpu"), rng, 1,
+                        problem.tolerance)
     if torch_err is not None:
-        case["torch_err"] = torch_err
-    case["bound"] = problem.tolerance.bound(case["torch_err"])
+        case.torch_err = torch_err
+        case.bound = problem.tolerance.bound(torch_err)
     run = lambda inputs, c: problem.call(entry, inputs, c)  # noqa: E731
-    run(case["trials"][0]["inputs"], cfg)                   # the correctness pass calls it first
+    run(case.trials[0].inputs, cfg)                         # the correctness pass calls it first
     flags: list[str] = []
-    checked = ConfigResult(cfg, "float16", Verdict.PASS, "", 0.0, case["bound"])
-    timer = _FakeTimer(candidate_ms, 1.0, kept_out)
-    out = harness._time_case(problem, case, run, timer, {}, rng,
-                             {"name": "cpu"}, "float16", problem.tolerance, ceiling, False,
-                             checked, flags)
-    return out, flags
+    checked = ConfigResult(cfg, "float16", Verdict.PASS, "", 0.0, case.bound)
+    ctx = TimingContext(problem, EvalRequest(device=device, timing="kernel"),
+                        _FakeTimer(candidate_ms, 1.0, kept_out), problem.tolerance, "float16",
+                        None, ceiling, {"sdpa": problem.baseline}, {})
+    return time_case(ctx, case, run, rng, checked, flags), flags
 
 
 def test_implausibly_fast_correct_candidate_is_flagged_and_reverified() -> None:
@@ -293,16 +301,16 @@ def test_implausibly_fast_correct_candidate_is_flagged_and_reverified() -> None:
 
 
 def test_implausibly_fast_candidate_wrong_on_fresh_inputs_is_implausible() -> None:
-    from evaluator.harness import _Fail
-    with pytest.raises(_Fail) as info:
+    from evaluator.checking import Fail
+    with pytest.raises(Fail) as info:
         _time_with(_load_entry(ADV / "stale_cache.py"), candidate_ms=0.01)
     assert info.value.verdict is Verdict.IMPLAUSIBLE
     assert "wrong on fresh inputs" in info.value.reason
 
 
 def test_speed_above_the_measured_ceiling_is_implausible() -> None:
-    from evaluator.harness import _Fail
-    with pytest.raises(_Fail) as info:
+    from evaluator.checking import Fail
+    with pytest.raises(Fail) as info:
         _time_with(_load_entry(ADV / "honest_torch.py"), candidate_ms=0.5, ceiling=1e-6)
     assert info.value.verdict is Verdict.IMPLAUSIBLE
     assert "exceeds the measured ceiling" in info.value.reason
@@ -319,17 +327,25 @@ def test_reverification_bound_counts_torch_error_on_the_fresh_inputs() -> None:
 def test_empty_timed_output_is_incorrect() -> None:
     import torch
 
-    from evaluator.harness import _Fail
-    with pytest.raises(_Fail) as info:      # max_abs_err of an empty tensor is 0: shape first
+    from evaluator.checking import Fail
+    with pytest.raises(Fail) as info:      # max_abs_err of an empty tensor is 0: shape first
         _time_with(_load_entry(ADV / "honest_torch.py"), candidate_ms=0.5,
                    kept_out=torch.empty(0, dtype=torch.float16))
     assert info.value.verdict is Verdict.INCORRECT
-    assert "timed call 0 returned a bad output: output shape (0,)" in info.value.reason
+    assert "timed call 0 returned a wrong output (output shape (0,)" in info.value.reason
 
 
 def test_ordinary_speed_is_not_flagged() -> None:
     out, flags = _time_with(_load_entry(ADV / "honest_torch.py"), candidate_ms=0.5)
     assert out.verdict is Verdict.PASS and flags == []
+
+
+def test_cpu_timings_are_never_called_implausible() -> None:
+    # A CPU speedup (the interpreter or plain torch against PyTorch's CPU kernels) says nothing
+    # about physics: 100x on the CPU is neither flagged nor re-verified.
+    out, flags = _time_with(_load_entry(ADV / "honest_torch.py"), candidate_ms=0.01,
+                            device="cpu")
+    assert out.verdict is Verdict.PASS and out.speedup == pytest.approx(100.0) and flags == []
 
 
 # ---- GPU-only classes (run by the lead on an H100) -----------------------------------------
@@ -339,8 +355,8 @@ GPU_CONFIGS = ({"B": 2, "H": 4, "S": 512, "D": 64, "causal": False},
 
 @pytest.fixture(scope="module")
 def gpu_eval(cache_dir: str) -> SubprocessEvaluator:
-    return SubprocessEvaluator(EvalSettings(device="cuda", cache_dir=cache_dir,
-                                            configs=GPU_CONFIGS, reps=20, warmup=3))
+    return sandboxed(device="cuda", cache_dir=cache_dir,
+                                            configs=GPU_CONFIGS, reps=20, warmup=3)
 
 
 @gpu

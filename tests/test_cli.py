@@ -129,13 +129,15 @@ def test_baseline_times_every_backend_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "baseline.json"
     p = evoattn("baseline", "--device", "cpu", "--configs", "1,2,64,64,nc", "--json", str(out))
     assert p.returncode == 0, p.stderr
-    for name in ("default", "math", "naive"):
+    for name in ("sdpa", "math", "naive"):
         assert name in p.stdout
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 1
-    for name in ("default", "math", "naive"):
-        ms = rows[0]["ms"][name]
-        assert isinstance(ms, float) and ms > 0, (name, ms)
+    for name in ("sdpa", "math", "naive"):
+        times = rows[0]["times"][name]
+        for mode in ("kernel_ms", "call_ms", "host_us"):
+            assert isinstance(times[mode], float) and times[mode] > 0, (name, mode, times)
+        assert times["graph_ms"] is None and "GPU" in times["graph_error"]
 
 
 def test_no_screen_reports_every_failing_config(tmp_path: Path) -> None:

@@ -16,16 +16,20 @@ from click.testing import CliRunner
 
 from evaluator.problems import builtin_names, get_problem
 from evaluator.types import Verdict
-from evoattn.cli import main
-from evoattn.sandbox import EvalSettings, SubprocessEvaluator
+from evoattn.cli import cli as main
+from evoattn.sandbox import SubprocessEvaluator
+from fakes import sandboxed
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILY = ("mha", "strided", "masked", "gqa", "sliding_window")
 
 
 def _evaluate(problem: str, source: str, suffix: str = ".py", **kw: object):
-    settings = EvalSettings(problem=problem, device="cpu", trials=2, reps=2, warmup=1, **kw)
-    return SubprocessEvaluator(settings).evaluate(source, suffix, "candidate")
+    ev = sandboxed(problem=problem, device="cpu", trials=2, reps=2, warmup=1, **kw)
+    try:
+        return ev.evaluate(source, suffix, "candidate")
+    finally:
+        ev.close()
 
 
 def _mutate(path: str, old: str, new: str) -> str:

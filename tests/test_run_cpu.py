@@ -111,7 +111,7 @@ def test_kill_9_mid_run_then_resume_continues_the_same_run(tmp_path: Path) -> No
     # a different config on the same output is refused, nothing lost
     other = _config(tmp_path, iterations=5, random_seed=9)
     q = _evoattn("run", "--config", str(other))
-    assert q.returncode == 1 and "different config" in q.stderr
+    assert q.returncode == 4 and "different config" in q.stderr
     assert len(_rows(db, "SELECT id FROM programs")) == len(after)
 
 

@@ -9,14 +9,14 @@ import pytest
 import yaml
 from rich.console import Console
 
-from evoattn import runner
+from evoattn import pool, runner, settings
 from evoattn.errors import ConfigError, EvoattnError, RunDirError, UsageError
 from fakes import TOY_SEED, FakeEvaluator
 
 
 @pytest.fixture(autouse=True)
 def fake_evaluator(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(runner, "SubprocessEvaluator", lambda settings: FakeEvaluator())
+    monkeypatch.setattr(pool, "SubprocessEvaluator", lambda request, sandbox: FakeEvaluator())
 
 
 def _config(tmp: Path, **over: object) -> Path:
@@ -55,12 +55,22 @@ def test_resume_works_from_another_directory(tmp_path: Path,
     assert _iteration(tmp_path / "run") == 4
 
 
-def test_a_cpu_run_does_not_continue_on_the_gpu(tmp_path: Path) -> None:
+def test_a_cpu_run_does_not_continue_on_the_gpu(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = _config(tmp_path)
     _start(cfg)
+    monkeypatch.setattr(settings, "detect_device", lambda: "cuda")   # as on a GPU machine
     with pytest.raises(RunDirError, match="timed on cpu; it cannot continue on cuda"):
         _start(cfg, device="cuda", iterations=4)
     assert _iteration(tmp_path / "run") == 2
+
+
+def test_asking_for_cuda_without_a_gpu_is_a_usage_error(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(settings, "detect_device", lambda: "cpu")
+    with pytest.raises(UsageError, match="--device cuda: no NVIDIA GPU is visible"):
+        _start(_config(tmp_path), device="cuda")
+    assert not (tmp_path / "run").exists()              # refused before anything is created
 
 
 def test_command_line_overrides_are_checked(tmp_path: Path) -> None:
@@ -77,8 +87,8 @@ def test_resume_refuses_a_config_or_output_it_would_ignore(tmp_path: Path) -> No
 
 def test_an_incorrect_seed_is_an_error_not_success(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(runner, "SubprocessEvaluator",
-                        lambda settings: FakeEvaluator(fail_when={"BLOCK_M": "64"}))
+    monkeypatch.setattr(pool, "SubprocessEvaluator",
+                        lambda request, sandbox: FakeEvaluator(fail_when={"BLOCK_M": "64"}))
     with pytest.raises(EvoattnError, match="no correct program.*seed is not correct"):
         _start(_config(tmp_path))
 
@@ -101,8 +111,8 @@ def test_the_llm_budget_counts_spend_from_before_a_resume(tmp_path: Path) -> Non
 def test_the_evaluator_is_closed_when_the_run_ends(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     made: list[FakeEvaluator] = []
-    monkeypatch.setattr(runner, "SubprocessEvaluator",
-                        lambda settings: made.append(FakeEvaluator()) or made[-1])
+    monkeypatch.setattr(pool, "SubprocessEvaluator",
+                        lambda request, sandbox: made.append(FakeEvaluator()) or made[-1])
     _start(_config(tmp_path))
     assert len(made) == 1 and made[0].closed and made[0].calls
 
@@ -110,12 +120,15 @@ def test_the_evaluator_is_closed_when_the_run_ends(tmp_path: Path,
 def test_the_run_passes_its_evaluator_settings_to_the_sandbox(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list = []
-    monkeypatch.setattr(runner, "SubprocessEvaluator",
-                        lambda settings: seen.append(settings) or FakeEvaluator())
+    monkeypatch.setattr(pool, "SubprocessEvaluator",
+                        lambda request, sandbox: seen.append((request, sandbox)) or
+                        FakeEvaluator())
     cfg = _config(tmp_path, evaluator={"policy": "allow-library", "reps": 50, "trials": 2},
                   llm={"models": [{"name": "m", "api_key_env": "TORCH_MY_KEY"}]})
     _start(cfg)
-    (s,) = seen
-    assert s.policy == "allow-library" and s.trials == 2 and s.device == "cpu"
-    assert (s.reps, s.warmup) == (3, 1)           # CPU timings: a few repetitions only
+    ((r, s),) = seen
+    assert r.policy == "allow-library" and r.trials == 2 and r.device == "cpu"
+    assert (r.resolved_reps(), r.resolved_warmup()) == (3, 1)   # CPU: a few repetitions only
+    assert r.timing == "call" and r.baseline == "best"
+    assert (r.tolerance_factor, r.tolerance_floor) == (None, None)  # the problem's own rule
     assert "TORCH_MY_KEY" in s.secret_env_names    # on the allow-list, so only this drops it

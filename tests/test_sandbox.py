@@ -12,7 +12,8 @@ import tempfile
 import pytest
 
 from evoattn import sandbox
-from evoattn.sandbox import EvalSettings, SubprocessEvaluator, child_env, detect_target
+from evoattn.sandbox import SubprocessEvaluator, child_env, detect_target
+from fakes import sandboxed
 from evaluator.types import Verdict
 
 
@@ -68,7 +69,7 @@ def test_work_dir_is_removed_after_each_evaluation(tmp_path, monkeypatch) -> Non
         made.append(real_mkdtemp(*args, **kwargs))
         return made[-1]
     monkeypatch.setattr(tempfile, "mkdtemp", recording_mkdtemp)
-    ev = SubprocessEvaluator(EvalSettings(device="cpu", cache_dir=str(tmp_path)))
+    ev = sandboxed(device="cpu", cache_dir=str(tmp_path))
     result = ev.evaluate("raise RuntimeError('at import')\n", ".py", "broken")
     assert result.verdict is Verdict.LOAD_ERROR and "at import" in result.reason
     assert result.candidate == "broken"
@@ -79,7 +80,7 @@ def test_work_dir_is_removed_after_each_evaluation(tmp_path, monkeypatch) -> Non
 
 
 def test_a_missing_entry_point_is_a_load_error(tmp_path) -> None:  # noqa: ANN001
-    ev = SubprocessEvaluator(EvalSettings(device="cpu", cache_dir=str(tmp_path)))
+    ev = sandboxed(device="cpu", cache_dir=str(tmp_path))
     result = ev.evaluate("import torch\n\ndef not_attention(q, k, v):\n    return q\n", ".py")
     assert result.verdict is Verdict.LOAD_ERROR and "defines no function attention" in result.reason
 
@@ -87,8 +88,8 @@ def test_a_missing_entry_point_is_a_load_error(tmp_path) -> None:  # noqa: ANN00
 def test_zygote_and_fresh_interpreter_give_the_same_verdicts(tmp_path) -> None:  # noqa: ANN001
     ok = "import torch\n\ndef attention(q, k, v, causal=False, scale=None):\n    return q\n"
     for zygote in (True, False):
-        ev = SubprocessEvaluator(EvalSettings(device="cpu", cache_dir=str(tmp_path),
-                                              zygote=zygote))
+        ev = sandboxed(device="cpu", cache_dir=str(tmp_path),
+                                              zygote=zygote)
         try:
             assert ev.evaluate(ok, ".py").verdict is Verdict.INCORRECT
             r = ev.evaluate("import os\nos._exit(3)\n", ".py")
@@ -108,8 +109,8 @@ def test_an_evaluation_reports_where_its_time_went(tmp_path) -> None:  # noqa: A
     ok = ("import torch\n\ndef attention(q, k, v, causal=False, scale=None):\n"
           "    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,"
           " scale=scale)\n")
-    ev = SubprocessEvaluator(EvalSettings(device="cpu", cache_dir=str(tmp_path),
-                                          policy="allow-library", reps=2, warmup=1))
+    ev = sandboxed(device="cpu", cache_dir=str(tmp_path),
+                                          policy="allow-library", reps=2, warmup=1)
     try:
         r = ev.evaluate(ok, ".py")
     finally:
@@ -130,8 +131,8 @@ def test_a_zygote_child_makes_temp_files_in_its_own_directory(tmp_path) -> None:
            "    tempfile.mkdtemp()\n"
            "    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,"
            " scale=scale)\n")
-    ev = SubprocessEvaluator(EvalSettings(device="cpu", cache_dir=str(tmp_path), zygote=True,
-                                          policy="allow-library", reps=2, warmup=1))
+    ev = sandboxed(device="cpu", cache_dir=str(tmp_path), zygote=True,
+                                          policy="allow-library", reps=2, warmup=1)
     try:
         r = ev.evaluate(src, ".py")
         assert ev._zygote is not None

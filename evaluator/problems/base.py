@@ -47,7 +47,9 @@ class Problem:
     domain: str = ""                   # the promised domain, in words
     tolerance: Tolerance = Tolerance()
     implausible_speedup: float = 10.0  # speedups above this are re-verified before promotion
-    baseline_name: str = "sdpa"
+    baseline_name: str = "sdpa"        # what the baselines are, in words (for listings)
+    # Names of `baselines()`, readable without torch (the orchestrator checks `baseline: NAME`).
+    baseline_names: tuple[str, ...] = ("baseline",)
 
     # ---- metadata -------------------------------------------------------
     def label(self, cfg: Config) -> str:
@@ -88,8 +90,13 @@ class Problem:
         """Returns PyTorch's best implementation's output (timed against the candidate)."""
         raise NotImplementedError
 
+    def baselines(self) -> dict[str, Callable[[dict[str, Any], Config], Any]]:
+        """Returns what a PyTorch user could use instead, by name: each is timed side by side
+        with the candidate, and fitness takes the fastest (or the one the run names)."""
+        return {"baseline": self.baseline}
+
     def extra_baselines(self) -> dict[str, Callable[[dict[str, Any], Config], Any]]:
-        """Returns other PyTorch implementations to time with --all-backends."""
+        """Returns diagnostic implementations (SDPA backends, naive) timed with --all-backends."""
         return {}
 
     def call(self, fn: Callable[..., Any], inputs: dict[str, Any], cfg: Config) -> Any:

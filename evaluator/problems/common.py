@@ -96,8 +96,19 @@ class CausalKeyMaskProblem(Problem):
     def visible_pairs(S: int, p: int) -> int:
         raise NotImplementedError
 
+    baseline_name = "the fastest of SDPA with a boolean mask and compiled FlexAttention"
+    baseline_names = ("sdpa_mask", "flex")
+
     def __init__(self) -> None:
+        from .flex import FlexBaseline, FlexPattern
         self._masks = DeviceCache()
+        visible = self.visible
+
+        def pattern(inputs: dict[str, Any], cfg: Config) -> FlexPattern:
+            p, S = inputs[self.param], inputs["q"].shape[2]
+            return FlexPattern(lambda b, h, qi, kv: visible(qi, kv, p), None, None, None, S, S)
+
+        self._flex = FlexBaseline(pattern)
 
     def label(self, cfg: Config) -> str:
         return f"({cfg['B']},{cfg['H']},{cfg['S']},{cfg['D']}) {self.param} {cfg[self.param]}"
@@ -133,6 +144,9 @@ class CausalKeyMaskProblem(Problem):
     def baseline(self, inputs: dict[str, Any], cfg: Config) -> Any:
         return sdpa(inputs["q"], inputs["k"], inputs["v"], scale=inputs["scale"],
                     attn_mask=self._keep_for(inputs))
+
+    def baselines(self) -> dict[str, Callable[[dict[str, Any], Config], Any]]:
+        return {"sdpa_mask": self.baseline, "flex": self._flex}
 
     def extra_baselines(self) -> dict[str, Callable[[dict[str, Any], Config], Any]]:
         def naive(inputs: dict[str, Any], cfg: Config) -> Any:

@@ -69,7 +69,9 @@ class Masked(Problem):
         "from the mask (a block bitmap, say) must be computed inside the call, every call: "
         "caching it across calls is not allowed. Inputs must not be modified. Accumulate in "
         "float32. FLOPs count only the visible pairs: 4 * H * D * (number of (b, i, j) with a "
-        "finite mask entry). Baseline: PyTorch SDPA with attn_mask (it computes all pairs)."
+        "finite mask entry). Baselines: PyTorch SDPA with attn_mask (it computes all pairs) and compiled "
+        "FlexAttention (a BlockMask of the -inf blocks, built once; the mask added as a "
+        "score_mod); fitness is the speedup over the faster."
     )
     default_dtype = "float16"
     default_configs = (
@@ -90,7 +92,8 @@ class Masked(Problem):
     domain = ("any B, H >= 1; any Sq, Sk >= 1; D in {64, 128}; any 4-D additive mask "
               "broadcastable to (B, H, Sq, Sk) with no fully masked row")
     tolerance = Tolerance(factor=2.0, floor=1e-5)
-    baseline_name = "sdpa with an additive attn_mask"
+    baseline_name = "the fastest of SDPA with the additive attn_mask and compiled FlexAttention"
+    baseline_names = ("sdpa_mask", "flex")
     implausible_speedup = 20.0
     random_inputs = ("q", "k", "v")          # the mask is constant: never refilled
 
@@ -140,6 +143,13 @@ class Masked(Problem):
     def baseline(self, inputs: dict[str, Any], cfg: Config) -> Any:
         return sdpa(inputs["q"], inputs["k"], inputs["v"], attn_mask=inputs["mask"],
                     scale=inputs["scale"])
+
+    def __init__(self) -> None:
+        from .flex import FlexBaseline, additive_mask_pattern
+        self._flex = FlexBaseline(additive_mask_pattern, self.random_inputs)
+
+    def baselines(self) -> dict[str, Callable[[dict[str, Any], Config], Any]]:
+        return {"sdpa_mask": self.baseline, "flex": self._flex}
 
     def extra_baselines(self) -> dict[str, Callable[[dict[str, Any], Config], Any]]:
         def naive(inputs: dict[str, Any], cfg: Config) -> Any:

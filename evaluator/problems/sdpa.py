@@ -53,6 +53,8 @@ class Sdpa(Problem):
     )
     domain = "any B, H >= 1; any S >= 1; D in {64, 128}; causal or not; scale any float"
     tolerance = Tolerance(factor=2.0, floor=1e-5)
+    baseline_name = "sdpa (PyTorch's default backend: cuDNN on Hopper)"
+    baseline_names = ("sdpa",)
 
     def label(self, cfg: Config) -> str:
         c = " causal" if cfg["causal"] else ""
@@ -109,6 +111,9 @@ class Sdpa(Problem):
     def baseline(self, inputs: dict[str, Any], cfg: Config) -> Any:
         return sdpa(inputs["q"], inputs["k"], inputs["v"], is_causal=inputs["causal"],
                     scale=inputs["scale"])
+
+    def baselines(self) -> dict[str, Callable[[dict[str, Any], Config], Any]]:
+        return {"sdpa": self.baseline}
 
     def extra_baselines(self) -> dict[str, Callable[[dict[str, Any], Config], Any]]:
         from torch.nn.attention import SDPBackend, sdpa_kernel

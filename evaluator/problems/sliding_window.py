@@ -28,7 +28,8 @@ class SlidingWindow(CausalKeyMaskProblem):
         "device of q. Must be correct for any S >= 1 and window >= 1 (window >= S is plain "
         "causal attention), D in {64, 128}. Inputs must not be modified. Accumulate in "
         "float32. FLOPs count only the visible pairs: 4 * B * H * D * sum_i min(i+1, window). "
-        "Baseline: PyTorch SDPA with a boolean attn_mask (it computes the full S x S)."
+        "Baselines: PyTorch SDPA with a boolean attn_mask (it computes the full S x S) and "
+        "compiled FlexAttention with a BlockMask; fitness is the speedup over the faster."
     )
     default_configs = (_cfg(2, 32, 4096, 64, 512), _cfg(2, 32, 4096, 64, 1024),
                        _cfg(1, 32, 8192, 64, 512), _cfg(4, 16, 4096, 128, 256))

@@ -26,7 +26,11 @@ Module-level names (see examples/README.md for a worked example):
     random_inputs   tuple[str, ...]        input names refilled with fresh normal values before
                                            each timed call (default ("q", "k", "v"))
     BASELINE_NAME   str                    what the baseline is (default "baseline")
-    extra_baselines() -> dict[str, fn]     more PyTorch implementations for --all-backends
+    extra_baselines() -> dict[str, fn]     diagnostic implementations timed with --all-backends
+    mask_mod(inputs, cfg) -> fn(b, h, q_idx, kv_idx) -> bool     the pattern as FlexAttention's
+    score_mod(inputs, cfg) -> fn(score, b, h, q_idx, kv_idx)     mods: either one adds a "flex"
+                                           baseline (compiled flex_attention on inputs q, k, v
+                                           and scale, its BlockMask built once per config)
     torch_in_dtype(inputs, cfg) -> Tensor  PyTorch's answer that sets the tolerance
                                            (default: baseline)
 A missing or ill-typed name raises ValueError("<path>: ..."), naming the file and the name.
@@ -79,9 +83,14 @@ class UserProblem(Problem):
         self.domain = _get(mod, path, "DOMAIN", str, default="")
         for fname in _REQUIRED_FUNCS:
             _func(mod, path, fname)
-        for fname in ("extra_baselines", "torch_in_dtype"):
+        for fname in ("extra_baselines", "torch_in_dtype", "mask_mod", "score_mod"):
             if hasattr(mod, fname):
                 _func(mod, path, fname)
+        self._flex = None
+        if hasattr(mod, "mask_mod") or hasattr(mod, "score_mod"):
+            from .flex import FlexBaseline
+            self._flex = FlexBaseline(self._flex_pattern, self.random_inputs)
+        self.baseline_names = ("baseline",) + (("flex",) if self._flex else ())
 
     def flops(self, cfg: Config) -> float:
         return float(self.mod.flops(cfg))
@@ -107,6 +116,17 @@ class UserProblem(Problem):
 
     def baseline(self, inputs: dict[str, Any], cfg: Config) -> Any:
         return self.mod.baseline(inputs, cfg)
+
+    def baselines(self) -> dict[str, Callable[[dict[str, Any], Config], Any]]:
+        return {"baseline": self.baseline, **({"flex": self._flex} if self._flex else {})}
+
+    def _flex_pattern(self, inputs: dict[str, Any], cfg: Config) -> Any:
+        from .flex import FlexPattern
+        q, k = inputs["q"], inputs["k"]
+        mods = {n: getattr(self.mod, n)(inputs, cfg) if hasattr(self.mod, n) else None
+                for n in ("mask_mod", "score_mod")}
+        return FlexPattern(mods["mask_mod"], mods["score_mod"], None, None, q.shape[2],
+                           k.shape[2])
 
     def extra_baselines(self) -> dict[str, Callable[[dict[str, Any], Config], Any]]:
         if not hasattr(self.mod, "extra_baselines"):

@@ -14,8 +14,10 @@ CONTRACT = (
     "(H,) (the ALiBi paper's geometric slopes 2^(-8(h+1)/H) in the benchmark). Call: "
     "attention(q, k, v, slopes, scale=float). The output has q's shape, dtype and device. "
     "Compute the bias on the fly; do not modify the inputs. Accumulate in float32. "
-    "FLOPs: 2 * B * H * S^2 * D (causal). Baseline: PyTorch SDPA with the bias as a "
-    "materialised additive float mask (cached per config, so building it is not timed)."
+    "FLOPs: 2 * B * H * S^2 * D (causal). Baselines: PyTorch SDPA with the bias as a "
+    "materialised additive float mask (cached per config, so building it is not timed), and "
+    "compiled FlexAttention with the bias as a score_mod; fitness is the speedup over the "
+    "faster."
 )
 CONFIGS = [{"B": 2, "H": 32, "S": 4096, "D": 64}, {"B": 8, "H": 16, "S": 1024, "D": 128}]
 CPU_CONFIGS = [{"B": 1, "H": 2, "S": 128, "D": 64}]
@@ -83,6 +85,22 @@ def extra_baselines():
         s = s + _bias(inputs["slopes"], q.shape[2], q.dtype)
         return torch.matmul(torch.softmax(s.float(), dim=-1).to(q.dtype), v)
     return {"naive": naive}
+
+
+def mask_mod(inputs, cfg):
+    """The causal pattern, as FlexAttention's mask_mod (gives the `flex` baseline)."""
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+    return causal
+
+
+def score_mod(inputs, cfg):
+    """The ALiBi bias of a (scaled) score, as FlexAttention's score_mod."""
+    slopes = inputs["slopes"]
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx)
+    return alibi
 
 
 def call(fn, inputs, cfg):

@@ -15,8 +15,9 @@ CONTRACT = (
     "uses cap = 5.0 with inputs scaled so the cap matters). Call: attention(q, k, v, "
     "softcap=float, scale=float). The output has q's shape, dtype and device. Do not modify "
     "the inputs. Accumulate in float32. FLOPs: 2 * B * H * S^2 * D (causal; the tanh is not "
-    "counted). Baseline: the same formula in eager PyTorch (matmul, tanh, masked_fill, "
-    "softmax, matmul), since SDPA has no soft-capping."
+    "counted). Baselines: the same formula in eager PyTorch (matmul, tanh, masked_fill, "
+    "softmax, matmul), since SDPA has no soft-capping, and compiled FlexAttention with the "
+    "cap as a score_mod; fitness is the speedup over the faster."
 )
 CONFIGS = [{"B": 2, "H": 32, "S": 4096, "D": 64, "cap": 5.0},
            {"B": 8, "H": 16, "S": 1024, "D": 128, "cap": 50.0}]
@@ -62,6 +63,23 @@ def baseline(inputs, cfg):
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     s = _scores(q, k, inputs["scale"], inputs["softcap"])
     return torch.matmul(torch.softmax(s.float(), dim=-1).to(q.dtype), v)
+
+
+def mask_mod(inputs, cfg):
+    """The causal pattern, as FlexAttention's mask_mod (gives the `flex` baseline)."""
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+    return causal
+
+
+def score_mod(inputs, cfg):
+    """The soft-cap of a (scaled) score, as FlexAttention's score_mod."""
+    import torch
+    cap = float(inputs["softcap"])
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+    return softcap
 
 
 def call(fn, inputs, cfg):

@@ -1,0 +1,161 @@
+"""The timing stage of one config: time it (and its baselines), re-check the timed outputs,
+catch hidden work, re-verify implausible speed, and score it.
+
+Baselines are timed side by side in this process unless the request brings their times
+(a run's station measured them in its own warm process: evoattn/station.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from typing import Any, Callable
+
+from . import checks, scoring
+from .cases import Case, fresh_bound
+from .checking import Fail, Meta
+from .problems.base import Problem, Tolerance
+from .request import EvalRequest
+from .timing import Plan, hidden_work, set_bytes
+from .types import ConfigResult, Times, Verdict
+
+Fn = Callable[[dict[str, Any]], Any]
+
+
+def config_key(cfg: dict[str, Any]) -> str:
+    """Returns the key of a config in a request's `baseline_times`."""
+    return json.dumps(cfg, sort_keys=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class TimingContext:
+    """What timing every config of one candidate shares."""
+
+    problem: Problem
+    req: EvalRequest
+    timer: Any
+    tol: Tolerance
+    dtype_name: str
+    peak_tflops: float | None
+    ceiling_tflops: float | None
+    baselines: dict[str, Callable[..., Any]]     # name -> fn(inputs, cfg), timed here if not given
+    backends: dict[str, Callable[..., Any]]      # --all-backends diagnostics
+
+
+def time_case(ctx: TimingContext, case: Case, run: Callable[..., Any], rng: random.Random,
+              checked: ConfigResult, flags: list[str]) -> ConfigResult:
+    """Returns the scored result of one config; raises Fail for a timing-stage verdict."""
+    problem, req, cfg = ctx.problem, ctx.req, case.cfg
+    inputs = case.trials[0].inputs
+    case.gen.manual_seed(rng.getrandbits(62))
+    given = _given_times(req, cfg)
+    fns: dict[str, Fn] = {"candidate": lambda inp: run(inp, cfg)}
+    if given is None:
+        fns.update({f"baseline:{n}": _bind(f, cfg) for n, f in ctx.baselines.items()})
+    if req.all_backends:
+        fns.update({f"backend:{n}": _bind(f, cfg) for n, f in ctx.backends.items()
+                    if _works(f, inputs, cfg)})
+    plan = Plan.for_device(req.on_gpu, req.resolved_warmup(), req.resolved_reps(),
+                           set_bytes(inputs, problem.random_inputs))
+    m = ctx.timer.measure(fns, inputs, problem.random_inputs,
+                          lambda inp: problem.refill(inp, case.gen), plan, "candidate", rng)
+    _recheck(problem, case, m.kept, ctx.tol)
+    cand = m.times["candidate"]
+    if req.on_gpu and hidden_work(cand.kernel_ms, m.host_ms_per_call["candidate"],
+                                  m.launch_ms.get("candidate", 0.0)):
+        raise Fail(Verdict.HIDDEN_WORK, f"events timed {cand.kernel_ms:.4f} ms and calls return "
+                   f"in {m.launch_ms.get('candidate', 0.0):.4f} ms, but the host saw "
+                   f"{m.host_ms_per_call['candidate']:.4f} ms per call: work escaped the timer")
+    base = given if given is not None else {n.split(":", 1)[1]: t for n, t in m.times.items()
+                                            if n.startswith("baseline:")}
+    backends = {n.split(":", 1)[1]: t for n, t in m.times.items() if n.startswith("backend:")}
+    base_mem = {n.split(":", 1)[1]: v for n, v in m.peak_mem_bytes.items()
+                if n.startswith("baseline:")}
+    flops = problem.flops(cfg)
+    result = scoring.score(checked, cand, base, backends, req.timing, req.baseline, flops,
+                           ctx.peak_tflops, m.peak_mem_bytes["candidate"], base_mem)
+    _implausible(ctx, case, run, rng, result, scoring.tflops(flops, cand.kernel_ms), flags)
+    return result
+
+
+def _bind(fn: Callable[..., Any], cfg: dict[str, Any]) -> Fn:
+    return lambda inp: fn(inp, cfg)
+
+
+def _given_times(req: EvalRequest, cfg: dict[str, Any]) -> dict[str, Times] | None:
+    if req.baseline_times is None:
+        return None
+    row = req.baseline_times.get(config_key(cfg))
+    if row is None:
+        raise Fail(Verdict.EVALUATOR_FAULT, "the run's station sent no baseline times for "
+                   "this config")
+    return {n: Times.from_json(t) for n, t in row.items()}
+
+
+def _recheck(problem: Problem, case: Case, kept: list[Any], tol: Tolerance) -> None:
+    """Re-checks kept timed outputs against references on the inputs they were computed from."""
+    for k in kept:
+        ref = problem.reference(k.inputs, case.cfg)
+        bound = fresh_bound(problem, case, k.inputs, ref, tol)
+        why = checks.output_problem(k.output, Meta(ref.shape, case.like.dtype, ref.device))
+        err = float("inf") if why else checks.max_abs_err(k.output, ref)
+        if err <= bound:
+            continue
+        if k.last_of_batch:
+            raise Fail(Verdict.HIDDEN_WORK, f"{k.what}: the output was not finished after "
+                       f"the batch (error {err:.3g} > {bound:.3g}): work deferred past the "
+                       "timer, into a later call")
+        raise Fail(Verdict.INCORRECT, f"{k.what} returned a wrong output "
+                   f"({why or f'error {err:.3g} > {bound:.3g}'}): stale or cached result?")
+
+
+def _implausible(ctx: TimingContext, case: Case, run: Callable[..., Any], rng: random.Random,
+                 result: ConfigResult, kernel_tflops: float | None, flags: list[str]) -> None:
+    """Flags speed beyond physics (GPU only) and re-verifies it on fresh inputs.
+
+    On the CPU a speedup says nothing about physics (the interpreter against PyTorch's CPU
+    kernels), so nothing is flagged there.
+    """
+    if not ctx.req.on_gpu:
+        return
+    ceiling = ctx.ceiling_tflops
+    over_ceiling = bool(ceiling and kernel_tflops and kernel_tflops > 1.05 * ceiling)
+    if not over_ceiling and not (result.speedup or 0) > ctx.problem.implausible_speedup:
+        return
+    flags.append(f"{ctx.problem.label(case.cfg)}: implausible {result.speedup or 0:.1f}x / "
+                 f"{kernel_tflops or 0:.0f} TFLOP/s, re-verified")
+    _reverify(ctx.problem, case, run, rng, ctx.tol)
+    if over_ceiling:
+        raise Fail(Verdict.IMPLAUSIBLE, f"{kernel_tflops:.0f} TFLOP/s exceeds the measured "
+                   f"ceiling {ceiling:.0f} TFLOP/s")
+
+
+def _reverify(problem: Problem, case: Case, run: Callable[..., Any], rng: random.Random,
+              tol: Tolerance) -> None:
+    """Re-checks an implausibly fast candidate on fresh inputs; raises Fail if wrong."""
+    from .timing import LazyOutput, plain
+    import torch
+    for _ in range(2):
+        case.gen.manual_seed(rng.getrandbits(62))
+        inputs = case.trials[0].inputs
+        problem.refill(inputs, case.gen)
+        ref = problem.reference(inputs, case.cfg)
+        bound = fresh_bound(problem, case, inputs, ref, tol)
+        out = run(inputs, case.cfg)
+        try:
+            plain("candidate", out, torch.Tensor)
+        except LazyOutput as e:
+            raise Fail(Verdict.HIDDEN_WORK, str(e)) from None
+        why = checks.output_problem(out, Meta(ref.shape, case.like.dtype, ref.device))
+        err = float("inf") if why else checks.max_abs_err(out, ref)
+        if not err <= bound:
+            raise Fail(Verdict.IMPLAUSIBLE, f"implausibly fast and wrong on fresh inputs "
+                       f"(error {err:.3g})")
+
+
+def _works(fn: Callable[..., Any], inputs: dict[str, Any], cfg: dict[str, Any]) -> bool:
+    try:
+        fn(inputs, cfg)
+        return True
+    except Exception:  # noqa: BLE001 - a backend that does not support this config
+        return False

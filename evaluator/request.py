@@ -1,0 +1,111 @@
+"""The one request that crosses into the evaluator's child, and every evaluation default.
+
+`EvalRequest` is built in one place on the orchestrator's side (evoattn/settings.py, from a
+run config or `evoattn eval`'s flags), completed per candidate by the sandbox (candidate
+path, cache, secret seed), sent to the child as JSON and read there by field. Defaults live
+here and nowhere else: the run config's `evaluator:` section and the CLI flags default to
+"not set", which means the value below.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+TIMING_MODES = ("call", "kernel", "graph")
+POLICIES = ("kernel-only", "allow-library")
+DTYPES = ("float16", "bfloat16", "float32")
+GPU_REPS, GPU_WARMUP = 50, 10      # timed repetitions and untimed calls per config on a GPU
+CPU_REPS, CPU_WARMUP = 3, 1        # on the CPU (Triton's interpreter is slow): at most these
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalRequest:
+    """How to evaluate one candidate. Times in seconds; None means the documented default."""
+
+    problem: str = "sdpa"                      # a built-in name or an absolute problem .py path
+    device: str = "cuda"                       # "cuda" or "cpu"
+    configs: tuple[dict[str, Any], ...] | None = None   # None: the problem's (CPU) configs
+    dtype: str | None = None                   # None: the problem's default dtype
+    # checking
+    trials: int = 3                            # fresh random inputs per config
+    tolerance_factor: float | None = None      # None: the problem's own tolerance
+    tolerance_floor: float | None = None
+    max_abs: float | None = None
+    policy: str = "kernel-only"
+    screen: bool = True                        # stop at the first failing config
+    check_only: bool = False                   # check, do not time
+    # timing
+    timing: str = "call"                       # which time fitness uses: call | kernel | graph
+    baseline: str = "best"                     # the fastest baseline per config, or one by name
+    all_backends: bool = False                 # also time the problem's diagnostic backends
+    warmup: int | None = None                  # None: GPU_WARMUP / CPU_WARMUP
+    reps: int | None = None                    # None: GPU_REPS / CPU_REPS (CPU_REPS at most)
+    # limits
+    build_timeout_s: float = 300.0
+    run_timeout_s: float = 600.0               # a ceiling; runs derive a tighter one (sandbox)
+    # set per candidate by the sandbox
+    candidate: str = ""                        # the main file's path in the child's directory
+    cache_dir: str = ""
+    allowed_dirs: tuple[str, ...] = ()
+    secret_seed: int = 0
+    arch: str | None = None                    # nvcc target; None: the GPU's own
+    facts: dict[str, str] = dataclasses.field(default_factory=dict)   # {"target": "sm90"}
+    # given by a run's station (evoattn/station.py): then the child times no baseline itself
+    baseline_times: dict[str, dict[str, dict[str, Any]]] | None = None
+    ceiling_tflops: float | None = None
+
+    def validate(self) -> None:
+        """Raises ValueError naming the field when a value is out of range."""
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
+        if self.timing not in TIMING_MODES:
+            raise ValueError(f"timing must be one of {', '.join(TIMING_MODES)}, got "
+                             f"{self.timing!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("trials", "warmup", "reps"):
+            value = getattr(self, name)
+            if value is not None and value < (1 if name == "trials" else 0):
+                raise ValueError(f"{name} must be >= {1 if name == 'trials' else 0}, got {value}")
+        for name in ("build_timeout_s", "run_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device == "cuda"
+
+    def resolved_reps(self) -> int:
+        """Returns the timed repetitions for this device."""
+        if self.on_gpu:
+            return GPU_REPS if self.reps is None else self.reps
+        return CPU_REPS if self.reps is None else min(self.reps, CPU_REPS)
+
+    def resolved_warmup(self) -> int:
+        """Returns the untimed calls before timing, for this device."""
+        if self.on_gpu:
+            return GPU_WARMUP if self.warmup is None else self.warmup
+        return CPU_WARMUP if self.warmup is None else min(self.warmup, CPU_WARMUP)
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["configs"] = None if self.configs is None else [dict(c) for c in self.configs]
+        d["allowed_dirs"] = list(self.allowed_dirs)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "EvalRequest":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown request field {', '.join(unknown)}")
+        kw = dict(d)
+        if kw.get("configs") is not None:
+            kw["configs"] = tuple(dict(c) for c in kw["configs"])
+        kw["allowed_dirs"] = tuple(kw.get("allowed_dirs", ()))
+        return cls(**kw)
+
+
+DEFAULTS = EvalRequest()

@@ -1,0 +1,185 @@
+"""Evaluation slots: where the search's evaluations run, and how many at once.
+
+    as_pool(evaluator)   an evaluator with evaluate(), as one slot (the tests' fakes)
+    LocalPool            one slot per GPU of this machine (CUDA_VISIBLE_DEVICES set per child,
+                         never in this process), or one on the CPU
+    make_evaluator(...)  what a run config asks for: the local pool, or a Dask cluster
+
+Every pool has the same face: `slots`, `submit(source, suffix, label) -> Future[EvalResult]`,
+`calibrate(seed_result)` and `close()`. A pool runs jobs in the order they were submitted;
+the search commits results in its own order, so how fast a slot is never changes a run.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import os
+import queue
+import subprocess
+import threading
+from typing import Any, Callable, Sequence
+
+from evaluator.request import EvalRequest
+from evaluator.types import EvalResult
+
+from .errors import UsageError
+from .sandbox import SandboxSettings, SubprocessEvaluator
+
+
+class SerialPool:
+    """An evaluator with `evaluate()` as a one-slot pool: each job runs when submitted."""
+
+    slots = 1
+
+    def __init__(self, evaluator: Any) -> None:
+        self.evaluator = evaluator
+
+    def submit(self, source: str, suffix: str, label: str) -> cf.Future[EvalResult]:
+        fut: cf.Future[EvalResult] = cf.Future()
+        try:
+            fut.set_result(self.evaluator.evaluate(source, suffix, label))
+        except Exception as e:  # noqa: BLE001 - delivered to whoever waits on it
+            fut.set_exception(e)
+        return fut
+
+    def calibrate(self, seed: EvalResult) -> None:
+        calibrate = getattr(self.evaluator, "calibrate", None)
+        if calibrate is not None:
+            calibrate(seed)
+
+    def close(self) -> None:
+        close = getattr(self.evaluator, "close", None)
+        if close is not None:
+            close()
+
+
+def as_pool(evaluator: Any) -> Any:
+    """Returns the evaluator as a pool (a pool as it is)."""
+    return evaluator if hasattr(evaluator, "submit") else SerialPool(evaluator)
+
+
+@dataclasses.dataclass
+class _Job:
+    future: cf.Future[EvalResult]
+    source: str
+    suffix: str
+    label: str
+
+
+class LocalPool:
+    """One slot per device id, each a thread driving its own evaluator, taking jobs in order."""
+
+    def __init__(self, devices: Sequence[str], make: Callable[[str], Any]) -> None:
+        if not devices:
+            raise UsageError("no evaluation slot: the list of GPUs is empty")
+        self.devices = list(devices)
+        self.slots = len(self.devices)
+        self._evaluators = [make(d) for d in self.devices]
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._threads = [threading.Thread(target=self._serve, args=(ev,), daemon=True,
+                                          name=f"evoattn-slot-{d}")
+                         for ev, d in zip(self._evaluators, self.devices)]
+        self._closed = False
+        for t in self._threads:
+            t.start()
+
+    def submit(self, source: str, suffix: str, label: str) -> cf.Future[EvalResult]:
+        fut: cf.Future[EvalResult] = cf.Future()
+        self._jobs.put(_Job(fut, source, suffix, label))
+        return fut
+
+    def calibrate(self, seed: EvalResult) -> None:
+        for ev in self._evaluators:
+            if hasattr(ev, "calibrate"):
+                ev.calibrate(seed)
+
+    def close(self) -> None:
+        """Stops the slots: queued jobs are dropped, running children are killed."""
+        self._closed = True
+        for _ in self._threads:
+            self._jobs.put(None)
+        for ev in self._evaluators:
+            abort = getattr(ev, "abort", None)
+            if abort is not None:
+                abort()
+        for t in self._threads:
+            t.join(timeout=15)
+        for ev in self._evaluators:
+            close = getattr(ev, "close", None)
+            if close is not None:
+                close()
+
+    def _serve(self, evaluator: Any) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None or self._closed:
+                if job is not None:
+                    job.future.cancel()
+                return
+            if not job.future.set_running_or_notify_cancel():
+                continue
+            try:
+                job.future.set_result(evaluator.evaluate(job.source, job.suffix, job.label))
+            except BaseException as e:  # noqa: BLE001 - delivered to whoever waits on it
+                job.future.set_exception(e)
+
+
+def visible_gpus(chosen: Sequence[int] | None = None) -> list[str]:
+    """Returns the CUDA_VISIBLE_DEVICES value of each slot: the GPUs this process may use (its
+    own CUDA_VISIBLE_DEVICES, else every GPU nvidia-smi lists), or those `chosen` among them."""
+    own = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if own is not None:
+        ids = [d.strip() for d in own.split(",") if d.strip()]
+    else:
+        try:
+            out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
+                                 timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        ids = [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+        ids = ids or ["0"]
+    if chosen is None:
+        return ids
+    bad = [i for i in chosen if not 0 <= i < len(ids)]
+    if bad:
+        raise UsageError(f"evaluator.gpus: no GPU {bad[0]} here ({len(ids)} visible)")
+    return [ids[i] for i in chosen]
+
+
+def make_evaluator(cfg: Any, request: EvalRequest, secret_names: tuple[str, ...]) -> Any:
+    """Returns the pool a run config asks for (local slots or a Dask cluster)."""
+    ev = cfg.evaluator
+    if ev.backend == "dask":
+        from .backends.dask import DaskPool
+        return DaskPool(ev.scheduler_address, request, secret_names, ev.run_factor,
+                        ev.run_floor_s)
+    devices = ["cpu"] if request.device == "cpu" else visible_gpus(ev.gpus)
+
+    def make(device: str) -> Any:
+        sandbox = SandboxSettings(secret_env_names=secret_names,
+                                  visible_device=None if device == "cpu" else device)
+        return _Calibrated(SubprocessEvaluator(request, sandbox), ev.run_factor, ev.run_floor_s)
+
+    return LocalPool(devices, make)
+
+
+class _Calibrated:
+    """A SubprocessEvaluator whose calibrate() takes only the seed (the run's deadline rule)."""
+
+    def __init__(self, evaluator: Any, factor: float, floor_s: float) -> None:
+        self.evaluator, self.factor, self.floor_s = evaluator, factor, floor_s
+
+    def evaluate(self, source: str, suffix: str, label: str) -> EvalResult:
+        return self.evaluator.evaluate(source, suffix, label)
+
+    def calibrate(self, seed: EvalResult) -> None:
+        if hasattr(self.evaluator, "calibrate"):
+            self.evaluator.calibrate(seed, self.factor, self.floor_s)
+
+    def abort(self) -> None:
+        if hasattr(self.evaluator, "abort"):
+            self.evaluator.abort()
+
+    def close(self) -> None:
+        if hasattr(self.evaluator, "close"):
+            self.evaluator.close()
