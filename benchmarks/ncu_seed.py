@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from evaluator import build  # noqa: E402
+from evaluator import build, program  # noqa: E402
 from evoattn.mutators.knobs import parse_settings, set_knobs  # noqa: E402
 
 MAX_ABS_ERR = 1e-2           # float16 attention against SDPA; a wrong kernel is off by far more
@@ -52,7 +52,10 @@ def build_seed(seed: Path, source: str, tmp: Path):
     """Builds the (knob-set) source; returns the entry point, or raises RuntimeError."""
     src = tmp / seed.name
     src.write_text(source)
-    res = build.build_fast(src, tmp / "cache", build.detect_arch(), timeout_s=600)
+    headers = {c.name: (seed.parent / c.name).read_bytes()
+               for c in program.declared_companions(source)}
+    res = build.build_fast(src, tmp / "cache", build.detect_arch(), timeout_s=600,
+                           extra_files=headers)
     if not res.ok:
         raise RuntimeError(f"{seed}: build failed:\n{res.log}")
     try:

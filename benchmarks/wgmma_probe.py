@@ -80,6 +80,7 @@ def build(seed: Path, out: Path, units: bool, watchdog: bool) -> tuple[Path, str
     t0 = time.time()
     cmd = [os.environ.get("NVCC", "nvcc"), "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
            GENCODE, "-Xptxas", "-v", f'-DWGF_SEED="{seed}"', f"-DWGF_PROBE_UNITS={int(units)}",
+           f"-I{SEED.parent}",                                   # the seed's companion header
            *(["-DWGF_WATCHDOG"] if watchdog else []), "-o", str(out), str(PROBE)]
     p = subprocess.run(cmd, capture_output=True, text=True)
     return out, p.stdout + p.stderr, p.returncode == 0 and out.is_file(), time.time() - t0

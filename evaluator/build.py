@@ -297,6 +297,8 @@ def _finish(ok: bool, tmp: Path, final: Path, artifact: str, log: str,
         shutil.rmtree(tmp, ignore_errors=True)
         return BuildResult(False, None, log, False, seconds)
     (tmp / "build.log").write_text(log)
+    if final.is_dir() and not (final / artifact).is_file():
+        shutil.rmtree(final, ignore_errors=True)   # an entry cleaned half-way: never in use
     try:
         os.replace(tmp, final)
     except OSError:

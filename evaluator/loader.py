@@ -62,9 +62,12 @@ def build_candidate(path: Path, problem: Problem, cache_dir: Path, build_timeout
     from . import build
     arch = arch or (build.detect_arch() if has_gpu else "sm_90a")
     if path.suffix == ".py":
-        libraries, log, cached, seconds = _build_companions(path, source, companions, headers,
-                                                            cache_dir, build_timeout_s, arch,
-                                                            has_gpu, facts)
+        target = None
+        if has_gpu:
+            major, minor = torch.cuda.get_device_capability()
+            target = f"sm{major}{minor}"
+        libraries, log, cached, seconds = build_companions(path, source, headers, cache_dir,
+                                                           build_timeout_s, arch, target, facts)
         return lambda: _load_python(path, problem, libraries, log, cached, seconds)
     form = cuda_form(source)
     if form == "cuda-fast":
@@ -107,23 +110,22 @@ def build_candidate(path: Path, problem: Problem, cache_dir: Path, build_timeout
     return load
 
 
-def _build_companions(path: Path, source: str, companions: Any, headers: dict[str, bytes],
-                      cache_dir: Path, timeout_s: float, arch: str, has_gpu: bool,
-                      facts: dict[str, str] | None
-                      ) -> tuple[dict[str, str], str, bool | None, float | None]:
-    """Builds the `.cu` companions a Python main file declares, where their conditions hold
-    (never without a GPU: nothing could run them); returns {name: library path} and the log."""
+def build_companions(path: Path, source: str, headers: dict[str, bytes], cache_dir: Path,
+                     timeout_s: float, arch: str, target: str | None,
+                     facts: dict[str, str] | None = None
+                     ) -> tuple[dict[str, str], str, bool | None, float | None]:
+    """Builds the `.cu` companions a Python main file declares, where their conditions hold for
+    the GPU `target` ("sm90"; None: no GPU, nothing could run them, nothing is built) and the
+    main file's knob values; returns {name: library path}, the log, cached?, seconds."""
     from . import build
     from .conditions import holds
     from .knobs import find_knobs, values_of
-    if not has_gpu:
+    if target is None:
         return {}, "", None, None
-    import torch
-    major, minor = torch.cuda.get_device_capability()
-    facts = {"target": f"sm{major}{minor}", **(facts or {})}
+    facts = {"target": target, **(facts or {})}
     values = values_of(find_knobs(source))
     libraries, logs, cached, seconds = {}, [], True, 0.0
-    for comp in companions:
+    for comp in declared_companions(source):
         if Path(comp.name).suffix != ".cu" or not holds(comp.when, values, facts):
             continue
         res = build.build_fast(path.parent / comp.name, cache_dir, arch, timeout_s,

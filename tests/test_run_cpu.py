@@ -73,16 +73,23 @@ def test_knob_search_runs_exports_and_the_export_gets_the_same_verdict(tmp_path:
 
 def test_a_cpu_run_of_the_hybrid_never_spends_an_evaluation_on_its_cuda_knobs(
         tmp_path: Path) -> None:
-    """On the CPU the hybrid's WG_* and CUDA_* knobs run no call (their when(@target=sm90)):
-    the runner tells the mutator the target, so no candidate changes them."""
+    """On the CPU the hybrid's CUDA companion and routing knobs, and the Triton knobs only a GPU
+    runs, run no call (their when(...) conditions): the runner tells the mutator the target, so
+    no candidate changes them."""
+    from evaluator import program
+    from evaluator.knobs import active, find_knobs
     hybrid = ROOT / "seeds" / "sdpa" / "flash_hybrid.py"
+    knobs = find_knobs(program.read(hybrid))
+    dead = {k.key for k in knobs} - {k.key for k in active(knobs, {"target": "cpu"})}
+    assert {"CUDA_D128", "USE_TMA", "PINGPONG"} <= dead
     cfg = _config(tmp_path, seed=str(hybrid), iterations=8)
     p = _evoattn("run", "--config", str(cfg), "--quiet")
     assert p.returncode == 0, p.stdout + p.stderr
     changes = [c for (c,) in _rows(tmp_path / "run" / "run.sqlite",
                                    "SELECT change FROM programs WHERE iteration > 0")]
     assert len(changes) >= 6
-    assert not [c for c in changes if re.search(r"\b(WG|CUDA)_", c)], changes
+    changed = {m for c in changes for m in re.findall(r"([\w.:]+): \S+ -> ", c)}
+    assert changed and not changed & dead, changes
 
 
 def test_kill_9_mid_run_then_resume_continues_the_same_run(tmp_path: Path) -> None:

@@ -80,6 +80,7 @@ def test_probe_knows_which_ring_depths_fit_in_shared_memory(tmp_path):
         proc = subprocess.run(
             ["nvcc", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
              "-gencode=arch=compute_90a,code=compute_90a", f'-DWGF_SEED="{seed}"',
+             f"-I{SEED.parent}",        # the seed's companion header
              "-DWGF_PROBE_UNITS=0", "-o", str(so), str(probe.PROBE)],
             capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -46,7 +46,7 @@ except ImportError:  # Triton older than 3.3
 
 # ---- knobs (one per line; the mutator rewrites only the value) ------------------------
 # Defaults: the best setting of the `sdpa` seed on an H200 (per-causality D=128 tiles, 64x128 D=64
-# tiles from S = 2048 on, 2 stages for D=64; the fourth and fifth sessions' runs).
+# tiles from S = 2048 on, 2 stages for D=64).
 BLOCK_M_D64 = 64  # evoattn: choice(32, 64, 128, 256)
 BLOCK_N_D64 = 64  # evoattn: choice(32, 64, 128)
 NUM_WARPS_D64 = 4  # evoattn: choice(4, 8)

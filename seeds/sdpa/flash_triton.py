@@ -57,43 +57,37 @@ except ImportError:  # Triton older than 3.3
     HAS_TENSOR_DESC = False
 
 # ---- knobs (one per line; the mutator rewrites only the value) ------------------------
-# Defaults: the best setting measured (BENCHMARKS.md): the structure a 100-iteration search
-# found from a plain FlashAttention-2 kernel in the second session (64x64 tiles, 4 warps, 3
-# stages, TMA, the causal split, exp2), with the fourth session's per-causality D=128 tiles
-# (128x64, 2 stages non-causal) and 64x128 D=64 tiles from S = 4096 on; the fourth session's
-# run then found 2 stages for non-causal D=64, which cost the one-wave (1,8,512,64) config
-# 11%: one-wave grids keep 3 stages (NUM_STAGES_SMALL_GRID, fifth session). The fifth session's
-# run added 2 stages for causal D=64 and the 64x128 D=64 tile from S = 2048 on (0.9115 -> 0.9214).
-# The sixth session's run (of the hybrid seed, which carries this file) took 64x128 D=64 tiles
-# at every length: -4% on (8,32,512,64) (causal too), +2-5% on (1,8,512,64) and causal
-# (4,32,1024,64). Since the seventh session the one-wave grids have their own key tile
-# (BLOCK_N_D64_SMALL_GRID = 128), 64x64 tiles serve S < 1024 and 64x128 tiles S >= 1024:
-# +3.5% on (8,32,512,64), causal and not (BENCHMARKS.md, seventh session).
-BLOCK_M_D64 = 64  # evoattn: choice(32, 64, 128, 256)
-BLOCK_N_D64 = 64  # evoattn: choice(32, 64, 128)
-NUM_WARPS_D64 = 4  # evoattn: choice(4, 8)
-NUM_STAGES_D64 = 2  # evoattn: choice(1, 2, 3, 4, 5)
-BLOCK_M_D128 = 128  # evoattn: choice(32, 64, 128, 256)
-BLOCK_N_D128 = 64  # evoattn: choice(32, 64, 128)
-NUM_WARPS_D128 = 4  # evoattn: choice(4, 8)
-NUM_STAGES_D128 = 2  # evoattn: choice(1, 2, 3, 4, 5)
-CAUSAL_SPLIT = True  # evoattn: choice(True, False)
-USE_EXP2 = True  # evoattn: choice(True, False)
-USE_TMA = True  # evoattn: choice(True, False)
-WARP_SPECIALIZE = False  # evoattn: choice(True, False)
-PERSISTENT = False  # evoattn: choice(True, False)
-PROGRAMS_PER_SM = 2  # evoattn: choice(1, 2, 3, 4)
-HEAD_MAJOR = True  # evoattn: choice(True, False)
-CAUSAL_HEAVY_FIRST = False  # evoattn: choice(True, False)
-BLOCK_M_D64_CAUSAL = 64  # evoattn: choice(32, 64, 128, 256)
-NUM_STAGES_D64_CAUSAL = 2  # evoattn: choice(1, 2, 3, 4, 5)
-BLOCK_M_D128_CAUSAL = 64  # evoattn: choice(32, 64, 128, 256)
-NUM_STAGES_D128_CAUSAL = 3  # evoattn: choice(1, 2, 3, 4, 5)
-LONG_SEQ = 1024  # evoattn: choice(1024, 2048, 4096, 8192)
-BLOCK_N_D64_LONG = 128  # evoattn: choice(32, 64, 128)
-BLOCK_N_D128_LONG = 64  # evoattn: choice(32, 64, 128)
-NUM_STAGES_SMALL_GRID = 3  # evoattn: choice(1, 2, 3, 4, 5)
-BLOCK_N_D64_SMALL_GRID = 128  # evoattn: choice(32, 64, 128)
+# Defaults: the best setting measured (BENCHMARKS.md). The when(...) conditions matter only when
+# this file runs inside seeds/sdpa/flash_hybrid.py: there a call whose CUDA_* routing knob sends
+# it to the CUDA kernel on an H100/H200 (@target=sm90) runs none of this file's code, so the
+# knobs it would use are left alone by the mutator. Run on its own, this file has no CUDA_*
+# knobs, and a condition on a knob the program lacks always holds.
+BLOCK_M_D64 = 64  # evoattn: choice(32, 64, 128, 256) when(CUDA_D64=False, @target!=sm90)
+BLOCK_N_D64 = 64  # evoattn: choice(32, 64, 128) when(CUDA_D64=False, CUDA_D64_CAUSAL=False, @target!=sm90)
+NUM_WARPS_D64 = 4  # evoattn: choice(4, 8) when(CUDA_D64=False, CUDA_D64_CAUSAL=False, @target!=sm90)
+NUM_STAGES_D64 = 2  # evoattn: choice(1, 2, 3, 4, 5) when(CUDA_D64=False, @target!=sm90)
+BLOCK_M_D128 = 128  # evoattn: choice(32, 64, 128, 256) when(CUDA_D128=False, @target!=sm90)
+BLOCK_N_D128 = 64  # evoattn: choice(32, 64, 128) when(CUDA_D128=False, CUDA_D128_CAUSAL=False, @target!=sm90)
+NUM_WARPS_D128 = 4  # evoattn: choice(4, 8) when(CUDA_D128=False, CUDA_D128_CAUSAL=False, @target!=sm90)
+NUM_STAGES_D128 = 2  # evoattn: choice(1, 2, 3, 4, 5) when(CUDA_D128=False, @target!=sm90)
+CAUSAL_SPLIT = True  # evoattn: choice(True, False) when(CUDA_D64_CAUSAL=False, CUDA_D128_CAUSAL=False, @target!=sm90)
+USE_EXP2 = True  # evoattn: choice(True, False) when(CUDA_D64=False, CUDA_D64_CAUSAL=False, CUDA_D128=False, CUDA_D128_CAUSAL=False, @target!=sm90)
+USE_TMA = True  # evoattn: choice(True, False) when(CUDA_D64=False, CUDA_D64_CAUSAL=False, CUDA_D128=False, CUDA_D128_CAUSAL=False, @target!=sm90) when(@target!=cpu)
+WARP_SPECIALIZE = False  # evoattn: choice(True, False) when(CUDA_D64=False, CUDA_D64_CAUSAL=False, CUDA_D128=False, CUDA_D128_CAUSAL=False, @target!=sm90) when(@target!=cpu)
+PERSISTENT = False  # evoattn: choice(True, False) when(CUDA_D64=False, CUDA_D64_CAUSAL=False, CUDA_D128=False, CUDA_D128_CAUSAL=False, @target!=sm90)
+PROGRAMS_PER_SM = 2  # evoattn: choice(1, 2, 3, 4) when(CUDA_D64=False, CUDA_D64_CAUSAL=False, CUDA_D128=False, CUDA_D128_CAUSAL=False, @target!=sm90)
+HEAD_MAJOR = True  # evoattn: choice(True, False) when(CUDA_D64=False, CUDA_D64_CAUSAL=False, CUDA_D128=False, CUDA_D128_CAUSAL=False, @target!=sm90)
+CAUSAL_HEAVY_FIRST = False  # evoattn: choice(True, False) when(CUDA_D64_CAUSAL=False, CUDA_D128_CAUSAL=False, @target!=sm90)
+BLOCK_M_D64_CAUSAL = 64  # evoattn: choice(32, 64, 128, 256) when(CUDA_D64_CAUSAL=False, @target!=sm90)
+NUM_STAGES_D64_CAUSAL = 2  # evoattn: choice(1, 2, 3, 4, 5) when(CUDA_D64_CAUSAL=False, @target!=sm90)
+BLOCK_M_D128_CAUSAL = 64  # evoattn: choice(32, 64, 128, 256) when(CUDA_D128_CAUSAL=False, @target!=sm90)
+NUM_STAGES_D128_CAUSAL = 3  # evoattn: choice(1, 2, 3, 4, 5) when(CUDA_D128_CAUSAL=False, @target!=sm90)
+LONG_SEQ = 1024  # evoattn: choice(1024, 2048, 4096, 8192) when(CUDA_D64=False, CUDA_D64_CAUSAL=False, CUDA_D128=False, CUDA_D128_CAUSAL=False, @target!=sm90)
+BLOCK_N_D64_LONG = 128  # evoattn: choice(32, 64, 128) when(CUDA_D64=False, CUDA_D64_CAUSAL=False, @target!=sm90)
+BLOCK_N_D128_LONG = 64  # evoattn: choice(32, 64, 128) when(CUDA_D128=False, CUDA_D128_CAUSAL=False, @target!=sm90)
+NUM_STAGES_SMALL_GRID = 3  # evoattn: choice(1, 2, 3, 4, 5) when(CUDA_D64=False, CUDA_D64_CAUSAL=False, CUDA_D128=False, CUDA_D128_CAUSAL=False, @target!=sm90)
+BLOCK_N_D64_SMALL_GRID = 128  # evoattn: choice(32, 64, 128) when(CUDA_D64=False, CUDA_D64_CAUSAL=False, @target!=sm90)
+FAST_LAUNCH = True  # evoattn: choice(True, False) when(CUDA_D64=False, CUDA_D64_CAUSAL=False, CUDA_D128=False, CUDA_D128_CAUSAL=False, @target!=sm90) when(@target!=cpu)
 
 LOG2E = 1.44269504  # log2(e) = 1/ln 2: exp(x) == exp2(x * LOG2E)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -328,9 +322,59 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError("q, k and v must be on one device")
 
 
+class _Desc:
+    """What Triton's launcher reads of a TensorDescriptor (made per call: the base moves)."""
+
+    __slots__ = ("base", "shape", "strides", "block_shape", "padding")
+
+    def __init__(self, base: torch.Tensor, shape: list[int], strides: list[int],
+                 block_shape: list[int]) -> None:
+        self.base, self.shape, self.strides = base, shape, strides
+        self.block_shape, self.padding = block_shape, "zero"
+
+
+class _Launch:
+    """One shape's launch, prepared by its first call: the compiled kernel, its grid and every
+    argument that does not change between calls of that shape."""
+
+    __slots__ = ("run", "function", "packed", "grid", "view", "strides", "block_q",
+                 "block_kv", "constexprs")
+
+    def __init__(self, kernel, grid: int, view: list[int], block_q: int, block_kv: int,  # noqa: ANN001
+                 constexprs: tuple) -> None:
+        self.run, self.function, self.packed = kernel.run, kernel.function, kernel.packed_metadata
+        self.grid, self.view, self.strides = grid, view, [view[1] * view[2], view[2], 1]
+        self.block_q, self.block_kv = [1, block_q, view[2]], [1, block_kv, view[2]]
+        self.constexprs = constexprs
+
+
+# Launches prepared per (shape, dtype, device, causality, TMA, WS, sign of the scale): a call of
+# a known shape skips Triton's argument binding and cache lookup (tens of microseconds of host
+# time per call) and calls the compiled kernel's launcher directly. Triton's launch hooks, if
+# anyone set them, are honoured by taking the ordinary path.
+_LAUNCHES: dict[tuple, _Launch] = {}
+_MAX_LAUNCHES = 256
+
+
+def _fast_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a call may use a prepared launch: a real GPU, no launch hooks, contiguous and
+    16-byte aligned inputs (the compiled kernel assumed both of the first call's inputs)."""
+    return (FAST_LAUNCH and q.device.type == "cuda" and not _interpreting()
+            and triton.knobs.runtime.launch_enter_hook is None
+            and triton.knobs.runtime.launch_exit_hook is None
+            and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+            and (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0)
+
+
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
              use_tma: bool, warp_specialize: bool) -> torch.Tensor:
     """Checks shapes and launches the kernel with the module's knobs (TMA and WS as given)."""
+    fast = _fast_ok(q, k, v)
+    key = (q.shape, q.dtype, q.device, causal, use_tma, warp_specialize, scale >= 0)
+    launch = _LAUNCHES.get(key) if fast else None
+    if launch is not None and k.shape == q.shape and v.shape == q.shape and \
+            k.dtype == q.dtype and v.dtype == q.dtype and k.device == v.device == q.device:
+        return _launch_prepared(launch, q, k, v, scale * LOG2E if USE_EXP2 else scale, use_tma)
     _check_inputs(q, k, v)
     if q.device.type != "cuda" and not _interpreting():
         raise RuntimeError("flash_triton needs a CUDA tensor, or TRITON_INTERPRET=1 for CPU tensors")
@@ -358,15 +402,15 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     # float32 sums, p still rounded to bfloat16 first, i.e. the GPU's numerics.
     upcast = _interpreting() and q.dtype == torch.bfloat16
     fp32_dots = q.dtype == torch.float32 or upcast
+    constexprs = dict(
+        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal),
+        CAUSAL_SPLIT=CAUSAL_SPLIT, SCALE_NONNEG=scale >= 0, EXP2=USE_EXP2, TMA=use_tma,
+        WARP_SPEC=warp_specialize, DOT_PRECISION="ieee" if fp32_dots else "tf32",
+        UPCAST=upcast, PERSISTENT=PERSISTENT, HEAD_MAJOR=HEAD_MAJOR,
+        HEAVY_FIRST=CAUSAL_HEAVY_FIRST)
     try:
-        _attn_fwd[grid](
-            *args, S, BH, qk_scale,
-            HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal),
-            CAUSAL_SPLIT=CAUSAL_SPLIT, SCALE_NONNEG=scale >= 0, EXP2=USE_EXP2, TMA=use_tma,
-            WARP_SPEC=warp_specialize,
-            DOT_PRECISION="ieee" if fp32_dots else "tf32", UPCAST=upcast,
-            PERSISTENT=PERSISTENT, HEAD_MAJOR=HEAD_MAJOR, HEAVY_FIRST=CAUSAL_HEAVY_FIRST,
-            num_warps=num_warps, num_stages=num_stages)
+        kernel = _attn_fwd[grid](*args, S, BH, qk_scale, **constexprs,
+                                 num_warps=num_warps, num_stages=num_stages)
     except Exception as exc:
         if not warp_specialize:
             raise
@@ -374,12 +418,33 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
             f"WARP_SPECIALIZE=True failed for BLOCK_M={block_m} BLOCK_N={block_n} "
             f"num_warps={num_warps} num_stages={num_stages} D={D} {q.dtype}: "
             f"{type(exc).__name__}: {exc}") from exc
+    if fast and kernel is not None and hasattr(kernel, "packed_metadata"):
+        if len(_LAUNCHES) >= _MAX_LAUNCHES:
+            _LAUNCHES.clear()
+        _LAUNCHES[key] = _Launch(kernel, grid[0], [BH, S, D], block_m, block_n,
+                                 tuple(constexprs.values()))
+    return out
+
+
+def _launch_prepared(launch: _Launch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     qk_scale: float, use_tma: bool) -> torch.Tensor:
+    """Launches a prepared kernel on fresh inputs of its shape (see _LAUNCHES)."""
+    out = torch.empty_like(q)
+    if use_tma:
+        view, strides = launch.view, launch.strides
+        args = (_Desc(q, view, strides, launch.block_q), _Desc(k, view, strides, launch.block_kv),
+                _Desc(v, view, strides, launch.block_kv), _Desc(out, view, strides, launch.block_q))
+    else:
+        args = (q, k, v, out)
+    stream = torch._C._cuda_getCurrentRawStream(q.device.index)
+    launch.run(launch.grid, 1, 1, stream, launch.function, launch.packed, None, None, None,
+               *args, launch.view[1], launch.view[0], qk_scale, *launch.constexprs)
     return out
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               causal: bool = False, scale: float | None = None) -> torch.Tensor:
-    """Returns softmax(q kᵀ·scale [+ top-left causal mask]) v for contiguous (B, H, S, D) inputs."""
+    """Returns softmax(q kᵀ·scale [+ top-left causal mask]) v for (B, H, S, D) inputs."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     device = q.device
@@ -388,11 +453,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     warp_specialize=WARP_SPECIALIZE and _hopper_or_newer(device))
 
 
-# Notes. A hand sweep on an H200 (torch 2.11, Triton 3.6, float16) found BLOCK_M/BLOCK_N/warps/
-# stages 64/64/4/3 for D=64 and 128/64/4/2 for D=128, with CAUSAL_SPLIT, USE_EXP2, USE_TMA and
-# CAUSAL_HEAVY_FIRST on: 0.90x SDPA default (cuDNN) as a geometric mean over the default configs
-# under `evoattn eval` (BENCHMARKS.md). On the short (8,32,512,64) causal case TMA's host work of
-# building four descriptors per call shows (~0.1 ms kernels), so it depends on the host's CPU.
-# WARP_SPECIALIZE=True failed in Triton 3.6's NVGPUWarpSpecialization pass for the D=64 settings
-# above (it compiled, no faster, for D=128 with BLOCK_M=128 and 8 warps). PERSISTENT ran at
-# 0.86-0.88x for long D=64 sequences with 3 programs per SM, about half speed with 1.
+# Notes. WARP_SPECIALIZE=True failed in Triton 3.6's NVGPUWarpSpecialization pass for the D=64
+# settings above (it compiled, no faster, for D=128 with BLOCK_M=128 and 8 warps). PERSISTENT
+# ran at 0.86-0.88x for long D=64 sequences with 3 programs per SM, about half speed with 1.

@@ -9,7 +9,7 @@
 // block's last row are never loaded, a warp skips tiles after its own last row, and the mask
 // is applied only to tiles that cross the diagonal or the end of the sequence.
 // float32 inputs, and pointers that are not 16-byte aligned, take the CUDA-core fallback
-// (FA1-style, the `fused` seed's kernel with fixed tiles) at the bottom of this file.
+// (FA1-style, the `fused` seed's kernel with fixed tiles) of cuda_core_flash.cuh.
 //
 // Knobs: NUM_WARPS (BLOCK_M = 16 * NUM_WARPS), BLOCK_N (keys per tile), USE_CP_ASYNC.
 // Limits: needs sm_80+ (mma.sync bf16, cp.async); P is rounded to the input dtype before the
@@ -20,6 +20,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <type_traits>
+// evoattn: companion cuda_core_flash.cuh
+#include "cuda_core_flash.cuh"  // the CUDA-core fallback (float32, misaligned pointers)
 
 #define NUM_WARPS 4  // evoattn: choice(2, 4, 8)
 #define BLOCK_N 64  // evoattn: choice(32, 64, 128)
@@ -32,17 +34,6 @@
 constexpr float LOG2E = 1.4426950408889634f;  // 1/ln 2: exp(x) == exp2(x * LOG2E)
 constexpr int BLOCK_M = 16 * NUM_WARPS;
 constexpr int THREADS = 32 * NUM_WARPS;
-
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T> __device__ __forceinline__ T from_f32(float x);
-template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
 
 // ---- tensor-core path (float16 / bfloat16) ------------------------------------------
 //
@@ -304,149 +295,6 @@ static int launch_mma(const void* q, const void* k, const void* v, void* out, in
   return (int)cudaGetLastError();
 }
 
-// ---- CUDA-core fallback (float32, misaligned pointers) ------------------------------
-//
-// Shared-memory layout (floats), padded so that a warp reading a column is conflict-free.
-template <int D> struct FbSmem {
-  static constexpr int KLD = D + 1;           // k tile row stride
-  static constexpr int SLD = FB_BLOCK_N + 1;     // score tile row stride
-  static constexpr int q = 0;                          // [FB_BLOCK_M][D]
-  static constexpr int k = q + FB_BLOCK_M * D;            // [FB_BLOCK_N][KLD]
-  static constexpr int v = k + FB_BLOCK_N * KLD;          // [FB_BLOCK_N][D]
-  static constexpr int s = v + FB_BLOCK_N * D;            // [FB_BLOCK_M][SLD] scores, then p
-  static constexpr int alpha = s + FB_BLOCK_M * SLD;      // [FB_BLOCK_M] rescale of the tile
-  static constexpr int total = alpha + FB_BLOCK_M;
-  static constexpr size_t bytes = total * sizeof(float);
-};
-
-template <typename T, int D>
-__global__ void __launch_bounds__(FB_THREADS)
-fallback_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-             T* __restrict__ out, int BH, int S, int causal, float scale_log2) {
-  using L = FbSmem<D>;
-  constexpr int NWARPS = FB_THREADS / 32;
-  constexpr int OPT = (FB_BLOCK_M * D + FB_THREADS - 1) / FB_THREADS;  // outputs per thread
-  extern __shared__ float smem[];
-  float* qs = smem + L::q;
-  float* ks = smem + L::k;
-  float* vs = smem + L::v;
-  float* ss = smem + L::s;
-  float* alpha_s = smem + L::alpha;
-
-  // Heavy (late) causal row blocks first: block x -> (row block, bh), bh fastest.
-  const int n_mblocks = (S + FB_BLOCK_M - 1) / FB_BLOCK_M;
-  const int mb = n_mblocks - 1 - (int)(blockIdx.x / BH);
-  const long long bh = blockIdx.x % BH;
-  const int m0 = mb * FB_BLOCK_M;
-  const T* qb = q + bh * S * D;
-  const T* kb = k + bh * S * D;
-  const T* vb = v + bh * S * D;
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-
-  for (int idx = tid; idx < FB_BLOCK_M * D; idx += FB_THREADS) {
-    const int r = idx / D, row = m0 + r;
-    qs[idx] = row < S ? to_f32(qb[(long long)row * D + idx % D]) * scale_log2 : 0.f;
-  }
-  float acc[OPT];
-#pragma unroll
-  for (int o = 0; o < OPT; ++o) acc[o] = 0.f;
-  float m_run = -INFINITY, l_run = 0.f;       // meaningful in lane 0 of the row's warp
-
-  const int n_end = causal ? min(S, m0 + FB_BLOCK_M) : S;   // keys beyond are masked for all rows
-  for (int n0 = 0; n0 < n_end; n0 += FB_BLOCK_N) {
-    __syncthreads();                          // previous tile fully consumed
-    for (int idx = tid; idx < FB_BLOCK_N * D; idx += FB_THREADS) {
-      const int c = idx / D, d = idx % D, key = n0 + c;
-      const bool in = key < S;                // out-of-range keys: zeros, never NaN garbage
-      ks[c * L::KLD + d] = in ? to_f32(kb[(long long)key * D + d]) : 0.f;
-      vs[c * D + d] = in ? to_f32(vb[(long long)key * D + d]) : 0.f;
-    }
-    __syncthreads();
-    // Scores in log2 units; masked entries are -inf.
-    for (int idx = tid; idx < FB_BLOCK_M * FB_BLOCK_N; idx += FB_THREADS) {
-      const int r = idx / FB_BLOCK_N, c = idx % FB_BLOCK_N;
-      const int row = m0 + r, key = n0 + c;
-      float s = -INFINITY;
-      if (key < S && !(causal && key > row)) {
-        s = 0.f;
-        const float* qr = qs + r * D;
-        const float* kr = ks + c * L::KLD;
-#pragma unroll 16
-        for (int d = 0; d < D; ++d) s += qr[d] * kr[d];
-      }
-      ss[r * L::SLD + c] = s;
-    }
-    __syncthreads();
-    // Online softmax: one warp per row; each row's running (m, l) stays with one warp.
-    for (int r = warp; r < FB_BLOCK_M; r += NWARPS) {
-      float* sr = ss + r * L::SLD;
-      float mx = -INFINITY;
-      for (int c = lane; c < FB_BLOCK_N; c += 32) mx = fmaxf(mx, sr[c]);
-      for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-      // Rows r, r+NWARPS, ... of this warp: keep their (m, l) in lanes r / NWARPS (<= 32 rows).
-      const int slot = r / NWARPS;
-      const float m_old = __shfl_sync(0xffffffffu, m_run, slot);
-      const float l_old = __shfl_sync(0xffffffffu, l_run, slot);
-      const float m_new = fmaxf(m_old, mx);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;   // fully masked so far: p = 0
-      float sum = 0.f;
-      for (int c = lane; c < FB_BLOCK_N; c += 32) {
-        const float p = exp2f(sr[c] - m_use);
-        sr[c] = p;
-        sum += p;
-      }
-      for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-      const float a = exp2f(m_old - m_use);  // m_old = -inf -> 0
-      if (lane == slot) { m_run = m_new; l_run = l_old * a + sum; }
-      if (lane == 0) alpha_s[r] = a;
-    }
-    __syncthreads();
-    // acc = acc * alpha + P V for the thread's (row, d) indices.
-#pragma unroll
-    for (int o = 0; o < OPT; ++o) {
-      const int idx = tid + o * FB_THREADS;
-      if (idx < FB_BLOCK_M * D) {
-        const int r = idx / D, d = idx % D;
-        const float* pr = ss + r * L::SLD;
-        float a = acc[o] * alpha_s[r];
-#pragma unroll 8
-        for (int c = 0; c < FB_BLOCK_N; ++c) a += pr[c] * vs[c * D + d];
-        acc[o] = a;
-      }
-    }
-  }
-  // Publish the final row sums, then normalise and store.
-  __syncthreads();
-  for (int r = warp; r < FB_BLOCK_M; r += NWARPS) {
-    const float l = __shfl_sync(0xffffffffu, l_run, r / NWARPS);
-    if (lane == 0) alpha_s[r] = l > 0.f ? 1.f / l : 0.f;
-  }
-  __syncthreads();
-#pragma unroll
-  for (int o = 0; o < OPT; ++o) {
-    const int idx = tid + o * FB_THREADS;
-    const int r = idx / D, row = m0 + r;
-    if (idx < FB_BLOCK_M * D && row < S)
-      out[bh * S * D + (long long)row * D + idx % D] = from_f32<T>(acc[o] * alpha_s[r]);
-  }
-}
-
-template <typename T, int D>
-static int launch_fallback(const void* q, const void* k, const void* v, void* out, int BH, int S,
-                  int causal, float scale, cudaStream_t stream) {
-  static_assert(FB_THREADS % 32 == 0, "FB_THREADS must be whole warps");
-  static_assert(FB_BLOCK_M <= 32 * (FB_THREADS / 32), "one warp keeps at most 32 rows' stats");
-  const size_t smem = FbSmem<D>::bytes;
-  cudaError_t err = cudaFuncSetAttribute(fallback_kernel<T, D>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-  if (err != cudaSuccess) return (int)err;    // tiles too large for this GPU: fail cleanly
-  const long long blocks = (long long)((S + FB_BLOCK_M - 1) / FB_BLOCK_M) * BH;
-  if (blocks > 0x7fffffffLL) return (int)cudaErrorInvalidConfiguration;
-  fallback_kernel<T, D><<<(unsigned)blocks, FB_THREADS, smem, stream>>>(
-      (const T*)q, (const T*)k, (const T*)v, (T*)out, BH, S, causal, scale * LOG2E);
-  return (int)cudaGetLastError();
-}
-
 template <typename T>
 static int run(const void* q, const void* k, const void* v, void* out, int BH, int S, int D,
                int causal, float scale, cudaStream_t stream) {
@@ -457,8 +305,11 @@ static int run(const void* q, const void* k, const void* v, void* out, int BH, i
       return launch_mma<T, 128>(q, k, v, out, BH, S, causal, scale, stream);
     }
   }
-  if (D == 64) return launch_fallback<T, 64>(q, k, v, out, BH, S, causal, scale, stream);
-  return launch_fallback<T, 128>(q, k, v, out, BH, S, causal, scale, stream);
+  if (D == 64)
+    return launch_cuda_core<T, 64, FB_BLOCK_M, FB_BLOCK_N, FB_THREADS>(q, k, v, out, BH, S, causal,
+                                                                       scale, stream);
+  return launch_cuda_core<T, 128, FB_BLOCK_M, FB_BLOCK_N, FB_THREADS>(q, k, v, out, BH, S, causal,
+                                                                      scale, stream);
 }
 
 extern "C" int evoattn_sdpa(const void* q, const void* k, const void* v, void* out, int B,

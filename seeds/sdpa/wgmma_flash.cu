@@ -18,7 +18,7 @@
 // tiles that cross the diagonal or the end of the sequence. Heavy causal row blocks first
 // (within each head when HEAD_MAJOR_D*, the default).
 // float32 inputs, pointers that are not 16-byte aligned, and GPUs that are not 9.x take the
-// CUDA-core fallback (FA1-style, as in mma_flash.cu) at the bottom of this file.
+// CUDA-core fallback (FA1-style, cuda_core_flash.cuh, shared with mma_flash.cu and fused.cu).
 //
 // Knobs: NUM_WARPGROUPS (1 or 2 consumer warpgroups), BLOCK_N_D64 / BLOCK_N_D128 (keys per tile
 // for each head dim, 64 or 128; the kernel's template parameter BN is the one in use),
@@ -31,16 +31,17 @@
 // PERSISTENT_DYNAMIC, and TMA_STORE_MAX_S: calls with S up to it write O with stmatrix into a
 // shared tile per consumer warpgroup and one TMA store that runs on under the next work item,
 // instead of st.global from registers; 0: never, and no shared tile),
-// HEAD_MAJOR_D64 / _D128 (block order per head dim: in a fifth-session call, before later
-// changes to both paths, it left the warp-specialised path unchanged and cost the cp.async
-// path 3%; not re-measured since).
+// HEAD_MAJOR_D64 / _D128 (block order per head dim). The knobs' when(...) conditions name the
+// routing knobs of seeds/sdpa/flash_hybrid.py, which loads this file as a companion: there a
+// knob of a head dim the routing keeps on Triton runs no call and is left alone by the mutator.
+// On its own this file has no routing knobs, and a condition on a knob it lacks always holds.
 // The softmax has a masked and an unmasked variant chosen per tile (a branch around the whole
 // tile): with the masks inside one loop, ptxas if-converted them into every tile and placed the
 // wait for P v before the softmax, so OVERLAP overlapped nothing. Defaults, as measured on an
 // H200 (BENCHMARKS.md): D=64 on the cp.async path, D=128 warp-specialised, persistent, causal
 // items from the counter; no overlap at either (with the persistent path, OVERLAP_D128=0
-// measured 1-3% faster on every D=128 config, sixth session); the TMA-store epilogue up to
-// S=1024 (seventh session: +2.5-6% on (16,16,1024,128), causal and not).
+// measured 1-3% faster on every D=128 config); the TMA-store epilogue up to S=1024 (+2.5-6% on
+// (16,16,1024,128), causal and not, and slower at S=4096).
 // Any S >= 1, D in {64, 128}, fp32 accumulation. Needs the sm_90a target for wgmma (the
 // evaluator builds with -gencode=arch=compute_90a,code=sm_90a on H100/H200). Built for
 // another target (plain sm_90, or PTX JIT-compiled from an older one), the code the GPU runs
@@ -107,23 +108,25 @@
 #include <math.h>
 #include <stdint.h>
 #include <type_traits>
+// evoattn: companion cuda_core_flash.cuh
+#include "cuda_core_flash.cuh"  // the CUDA-core fallback (float32, misaligned pointers)
 
-#define NUM_WARPGROUPS 2  // evoattn: choice(1, 2)
-#define BLOCK_N_D64 64  // evoattn: choice(64, 128)
-#define BLOCK_N_D128 128  // evoattn: choice(64, 128)
-#define OVERLAP_D64 0  // evoattn: choice(0, 1)
-#define OVERLAP_D128 0  // evoattn: choice(0, 1)
-#define WARP_SPECIALIZE_D64 0  // evoattn: choice(0, 1)
-#define WARP_SPECIALIZE_D128 1  // evoattn: choice(0, 1)
-#define WS_STAGES 2  // evoattn: choice(2, 3, 4)
-#define SETMAXNREG 1  // evoattn: choice(0, 1)
-#define PINGPONG 0  // evoattn: choice(0, 1)
-#define HEAD_MAJOR_D64 1  // evoattn: choice(0, 1)
-#define HEAD_MAJOR_D128 1  // evoattn: choice(0, 1)
-#define PERSISTENT_D64 0  // evoattn: choice(0, 1)
-#define PERSISTENT_D128 1  // evoattn: choice(0, 1)
-#define PERSISTENT_DYNAMIC 1  // evoattn: choice(0, 1)
-#define TMA_STORE_MAX_S 1024  // evoattn: choice(0, 1024, 2048, 4096, 65536)
+#define NUM_WARPGROUPS 2  // evoattn: choice(1, 2) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True)
+#define BLOCK_N_D64 64  // evoattn: choice(64, 128) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True)
+#define BLOCK_N_D128 128  // evoattn: choice(64, 128) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
+#define OVERLAP_D64 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True)
+#define OVERLAP_D128 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
+#define WARP_SPECIALIZE_D64 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True)
+#define WARP_SPECIALIZE_D128 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
+#define WS_STAGES 2  // evoattn: choice(2, 3, 4) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True)
+#define SETMAXNREG 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True)
+#define PINGPONG 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True)
+#define HEAD_MAJOR_D64 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True)
+#define HEAD_MAJOR_D128 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
+#define PERSISTENT_D64 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True)
+#define PERSISTENT_D128 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
+#define PERSISTENT_DYNAMIC 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64_CAUSAL=True, CUDA_D128_CAUSAL=True)
+#define TMA_STORE_MAX_S 1024  // evoattn: choice(0, 1024, 2048, 4096, 65536) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True)
 
 #define FB_BLOCK_M 32    // fallback tiles; fixed, not knobs
 #define FB_BLOCK_N 32
@@ -139,17 +142,6 @@ constexpr int THREADS = WG_THREADS * NUM_WARPGROUPS;
 #else
 #define WGF_SM90A 0
 #endif
-
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T> __device__ __forceinline__ T from_f32(float x);
-template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
 
 // Returns (lo, hi) rounded to T and packed into one register, lo in the low half.
 template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
@@ -1180,9 +1172,9 @@ static int launch_ws(const void* q, const void* k, const void* v, void* out, int
     return (int)err;
   }
   if (tensor_map_encoder() == nullptr) return (int)cudaErrorNotSupported;   // driver too old
-  // The TMA-store epilogue for sequences up to TMA_STORE_MAX_S. Seventh session, D=128: built in
-  // for every call it gained 1-4% at S=1024 and lost 5-6% at S=4096 (not through the larger
-  // shared memory; the cause was not found); up to S=1024 only, S=1024 gained 2.5-6%.
+  // The TMA-store epilogue for sequences up to TMA_STORE_MAX_S. At D=128, built in for every
+  // call, it gained 1-4% at S=1024 and lost 5-6% at S=4096 (not through the larger shared
+  // memory; the cause was not found); up to S=1024 only, S=1024 gained 2.5-6%.
   const int tma_store = TMA_STORE_MAX_S > 0 && S <= TMA_STORE_MAX_S;
   CUtensorMap tq, tk, tv, to{};               // to: the output's, used only with tma_store
   if (!make_tensor_map<T>(&tq, q, BH, S, D, BLOCK_M) || !make_tensor_map<T>(&tk, k, BH, S, D, BN) ||
@@ -1226,146 +1218,6 @@ static int launch_ws(const void* q, const void* k, const void* v, void* out, int
     (void)cudaGetLastError();                 // a leaked 4 bytes, not a failed call
   }
   return (int)err;
-}
-
-// ---- CUDA-core fallback (float32, misaligned pointers, GPUs other than 9.x) ----------------
-//
-// Shared-memory layout (floats), padded so that a warp reading a column is conflict-free.
-template <int D> struct FbSmem {
-  static constexpr int KLD = D + 1;           // k tile row stride
-  static constexpr int SLD = FB_BLOCK_N + 1;  // score tile row stride
-  static constexpr int q = 0;                             // [FB_BLOCK_M][D]
-  static constexpr int k = q + FB_BLOCK_M * D;            // [FB_BLOCK_N][KLD]
-  static constexpr int v = k + FB_BLOCK_N * KLD;          // [FB_BLOCK_N][D]
-  static constexpr int s = v + FB_BLOCK_N * D;            // [FB_BLOCK_M][SLD] scores, then p
-  static constexpr int alpha = s + FB_BLOCK_M * SLD;      // [FB_BLOCK_M] rescale of the tile
-  static constexpr int total = alpha + FB_BLOCK_M;
-  static constexpr size_t bytes = total * sizeof(float);
-};
-
-template <typename T, int D>
-__global__ void __launch_bounds__(FB_THREADS)
-fallback_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                T* __restrict__ out, int BH, int S, int causal, float scale_log2) {
-  using L = FbSmem<D>;
-  constexpr int NWARPS = FB_THREADS / 32;
-  constexpr int OPT = (FB_BLOCK_M * D + FB_THREADS - 1) / FB_THREADS;  // outputs per thread
-  extern __shared__ float fb_smem[];
-  float* qs = fb_smem + L::q;
-  float* ks = fb_smem + L::k;
-  float* vs = fb_smem + L::v;
-  float* ss = fb_smem + L::s;
-  float* alpha_s = fb_smem + L::alpha;
-
-  const int n_mblocks = (S + FB_BLOCK_M - 1) / FB_BLOCK_M;
-  const int mb = n_mblocks - 1 - (int)(blockIdx.x / BH);
-  const long long bh = blockIdx.x % BH;
-  const int m0 = mb * FB_BLOCK_M;
-  const T* qb = q + bh * S * D;
-  const T* kb = k + bh * S * D;
-  const T* vb = v + bh * S * D;
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-
-  for (int idx = tid; idx < FB_BLOCK_M * D; idx += FB_THREADS) {
-    const int r = idx / D, row = m0 + r;
-    qs[idx] = row < S ? to_f32(qb[(long long)row * D + idx % D]) * scale_log2 : 0.f;
-  }
-  float acc[OPT];
-#pragma unroll
-  for (int o = 0; o < OPT; ++o) acc[o] = 0.f;
-  float m_run = -INFINITY, l_run = 0.f;   // row r: lane r / NWARPS of warp r % NWARPS
-
-  const int n_end = causal ? min(S, m0 + FB_BLOCK_M) : S;
-  for (int n0 = 0; n0 < n_end; n0 += FB_BLOCK_N) {
-    __syncthreads();                          // previous tile fully consumed
-    for (int idx = tid; idx < FB_BLOCK_N * D; idx += FB_THREADS) {
-      const int c = idx / D, d = idx % D, key = n0 + c;
-      const bool in = key < S;                // out-of-range keys: zeros, never NaN garbage
-      ks[c * L::KLD + d] = in ? to_f32(kb[(long long)key * D + d]) : 0.f;
-      vs[c * D + d] = in ? to_f32(vb[(long long)key * D + d]) : 0.f;
-    }
-    __syncthreads();
-    for (int idx = tid; idx < FB_BLOCK_M * FB_BLOCK_N; idx += FB_THREADS) {
-      const int r = idx / FB_BLOCK_N, c = idx % FB_BLOCK_N;
-      const int row = m0 + r, key = n0 + c;
-      float sc = -INFINITY;
-      if (key < S && !(causal && key > row)) {
-        sc = 0.f;
-        const float* qr = qs + r * D;
-        const float* kr = ks + c * L::KLD;
-#pragma unroll 16
-        for (int d = 0; d < D; ++d) sc += qr[d] * kr[d];
-      }
-      ss[r * L::SLD + c] = sc;
-    }
-    __syncthreads();
-    for (int r = warp; r < FB_BLOCK_M; r += NWARPS) {
-      float* sr = ss + r * L::SLD;
-      float mx = -INFINITY;
-      for (int c = lane; c < FB_BLOCK_N; c += 32) mx = fmaxf(mx, sr[c]);
-      for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-      const int slot = r / NWARPS;
-      const float m_old = __shfl_sync(0xffffffffu, m_run, slot);
-      const float l_old = __shfl_sync(0xffffffffu, l_run, slot);
-      const float m_new = fmaxf(m_old, mx);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      float sum = 0.f;
-      for (int c = lane; c < FB_BLOCK_N; c += 32) {
-        const float p = exp2f(sr[c] - m_use);
-        sr[c] = p;
-        sum += p;
-      }
-      for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-      const float a = exp2f(m_old - m_use);
-      if (lane == slot) { m_run = m_new; l_run = l_old * a + sum; }
-      if (lane == 0) alpha_s[r] = a;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int o = 0; o < OPT; ++o) {
-      const int idx = tid + o * FB_THREADS;
-      if (idx < FB_BLOCK_M * D) {
-        const int r = idx / D, d = idx % D;
-        const float* pr = ss + r * L::SLD;
-        float a = acc[o] * alpha_s[r];
-#pragma unroll 8
-        for (int c = 0; c < FB_BLOCK_N; ++c) a += pr[c] * vs[c * D + d];
-        acc[o] = a;
-      }
-    }
-  }
-  __syncthreads();
-  for (int r = warp; r < FB_BLOCK_M; r += NWARPS) {
-    const float l = __shfl_sync(0xffffffffu, l_run, r / NWARPS);
-    if (lane == 0) alpha_s[r] = l > 0.f ? 1.f / l : 0.f;
-  }
-  __syncthreads();
-#pragma unroll
-  for (int o = 0; o < OPT; ++o) {
-    const int idx = tid + o * FB_THREADS;
-    const int r = idx / D, row = m0 + r;
-    if (idx < FB_BLOCK_M * D && row < S)
-      out[bh * S * D + (long long)row * D + idx % D] = from_f32<T>(acc[o] * alpha_s[r]);
-  }
-}
-
-template <typename T, int D>
-static int launch_fallback(const void* q, const void* k, const void* v, void* out, int BH, int S,
-                           int causal, float scale, cudaStream_t stream) {
-  static_assert(FB_THREADS % 32 == 0, "FB_THREADS must be whole warps");
-  static_assert(FB_BLOCK_M <= 32 * (FB_THREADS / 32), "one warp keeps at most 32 rows' stats");
-  const size_t smem = FbSmem<D>::bytes;
-  cudaError_t err = cudaFuncSetAttribute(fallback_kernel<T, D>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();                 // not left for the next call's launch check
-    return (int)err;
-  }
-  const long long blocks = (long long)((S + FB_BLOCK_M - 1) / FB_BLOCK_M) * BH;
-  if (blocks > 0x7fffffffLL) return (int)cudaErrorInvalidConfiguration;
-  fallback_kernel<T, D><<<(unsigned)blocks, FB_THREADS, smem, stream>>>(
-      (const T*)q, (const T*)k, (const T*)v, (T*)out, BH, S, causal, scale * LOG2E);
-  return (int)cudaGetLastError();
 }
 
 // Compute-capability major of the current device (cached per device), or -1 on error.
@@ -1426,8 +1278,11 @@ static int run(const void* q, const void* k, const void* v, void* out, int BH, i
                  : launch_wgmma<T, 128, OVERLAP_D128>(q, k, v, out, BH, S, causal, scale, stream);
     }
   }
-  if (D == 64) return launch_fallback<T, 64>(q, k, v, out, BH, S, causal, scale, stream);
-  return launch_fallback<T, 128>(q, k, v, out, BH, S, causal, scale, stream);
+  if (D == 64)
+    return launch_cuda_core<T, 64, FB_BLOCK_M, FB_BLOCK_N, FB_THREADS>(q, k, v, out, BH, S, causal,
+                                                                       scale, stream);
+  return launch_cuda_core<T, 128, FB_BLOCK_M, FB_BLOCK_N, FB_THREADS>(q, k, v, out, BH, S, causal,
+                                                                      scale, stream);
 }
 
 extern "C" int evoattn_sdpa(const void* q, const void* k, const void* v, void* out, int B,
