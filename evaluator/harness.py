@@ -164,7 +164,7 @@ def _warm_baselines(s: Setup, cases: list[Case]) -> dict[str, Callable[..., Any]
     if s.req.check_only or s.req.baseline_times is not None:
         return {}
     baselines = s.problem.baselines()
-    with _trusted_compile_caches(s.req.cache_dir):
+    with trusted_compile_caches(s.req.cache_dir):
         for case in cases:
             if not case.domain:
                 for fn in baselines.values():
@@ -173,7 +173,7 @@ def _warm_baselines(s: Setup, cases: list[Case]) -> dict[str, Callable[..., Any]
 
 
 @contextlib.contextmanager
-def _trusted_compile_caches(cache_dir: str) -> Iterator[None]:
+def trusted_compile_caches(cache_dir: str) -> Iterator[None]:
     """Points Triton's and Inductor's caches at directories outside the candidate's sandbox
     (the shared Triton cache is writable by candidates: a poisoned kernel there could slow a
     baseline down), then back."""

@@ -130,7 +130,48 @@ def set_bytes(inputs: dict[str, Any], random_names: tuple[str, ...]) -> int:
                if hasattr(inputs.get(n), "numel"))
 
 
-class GpuTimer:
+class _Timer:
+    """What both timers share: back-to-back calls on distinct input sets (call mode)."""
+
+    torch: Any
+    sync: Callable[[], None]
+
+    # ---- call mode ------------------------------------------------------------------
+    def _call_mode(self, fns: dict[str, Fn], sets: InputSets, plan: Plan, keep: str,
+                   rng: random.Random, kept: list[Kept]) -> dict[str, float]:
+        torch = self.torch
+        per_call: dict[str, list[float]] = {n: [] for n in fns}
+        last = len(sets.sets) - 1
+        for r in range(-1, plan.rounds):                # round -1 warms up, untimed
+            for name, fn in fns.items():
+                sets.refill()
+                # In the first and last rounds, `keep`'s last output and one other are checked.
+                watch = name == keep and r in (0, plan.rounds - 1)
+                pick = rng.randrange(last) if watch and last else None
+                before = {i: snapshot(sets.sets[i]) for i in (pick, last)
+                          if watch and i is not None}
+                outs: dict[int, Any] = {}
+                self.sync()
+                t0 = _perf()
+                for i, s in enumerate(sets.sets):
+                    out = fn(s)
+                    if i in before:
+                        outs[i] = out
+                self.sync()
+                elapsed = _perf() - t0
+                plain(name, out, torch.Tensor)
+                if r >= 0:
+                    per_call[name].append(elapsed * 1e3 / len(sets.sets))
+                for i, o in outs.items():
+                    plain(name, o, torch.Tensor)
+                    kept.append(Kept(f"timed call {i + 1} of {last + 1} back to back (round {r})",
+                                     o.clone(), before[i], last_of_batch=i == last))
+                del out, outs
+        return {n: statistics.median(v) for n, v in per_call.items()}
+
+
+
+class GpuTimer(_Timer):
     """Times functions on CUDA in every mode (see the module docstring)."""
 
     def __init__(self) -> None:
@@ -233,39 +274,6 @@ class GpuTimer:
         del out
         return max(0, int(peak))
 
-    # ---- call mode ------------------------------------------------------------------
-    def _call_mode(self, fns: dict[str, Fn], sets: InputSets, plan: Plan, keep: str,
-                   rng: random.Random, kept: list[Kept]) -> dict[str, float]:
-        torch = self.torch
-        per_call: dict[str, list[float]] = {n: [] for n in fns}
-        last = len(sets.sets) - 1
-        for r in range(-1, plan.rounds):                # round -1 warms up, untimed
-            for name, fn in fns.items():
-                sets.refill()
-                # In the first and last rounds, `keep`'s last output and one other are checked.
-                watch = name == keep and r in (0, plan.rounds - 1)
-                pick = rng.randrange(last) if watch and last else None
-                before = {i: snapshot(sets.sets[i]) for i in (pick, last)
-                          if watch and i is not None}
-                outs: dict[int, Any] = {}
-                self.sync()
-                t0 = _perf()
-                for i, s in enumerate(sets.sets):
-                    out = fn(s)
-                    if i in before:
-                        outs[i] = out
-                self.sync()
-                elapsed = _perf() - t0
-                plain(name, out, torch.Tensor)
-                if r >= 0:
-                    per_call[name].append(elapsed * 1e3 / len(sets.sets))
-                for i, o in outs.items():
-                    plain(name, o, torch.Tensor)
-                    kept.append(Kept(f"timed call {i + 1} of {last + 1} back to back (round {r})",
-                                     o.clone(), before[i], last_of_batch=i == last))
-                del out, outs
-        return {n: statistics.median(v) for n, v in per_call.items()}
-
     def _host_us(self, fn: Fn, inputs: dict[str, Any]) -> float:
         """Returns the median host time of one call (µs) while a sleep kernel holds the GPU."""
         sleep_ms = 40.0
@@ -328,13 +336,18 @@ class GpuTimer:
         return statistics.median(samples), ""
 
 
-class CpuTimer:
+class CpuTimer(_Timer):
     """Times functions on the CPU with perf_counter (interpreter timings; labelled as CPU)."""
+
+    def __init__(self) -> None:
+        import torch
+        self.torch = torch
+        self.sync = lambda: None
 
     def measure(self, fns: dict[str, Fn], inputs: dict[str, Any], random_names: tuple[str, ...],
                 refill: Callable[[dict[str, Any]], None], plan: Plan, keep: str,
                 rng: random.Random) -> Measurement:
-        import torch
+        torch = self.torch
         for _ in range(plan.warmup):
             for fn in fns.values():
                 fn(inputs)
@@ -350,24 +363,12 @@ class CpuTimer:
                 plain(name, out, torch.Tensor)
                 if name == keep and rep in keep_reps:
                     kept.append(Kept(f"timed call {rep}", out.clone(), snapshot(inputs)))
-        sets = InputSets(inputs, random_names, plan.sets, refill)
-        per_call: dict[str, list[float]] = {n: [] for n in fns}
-        for r in range(plan.rounds):
-            for name, fn in fns.items():
-                sets.refill()
-                before = snapshot(sets.sets[-1]) if name == keep else None
-                t0 = _perf()
-                for s in sets.sets:
-                    out = fn(s)
-                per_call[name].append((_perf() - t0) * 1e3 / len(sets.sets))
-                plain(name, out, torch.Tensor)
-                if before is not None and r == plan.rounds - 1:
-                    kept.append(Kept(f"timed call {len(sets.sets)} of {len(sets.sets)} back to back",
-                                     out.clone(), before, last_of_batch=True))
+        call = self._call_mode(fns, InputSets(inputs, random_names, plan.sets, refill), plan,
+                               keep, rng, kept)
         kernel = {n: statistics.median(s) for n, s in samples.items()}
-        times = {n: Times(kernel_ms=kernel[n], call_ms=statistics.median(per_call[n]),
-                          graph_ms=None, graph_error="CUDA graphs need a GPU",
-                          host_us=kernel[n] * 1e3) for n in fns}
+        times = {n: Times(kernel_ms=kernel[n], call_ms=call[n], graph_ms=None,
+                          graph_error="CUDA graphs need a GPU", host_us=kernel[n] * 1e3)
+                 for n in fns}
         return Measurement(times, kept, {n: None for n in fns}, dict(kernel), {}, samples)
 
 

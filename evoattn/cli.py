@@ -53,8 +53,10 @@ def _run(command: Any) -> int:
         code = command()
     except click.exceptions.Exit as e:
         code = e.exit_code
-    except click.exceptions.Abort:
-        code = EXIT_INTERRUPTED
+    except click.exceptions.Abort as e:     # click's wrapping of a KeyboardInterrupt
+        signum = getattr(e.__cause__, "signum", signal.SIGINT)
+        err_console.print("interrupted: every evaluation process was stopped")
+        code = 128 + signum
     except click.ClickException as e:      # click's own usage errors: a missing option, say
         _die("UsageError", e.format_message(), EXIT_USAGE)
     except (UsageError, RunDirError) as e:

@@ -80,6 +80,8 @@ class EvaluatorConfig:
     # least run_floor_s and at most run_timeout_s: a hang costs seconds, not minutes.
     run_factor: float = 10.0
     run_floor_s: float = 60.0
+    station: bool = True               # time the baselines in each slot's warm process
+    baseline_refresh_s: float = 60.0   # ... again between candidates once this old
     backend: str = "local"             # "local" (this machine's GPUs) or "dask"
     scheduler_address: str | None = None   # the Dask scheduler, e.g. tcp://host:8786
     gpus: tuple[int, ...] | None = None    # local: the GPU indices to use (default: all visible)

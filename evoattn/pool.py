@@ -157,7 +157,9 @@ def make_evaluator(cfg: Any, request: EvalRequest, secret_names: tuple[str, ...]
 
     def make(device: str) -> Any:
         sandbox = SandboxSettings(secret_env_names=secret_names,
-                                  visible_device=None if device == "cpu" else device)
+                                  visible_device=None if device == "cpu" else device,
+                                  station_refresh_s=ev.baseline_refresh_s if ev.station
+                                  else None)
         return _Calibrated(SubprocessEvaluator(request, sandbox), ev.run_factor, ev.run_floor_s)
 
     return LocalPool(devices, make)

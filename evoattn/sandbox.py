@@ -30,6 +30,7 @@ from evaluator.request import EvalRequest
 from evaluator.types import EvalResult, Verdict
 
 from .launch import LaunchError, PopenChild, Zygote, pid_alive
+from .station import Station, StationError
 
 _ENV_KEEP = re.compile(r"^(PATH|LD_LIBRARY_PATH|LANG|LC_\w+|CUDA_\w+|NVIDIA_\w+|TRITON_\w+|"
                        r"TORCH_\w+|PYTORCH_\w+|NCCL_\w+|CC|CXX|CUDAHOSTCXX|OMP_NUM_THREADS|"
@@ -70,6 +71,9 @@ class SandboxSettings:
     # Fork candidates from a warm zygote (torch imported once); EVOATTN_ZYGOTE=0 turns it off.
     zygote: bool = dataclasses.field(
         default_factory=lambda: os.environ.get("EVOATTN_ZYGOTE", "1") != "0")
+    # A run's station (evoattn/station.py) times the baselines once for every candidate,
+    # again when its times are older than station_refresh_s; None: each child times them.
+    station_refresh_s: float | None = None
 
 
 def run_deadline(seed: EvalResult, factor: float, floor_s: float, ceiling_s: float) -> float:
@@ -90,6 +94,12 @@ class SubprocessEvaluator:
         self._zygote: Zygote | None = None
         self._zygote_failed = False
         self._abort = threading.Event()
+        self._station: Station | None = None
+        if sandbox.station_refresh_s is not None:
+            env = child_env(dict(os.environ), "", cache, request.device, sandbox.secret_env_names)
+            if sandbox.visible_device is not None and request.device == "cuda":
+                env["CUDA_VISIBLE_DEVICES"] = sandbox.visible_device
+            self._station = Station(self.request, env, sandbox.station_refresh_s)
 
     def evaluate(self, source: str, suffix: str, label: str = "candidate") -> EvalResult:
         """Returns the verdict on `source` (a program text, see evaluator/program.py)."""
@@ -101,7 +111,8 @@ class SubprocessEvaluator:
             if again.verdict is Verdict.EVALUATOR_FAULT:
                 return dataclasses.replace(again, reason=f"twice: {again.reason} (first: "
                                            f"{result.reason})")
-            return again
+            return dataclasses.replace(again, flags=again.flags + (
+                f"evaluated again after an evaluator fault: {result.reason}",))
         return result
 
     def calibrate(self, seed: EvalResult, factor: float, floor_s: float) -> float:
@@ -115,8 +126,10 @@ class SubprocessEvaluator:
         self._abort.set()
 
     def close(self) -> None:
-        """Stops the zygote, if one was started."""
+        """Stops the zygote and the station, if they were started."""
         self._stop_zygote()
+        if self._station is not None:
+            self._station.close()
 
     def _stop_zygote(self) -> None:
         if self._zygote is not None:
@@ -136,11 +149,28 @@ class SubprocessEvaluator:
                                       allowed_dirs=(work, os.path.join(self.sandbox.cache_dir,
                                                                        "triton")),
                                       secret_seed=secrets.randbits(62))
+            req = self._with_station(req)
             result, stages = self._run_child(req, work)
             return dataclasses.replace(result, candidate=label, stage_s=stages,
                                        duration_s=round(time.monotonic() - t0, 3))
         finally:
             shutil.rmtree(work, ignore_errors=True)
+
+    def _with_station(self, req: EvalRequest) -> EvalRequest:
+        """Adds the station's baseline times and ceiling; without a station, or once it has
+        failed (said once), the child times the baselines itself."""
+        if self._station is None:
+            return req
+        try:
+            times, ceiling = self._station.for_candidate()
+        except StationError as e:
+            import sys
+            print(f"evoattn: {e}; each candidate times its baselines itself from now on",
+                  file=sys.stderr)
+            self._station.close()
+            self._station = None
+            return req
+        return dataclasses.replace(req, baseline_times=times, ceiling_tflops=ceiling)
 
     def _launch(self, message: dict[str, Any], work: str, env: dict[str, str],
                 log_path: Path) -> Any:

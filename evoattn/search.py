@@ -149,6 +149,7 @@ class Search:
         window: collections.deque[_InFlight] = collections.deque()
         pool = cf.ThreadPoolExecutor(max_workers=self.lookahead) if self.lookahead else None
         seed: Program | None = None
+        interrupted: KeyboardInterrupt | None = None
         try:
             pop, seed = self._start()
             self._gpu_info_from(seed)
@@ -176,6 +177,7 @@ class Search:
                 self._report(pop, seed, t0, note)
                 stop = self._stop_reason(pop, t0)
         except KeyboardInterrupt as e:
+            interrupted = e
             signum = getattr(e, "signum", 2)
             exit_code = 128 + signum if signum != 2 else EXIT_INTERRUPTED
             stop = (f"interrupted ({'Ctrl-C' if signum == 2 else f'signal {signum}'}); "
@@ -188,7 +190,7 @@ class Search:
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
         if seed is None:                       # interrupted while the seed was evaluated
-            raise KeyboardInterrupt
+            raise interrupted or KeyboardInterrupt()
         self.store.record_stop(stop)
         elapsed = self.clock() - t0
         return Outcome(pop.best(), seed, self.iteration, stop, elapsed,
@@ -273,6 +275,9 @@ class Search:
             self._remember(parent.id, f"a child ({proposal.change[:200]}) failed: "
                                       f"{result.verdict.value}: {result.reason[:300]}")
         self._commit(pop, iteration, child, None, proposal)
+        if not child.correct:
+            return (f"{proposal.mutator}: {result.verdict.value}: {result.reason[:70]} "
+                    f"({proposal.change[:60]})")
         return (f"{proposal.mutator}: {result.verdict.value} fitness {result.fitness:.3f} "
                 f"({proposal.change[:80]})")
 

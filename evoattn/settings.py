@@ -97,6 +97,8 @@ def eval_request(ref: str, prob: Any, device: str, configs: tuple[dict[str, Any]
     if ev.baseline != "best" and ev.baseline not in prob.baseline_names:
         raise UsageError(f"baseline {ev.baseline!r}: problem {prob.name} has the baselines "
                          f"{', '.join(prob.baseline_names)} (or 'best', the fastest)")
+    if device == "cpu" and ev.timing == "graph":
+        raise UsageError("timing graph: CUDA graphs need a GPU; on the CPU use call or kernel")
     if dtype is not None and dtype not in prob.dtypes:
         raise UsageError(f"dtype {dtype}: problem {prob.name} supports {', '.join(prob.dtypes)}")
     req = EvalRequest(problem=ref, device=device, configs=configs, dtype=dtype, trials=ev.trials,

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from click.testing import CliRunner
 
 from evaluator.problems import builtin_names, get_problem
@@ -198,3 +199,54 @@ def test_short_search_exports_a_correct_best(config: str, tmp_path: Path) -> Non
     best = json.loads((out / "best" / "best_eval.json").read_text())
     assert best["verdict"] == "pass" and best["configs"]
     assert all(c["verdict"] == "pass" for c in best["configs"])
+
+
+LOOSE_PROBLEM = '''
+NAME = "loose"
+CONTRACT = "Returns 2 q (a toy problem with a loose tolerance of its own)."
+CONFIGS = [{"n": 64}]
+TOLERANCE = {"factor": 1.0, "floor": 0.1}
+random_inputs = ("q",)
+
+
+def make_inputs(cfg, dtype, device, gen):
+    import torch
+    return {"q": torch.randn(cfg["n"], generator=gen, device=device).to(dtype)}
+
+
+def reference(inputs, cfg):
+    return inputs["q"].float() * 2
+
+
+def baseline(inputs, cfg):
+    return inputs["q"] * 2
+
+
+def call(fn, inputs, cfg):
+    return fn(inputs["q"])
+
+
+def flops(cfg):
+    return float(cfg["n"])
+'''
+
+
+def test_a_run_honours_the_user_problems_own_tolerance(tmp_path: Path) -> None:
+    """`evoattn run` used to send the config's default tolerance factor and floor (2, 1e-5),
+    replacing a user problem's TOLERANCE, while `evoattn eval` honoured it."""
+    (tmp_path / "loose.py").write_text(LOOSE_PROBLEM)
+    (tmp_path / "seed.py").write_text("def attention(q):\n    return q * 2 + 0.05\n")
+    cfg = {"problem": str(tmp_path / "loose.py"), "seed": str(tmp_path / "seed.py"),
+           "device": "cpu", "iterations": 0, "output": str(tmp_path / "run"),
+           "mutators": [{"kind": "knobs"}]}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    env = dict(os.environ)
+    e = subprocess.run([sys.executable, "-m", "evoattn.cli", "eval", str(tmp_path / "seed.py"),
+                        "--problem", str(tmp_path / "loose.py"), "--device", "cpu"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert e.returncode == 0, e.stdout + e.stderr
+    r = subprocess.run([sys.executable, "-m", "evoattn.cli", "run", "--config",
+                        str(tmp_path / "c.yaml"), "--quiet"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "seed fitness" in r.stdout and "not correct" not in r.stdout

@@ -1,0 +1,101 @@
+"""`python -m evaluator.station`: a run's warm, trusted process on one GPU (or the CPU).
+
+It never runs candidate code. It measures what every candidate of a run would otherwise
+measure again in its own process: the GPU's matmul ceiling (once) and the baselines' times
+in every mode (FlexAttention compiled once, cuDNN's per-shape plans built once), which the
+parent hands to each candidate's child in its request. Candidates are still timed alone in
+their own process; the parent re-times the baselines here between candidates when its times
+grow old (evoattn/station.py), so both see the GPU at nearly the same moment.
+
+Protocol, one JSON object per line:
+    parent -> station   {"op": "setup", "request": EvalRequest}   {"op": "time"}
+    station -> parent   {"ok": true, ...} | {"ok": false, "error": "..."}
+    setup's answer: {"ok", "ceiling_tflops"}; time's: {"ok", "baseline_times":
+    {config key: {baseline name: Times}}, "seconds"}
+"""
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from typing import Any
+
+
+class _Station:
+    """The measuring side: a problem's configs, their inputs, and a timer."""
+
+    def __init__(self, request: Any) -> None:
+        import torch
+
+        from . import device as devinfo
+        from .harness import trusted_compile_caches
+        from .problems import get_problem
+        from .timing import CpuTimer, GpuTimer
+        self.req = request
+        self.problem = get_problem(request.problem)
+        on_gpu = request.on_gpu
+        self.device = torch.device(request.device)
+        dtype_name = request.dtype or self.problem.default_dtype
+        self.dtype = getattr(torch, dtype_name)
+        self.configs = [dict(c) for c in (request.configs or (
+            self.problem.default_configs if on_gpu else self.problem.cpu_configs))]
+        self.rng = random.Random(time.time_ns())
+        self.ceiling = None
+        if on_gpu and self.dtype != torch.float32:
+            self.ceiling = devinfo.measured_matmul_tflops(self.dtype)
+        self.timer = GpuTimer() if on_gpu else CpuTimer()
+        self.baselines = self.problem.baselines()
+        self.cases = []
+        with trusted_compile_caches(request.cache_dir):
+            for cfg in self.configs:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(self.rng.getrandbits(62))
+                inputs = self.problem.make_inputs(cfg, self.dtype, self.device, gen)
+                for fn in self.baselines.values():      # compiles, builds plans: warm-up only
+                    fn(inputs, cfg)
+                self.cases.append((cfg, inputs, gen))
+
+    def time(self) -> dict[str, dict[str, Any]]:
+        from .measure import config_key
+        from .timing import Plan, set_bytes
+        out = {}
+        for cfg, inputs, gen in self.cases:
+            fns = {n: (lambda f, c=cfg: (lambda inp: f(inp, c)))(f)
+                   for n, f in self.baselines.items()}
+            plan = Plan.for_device(self.req.on_gpu, self.req.resolved_warmup(),
+                                   self.req.resolved_reps(),
+                                   set_bytes(inputs, self.problem.random_inputs))
+            m = self.timer.measure(fns, inputs, self.problem.random_inputs,
+                                   lambda inp, g=gen: self.problem.refill(inp, g), plan, "",
+                                   self.rng)
+            out[config_key(cfg)] = {n: t.to_json() for n, t in m.times.items()}
+        return out
+
+
+def main() -> None:
+    from .request import EvalRequest
+    from .worker import die_with_parent
+    die_with_parent(int(sys.argv[sys.argv.index("--parent") + 1]))
+    station: _Station | None = None
+    out = sys.stdout
+    for line in sys.stdin:
+        try:
+            msg = json.loads(line)
+            if msg["op"] == "setup":
+                station = _Station(EvalRequest.from_json(msg["request"]))
+                reply: dict[str, Any] = {"ok": True, "ceiling_tflops": station.ceiling}
+            elif msg["op"] == "time" and station is not None:
+                t0 = time.perf_counter()
+                reply = {"ok": True, "baseline_times": station.time(),
+                         "seconds": round(time.perf_counter() - t0, 3)}
+            else:
+                reply = {"ok": False, "error": f"unexpected message {msg.get('op')!r}"}
+        except Exception as e:  # noqa: BLE001 - answer with the cause; the parent decides
+            reply = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:500]}"}
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    main()
