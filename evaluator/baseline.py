@@ -34,7 +34,7 @@ def main() -> None:
         fns = {**problem.baselines(), **problem.extra_baselines()}
         plan = Plan.for_device(on_gpu, int(req.get("warmup", 5 if on_gpu else 1)),
                                int(req.get("reps", 30 if on_gpu else 3)),
-                               set_bytes(inputs, problem.random_inputs))
+                               set_bytes(inputs, problem.random_inputs), "all")
         times: dict[str, dict | None] = {}
         for name, fn in fns.items():
             bound = (lambda f, c=cfg: (lambda inp: f(inp, c)))(fn)

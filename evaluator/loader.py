@@ -54,9 +54,7 @@ def build_candidate(path: Path, problem: Problem, cache_dir: Path, build_timeout
     """Builds a CUDA candidate, or a Python candidate's CUDA companions, now (before
     sandboxing); returns a loader to call after."""
     source = path.read_text(errors="replace")   # bad bytes are nvcc's to report, not a crash
-    companions = declared_companions(source)
-    headers = {c.name: (path.parent / c.name).read_bytes() for c in companions
-               if Path(c.name).suffix in _HEADERS and (path.parent / c.name).is_file()}
+    headers = companion_headers(path, source)
     import torch
     has_gpu = torch.cuda.is_available()
     from . import build
@@ -66,7 +64,7 @@ def build_candidate(path: Path, problem: Problem, cache_dir: Path, build_timeout
         if has_gpu:
             major, minor = torch.cuda.get_device_capability()
             target = f"sm{major}{minor}"
-        libraries, log, cached, seconds = build_companions(path, source, headers, cache_dir,
+        libraries, log, cached, seconds = build_companions(path, source, cache_dir,
                                                            build_timeout_s, arch, target, facts)
         return lambda: _load_python(path, problem, libraries, log, cached, seconds)
     form = cuda_form(source)
@@ -110,9 +108,14 @@ def build_candidate(path: Path, problem: Problem, cache_dir: Path, build_timeout
     return load
 
 
-def build_companions(path: Path, source: str, headers: dict[str, bytes], cache_dir: Path,
-                     timeout_s: float, arch: str, target: str | None,
-                     facts: dict[str, str] | None = None
+def companion_headers(path: Path, source: str) -> dict[str, bytes]:
+    """Returns the header files (by name) a main file declares as companions, read beside it."""
+    return {c.name: (path.parent / c.name).read_bytes() for c in declared_companions(source)
+            if Path(c.name).suffix in _HEADERS and (path.parent / c.name).is_file()}
+
+
+def build_companions(path: Path, source: str, cache_dir: Path, timeout_s: float, arch: str,
+                     target: str | None, facts: dict[str, str] | None = None
                      ) -> tuple[dict[str, str], str, bool | None, float | None]:
     """Builds the `.cu` companions a Python main file declares, where their conditions hold for
     the GPU `target` ("sm90"; None: no GPU, nothing could run them, nothing is built) and the
@@ -124,6 +127,7 @@ def build_companions(path: Path, source: str, headers: dict[str, bytes], cache_d
         return {}, "", None, None
     facts = {"target": target, **(facts or {})}
     values = values_of(find_knobs(source))
+    headers = companion_headers(path, source)
     libraries, logs, cached, seconds = {}, [], True, 0.0
     for comp in declared_companions(source):
         if Path(comp.name).suffix != ".cu" or not holds(comp.when, values, facts):

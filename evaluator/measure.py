@@ -56,7 +56,7 @@ def time_case(ctx: TimingContext, case: Case, run: Callable[..., Any], rng: rand
         fns.update({f"backend:{n}": _bind(f, cfg) for n, f in ctx.backends.items()
                     if _works(f, inputs, cfg)})
     plan = Plan.for_device(req.on_gpu, req.resolved_warmup(), req.resolved_reps(),
-                           set_bytes(inputs, problem.random_inputs))
+                           set_bytes(inputs, problem.random_inputs), req.timing)
     m = ctx.timer.measure(fns, inputs, problem.random_inputs,
                           lambda inp: problem.refill(inp, case.gen), plan, "candidate", rng)
     _recheck(problem, case, m.kept, ctx.tol)

@@ -65,7 +65,8 @@ class _Station:
                    for n, f in self.baselines.items()}
             plan = Plan.for_device(self.req.on_gpu, self.req.resolved_warmup(),
                                    self.req.resolved_reps(),
-                                   set_bytes(inputs, self.problem.random_inputs))
+                                   set_bytes(inputs, self.problem.random_inputs),
+                                   self.req.timing)
             m = self.timer.measure(fns, inputs, self.problem.random_inputs,
                                    lambda inp, g=gen: self.problem.refill(inp, g), plan, "",
                                    self.rng)

@@ -67,19 +67,28 @@ class Plan:
 
     warmup: int
     reps: int                          # kernel mode repetitions
-    rounds: int                        # call and graph mode batches
+    rounds: int                        # call mode batches
+    graph_rounds: int                  # graph mode replays
     sets: int                          # input sets per batch (distinct inputs per call)
     graph: bool                        # measure graph mode at all
 
     @classmethod
-    def for_device(cls, on_gpu: bool, warmup: int, reps: int, set_bytes: int) -> "Plan":
-        """Returns the plan for a config whose random inputs take `set_bytes`."""
+    def for_device(cls, on_gpu: bool, warmup: int, reps: int, set_bytes: int,
+                   mode: str = "call") -> "Plan":
+        """Returns the plan for a config whose random inputs take `set_bytes`. The timing
+        mode fitness uses gets the full repetitions; the other two about a third (at least
+        3 kernel repetitions, 3 batches): reported, not optimised."""
         if not on_gpu:
-            return cls(warmup, reps, rounds=2, sets=2, graph=False)
+            return cls(warmup, reps, rounds=2, graph_rounds=0, sets=2, graph=False)
         size = max(set_bytes, 1)
         sets = min(64, max(8, math.ceil(CALL_SET_BYTES / size)))
         sets = max(2, min(sets, CALL_MAX_BYTES // size))
-        return cls(warmup, reps, rounds=max(3, min(15, reps // 4)), sets=sets, graph=True)
+        rounds = max(3, min(15, reps // 4))
+
+        def share(n: int, mine: str) -> int:
+            return n if mode in (mine, "all") else max(3, n // 3)
+        return cls(warmup, share(reps, "kernel"), share(rounds, "call"),
+                   share(rounds, "graph"), sets, graph=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,11 +154,11 @@ class _Timer:
         for r in range(-1, plan.rounds):                # round -1 warms up, untimed
             for name, fn in fns.items():
                 sets.refill()
-                # In the first and last rounds, `keep`'s last output and one other are checked.
+                # `keep`'s last output is checked in the last round, one other in the first.
                 watch = name == keep and r in (0, plan.rounds - 1)
-                pick = rng.randrange(last) if watch and last else None
-                before = {i: snapshot(sets.sets[i]) for i in (pick, last)
-                          if watch and i is not None}
+                pick = rng.randrange(last) if watch and last and r == 0 else None
+                ends = last if watch and r == plan.rounds - 1 else None
+                before = {i: snapshot(sets.sets[i]) for i in (pick, ends) if i is not None}
                 outs: dict[int, Any] = {}
                 self.sync()
                 t0 = _perf()
@@ -201,7 +210,7 @@ class GpuTimer(_Timer):
         mem = {n: self._peak_mem(fn, inputs) for n, fn in fns.items()}
         sets = InputSets(inputs, random_names, plan.sets, refill)
         call = self._call_mode(fns, sets, plan, keep, rng, kept)
-        host = {n: self._host_us(fn, inputs) for n, fn in fns.items()}
+        host = {n: self._host_us(fn, inputs, call[n]) for n, fn in fns.items()}
         graph = {n: self._graph_mode(n, fn, sets, plan, n == keep, kept) if plan.graph
                  else (None, "not measured") for n, fn in fns.items()}
         del sets
@@ -219,7 +228,7 @@ class GpuTimer(_Timer):
             for fn in fns.values():
                 fn(inputs)
         self.sync()
-        keep_reps = set(rng.sample(range(plan.reps), k=min(2, plan.reps)))
+        keep_reps = set(rng.sample(range(plan.reps), k=min(1, plan.reps)))
         samples: dict[str, list[float]] = {n: [] for n in fns}
         kept: list[Kept] = []
         events = []
@@ -274,9 +283,10 @@ class GpuTimer(_Timer):
         del out
         return max(0, int(peak))
 
-    def _host_us(self, fn: Fn, inputs: dict[str, Any]) -> float:
-        """Returns the median host time of one call (µs) while a sleep kernel holds the GPU."""
-        sleep_ms = 40.0
+    def _host_us(self, fn: Fn, inputs: dict[str, Any], call_ms: float) -> float:
+        """Returns the median host time of one call (µs) while a sleep kernel holds the GPU
+        (at first for twice the time the calls take back to back; longer if they outlast it)."""
+        sleep_ms = max(2.0, 2 * HOST_CALLS * call_ms)
         for _ in range(3):
             self.sync()
             self.sleep(int(sleep_ms * self.cycles_per_ms))
@@ -316,7 +326,7 @@ class GpuTimer(_Timer):
         for out in outs:
             plain(name, out, torch.Tensor)
         samples = []
-        for r in range(plan.rounds + 1):
+        for r in range(plan.graph_rounds + 1):
             for s in calls:
                 sets._refill(s)
             self.flush_buf.zero_()

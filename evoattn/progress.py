@@ -41,7 +41,8 @@ def render(p: Progress, device: str) -> Group:
     rate = p.evaluated / (p.elapsed_s / 60) if p.elapsed_s > 0 else 0.0
     best = p.best
     head.add_row("iteration", f"{p.iteration}/{p.iterations}", "elapsed", f"{p.elapsed_s:.0f} s",
-                 "candidates/min", f"{rate:.1f}")
+                 "candidates/min", f"{rate:.1f} ({'GPU' if device == 'cuda' else 'evaluator'} "
+                 f"busy {100 * p.gpu_busy:.0f}%)")
     head.add_row("best fitness", f"{best.fitness:.4f}" if best else "-", "seed fitness",
                  f"{p.seed_fitness:.4f}", "best id", best.id if best else "-")
     verdicts = ", ".join(f"{k} {v}" for k, v in sorted(p.counts.items()))
@@ -55,14 +56,16 @@ def render(p: Progress, device: str) -> Group:
     head.add_row("last", p.last_note[:110], "", "", "", "")
     parts: list[Any] = [head]
     if best and best.result and best.result.configs:
-        t = Table(title=f"best vs {best.result.baseline} on {device}" +
+        t = Table(title=f"best vs the {best.result.baseline} baseline, {best.result.timing} time, "
+                        f"on {device}" +
                   (" (CPU timings)" if best.result.timing_device == "cpu" else ""))
         t.add_column("config")
         t.add_column("ms", justify="right")
+        t.add_column("baseline", justify="left")
         t.add_column("baseline ms", justify="right")
         t.add_column("speedup", justify="right")
         for c in best.result.configs:
-            t.add_row(label(c.params), f"{c.ms:.4f}" if c.ms else "-",
+            t.add_row(label(c.params), f"{c.ms:.4f}" if c.ms else "-", c.baseline_name or "-",
                       f"{c.baseline_ms:.4f}" if c.baseline_ms else "-",
                       f"{c.speedup:.3f}x" if c.speedup else "-")
         parts.append(t)

@@ -143,7 +143,7 @@ def _search(plan: RunPlan, store: Any, quiet: bool, console: Console) -> int:
                  best_fitness=outcome.best.fitness if outcome.best else None,
                  elapsed_s=outcome.elapsed_s, run_elapsed_s=outcome.run_elapsed_s)
     events.close()
-    _summary(console, outcome, search)
+    _summary(console, outcome, search, plan)
     if outcome.best is None:
         raise EvoattnError(f"no correct program, nothing exported ({outcome.stop_reason})")
     export_run(store, plan.run_dir / "best")
@@ -163,7 +163,7 @@ def _eval_flags(plan: RunPlan) -> str:
     return extra
 
 
-def _summary(console: Console, outcome: Any, search: Any) -> None:
+def _summary(console: Console, outcome: Any, search: Any, plan: RunPlan) -> None:
     seed, best = outcome.seed, outcome.best
     console.print(f"stopped after iteration {outcome.iterations_done}: {outcome.stop_reason}")
     whole = (f"; the whole run so far {outcome.run_elapsed_s:.0f} s"
@@ -182,7 +182,8 @@ def _summary(console: Console, outcome: Any, search: Any) -> None:
     cost = cost_summary([p.result for p in search.programs.values() if p.result is not None],
                         outcome.elapsed_s, search.evaluated_this_session)
     if cost:
-        console.print(cost)
+        where = "GPU" if plan.device == "cuda" else "evaluator"
+        console.print(f"{cost}; {where} busy {100 * outcome.gpu_busy:.0f}% of the wall time")
     llm = search.llm_totals()
     if llm:
         console.print(f"LLM: {int(llm.get('calls', 0))} calls, {int(llm.get('prompt_tokens', 0))} "

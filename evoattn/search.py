@@ -5,7 +5,8 @@ evaluate it in the sandbox unless it is a known program; offer it to the populat
 the iteration to SQLite in one transaction.
 
 Several iterations are in flight at once: a window of `slots + lookahead` iterations (slots:
-the evaluations the evaluator runs at once, one per GPU; lookahead: LLM requests sent ahead).
+the evaluations the evaluator runs at once, one per GPU; lookahead: LLM requests sent ahead,
+or one when the pool builds ahead, so the next candidate's build overlaps the GPU's work).
 Iterations are prepared in order, each right after the commit of the iteration `window`
 places before it, and committed in order whatever order their evaluations finish in; every
 random choice is drawn here from one seeded RNG. So a given seed and given evaluation
@@ -62,6 +63,7 @@ class Outcome:
     elapsed_s: float                     # this session
     run_elapsed_s: float = 0.0           # every session of the run
     exit_code: int = 0                   # 130 (or 128 + signal) after a clean stop on a signal
+    gpu_busy: float = 0.0                # GPU-stage seconds / (wall seconds × slots), this session
 
 
 @dataclasses.dataclass
@@ -193,13 +195,17 @@ class Search:
             raise interrupted or KeyboardInterrupt()
         self.store.record_stop(stop)
         elapsed = self.clock() - t0
+        busy = self._gpu_s / (elapsed * max(1, self.evaluator.slots)) if elapsed > 0 else 0.0
         return Outcome(pop.best(), seed, self.iteration, stop, elapsed,
-                       self._prior_elapsed + elapsed, exit_code)
+                       self._prior_elapsed + elapsed, exit_code, busy)
 
     def _fill(self, window: collections.deque[_InFlight], pop: Population, next_iter: int,
               pool: cf.ThreadPoolExecutor | None) -> int:
         """Prepares iterations until the window is full; returns the next iteration number."""
-        depth = max(1, self.evaluator.slots) + self.lookahead
+        # A pool that builds ahead (nvcc on CPU cores) gets one iteration more than its slots
+        # even without LLM lookahead: that proposal's build overlaps the GPU work of the others.
+        ahead = self.lookahead or int(getattr(self.evaluator, "prefetch", 0))
+        depth = max(1, self.evaluator.slots) + ahead
         while next_iter <= self.cfg.iterations and len(window) < depth:
             req, mut = self._prepare(pop, next_iter)
             fut: cf.Future[Proposal]

@@ -130,7 +130,7 @@ def test_the_evaluator_builds_the_cuda_companion_once_and_hands_it_over(tmp_path
     (tmp_path / "prog").mkdir()
     main = _program_with_stub(tmp_path / "prog")
     cache = tmp_path / "cache"
-    libs, log, cached, _ = build_companions(main, main.read_text(), {}, cache, 120, "sm_90a",
+    libs, log, cached, _ = build_companions(main, main.read_text(), cache, 120, "sm_90a",
                                             "sm90")
     assert set(libs) == {"wgmma_flash.cu"} and cached is False
     import ctypes
@@ -140,7 +140,7 @@ def test_the_evaluator_builds_the_cuda_companion_once_and_hands_it_over(tmp_path
     def no_nvcc(*a, **kw):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("nvcc ran for a cached companion")
     monkeypatch.setattr(build, "_run_group", no_nvcc)
-    again, _, cached, _ = build_companions(main, main.read_text(), {}, cache, 120, "sm_90a",
+    again, _, cached, _ = build_companions(main, main.read_text(), cache, 120, "sm_90a",
                                            "sm90")
     assert again == libs and cached is True
 
@@ -152,11 +152,11 @@ def test_the_cuda_companion_is_not_built_where_no_call_would_run_it(tmp_path, mo
     (tmp_path / "a").mkdir()
     main = _program_with_stub(tmp_path / "a")
     for target in (None, "sm80"):                 # no GPU; a GPU other than an H100/H200
-        assert build_companions(main, main.read_text(), {}, tmp_path, 60, "sm_80",
+        assert build_companions(main, main.read_text(), tmp_path, 60, "sm_80",
                                 target)[0] == {}
     (tmp_path / "b").mkdir()                      # routing knobs all off: no call runs CUDA
     off = _program_with_stub(tmp_path / "b", {k: "False" for k in ROUTING})
-    assert build_companions(off, off.read_text(), {}, tmp_path, 60, "sm_90a", "sm90")[0] == {}
+    assert build_companions(off, off.read_text(), tmp_path, 60, "sm_90a", "sm90")[0] == {}
 
 
 @needs_nvcc
@@ -165,7 +165,7 @@ def test_a_broken_cuda_companion_is_a_build_error_naming_it(tmp_path):
     main = _program_with_stub(tmp_path / "p")
     (main.parent / "wgmma_flash.cu").write_text(STUB_CU.replace("return B + 6;", "return oops;"))
     with pytest.raises(LoadFailure) as info:
-        build_companions(main, main.read_text(), {}, tmp_path / "cache", 120, "sm_90a", "sm90")
+        build_companions(main, main.read_text(), tmp_path / "cache", 120, "sm_90a", "sm90")
     assert info.value.kind == "build" and info.value.reason.startswith("wgmma_flash.cu:")
     assert "oops" in info.value.log
 
@@ -178,3 +178,14 @@ def test_on_the_cpu_the_hybrid_loads_without_its_cuda_companion(tmp_path, monkey
     main = program.write(program.read(HYBRID), tmp_path / "p", "x")
     loaded = build_candidate(main, get_problem("sdpa"), tmp_path / "cache", 60, None)()
     assert loaded.form == "python" and loaded.build_cached is None
+
+
+@needs_nvcc
+def test_the_real_cuda_companion_builds_with_the_header_it_includes(tmp_path):
+    """wgmma_flash.cu includes cuda_core_flash.cuh, a companion of the hybrid's: the build must
+    find it (a GPU run once failed with 'cuda_core_flash.cuh: No such file')."""
+    (tmp_path / "p").mkdir()
+    main = program.write(program.read(HYBRID), tmp_path / "p", "x")
+    libs, log, _, _ = build_companions(main, main.read_text(), tmp_path / "cache", 600,
+                                       "sm_90a", "sm90")
+    assert set(libs) == {"wgmma_flash.cu"} and Path(libs["wgmma_flash.cu"]).is_file(), log

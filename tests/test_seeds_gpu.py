@@ -87,3 +87,29 @@ def test_a_misaligned_view_takes_the_pointer_path(torch, seed: str) -> None:  # 
         out, ref = mod.attention(q, k, v, mask, 0.125), _ref(q, k, v, 0.125, bias=mask)
     torch.cuda.synchronize()
     assert (out.float() - ref).abs().max().item() < 4e-3
+
+
+@pytest.mark.gpu
+def test_the_prepared_triton_launch_never_takes_inputs_it_was_not_prepared_for(torch) -> None:  # noqa: ANN001
+    """flash_triton prepares a launch per shape on its first call; a transposed (non-contiguous)
+    or 8-byte-offset (misaligned) input of that shape must take the ordinary path, not it."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("ft_prepared", ROOT / "seeds/sdpa/flash_triton.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for B, H, S, D, causal in [(2, 4, 300, 64, True), (2, 4, 300, 128, False)]:
+        base = [torch.randn(B, H, S, D, device="cuda", dtype=torch.float16) for _ in range(3)]
+        mod.attention(*base, causal)
+        assert mod._LAUNCHES, "no launch was prepared"
+        t = [torch.randn(B, S, H, D, device="cuda", dtype=torch.float16).transpose(1, 2)
+             for _ in range(3)]
+        off = [torch.randn(B * H * S * D + 4, device="cuda", dtype=torch.float16)[4:]
+               .view(B, H, S, D) for _ in range(3)]
+        for args in (t, off, [x.clone() for x in base]):
+            out = mod.attention(*args, causal)
+            s = (args[0].double() @ args[1].double().transpose(-1, -2)) * D ** -0.5
+            if causal:
+                s = s.masked_fill(torch.ones(S, S, dtype=torch.bool, device="cuda").triu(1),
+                                  float("-inf"))
+            ref = torch.softmax(s, -1) @ args[2].double()
+            assert (out.double() - ref).abs().max().item() < 4e-3

@@ -87,7 +87,7 @@ def load_seed(case: dict[str, Any], workdir: Path, index: int, device: str = "cp
     if device == "cuda":
         import torch
         major, minor = torch.cuda.get_device_capability()
-        libraries = build_companions(path, path.read_text(), {}, workdir / "cache", 600,
+        libraries = build_companions(path, path.read_text(), workdir / "cache", 600,
                                      build.detect_arch(), f"sm{major}{minor}")[0]
     spec = importlib.util.spec_from_file_location(f"seed_{index}", path)
     module = importlib.util.module_from_spec(spec)

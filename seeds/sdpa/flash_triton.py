@@ -356,12 +356,17 @@ _LAUNCHES: dict[tuple, _Launch] = {}
 _MAX_LAUNCHES = 256
 
 
+def _no_hook(hook) -> bool:  # noqa: ANN001
+    """Whether a Triton launch hook is unset (None, or an empty HookChain in Triton >= 3.5)."""
+    return hook is None or (hasattr(hook, "calls") and not hook.calls)
+
+
 def _fast_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether a call may use a prepared launch: a real GPU, no launch hooks, contiguous and
     16-byte aligned inputs (the compiled kernel assumed both of the first call's inputs)."""
     return (FAST_LAUNCH and q.device.type == "cuda" and not _interpreting()
-            and triton.knobs.runtime.launch_enter_hook is None
-            and triton.knobs.runtime.launch_exit_hook is None
+            and _no_hook(triton.knobs.runtime.launch_enter_hook)
+            and _no_hook(triton.knobs.runtime.launch_exit_hook)
             and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
             and (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0)
 

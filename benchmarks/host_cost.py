@@ -1,0 +1,114 @@
+"""Where the host time of one call goes: a seed program against SDPA, per config (GPU only).
+
+    python benchmarks/host_cost.py [seeds/sdpa/flash_hybrid.py] [--set KNOB=VALUE ...] [--json F]
+
+For trusted files only (the seeds): the program is loaded in this process, its CUDA companions
+built as the evaluator builds them. Per default sdpa config it prints the host time of one call
+while the GPU is held busy (a sleep kernel queued first, so no call waits for the GPU), for the
+program and for SDPA, and the per-call time of back-to-back eager calls on distinct inputs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from evaluator import build, program  # noqa: E402
+from evaluator.knobs import set_knobs  # noqa: E402
+from evaluator.loader import build_companions  # noqa: E402
+from evoattn.mutators.knobs import parse_settings  # noqa: E402
+
+
+def load(path: Path, sets: list[str], tmp: Path):  # noqa: ANN201
+    """Imports the program with its knobs set and its companions built."""
+    import importlib.util
+
+    import torch
+    source = program.read(path)
+    source = set_knobs(source, parse_settings(str(path), source, sets)) if sets else source
+    main = program.write(source, tmp, path.name)
+    major, minor = torch.cuda.get_device_capability()
+    libs = build_companions(main, main.read_text(), tmp / "cache", 600, build.detect_arch(),
+                            f"sm{major}{minor}")[0]
+    spec = importlib.util.spec_from_file_location("host_cost_program", main)
+    mod = importlib.util.module_from_spec(spec)
+    mod.EVOATTN_LIBRARIES = libs
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def host_us(fn, n: int = 40) -> float:  # noqa: ANN001
+    """Median host time of one call (µs) while a sleep kernel holds the GPU."""
+    import torch
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(80e6))                # ~40 ms at 2 GHz: longer than n calls take
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def eager_ms(fn_on, sets, rounds: int = 7) -> float:  # noqa: ANN001
+    """Median per-call time of back-to-back calls, one per input set."""
+    import torch
+    out = []
+    for _ in range(rounds + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for s in sets:
+            fn_on(s)
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t0) / len(sets) * 1e3)
+    return statistics.median(out[1:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("program", nargs="?", default="seeds/sdpa/flash_hybrid.py")
+    ap.add_argument("--set", dest="sets", action="append", default=[])
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    import torch
+    import torch.nn.functional as F
+
+    from evaluator.problems import get_problem
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        mod = load(Path(a.program), a.sets, Path(tmp))
+        for cfg in get_problem("sdpa").default_configs:
+            B, H, S, D, causal = cfg["B"], cfg["H"], cfg["S"], cfg["D"], cfg["causal"]
+            sets = [tuple(torch.randn(B, H, S, D, device="cuda", dtype=torch.float16)
+                          for _ in range(3)) for _ in range(max(4, min(32, 2 ** 28 // (
+                              3 * B * H * S * D * 2))))]
+            q, k, v = sets[0]
+            row = {"cfg": cfg,
+                   "host_us": host_us(lambda: mod.attention(q, k, v, causal)),
+                   "sdpa_host_us": host_us(lambda: F.scaled_dot_product_attention(
+                       q, k, v, is_causal=causal)),
+                   "call_ms": eager_ms(lambda s: mod.attention(*s, causal), sets),
+                   "sdpa_call_ms": eager_ms(lambda s: F.scaled_dot_product_attention(
+                       *s, is_causal=causal), sets)}
+            rows.append(row)
+            print(f"({B},{H},{S},{D}){' causal' if causal else '':7}  host {row['host_us']:6.1f} us"
+                  f" (SDPA {row['sdpa_host_us']:5.1f}, x{row['host_us'] / row['sdpa_host_us']:.2f})"
+                  f"  call {row['call_ms']:.4f} ms (SDPA {row['sdpa_call_ms']:.4f}, "
+                  f"speedup {row['sdpa_call_ms'] / row['call_ms']:.3f})", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"program": a.program, "sets": a.sets, "rows": rows,
+                                            "device": torch.cuda.get_device_name(),
+                                            "torch": torch.__version__}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
