@@ -16,6 +16,7 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 
 from evaluator import program
 from evaluator.request import TIMING_MODES
@@ -29,7 +30,8 @@ err_console = Console(stderr=True, highlight=False)
 
 
 def _die(name: str, message: str, code: int) -> None:
-    err_console.print(f"[red]{name}[/red]: {message}", soft_wrap=True)
+    # escape: a message is plain text ("evoattn[report]" is not a style tag)
+    err_console.print(f"[red]{name}[/red]: {escape(message)}", soft_wrap=True)
     sys.exit(code)
 
 
@@ -242,6 +244,24 @@ def export(run_dir: str, out_dir: str | None) -> None:
     console.print(f"exported to {target}:")
     for f in sorted(target.iterdir()):
         console.print(f"  {f.name}")
+
+
+@cli.command("report")
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False),
+              help="where to write report.html and its charts (default: RUN_DIR/report)")
+def report_cmd(run_dir: str, out_dir: str | None) -> None:
+    """Write an HTML report of a run (finished or in progress) with PNG charts."""
+    if not Path(run_dir, "run.sqlite").is_file():
+        raise UsageError(f"{run_dir}: not a run directory (no run.sqlite)")
+    try:
+        from .html_report import write_report
+    except ImportError as e:
+        if (e.name or "").split(".")[0] != "matplotlib":
+            raise
+        raise UsageError("the report needs matplotlib: pip install 'evoattn[report]'") from None
+    page = write_report(run_dir, out_dir)
+    console.print(f"report written: {page}")
 
 
 def _write_json_atomic(path: Path, data: Any) -> None:

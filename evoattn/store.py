@@ -17,6 +17,7 @@ while a run is writing.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import fcntl
@@ -26,7 +27,7 @@ import re
 import sqlite3
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from evaluator.types import EvalResult
 
@@ -72,6 +73,26 @@ class LlmTotals:
     completion_tokens: int
     cost_usd: float
     latency_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredRejection:
+    """A proposal that was not evaluated (refused by its mutator, or a duplicate)."""
+
+    iteration: int
+    parent_id: str | None
+    mutator: str
+    reason: str
+    created_at: str                     # ISO 8601, UTC
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredLlmCall:
+    """One recorded LLM call."""
+
+    iteration: int
+    usage: LlmUsage
+    created_at: str                     # ISO 8601, UTC
 
 
 def scrub_secrets(obj: Any) -> Any:
@@ -316,6 +337,34 @@ class RunStore:
             f"SELECT {_PROGRAM_COLUMNS} FROM programs WHERE verdict = 'pass' "
             "ORDER BY fitness DESC, id ASC LIMIT ?", (k,))
         return [_program(row) for row in rows]
+
+    # ---- reading the run over time (the HTML report) -------------------------------
+    @contextlib.contextmanager
+    def snapshot(self) -> Iterator[None]:
+        """Holds one read transaction: every read inside sees the same committed iteration."""
+        self._conn.execute("BEGIN")
+        try:
+            yield
+        finally:
+            self._conn.execute("COMMIT")   # a read transaction: ends it, writes nothing
+
+    def program_times(self) -> dict[str, str]:
+        """Returns when each program was stored (ISO 8601, UTC), by id."""
+        return dict(self._conn.execute("SELECT id, created_at FROM programs"))
+
+    def rejections(self) -> list[StoredRejection]:
+        """Returns every proposal that was not evaluated, in the order they were stored."""
+        rows = self._conn.execute("SELECT iteration, parent_id, mutator, reason, created_at "
+                                  "FROM rejections ORDER BY rowid")
+        return [StoredRejection(*row) for row in rows]
+
+    def llm_calls(self) -> list[StoredLlmCall]:
+        """Returns every recorded LLM call, in the order they were stored."""
+        rows = self._conn.execute(
+            "SELECT iteration, model, prompt_tokens, completion_tokens, cost_usd, latency_s, "
+            "attempts, status, created_at FROM llm_calls ORDER BY rowid")
+        return [StoredLlmCall(it, LlmUsage(model, pt, ct, cost, lat, att, status), at)
+                for it, model, pt, ct, cost, lat, att, status, at in rows]
 
     # ---- plumbing --------------------------------------------------------------
     def _transaction(self) -> "_Transaction":

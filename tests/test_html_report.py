@@ -1,0 +1,316 @@
+"""`evoattn report`: a real run directory, the page opened in a real headless Chromium."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import html
+import itertools
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+np = pytest.importorskip("numpy")
+mpimg = pytest.importorskip("matplotlib.image")
+
+from evaluator.types import EvalResult, Times, Verdict  # noqa: E402
+from evoattn.config import PopulationConfig, RunConfig, config_to_dict  # noqa: E402
+from evoattn import charts  # noqa: E402
+from evoattn.html_report import write_report  # noqa: E402
+from evoattn.mutators.knobs import KnobMutator  # noqa: E402
+from evoattn.report_data import lineage  # noqa: E402
+from evoattn.search import Search  # noqa: E402
+from evoattn.store import RunStore  # noqa: E402
+from evoattn.types import LlmUsage, MutationRequest, Program, Proposal  # noqa: E402
+from fakes import TOY_SEED, FakeEvaluator  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+BASELINES = {"sdpa": 1.0, "naive": 3.0}      # baseline name -> its time relative to "sdpa"
+
+
+@dataclasses.dataclass
+class TimedEvaluator(FakeEvaluator):
+    """FakeEvaluator's scores with what a real result carries: every mode, every baseline."""
+
+    gate: threading.Event | None = None      # evaluations past `pause_after` wait on it
+    pause_after: int = 0
+    paused: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def evaluate(self, source: str, suffix: str, label: str = "") -> EvalResult:
+        if self.gate is not None and len(self.calls) >= self.pause_after:
+            self.paused.set()
+            self.gate.wait(60)
+        r = super().evaluate(source, suffix, label)
+        stages = {"scan": 0.01, "build": 0.2, "check": 0.5, "time": 1.5}
+        if not r.correct:
+            return dataclasses.replace(r, stage_s=stages, timing_device="cpu")
+        configs = []
+        for params in ({"B": 1, "H": 2, "S": 64, "D": 64, "causal": False},
+                       {"B": 1, "H": 2, "S": 128, "D": 64, "causal": True}):
+            base = {name: Times(kernel_ms=f * 2.0, call_ms=f * 2.5, host_us=9.0)
+                    for name, f in BASELINES.items()}
+            mine = Times(kernel_ms=2.0 / r.fitness, call_ms=2.5 / r.fitness, host_us=9.0)
+            configs.append(dataclasses.replace(
+                r.configs[0], params=params, times=mine, baseline_times=base,
+                baselines={n: t.call_ms for n, t in base.items()}, baseline_name="sdpa",
+                ms=mine.call_ms, baseline_ms=base["sdpa"].call_ms, speedup=r.fitness))
+        return dataclasses.replace(r, configs=tuple(configs), stage_s=stages, device="cpu",
+                                   timing_device="cpu", timing="call", baseline="best")
+
+
+class PricedMutator:
+    """The knob mutator with an LLM call's usage on each proposal (what llm_calls records)."""
+
+    name = "llm:fake-model"
+
+    def __init__(self, inner: KnobMutator) -> None:
+        self.inner = inner
+
+    def propose(self, request: MutationRequest) -> Proposal:
+        p = self.inner.propose(request)
+        usage = LlmUsage("fake-model", prompt_tokens=1200, completion_tokens=300,
+                         cost_usd=0.004, latency_s=1.5)
+        return dataclasses.replace(p, mutator=self.name, usage=usage)
+
+
+def _run(run_dir: Path, iterations: int = 24, ev: TimedEvaluator | None = None,
+         llm: bool = True) -> Search:
+    cfg = RunConfig(iterations=iterations, random_seed=3, device="cpu",
+                    population=PopulationConfig(islands=2, elites_per_island=3,
+                                                migration_interval=5))
+    ticks = itertools.count()
+    store = RunStore.open(run_dir, config_to_dict(cfg), create=True,
+                          clock=lambda: 1.7e9 + 9.0 * next(ticks))   # 9 s between writes
+    holder: dict[str, Search] = {}
+    knobs = KnobMutator(0.3, is_known=lambda pid: holder["s"].known(pid))
+    mutators = [(knobs, 1.0)] + ([(PricedMutator(knobs), 1.0)] if llm else [])
+    ev = ev or TimedEvaluator(fail_when={"STAGES": "4"})
+    search = Search(cfg, store, ev, mutators, TOY_SEED, ".py")
+    holder["s"] = search
+    try:
+        search.run()
+    finally:
+        store.close()
+    return search
+
+
+def _best_fitness(run_dir: Path) -> float:
+    with RunStore.open_readonly(run_dir) as st:
+        return st.leaderboard(1)[0].fitness
+
+
+def _chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        found = shutil.which(name)
+        if found:
+            return found
+    pytest.skip("needs a Chromium binary on PATH (Debian: apt-get install -y chromium); "
+                "none of chromium, chromium-browser, google-chrome was found")
+
+
+def _browse(page: Path, profile: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+           "--no-first-run", "--disable-background-networking", "--disable-component-update",
+           "--disable-sync", f"--user-data-dir={profile}", "--hide-scrollbars", *args,
+           page.resolve().as_uri()]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
+def _pixels(png: Path) -> np.ndarray:
+    """Returns an image's RGB as floats in [0, 1] (H, W, 3); fails if it is not a PNG."""
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{png} is not a PNG"
+    return mpimg.imread(str(png))[..., :3]
+
+
+def _drawn_on(rgb: np.ndarray) -> tuple[float, int]:
+    """Returns the share of non-white pixels and the number of distinct (quantised) colours."""
+    ink = (rgb < 0.94).any(axis=-1).mean()
+    colours = np.unique((rgb * 15).round().astype(int).reshape(-1, 3), axis=0)
+    return float(ink), len(colours)
+
+
+def _has_colour(rgb: np.ndarray, hex_colour: str, at_least: int) -> bool:
+    want = np.array([int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    return int((np.abs(rgb - want).max(axis=-1) < 0.06).sum()) >= at_least
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("report") / "toy-run"
+    _run(run_dir)
+    return run_dir
+
+
+def test_report_page_draws_every_chart_in_headless_chromium(finished_run: Path,
+                                                              tmp_path: Path) -> None:
+    page = write_report(finished_run, tmp_path / "out")
+    shot = tmp_path / "shot.png"
+    _browse(page, tmp_path / "profile", "--window-size=1200,3000", f"--screenshot={shot}")
+    rgb = _pixels(shot)
+    ink, colours = _drawn_on(rgb)
+    assert rgb.shape[:2] == (3000, 1200)
+    assert ink > 0.1 and colours > 40, (ink, colours)
+    # The fitness chart's best-so-far line is in the screenshot: the images were decoded and
+    # drawn, not replaced by broken-image icons.
+    assert _has_colour(rgb, "#2ca02c", at_least=2000)
+    assert _has_colour(rgb, "#1f77b4", at_least=2000)
+
+
+def test_every_image_on_the_page_is_a_drawn_png_that_chromium_loads(finished_run: Path,
+                                                                     tmp_path: Path) -> None:
+    page = write_report(finished_run, tmp_path / "out")
+    text = page.read_text()
+    sources = re.findall(r'<img src="([^"]+)"', text)
+    assert sorted(sources) == ["fitness.png", "lineage.png", "llm.png", "speedup.png",
+                               "throughput.png", "verdicts.png"]
+    for src in sources:
+        ink, colours = _drawn_on(_pixels(page.parent / src))
+        assert ink > 0.02 and colours > 8, (src, ink, colours)
+    # A copy of the page that lists what Chromium made of each <img> once the page loaded.
+    probe = page.with_name("probe.html")
+    probe.write_text(text.replace("</body>", "<script>addEventListener('load', () => "
+                                  "document.body.dataset.images = [...document.images].map("
+                                  "i => i.getAttribute('src') + '=' + i.naturalWidth + 'x' + "
+                                  "i.naturalHeight).join(' '))</script></body>"))
+    dom = _browse(probe, tmp_path / "profile", "--virtual-time-budget=5000", "--dump-dom").stdout
+    loaded = dict(item.split("=") for item in
+                  re.search(r'data-images="([^"]*)"', dom).group(1).split())
+    assert sorted(loaded) == sorted(sources)
+    for src, size in loaded.items():
+        w, h = (int(v) for v in size.split("x"))
+        assert w > 300 and h > 200, (src, size)
+
+
+def test_page_names_the_run_and_its_best(finished_run: Path, tmp_path: Path) -> None:
+    page = write_report(finished_run, tmp_path / "out")
+    dom = _browse(page, tmp_path / "profile", "--dump-dom").stdout
+    text = html.unescape(re.sub(r"<[^>]+>", " ", dom))
+    best = _best_fitness(finished_run)
+    assert f"{best:.4f}" in text
+    assert "toy-run" in text and "sdpa" in text
+    assert "CPU timings" in text
+    assert "call time" in text and "kernel time" in text
+    # Every baseline and mode is in the table: (1,2,64,64) against naive is 3x sdpa's time.
+    assert f"{3.0 * best:.3f}×" in text and f"{best:.3f}×" in text
+    assert "Not measured: graph time" in text
+
+
+def test_speedup_table_marks_the_fitness_term(finished_run: Path, tmp_path: Path) -> None:
+    page = write_report(finished_run, tmp_path / "out").read_text()
+    best = _best_fitness(finished_run)
+    terms = re.findall(r'class="num fitness-term">([0-9.]+)×', page)
+    assert terms == [f"{best:.3f}"] * 2          # sdpa, call time, on each of the 2 configs
+
+
+def test_report_without_llm_calls_says_so_and_draws_no_llm_chart(tmp_path: Path) -> None:
+    _run(tmp_path / "run", iterations=6, llm=False)
+    page = write_report(tmp_path / "run")
+    assert page == tmp_path / "run" / "report" / "report.html"
+    assert not (page.parent / "llm.png").exists()
+    assert "made no LLM calls" in page.read_text()
+
+
+def test_report_of_a_run_whose_seed_is_not_stored_yet_says_so_in_words(tmp_path: Path) -> None:
+    RunStore.open(tmp_path / "run", config_to_dict(RunConfig(device="cpu")), create=True).close()
+    page = write_report(tmp_path / "run")
+    text = page.read_text()
+    assert "<img" not in text and sorted(p.name for p in page.parent.iterdir()) == [
+        "report.html"]
+    assert "No candidate has been evaluated yet." in text
+    assert "no correct program yet" in text
+
+
+def test_report_reads_a_run_in_progress_without_writing_to_it(tmp_path: Path) -> None:
+    gate = threading.Event()
+    ev = TimedEvaluator(gate=gate, pause_after=6)
+    runner = threading.Thread(target=_run, args=(tmp_path / "run", 12, ev))
+    runner.start()
+    try:
+        assert ev.paused.wait(60), "the search never reached its pause"
+        db = tmp_path / "run" / "run.sqlite"
+        before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                  for p in (db, db.with_name("run.sqlite-wal")) if p.exists()}
+        page = write_report(tmp_path / "run", tmp_path / "live")
+        after = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                 for p in (db, db.with_name("run.sqlite-wal")) if p.exists()}
+        assert before == after                   # the database is untouched by the report
+        text = page.read_text()
+        assert "no stop recorded: running now" in text
+        assert (page.parent / "fitness.png").is_file()
+    finally:
+        gate.set()
+        runner.join(60)
+    assert not runner.is_alive()
+    with RunStore.open_readonly(tmp_path / "run") as st:
+        assert st.load_state()["iteration"] == 12     # the run went on and finished
+
+
+def test_report_replaces_an_old_report_but_not_a_foreign_directory(finished_run: Path,
+                                                                    tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    write_report(finished_run, out)
+    (out / "fitness.png").write_bytes(b"stale")
+    write_report(finished_run, out)
+    assert (out / "fitness.png").read_bytes()[:4] == b"\x89PNG"
+    (out / "notes.txt").write_text("mine")
+    result = _cli("report", str(finished_run), "--out", str(out))
+    assert result.returncode == 4 and "notes.txt" in result.stderr
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def _cli(*args: str, prelude: str = "") -> subprocess.CompletedProcess[str]:
+    code = f"{prelude}import sys; from evoattn.cli import main; sys.argv = ['evoattn'] + " \
+           f"{list(args)!r}; main()"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+
+
+def test_cli_writes_the_report_into_the_run_directory(finished_run: Path) -> None:
+    result = _cli("report", str(finished_run))
+    assert result.returncode == 0, result.stderr
+    assert (finished_run / "report" / "report.html").is_file()
+    assert "report written" in result.stdout
+
+
+def test_cli_exits_4_with_one_line_for_a_missing_run_directory(tmp_path: Path) -> None:
+    result = _cli("report", str(tmp_path / "nowhere"))
+    assert result.returncode == 4
+    assert result.stderr.strip().count("\n") == 0
+    assert "not a run directory" in result.stderr
+
+
+def test_cli_exits_4_naming_the_extra_when_matplotlib_is_missing(finished_run: Path) -> None:
+    result = _cli("report", str(finished_run),
+                  prelude="import sys; sys.modules['matplotlib'] = None; ")
+    assert result.returncode == 4
+    assert "evoattn[report]" in result.stderr and result.stderr.strip().count("\n") == 0
+
+
+def _program(pid: str, parent: str | None, iteration: int, fitness: float,
+             second: str | None = None) -> Program:
+    return Program(pid, f"# {pid}\n", ".py", parent, iteration, 0, "knobs" if parent else "seed",
+                   f"made {pid}", EvalResult(Verdict.PASS, "ok", fitness), second)
+
+
+def test_lineage_follows_first_parents_with_gains_and_hangs_the_crossover_partner(
+        tmp_path: Path) -> None:
+    programs = {p.id: p for p in [
+        _program("seed", None, 0, 1.0), _program("a", "seed", 1, 1.2),
+        _program("b", "seed", 2, 1.1), _program("c", "a", 3, 1.15, second="b"),
+        _program("side", "c", 4, 2.0), _program("d", "c", 5, 1.3)]}
+    nodes = lineage("d", programs)
+    assert [n.program_id for n in nodes] == ["seed", "a", "c", "d"]
+    assert nodes[0].gain is None
+    assert [round(n.gain, 6) for n in nodes[1:]] == [0.2, -0.05, 0.15]
+    assert [n.partner.program_id if n.partner else None for n in nodes] == [None, None, "b",
+                                                                             None]
+    png = tmp_path / "lineage.png"
+    png.write_bytes(charts.lineage_chart(nodes * 3) or b"")    # two rows, partners above
+    ink, colours = _drawn_on(_pixels(png))
+    assert ink > 0.02 and colours > 8
