@@ -110,8 +110,8 @@ def readme(best: Program, info: KernelInfo) -> str:
 def _install(info: KernelInfo) -> list[str]:
     return ["## Install", "",
             f"This directory is a Python package, `{info.names.dist}` (import name "
-            f"`{info.names.package}`):", "", "```sh", "pip install ./" + "<this directory>",
-            "```", "",
+            f"`{info.names.package}`):", "", "```sh", "pip install path/to/this/directory",
+            "pip install \"path/to/this/directory[hf]\"   # with transformers", "```", "",
             "It needs torch (and triton for a Triton kernel). A kernel with CUDA files is "
             "built with nvcc on its first call, into `~/.cache/evoattn-kernels` (set "
             "`EVOATTN_KERNEL_CACHE` to move it).", ""]
@@ -211,7 +211,9 @@ def _guard(info: KernelInfo) -> list[str]:
               "2**31 elements per tensor",
               "- layout: non-contiguous inputs (as transformers passes after a transpose) are "
               "copied to contiguous ones first; the output is contiguous",
-              "- autograd: inputs that require grad take SDPA (the kernel is forward-only)", ""]
+              "- autograd: inputs that require grad take SDPA (the kernel is forward-only)",
+              "", "A kernel that cannot be built or imported on a machine (no nvcc, say) is "
+              "reported once as a warning, and every call runs SDPA.", ""]
     if v["device_type"] != "cuda":
         lines += ["This kernel was verified on the CPU only, so the op always falls back.", ""]
     return lines
@@ -222,14 +224,15 @@ def timings_md(r: EvalResult | None) -> list[str]:
     if r is None or not r.configs:
         return []
     device = f"{r.device}" + (" (CPU timings)" if r.timing_device == "cpu" else "")
+    versions = ", ".join(f"{k} {v}" for k, v in r.versions.items())
     lines = ["## Measured timings", "",
-             f"On {device}, versions {', '.join(f'{k} {v}' for k, v in r.versions.items())}. "
+             f"On {device}" + (f", versions {versions}" if versions else "") + ". "
              "Times in ms (median); speedup = baseline / kernel; the baseline is the fastest "
              "PyTorch option per config unless the run named one. Fitness used the "
              f"`{r.timing}` mode.", ""]
     for mode in MODES:
         lines += [f"### {MODE_WORDS[mode]}", "",
-                  "| config | dtype | kernel ms | baseline | baseline ms | speedup |",
+                  "| config | dtype | evolved ms | baseline | baseline ms | speedup |",
                   "|---|---|---|---|---|---|"]
         for c in r.configs:
             mine = c.times.in_mode(mode) if c.times else None

@@ -21,8 +21,10 @@ from evaluator.types import EvalResult, Verdict
 from .types import Program
 
 TEMPLATES = Path(__file__).resolve().parent / "export_templates"
-TEMPLATE_MODULES = ("__init__.py", "_build.py", "_loader.py", "guard.py", "hf.py", "ops.py",
-                    "problems.py")
+# template file -> its name in the package (the template directory is no package itself)
+TEMPLATE_MODULES = {"package_init.py": "__init__.py", "_build.py": "_build.py",
+                    "_loader.py": "_loader.py", "guard.py": "guard.py", "hf.py": "hf.py",
+                    "ops.py": "ops.py", "problems.py": "problems.py"}
 BUILTIN_OPS = ("sdpa", "gqa", "masked", "sliding_window", "strided")
 ID_CHARS = 12                          # of the program id, in package and op names
 
@@ -152,8 +154,8 @@ def package_files(info: KernelInfo, evidence: dict[str, str]) -> dict[str, str]:
     """Returns {relative path: text} of pyproject.toml and the package directory."""
     pkg = info.names.package
     out = {"pyproject.toml": _pyproject(info)}
-    for name in TEMPLATE_MODULES:
-        out[f"{pkg}/{name}"] = (TEMPLATES / name).read_text()
+    for template, name in TEMPLATE_MODULES.items():
+        out[f"{pkg}/{name}"] = (TEMPLATES / template).read_text()
     out[f"{pkg}/kernel.json"] = json.dumps(info.meta, indent=2) + "\n"
     for name, text in info.files.files:
         out[f"{pkg}/kernel/{name}"] = text

@@ -262,3 +262,43 @@ def test_user_problem_export_registers_its_own_schema(tmp_path):
     """, cwd=tmp_path / "out")
     assert "float softcap=50." in got and "float? scale=None" in got
     assert "refused:" in got and "cpu tensors" in got and "no PyTorch fallback" in got
+
+
+def test_a_multi_file_kernel_loads_with_its_companions(tmp_path):
+    main = textwrap.dedent("""\
+        # evoattn: companion helper.py
+        # evoattn: companion fast.cu when(@target=sm90) when(USE_FAST=True)
+        import importlib.util, pathlib
+        USE_FAST = True  # evoattn: choice(True, False)
+        _spec = importlib.util.spec_from_file_location(
+            "helper", pathlib.Path(__file__).parent / "helper.py")
+        helper = importlib.util.module_from_spec(_spec)
+        _spec.loader.exec_module(helper)
+        LIBS = dict(EVOATTN_LIBRARIES)
+
+        def attention(q, k, v, causal=False, scale=None):
+            return helper.scaled(q)
+        """)
+    from evaluator import program
+    source = program.join([("hybrid.py", main), ("helper.py", "def scaled(x):\n    return 2 * x\n"),
+                           ("fast.cu", 'extern "C" int f() { return 0; }\n')])
+    res = EvalResult(verdict=Verdict.PASS, reason="", fitness=1.0, device="cpu",
+                     timing_device="cpu",
+                     configs=(ConfigResult(params={"B": 1, "H": 1, "S": 8, "D": 64,
+                                                   "causal": False},
+                                           dtype="float16", verdict=Verdict.PASS),))
+    _store_run(tmp_path / "run", source, res)
+    s = export_run(tmp_path / "run", tmp_path / "out")
+    got = _py(f"""
+        import torch
+        import {s.package} as pkg
+        from {s.package} import _loader, ops
+        mod = pkg.load_kernel_module()
+        print(mod.LIBS, mod.attention(torch.ones(1), None, None).item())
+        when = ops.META["companions"][1]["when"]
+        print(_loader._holds(when, {{"USE_FAST": "True"}}, "sm_90a"),
+              _loader._holds(when, {{"USE_FAST": "True"}}, "sm_80"),
+              _loader._holds(when, {{"USE_FAST": "False"}}, "sm_90a"))
+    """, cwd=tmp_path / "out")
+    libs, holds = got.strip().splitlines()[-2:]
+    assert libs == "{} 2.0" and holds == "True False False"

@@ -5,17 +5,18 @@
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="evoattn")
 
 transformers passes q, k, v as (B, H, S, D) (k, v with fewer heads under GQA) and wants
-(B, S, H, D) back. A call the kernel's problem covers goes through the op (whose guard may
-still fall back); anything else runs transformers' own SDPA path, counted as a fallback:
-a padding or pattern mask (unless the problem is `masked`-free of them: see below), query and
+(B, S, H, D) back. `register` also registers the mask builder, so that a call with nothing
+to mask but causality gets no mask (as SDPA does) and a padded batch gets its mask. A call
+the kernel's problem covers goes through the op (whose guard may still fall back); anything
+else runs transformers' own SDPA path, counted as a fallback: an attention mask, query and
 key lengths that differ (decoding with a cache), dropout while training, output_attentions,
-softcap, a position bias, a paged cache.
+softcap, a position bias, attention sinks, a paged cache.
 
-Problems: `sdpa` and `gqa` take causal and non-causal prefill (`sdpa` repeats k, v for GQA;
-`gqa` passes them as they are); `sliding_window` takes the model's `sliding_window` (and plain
-causal calls, as a window as long as the sequence); `masked` takes no mask from transformers
-(its contract excludes the fully masked rows left padding makes), so it serves unmasked calls
-through an explicit causal mask; `strided` and user problems have no transformers mapping.
+Per problem: `sdpa` and `gqa` take causal and non-causal prefill (`sdpa` repeats k, v for
+GQA; `gqa` passes them as they are); `sliding_window` takes the model's `sliding_window` (a
+plain causal call is a window as long as the sequence); `masked` serves unmasked causal calls
+through an explicit causal mask, and no padding mask (its contract excludes the fully masked
+rows that left padding makes); `strided` and user problems have no transformers mapping.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _loader
+from . import _loader, hf
 from .ops import META, NAMESPACE, attention, reset_stats, stats
 
 VERIFIED: dict[str, Any] = META["verified"]
@@ -26,5 +26,5 @@ def load_kernel_module(libraries: dict[str, str] | None = None) -> Any:
     return _loader.import_main(META, libraries)
 
 
-__all__ = ["attention", "stats", "reset_stats", "load_kernel_module", "VERIFIED", "PROBLEM",
+__all__ = ["attention", "hf", "stats", "reset_stats", "load_kernel_module", "VERIFIED", "PROBLEM",
            "PROGRAM_ID", "NAMESPACE", "META"]
