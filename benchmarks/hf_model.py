@@ -223,7 +223,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = torch.device(a.device)
     pkg = load_export(a.export)
     importlib.import_module(f"{pkg.__name__}.hf").register("evoattn")
-    torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+    for limit in ("recompile_limit", "cache_size_limit"):   # one graph per impl and shape
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, max(64, getattr(torch._dynamo.config, limit)))
     print(HEADER, flush=True)
     rows = [r for d in a.head_dims for r in run_head_dim(pkg, d, a, device)]
     result = {"package": pkg.__name__, "program_id": pkg.PROGRAM_ID, "problem": pkg.PROBLEM,

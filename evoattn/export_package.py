@@ -107,7 +107,9 @@ _SCALARS = {"bool": "bool", "int": "int", "float": "float"}
 
 def user_schema(main_text: str, entry: str) -> str | None:
     """Returns a torch.library schema for the entry function, or None when its signature has
-    no schema form (*args, **kwargs, a default that is not a bool/int/float/None literal)."""
+    no schema form (*args, **kwargs, a default that is not a bool/int/float/None literal).
+
+    A parameter without a default is a Tensor unless annotated bool, int or float."""
     try:
         tree = ast.parse(main_text)
     except SyntaxError:
@@ -136,9 +138,10 @@ def _schema_param(arg: ast.arg, default: ast.expr | None) -> str | None:
         kind = next((v for k, v in _SCALARS.items() if re.fullmatch(rf"{k}(\s*\|\s*None)?", note)),
                     "Tensor")
         return f"{kind}{'?' if optional else ''} {arg.arg}"
-    if not isinstance(default, ast.Constant):
+    try:
+        value = ast.literal_eval(default)          # -1 and 1e-3 too, no names or calls
+    except ValueError:
         return None
-    value = default.value
     if value is None:
         kind = "Tensor" if "Tensor" in note else next(
             (v for k, v in _SCALARS.items() if k in note), "float")

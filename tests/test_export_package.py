@@ -231,10 +231,11 @@ def test_model_benchmark_runs_on_cpu_with_a_tiny_config(exported):
 def test_user_schema_reads_the_entry_signature():
     src = ("import torch\n"
            "def attention(q, k, v: torch.Tensor, softcap=50.0, scale=None, causal: bool = False,\n"
-           "              bias: torch.Tensor | None = None, n: int = 3):\n    pass\n")
+           "              bias: torch.Tensor | None = None, n: int = -3, w: int = 0):\n"
+           "    pass\n")
     assert user_schema(src, "attention") == (
         "(Tensor q, Tensor k, Tensor v, float softcap=50.0, float? scale=None, "
-        "bool causal=False, Tensor? bias=None, int n=3) -> Tensor")
+        "bool causal=False, Tensor? bias=None, int n=-3, int w=0) -> Tensor")
     assert user_schema("def attention(q, *rest): pass\n", "attention") is None
     assert user_schema("def attention(q, mode='a'): pass\n", "attention") is None
     assert user_schema("def other(q): pass\n", "attention") is None
