@@ -240,10 +240,11 @@ def export(run_dir: str, out_dir: str | None) -> None:
     if not Path(run_dir, "run.sqlite").is_file():
         raise UsageError(f"{run_dir}: not a run directory (no run.sqlite)")
     target = Path(out_dir) if out_dir else Path(run_dir) / "best"
-    export_run(run_dir, target)
+    summary = export_run(run_dir, target)
     console.print(f"exported to {target}:")
     for f in sorted(target.iterdir()):
         console.print(f"  {f.name}")
+    console.print(f"install it with `pip install {target}`, then `import {summary.package}`")
 
 
 @cli.command("report")

@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from evaluator.types import ConfigResult, EvalResult, Verdict
+from evaluator import program
+from evaluator.types import ConfigResult, EvalResult, Times, Verdict
 from evoattn import export as export_mod
 from evoattn.config import RunConfig, config_to_dict
 from evoattn.errors import RunDirError
@@ -67,14 +68,63 @@ def test_export_writes_every_file_with_the_best_source(run, tmp_path):
     summary = export_run(run, out)
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["best.py", "best_eval.json", "lineage.md", "lineage.json", "leaderboard.md",
-         "leaderboard.json", "README.md"])
+         "leaderboard.json", "README.md", "pyproject.toml", "export.json", "evoattn_sdpa_best"])
     assert summary.best_id == "best" and summary.best_fitness == 2.0
+    assert summary.package == "evoattn_sdpa_best" and summary.namespace == "evoattn_best"
     assert summary.best_source.read_text() == "def attention(q, k, v, causal, scale):\n" \
                                               "    return 'the best'\n"
+    assert (summary.package_dir / "kernel" / "best.py").read_text() == \
+        summary.best_source.read_text()
     ev = json.loads(summary.best_eval.read_text())
     assert ev["verdict"] == "pass" and ev["fitness"] == 2.0 and len(ev["configs"]) == 2
+    assert json.loads((summary.package_dir / "evidence" / "best_eval.json").read_text()) == ev
     readme = summary.readme.read_text()
-    assert "from best import attention" in readme and "evoattn eval best.py" in readme
+    assert "from evoattn_sdpa_best import attention" in readme and "evoattn eval best.py" in readme
+    manifest = json.loads((out / "export.json").read_text())
+    assert manifest["package"] == "evoattn_sdpa_best" and "evoattn_sdpa_best" in manifest["files"]
+
+
+def test_readme_has_timings_per_config_in_every_mode(tmp_path):
+    times = Times(kernel_ms=0.5, call_ms=0.6, graph_ms=0.55, host_us=12.0)
+    base = Times(kernel_ms=1.0, call_ms=0.9, graph_ms=None, graph_error="capture failed")
+    cfg = ConfigResult(params=PARAMS, dtype="float16", verdict=Verdict.PASS, ms=0.6,
+                       baseline_ms=0.9, speedup=1.5, baseline_name="sdpa", times=times,
+                       baseline_times={"sdpa": base})
+    res = EvalResult(verdict=Verdict.PASS, reason="", fitness=1.5, configs=(cfg,),
+                     device="NVIDIA H100 80GB HBM3", timing_device="cuda",
+                     versions={"torch": "2.13.0"}, device_info={"capability": "9.0"})
+    build_run(tmp_path / "run", [dataclasses.replace(make("seed", None, 1.5, 0), result=res)])
+    readme = export_run(tmp_path / "run", tmp_path / "out").readme.read_text()
+    kernel = readme[readme.index("### kernel"):readme.index("### call")]
+    call = readme[readme.index("### call"):readme.index("### graph")]
+    graph = readme[readme.index("### graph"):]
+    assert "| (1,2,128,64) | float16 | 0.5000 | sdpa | 1.0000 | 2.000× |" in kernel
+    assert "| (1,2,128,64) | float16 | 0.6000 | sdpa | 0.9000 | 1.500× |" in call
+    assert "| 0.5500 | sdpa | — | — |" in graph and "capture failed" not in graph
+    assert "On NVIDIA H100 80GB HBM3" in readme and "compute capability 9.0" in readme
+
+
+def test_a_program_of_several_files_exports_each_file(tmp_path):
+    main = ("# evoattn: companion helper.py\n# evoattn: companion fast.cu when(@target=sm90)\n"
+            "USE_FAST = True  # evoattn: choice(True, False)\n"
+            "def attention(q, k, v, causal=False, scale=None):\n    return q\n")
+    source = program.join([("hybrid.py", main), ("helper.py", "X = 1\n"),
+                           ("fast.cu", 'extern "C" int f() { return 0; }\n')])
+    build_run(tmp_path / "run", [make("seed", None, 1.0, 0, source=source)])
+    s = export_run(tmp_path / "run", tmp_path / "out")
+    out = tmp_path / "out"
+    assert (out / "best.py").read_text() == main
+    assert (out / "helper.py").read_text() == "X = 1\n" and (out / "fast.cu").is_file()
+    assert program.split(program.read(out / "best.py"), "best.py").names == (
+        "best.py", "helper.py", "fast.cu")        # `evoattn eval best.py` reads all three
+    kernel = s.package_dir / "kernel"
+    assert sorted(p.name for p in kernel.iterdir()) == ["fast.cu", "helper.py", "hybrid.py"]
+    meta = json.loads((s.package_dir / "kernel.json").read_text())
+    assert meta["main"] == "hybrid.py" and meta["knobs"] == {"USE_FAST": "True"}
+    assert meta["companions"] == [{"name": "helper.py", "when": []},
+                                  {"name": "fast.cu", "when": [[["@target", "=", "sm90"]]]}]
+    export_run(tmp_path / "run", out)            # again: its own files are no foreign files
+    assert (out / "helper.py").is_file()
 
 
 def test_lineage_runs_from_seed_to_best(run, tmp_path):
@@ -103,13 +153,16 @@ def test_leaderboard_has_at_most_ten_sorted_correct_rows(run, tmp_path):
     assert len(table) == 10 and "`best`" in table[0] and "2.200×" in table[0]
 
 
-def test_cuda_best_gets_a_build_recipe(tmp_path):
+def test_cuda_best_is_packaged_in_its_fast_form(tmp_path):
     src = 'extern "C" int evoattn_sdpa(const void* q) { return 0; }\n'
     build_run(tmp_path / "run", [make("seed", None, 1.0, 0, suffix=".cu", source=src)])
     s = export_run(tmp_path / "run", tmp_path / "out")
     assert s.best_source.name == "best.cu" and s.best_source.read_text() == src
+    meta = json.loads((s.package_dir / "kernel.json").read_text())
+    assert meta["form"] == "cuda-fast" and meta["main"] == "best.cu" and s.has_op
+    assert "triton" not in (tmp_path / "out" / "pyproject.toml").read_text()
     readme = s.readme.read_text()
-    assert "nvcc" in readme and "evoattn_sdpa" in readme and "evoattn eval best.cu" in readme
+    assert "nvcc" in readme and "evoattn eval best.cu" in readme
 
 
 def test_export_accepts_an_open_store(run, tmp_path):
@@ -127,9 +180,9 @@ def test_no_correct_program_is_a_run_dir_error_and_writes_nothing(tmp_path):
 
 
 def test_failure_before_writing_creates_nothing(run, tmp_path, monkeypatch):
-    def boom(best, problem):
+    def boom(best, info):
         raise OSError("disk full")
-    monkeypatch.setattr(export_mod, "_readme", boom)
+    monkeypatch.setattr(export_mod.docs, "readme", boom)
     with pytest.raises(OSError):
         export_run(run, tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]

@@ -1,0 +1,266 @@
+"""The text files of an export: lineage, leaderboard and the package's README."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from evaluator.types import ConfigResult, EvalResult
+
+from .export_package import KernelInfo
+from .report import label
+from .types import Program
+
+MODES = ("kernel", "call", "graph")
+MODE_WORDS = {"kernel": "kernel (GPU time of one call, L2 flushed)",
+              "call": "call (back-to-back eager calls, host cost included)",
+              "graph": "graph (replayed from a CUDA graph)"}
+
+
+def dump(obj: Any) -> str:
+    """Returns obj as indented JSON text (NaN refused)."""
+    return json.dumps(obj, indent=2, allow_nan=False) + "\n"
+
+
+def _configs(p: Program) -> tuple[ConfigResult, ...]:
+    return p.result.configs if p.result else ()
+
+
+# ---- lineage and leaderboard ------------------------------------------------------
+def lineage_entry(step: int, p: Program) -> dict[str, Any]:
+    """Returns one step of the lineage as JSON data."""
+    return {"step": step, "id": p.id, "parent_id": p.parent_id,
+            "second_parent_id": p.second_parent_id, "iteration": p.iteration,
+            "mutator": p.mutator, "verdict": p.result.verdict.value if p.result else None,
+            "fitness": p.fitness, "change": p.change}
+
+
+def lineage_md(chain: list[Program]) -> str:
+    """Returns the lineage from the seed to the best program, one section a step."""
+    lines = ["# Lineage", "", f"From the seed to the best program, {len(chain)} steps. "
+             "Fitness is the geometric-mean speedup over the problem's baseline.", ""]
+    for i, p in enumerate(chain):
+        verdict = p.result.verdict.value if p.result else "unevaluated"
+        lines += [f"## {i}. `{p.id}` — {p.mutator}, iteration {p.iteration}", "",
+                  f"Fitness {p.fitness:.4f}× ({verdict})."
+                  + (f" Crossed with `{p.second_parent_id}`." if p.second_parent_id else ""), ""]
+        if p.change.strip():
+            ticks = "````" if "```" in p.change else "```"   # a fence the text cannot close
+            lang = "diff" if _looks_like_diff(p.change) else "text"
+            lines += [f"{ticks}{lang}", p.change.rstrip(), ticks, ""]
+    return "\n".join(lines)
+
+
+def _looks_like_diff(text: str) -> bool:
+    return any(ln.startswith(("--- ", "+++ ", "@@", "<<<<<<< SEARCH")) for ln in text.splitlines())
+
+
+def board_entry(rank: int, p: Program) -> dict[str, Any]:
+    """Returns one leaderboard row as JSON data."""
+    return {"rank": rank, "id": p.id, "fitness": p.fitness,
+            "verdict": p.result.verdict.value if p.result else None,
+            "mutator": p.mutator, "iteration": p.iteration,
+            "timing_device": p.result.timing_device if p.result else None,
+            "speedups": [{"config": label(c.params), "params": c.params,
+                          "dtype": c.dtype, "speedup": c.speedup, "ms": c.ms,
+                          "baseline_ms": c.baseline_ms} for c in _configs(p)]}
+
+
+def leaderboard_md(board: list[Program]) -> str:
+    """Returns the leaderboard table: one row a program, one column a config."""
+    labels: list[str] = []
+    for p in board:
+        for c in _configs(p):
+            if label(c.params) not in labels:
+                labels.append(label(c.params))
+    head = ["rank", "id", "fitness", "verdict", "mutator", "iteration"] + labels
+    lines = ["# Leaderboard", "", "Top correct programs; speedups are baseline time / "
+             "candidate time per config.", ""]
+    if any(p.result and p.result.timing_device == "cpu" for p in board):
+        lines += ["**Timed on CPU**: these speedups say nothing about GPU performance.", ""]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for rank, p in enumerate(board, 1):
+        speed = {label(c.params): c.speedup for c in _configs(p)}
+        cells = [str(rank), f"`{p.id}`", f"{p.fitness:.4f}",
+                 p.result.verdict.value if p.result else "", p.mutator, str(p.iteration)]
+        cells += [f"{speed[l]:.3f}×" if speed.get(l) is not None else "—" for l in labels]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# ---- README -----------------------------------------------------------------------
+def readme(best: Program, info: KernelInfo) -> str:
+    """Returns the export's README: what it is, install, use, guard, timings, re-check."""
+    r = best.result
+    problem = info.problem
+    where = f"{r.device} ({r.timing_device} timings)" if r else "unknown device"
+    lines = [f"# Exported kernel `{best.id}`", "",
+             f"The best correct program of an evoattn run (problem `{problem}`): fitness "
+             f"{best.fitness:.4f}× (geometric-mean speedup over the baseline, "
+             f"{r.timing if r else 'call'} timing), measured on {where}. `best_eval.json` holds "
+             "the full evaluation, `lineage.md` how it was reached, `leaderboard.md` the "
+             "runners-up.", ""]
+    if r and r.timing_device == "cpu":
+        lines += ["**These timings were taken on CPU** and say nothing about GPU speed: "
+                  "re-check on a GPU before relying on it.", ""]
+    lines += _install(info) + (_usage(info) if info.has_op else _no_op(info))
+    lines += _guard(info) + timings_md(r) + _files(best, info)
+    return "\n".join(lines)
+
+
+def _install(info: KernelInfo) -> list[str]:
+    return ["## Install", "",
+            f"This directory is a Python package, `{info.names.dist}` (import name "
+            f"`{info.names.package}`):", "", "```sh", "pip install path/to/this/directory",
+            "pip install \"path/to/this/directory[hf]\"   # with transformers", "```", "",
+            "It needs torch (and triton for a Triton kernel). A kernel with CUDA files is "
+            "built with nvcc on its first call, into `~/.cache/evoattn-kernels` (set "
+            "`EVOATTN_KERNEL_CACHE` to move it).", ""]
+
+
+_CALLS = {
+    "sdpa": ("attention(q, k, v, causal=True)",
+             "F.scaled_dot_product_attention(q, k, v, is_causal=True)",
+             "q, k, v: (B, H, S, D)"),
+    "gqa": ("attention(q, k, v, causal=True)",
+            "F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)",
+            "q: (B, Hq, S, D); k, v: (B, Hkv, S, D), Hq % Hkv == 0"),
+    "sliding_window": ("attention(q, k, v, window=512)", "an SDPA call with a window mask",
+                       "q, k, v: (B, H, S, D); query i sees keys i-511 .. i"),
+    "strided": ("attention(q, k, v, stride=4)", "an SDPA call with a strided causal mask",
+                "q, k, v: (B, H, S, D); query i sees keys j <= i with j % 4 == 0"),
+    "masked": ("attention(q, k, v, mask)",
+               "F.scaled_dot_product_attention(q, k, v, attn_mask=mask)",
+               "q: (B, H, Sq, D); k, v: (B, H, Sk, D); mask additive, of q's dtype, "
+               "broadcastable to (B, H, Sq, Sk)"),
+}
+
+
+def _usage(info: KernelInfo) -> list[str]:
+    pkg, ns = info.names.package, info.names.namespace
+    user = info.meta["user_problem"]
+    call, replaces, shapes = _CALLS.get(info.problem, ("attention(...)", "", "")) if not user \
+        else ("attention(...)", "", "")
+    lines = ["## Use it", "", f"`{pkg}.attention` is the custom op `torch.ops.{ns}.attention`"
+             + (f" with the schema `{info.meta['schema']}`" if user else "") + ": it works "
+             "eagerly, under `torch.compile(fullgraph=True)` with no graph break, and inside "
+             "CUDA graphs (`mode=\"reduce-overhead\"`).", "",
+             "```python", "import torch", f"from {pkg} import attention", "",
+             *([f"# {shapes}"] if shapes else []), f"out = {call}",
+             f"out = torch.ops.{ns}.attention(q, k, v" + (", True)" if info.problem in
+                                                           ("sdpa", "gqa") and not user else ", ...)"),
+             "", "fast = torch.compile(model, fullgraph=True)   # the op stays one node", "```", ""]
+    if user:
+        lines += ["For a user-defined problem the op's schema is read from the kernel's "
+                  "entry signature; its output is taken to have the shape and dtype of the "
+                  "first tensor argument, and there is no PyTorch fallback: outside the "
+                  "verified set the op raises NotImplementedError.", ""]
+        return lines
+    lines += ["### In an `nn.Module`", "", "```python", "import torch",
+              f"from {pkg} import attention", "",
+              "class SelfAttention(torch.nn.Module):",
+              "    def __init__(self, dim, heads):",
+              "        super().__init__()",
+              "        self.heads = heads",
+              "        self.qkv = torch.nn.Linear(dim, 3 * dim)",
+              "        self.proj = torch.nn.Linear(dim, dim)", "",
+              "    def forward(self, x):                       # x: (B, S, dim)",
+              "        B, S, C = x.shape",
+              "        q, k, v = self.qkv(x).view(B, S, 3, self.heads, C // self.heads)"
+              ".permute(2, 0, 3, 1, 4)",
+              f"        y = {call}" + (f"   # was {replaces}" if replaces else ""),
+              "        return self.proj(y.transpose(1, 2).reshape(B, S, C))", "```", "",
+              "### In a Hugging Face transformers model", "", "```python",
+              "from transformers import AutoModelForCausalLM",
+              f"from {pkg} import hf", "",
+              "hf.register(\"evoattn\")   # AttentionInterface.register(\"evoattn\", "
+              "hf.attention_forward), and its mask function",
+              "model = AutoModelForCausalLM.from_pretrained(name, attn_implementation=\"evoattn\")",
+              "```", "",
+              "`hf.attention_forward(module, query, key, value, attention_mask, scaling=None, "
+              "dropout=0.0, sliding_window=None, is_causal=None, **kwargs)` takes transformers' "
+              "(B, H, S, D) inputs (GQA-shaped k, v too) and returns (B, S, H, D). Calls the "
+              "kernel does not cover (a padding mask, decoding with a cache, dropout while "
+              "training) run transformers' SDPA path; `hf.py` lists them.", ""]
+    return lines
+
+
+def _no_op(info: KernelInfo) -> list[str]:
+    why = ("its contract is a module (`Model`), not a function" if info.problem == "mha" else
+           "its entry signature has no torch.library schema form (*args, **kwargs or "
+           "non-literal defaults)" if info.meta["user_problem"] else
+           f"no op form is known for problem {info.problem}")
+    return ["## Use it", "", f"This kernel is not wrapped as a custom op: {why}. Load it with "
+            f"`{info.names.package}.load_kernel_module()` (a Python kernel) and call its "
+            f"`{info.meta['entry']}` as the problem's contract says.", ""]
+
+
+def _guard(info: KernelInfo) -> list[str]:
+    v = info.meta["verified"]
+    where = v["device_type"] + (f" (compute capability {', '.join(v['capabilities'])}, "
+                                f"{v['device_name']})" if v["capabilities"] else "")
+    lines = ["## Where it runs", "",
+             "The op runs the evolved kernel only on what its evaluation verified, and PyTorch "
+             "SDPA elsewhere (logged once per reason at debug level on the logger "
+             f"`{info.names.package}`; `{info.names.package}.stats()` counts both):", "",
+             f"- device: {where}", f"- dtypes: {', '.join(v['dtypes']) or 'none'}"]
+    if v["head_dims"]:
+        lines.append(f"- head dims: {', '.join(map(str, v['head_dims']))}")
+    if v["causal"] is not None:
+        lines.append(f"- causal: {', '.join(map(str, v['causal']))}")
+    lines += ["- shapes: the problem's contract (checked on odd sequence lengths too), up to "
+              "2**31 elements per tensor",
+              "- layout: non-contiguous inputs (as transformers passes after a transpose) are "
+              "copied to contiguous ones first; the output is contiguous",
+              "- autograd: inputs that require grad take SDPA (the kernel is forward-only)",
+              "", "A kernel that cannot be built or imported on a machine (no nvcc, say) is "
+              "reported once as a warning, and every call runs SDPA.", ""]
+    if v["device_type"] != "cuda":
+        lines += ["This kernel was verified on the CPU only, so the op always falls back.", ""]
+    return lines
+
+
+def timings_md(r: EvalResult | None) -> list[str]:
+    """Returns per-config timing tables, one row per config, in every timing mode."""
+    if r is None or not r.configs:
+        return []
+    device = f"{r.device}" + (" (CPU timings)" if r.timing_device == "cpu" else "")
+    versions = ", ".join(f"{k} {v}" for k, v in r.versions.items())
+    lines = ["## Measured timings", "",
+             f"On {device}" + (f", versions {versions}" if versions else "") + ". "
+             "Times in ms (median); speedup = baseline / kernel; the baseline is the fastest "
+             "PyTorch option per config unless the run named one. Fitness used the "
+             f"`{r.timing}` mode.", ""]
+    for mode in MODES:
+        lines += [f"### {MODE_WORDS[mode]}", "",
+                  "| config | dtype | evolved ms | baseline | baseline ms | speedup |",
+                  "|---|---|---|---|---|---|"]
+        for c in r.configs:
+            mine = c.times.in_mode(mode) if c.times else None
+            base = c.baseline_times.get(c.baseline_name)
+            theirs = base.in_mode(mode) if base else None
+            speed = f"{theirs / mine:.3f}×" if mine and theirs else "—"
+            lines.append(f"| {label(c.params)} | {c.dtype} | {_ms(mine)} | "
+                         f"{c.baseline_name or '—'} | {_ms(theirs)} | {speed} |")
+        errors = sorted({c.times.graph_error for c in r.configs if c.times and c.times.graph_error})
+        if mode == "graph" and errors:
+            lines += ["", "Not captured in a CUDA graph: " + "; ".join(errors)]
+        lines.append("")
+    return lines
+
+
+def _ms(value: float | None) -> str:
+    return f"{value:.4f}" if value is not None else "—"
+
+
+def _files(best: Program, info: KernelInfo) -> list[str]:
+    problem = "" if info.problem == "sdpa" else f" --problem {info.problem}"
+    return ["## What is here", "",
+            f"- `{info.names.package}/`: the package; `kernel/` holds the program's files, "
+            "`kernel.json` what the op reads (names, form, verified set), `evidence/` the "
+            "evaluation and lineage",
+            f"- `best{best.suffix}`" + (" and its companion files" if len(info.files.files) > 1
+                                        else "") + ": the kernel as the run evaluated it",
+            "- `best_eval.json`, `lineage.md`/`.json`, `leaderboard.md`/`.json`: the evidence",
+            "", "## Re-check it", "",
+            "Re-evaluate on your own GPU (correctness first, then timing against PyTorch):",
+            "", "```sh", f"evoattn eval best{best.suffix}{problem}", "```", ""]

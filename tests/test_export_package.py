@@ -1,0 +1,305 @@
+"""The exported package: imports fresh and after pip install, its op compiles with no graph
+break, its guard falls back on the CPU, and it serves a real tiny Hugging Face Llama model."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import site
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from evaluator.types import ConfigResult, EvalResult, Verdict
+from evoattn import settings
+from evoattn.config import RunConfig, config_to_dict
+from evoattn.export import export_run
+from evoattn.export_package import names_for, user_schema
+from evoattn.sandbox import SubprocessEvaluator
+from evoattn.store import RunStore
+from evoattn.types import Program, program_id
+
+ROOT = Path(__file__).resolve().parent.parent
+NAIVE = ROOT / "seeds" / "sdpa" / "naive_torch.py"
+
+
+def _store_run(run_dir: Path, source: str, result: EvalResult, problem: str = "sdpa") -> None:
+    cfg = config_to_dict(RunConfig())
+    cfg["problem"] = problem
+    prog = Program(id=program_id(source), source=source, suffix=".py", parent_id=None,
+                   iteration=0, island=0, mutator="seed", change="", result=result)
+    with RunStore.open(run_dir, cfg, create=True) as s:
+        s.commit_iteration(iteration=0, program=prog, rejection=None, llm_usage=None,
+                           rng_state=random.Random(0).getstate(), population_snapshot={})
+
+
+def _py(code: str, cwd: Path, python: str = sys.executable, env: dict | None = None,
+        timeout: int = 600) -> str:
+    """Runs Python code in a fresh process; returns its stdout (fails the test on an error)."""
+    p = subprocess.run([python, "-c", textwrap.dedent(code)], cwd=cwd, capture_output=True,
+                       text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> dict:
+    """A run of the naive seed evaluated by the real CPU evaluator, exported."""
+    tmp = tmp_path_factory.mktemp("pkg")
+    prob = settings.problem("sdpa")
+    request = settings.eval_request("sdpa", prob, "cpu", settings.parse_configs(
+        prob, "1,2,64,64", "--configs"), None, settings.evaluator_config(trials=1))
+    ev = SubprocessEvaluator(request)
+    try:
+        result = ev.evaluate(NAIVE.read_text(), ".py", "naive_torch.py")
+    finally:
+        ev.close()
+    assert result.verdict is Verdict.PASS, result.reason
+    _store_run(tmp / "run", NAIVE.read_text(), result)
+    summary = export_run(tmp / "run", tmp / "out")
+    return {"out": tmp / "out", "summary": summary, "tmp": tmp}
+
+
+def test_export_writes_a_package_with_the_kernel_and_its_evidence(exported):
+    s, out = exported["summary"], exported["out"]
+    pkg = out / s.package
+    assert s.package == names_for("sdpa", s.best_id).package and s.has_op
+    assert (pkg / "kernel" / "best.py").read_text() == NAIVE.read_text()
+    for name in ("__init__.py", "ops.py", "guard.py", "hf.py", "problems.py", "_loader.py",
+                 "_build.py", "kernel.json", "evidence/best_eval.json", "evidence/lineage.json"):
+        assert (pkg / name).is_file(), name
+    meta = json.loads((pkg / "kernel.json").read_text())
+    assert meta["form"] == "python" and meta["namespace"] == s.namespace
+    # verified on the CPU: the op's guard lets nothing through to the kernel
+    assert meta["verified"]["device_type"] == "cpu" and meta["verified"]["dtypes"] == ["float16"]
+    assert meta["verified"]["head_dims"] == [64] and meta["verified"]["causal"] == [False, True]
+    py = (out / "pyproject.toml").read_text()
+    assert f'name = "{s.package.replace("_", "-")}"' in py and f'packages = ["{s.package}"]' in py
+    readme = (out / "README.md").read_text()
+    for text in (f"from {s.package} import attention", f"torch.ops.{s.namespace}.attention",
+                 'hf.register("evoattn")', 'attn_implementation="evoattn"', "fullgraph=True",
+                 "### kernel", "### call", "### graph", "class SelfAttention"):
+        assert text in readme, text
+
+
+def test_package_imports_in_a_fresh_process_and_registers_the_op(exported):
+    s = exported["summary"]
+    got = _py(f"""
+        import json, torch, torch.nn.functional as F
+        import {s.package} as pkg
+        q, k, v = (torch.randn(2, 3, 37, 64) for _ in range(3))
+        out = torch.ops.{s.namespace}.attention(q, k, v, True)
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        print(json.dumps({{"op": hasattr(torch.ops.{s.namespace}, "attention"),
+                           "err": (out - ref).abs().max().item(), "stats": pkg.stats()}}))
+    """, cwd=exported["out"])
+    r = json.loads(got.splitlines()[-1])
+    assert r["op"] and r["err"] < 1e-6
+    assert r["stats"]["kernel"] == 0 and r["stats"]["fallback"] == 1
+    assert list(r["stats"]["fallback_reasons"]) == [
+        "verified on cpu only (the kernel runs on CUDA GPUs)"]
+
+
+def test_pip_install_into_a_fresh_venv_then_import_and_call(exported):
+    venv = exported["tmp"] / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
+                    str(venv)], check=True, timeout=300)
+    python = str(venv / "bin" / "python")
+    # --system-site-packages reaches the base interpreter's packages; when the tests run in a
+    # virtualenv, torch (and pip, setuptools) live in this one's: point the new venv at it too.
+    purelib = _py("import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=venv,
+                  python=python).strip()
+    Path(purelib, "parent_env.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    p = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps",
+                        "--no-build-isolation", str(exported["out"])],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    s = exported["summary"]
+    got = _py(f"""
+        import torch, torch.nn.functional as F
+        import {s.package} as pkg
+        print(pkg.__file__)
+        q = torch.randn(1, 2, 16, 64).transpose(1, 2).contiguous().transpose(1, 2)
+        out = pkg.attention(q, q, q, causal=False)
+        print((out - F.scaled_dot_product_attention(q, q, q)).abs().max().item())
+        print(hasattr(torch.ops.{s.namespace}, "attention"), out.is_contiguous())
+    """, cwd=exported["tmp"], python=python)
+    where, err, flags = got.strip().splitlines()[-3:]
+    assert where.startswith(purelib) and (Path(where).parent / "kernel" / "best.py").is_file()
+    assert float(err) < 1e-6 and flags == "True True"
+
+
+def test_compile_fullgraph_runs_the_op_with_no_graph_break(exported):
+    s = exported["summary"]
+    got = _py(f"""
+        import torch, torch.nn.functional as F
+        from torch._dynamo.utils import counters
+        import {s.package} as pkg
+
+        def block(q, k, v):
+            return pkg.attention(q, k, v, causal=True).relu() + 1
+
+        q, k, v = (torch.randn(1, 2, 40, 64) for _ in range(3))
+        fast = torch.compile(block, fullgraph=True)
+        out = fast(q, k, v)
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True).relu() + 1
+        print((out - ref).abs().max().item(), sum(counters["graph_break"].values()),
+              pkg.stats()["fallback"])
+    """, cwd=exported["out"])
+    err, breaks, fallbacks = got.split()[-3:]
+    assert float(err) < 1e-5 and breaks == "0" and int(fallbacks) >= 1
+
+
+def test_inputs_that_need_grad_take_differentiable_sdpa(exported):
+    s = exported["summary"]
+    got = _py(f"""
+        import torch
+        import {s.package} as pkg
+        q = torch.randn(1, 2, 8, 64, requires_grad=True)
+        pkg.attention(q, q, q).sum().backward()
+        print(q.grad.abs().sum().item() > 0, list(pkg.stats()["fallback_reasons"]))
+    """, cwd=exported["out"])
+    assert "True ['inputs require grad (the kernel is forward-only)']" in got
+
+
+def test_tiny_llama_through_the_hf_interface_matches_sdpa(exported):
+    s = exported["summary"]
+    got = _py(f"""
+        import json, torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+        import {s.package} as pkg
+        from {s.package} import hf
+        assert hf.register() == "evoattn"
+        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=97)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg).eval()
+        ids = torch.randint(0, 97, (2, 21))
+        pad = torch.ones(2, 21, dtype=torch.long)
+        pad[0, :5] = 0
+        out = {{}}
+        with torch.no_grad():
+            for mask in (None, pad):
+                model.set_attn_implementation("sdpa")
+                ref = model(ids, attention_mask=mask).logits
+                model.set_attn_implementation("evoattn")
+                pkg.reset_stats()
+                got = model(ids, attention_mask=mask).logits
+                out["pad" if mask is not None else "plain"] = {{
+                    "err": (got - ref).abs().max().item(), "stats": pkg.stats()}}
+            model.set_attn_implementation("sdpa")
+            ref = model(ids).logits
+            model.set_attn_implementation("evoattn")
+            fast = torch.compile(model, fullgraph=True)
+            pkg.reset_stats()
+            out["compiled"] = {{"err": (fast(ids).logits - ref).abs().max().item(),
+                               "stats": pkg.stats()}}
+        print(json.dumps(out))
+    """, cwd=exported["out"])
+    r = json.loads(got.splitlines()[-1])
+    assert r["plain"]["err"] < 1e-5 and r["pad"]["err"] < 1e-5
+    # two layers, one attention call each: both fell back (CPU), for the reason said
+    assert r["plain"]["stats"]["fallback"] == 2 and r["plain"]["stats"]["kernel"] == 0
+    assert list(r["plain"]["stats"]["fallback_reasons"]) == [
+        "verified on cpu only (the kernel runs on CUDA GPUs)"]
+    assert r["pad"]["stats"]["fallback_reasons"] == {"an attention mask (padding or a pattern)": 2}
+    assert r["compiled"]["err"] < 1e-4 and r["compiled"]["stats"]["fallback"] == 2
+
+
+def test_model_benchmark_runs_on_cpu_with_a_tiny_config(exported):
+    out = exported["tmp"] / "hf_model.json"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hf_model.py"), "--export",
+                        str(exported["out"]), "--device", "cpu", "--tiny", "--compile",
+                        "--seqs", "24", "--runs", "2", "--warmup", "2", "--json", str(out)],
+                       capture_output=True, text=True, timeout=900, cwd=exported["tmp"])
+    assert p.returncode == 0, p.stdout + p.stderr
+    r = json.loads(out.read_text())
+    assert r["all_agree"] and r["program_id"] == exported["summary"].best_id
+    (row,) = r["rows"]
+    assert row["seq"] == 24 and row["layers"] == 2 and (row["heads"], row["kv_heads"]) == (4, 2)
+    for mode in ("eager", "compile"):
+        assert row[mode]["kernel_calls"] == 0 and row[mode]["fallback_calls"] == 2
+        assert row[mode]["evoattn"]["max_abs"] <= 2 * row[mode]["sdpa"]["max_abs"]
+        assert row[mode]["sdpa_ms"] > 0 and row[mode]["evoattn_ms"] > 0
+    assert "| 16 | 4/2 | 1 | 24 |" in p.stdout
+
+
+# ---- user problems: the op's schema from the entry signature --------------------------
+def test_user_schema_reads_the_entry_signature():
+    src = ("import torch\n"
+           "def attention(q, k, v: torch.Tensor, softcap=50.0, scale=None, causal: bool = False,\n"
+           "              bias: torch.Tensor | None = None, n: int = -3, w: int = 0):\n"
+           "    pass\n")
+    assert user_schema(src, "attention") == (
+        "(Tensor q, Tensor k, Tensor v, float softcap=50.0, float? scale=None, "
+        "bool causal=False, Tensor? bias=None, int n=-3, int w=0) -> Tensor")
+    assert user_schema("def attention(q, *rest): pass\n", "attention") is None
+    assert user_schema("def attention(q, mode='a'): pass\n", "attention") is None
+    assert user_schema("def other(q): pass\n", "attention") is None
+
+
+def test_user_problem_export_registers_its_own_schema(tmp_path):
+    problem = ROOT / "examples" / "softcap" / "problem.py"
+    seed = (ROOT / "examples" / "softcap" / "seed.py").read_text()
+    res = EvalResult(verdict=Verdict.PASS, reason="", fitness=1.0, problem="softcap",
+                     configs=(ConfigResult(params={"B": 1, "H": 2, "S": 64, "D": 64},
+                                           dtype="float16", verdict=Verdict.PASS),),
+                     device="NVIDIA H100", timing_device="cuda",
+                     device_info={"capability": "9.0"})
+    _store_run(tmp_path / "run", seed, res, problem=str(problem))
+    s = export_run(tmp_path / "run", tmp_path / "out")
+    assert s.package.startswith("evoattn_softcap_") and s.has_op
+    got = _py(f"""
+        import torch
+        import {s.package} as pkg
+        print(torch.ops.{s.namespace}.attention.default._schema)
+        try:
+            pkg.attention(*(torch.randn(1, 2, 8, 64) for _ in range(3)), softcap=30.0)
+        except NotImplementedError as e:
+            print("refused:", e)
+    """, cwd=tmp_path / "out")
+    assert "float softcap=50." in got and "float? scale=None" in got
+    assert "refused:" in got and "cpu tensors" in got and "no PyTorch fallback" in got
+
+
+def test_a_multi_file_kernel_loads_with_its_companions(tmp_path):
+    main = textwrap.dedent("""\
+        # evoattn: companion helper.py
+        # evoattn: companion fast.cu when(@target=sm90) when(USE_FAST=True)
+        import importlib.util, pathlib
+        USE_FAST = True  # evoattn: choice(True, False)
+        _spec = importlib.util.spec_from_file_location(
+            "helper", pathlib.Path(__file__).parent / "helper.py")
+        helper = importlib.util.module_from_spec(_spec)
+        _spec.loader.exec_module(helper)
+        LIBS = dict(EVOATTN_LIBRARIES)
+
+        def attention(q, k, v, causal=False, scale=None):
+            return helper.scaled(q)
+        """)
+    from evaluator import program
+    source = program.join([("hybrid.py", main), ("helper.py", "def scaled(x):\n    return 2 * x\n"),
+                           ("fast.cu", 'extern "C" int f() { return 0; }\n')])
+    res = EvalResult(verdict=Verdict.PASS, reason="", fitness=1.0, device="cpu",
+                     timing_device="cpu",
+                     configs=(ConfigResult(params={"B": 1, "H": 1, "S": 8, "D": 64,
+                                                   "causal": False},
+                                           dtype="float16", verdict=Verdict.PASS),))
+    _store_run(tmp_path / "run", source, res)
+    s = export_run(tmp_path / "run", tmp_path / "out")
+    got = _py(f"""
+        import torch
+        import {s.package} as pkg
+        from {s.package} import _loader, ops
+        mod = pkg.load_kernel_module()
+        print(mod.LIBS, mod.attention(torch.ones(1), None, None).item())
+        when = ops.META["companions"][1]["when"]
+        print(_loader._holds(when, {{"USE_FAST": "True"}}, "sm_90a"),
+              _loader._holds(when, {{"USE_FAST": "True"}}, "sm_80"),
+              _loader._holds(when, {{"USE_FAST": "False"}}, "sm_90a"))
+    """, cwd=tmp_path / "out")
+    libs, holds = got.strip().splitlines()[-2:]
+    assert libs == "{} 2.0" and holds == "True False False"

@@ -1,0 +1,149 @@
+"""Each built-in problem's op: its schema, the kernel called with the problem's own arguments
+(the seed on the Triton CPU interpreter agrees with the op's SDPA fallback), and its
+Hugging Face mapping (GQA k/v, a sliding window) in a real tiny model."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from evaluator.types import ConfigResult, EvalResult, Verdict
+from evoattn.config import RunConfig, config_to_dict
+from evoattn.export import export_run
+from evoattn.store import RunStore
+from evoattn.types import Program, program_id
+
+ROOT = Path(__file__).resolve().parent.parent
+SEEDS = {"sdpa": "sdpa/flash_triton.py", "gqa": "gqa/gqa_triton.py",
+         "masked": "masked/masked_triton.py", "sliding_window": "sliding_window/window_triton.py",
+         "strided": "strided/strided_triton.py"}
+# (the op's schema, a call of the op on q, k, v, mask in the test's scope)
+CALLS = {
+    "sdpa": ("bool causal=False, float? scale=None", "attention(q, k, v, causal=True)"),
+    "gqa": ("bool causal=False, float? scale=None", "attention(q, k[:, :1], v[:, :1], causal=True)"),
+    "masked": ("Tensor mask, float? scale=None", "attention(q, k, v, mask, scale=0.2)"),
+    "sliding_window": ("int window, float? scale=None", "attention(q, k, v, window=5)"),
+    "strided": ("int stride, float? scale=None", "attention(q, k, v, stride=3)"),
+}
+
+
+def export_problem(tmp: Path, problem: str) -> tuple[Path, object]:
+    """Exports a run of the problem's seed, evaluated (as stored) on an H100."""
+    source = (ROOT / "seeds" / SEEDS[problem]).read_text()
+    params = {"B": 1, "H": 2, "S": 128, "D": 64}
+    res = EvalResult(verdict=Verdict.PASS, reason="", fitness=1.0, problem=problem,
+                     configs=(ConfigResult(params=params, dtype="float16", verdict=Verdict.PASS),),
+                     device="NVIDIA H100", timing_device="cuda", device_info={"capability": "9.0"})
+    cfg = config_to_dict(RunConfig())
+    cfg["problem"] = problem
+    prog = Program(id=program_id(source), source=source, suffix=".py", parent_id=None,
+                   iteration=0, island=0, mutator="seed", change="", result=res)
+    with RunStore.open(tmp / "run", cfg, create=True) as s:
+        s.commit_iteration(iteration=0, program=prog, rejection=None, llm_usage=None,
+                           rng_state=random.Random(0).getstate(), population_snapshot={})
+    return tmp / "out", export_run(tmp / "run", tmp / "out")
+
+
+def _py(code: str, cwd: Path) -> str:
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd,
+                       capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout
+
+
+@pytest.mark.parametrize("problem", sorted(SEEDS))
+def test_op_calls_the_kernel_with_the_problems_arguments(tmp_path, problem):
+    out, s = export_problem(tmp_path, problem)
+    schema, call = CALLS[problem]
+    got = _py(f"""
+        import json, torch
+        import {s.package} as pkg
+        from {s.package} import ops
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(1, 2, 23, 64) for _ in range(3))
+        mask = torch.zeros(1, 1, 23, 23).masked_fill(torch.rand(23, 23) < 0.3, float("-inf"))
+        mask[..., 0] = 0.0              # every query row keeps a key
+        attention = lambda *a, **kw: ops.SPEC.bind(a, kw)
+        args = {call}
+        kernel = getattr(pkg.load_kernel_module(), "attention")
+        mine = ops.SPEC.call_kernel(kernel, args)
+        theirs = ops.SPEC.fallback(args)
+        op = pkg.{call}
+        print(json.dumps({{"schema": str(getattr(torch.ops, pkg.NAMESPACE).attention.default._schema),
+                           "err": (mine - theirs).abs().max().item(),
+                           "op_err": (op - theirs).abs().max().item(), "stats": pkg.stats()}}))
+    """, cwd=out)
+    r = json.loads(got.splitlines()[-1])
+    assert f"(Tensor q, Tensor k, Tensor v, {schema}) -> Tensor" in r["schema"]
+    assert r["err"] < 1e-3, r              # the kernel, called as the op calls it, is right
+    assert r["op_err"] == 0.0 and r["stats"] == {
+        "kernel": 0, "fallback": 1,
+        "fallback_reasons": {"cpu tensors (the kernel runs on CUDA GPUs)": 1}}
+
+
+def test_guard_refuses_shapes_outside_the_contract(tmp_path):
+    out, s = export_problem(tmp_path, "gqa")
+    got = _py(f"""
+        import torch
+        from {s.package} import ops, guard
+        v = ops.META["verified"]
+        q = torch.randn(1, 4, 8, 64)
+        bad = ops.SPEC.bind((q, torch.randn(1, 3, 8, 64), torch.randn(1, 3, 8, 64)), {{}})
+        print(ops.SPEC.shape_refusal(bad))
+        print(guard.refusal(v, ops.SPEC, ops.SPEC.bind((q, q, q), {{}})))
+        print(v)
+    """, cwd=out)
+    shape, device, verified = got.strip().splitlines()[-3:]
+    assert "Hq % Hkv == 0" in shape and device == "cpu tensors (the kernel runs on CUDA GPUs)"
+    assert "'capabilities': ['9.0']" in verified and "'head_dims': [64]" in verified
+
+
+def _tiny_model_run(out: Path, package: str, model_code: str) -> dict:
+    got = _py(f"""
+        import json, torch
+        import transformers
+        import {package} as pkg
+        from {package} import hf
+        hf.register()
+        torch.manual_seed(0)
+        {model_code}
+        ids = torch.randint(0, 97, (2, 21))
+        with torch.no_grad():
+            model.set_attn_implementation("sdpa")
+            ref = model(ids).logits
+            model.set_attn_implementation("evoattn")
+            pkg.reset_stats()
+            got = model(ids).logits
+        print(json.dumps({{"err": (got - ref).abs().max().item(), "stats": pkg.stats()}}))
+    """, cwd=out)
+    return json.loads(got.splitlines()[-1])
+
+
+def test_gqa_model_calls_reach_the_op_in_a_tiny_llama(tmp_path):
+    out, s = export_problem(tmp_path, "gqa")
+    r = _tiny_model_run(out, s.package, textwrap.dedent("""\
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=1, vocab_size=97)).eval()""").replace("\n", "\n        "))
+    # the op's guard saw the calls (the CPU makes it fall back): the HF layer let them through
+    assert r["err"] < 1e-5 and r["stats"]["fallback_reasons"] == {
+        "cpu tensors (the kernel runs on CUDA GPUs)": 2}
+
+
+def test_sliding_window_reaches_the_op_with_the_models_window(tmp_path):
+    out, s = export_problem(tmp_path, "sliding_window")
+    r = _tiny_model_run(out, s.package, textwrap.dedent("""\
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=97, sliding_window=6)).eval()""")
+        .replace("\n", "\n        "))
+    # the op's fallback computed the window the kernel would (keys i-5 .. i), as HF's SDPA did
+    assert r["err"] < 1e-5 and r["stats"]["fallback_reasons"] == {
+        "cpu tensors (the kernel runs on CUDA GPUs)": 2}
