@@ -16,7 +16,7 @@ from typing import Any, Callable
 from .problems.base import Problem
 from .program import LIBRARIES_GLOBAL, declared_companions
 
-_HEADERS = (".cuh", ".h", ".hpp", ".inc")
+HEADER_SUFFIXES = (".cuh", ".h", ".hpp", ".inc")
 
 RunFn = Callable[[dict[str, Any], dict[str, Any]], Any]
 
@@ -56,7 +56,7 @@ def build_candidate(path: Path, problem: Problem, cache_dir: Path, build_timeout
     source = path.read_text(errors="replace")   # bad bytes are nvcc's to report, not a crash
     companions = declared_companions(source)
     headers = {c.name: (path.parent / c.name).read_bytes() for c in companions
-               if Path(c.name).suffix in _HEADERS and (path.parent / c.name).is_file()}
+               if Path(c.name).suffix in HEADER_SUFFIXES and (path.parent / c.name).is_file()}
     import torch
     has_gpu = torch.cuda.is_available()
     from . import build
