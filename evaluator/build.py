@@ -61,7 +61,11 @@ class LoadError(Exception):
 def detect_arch() -> str:
     """Returns the nvcc target of the current GPU, e.g. "sm_90a" on an H100."""
     import torch
-    major, minor = torch.cuda.get_device_capability()
+    return arch_for(*torch.cuda.get_device_capability())
+
+
+def arch_for(major: int, minor: int) -> str:
+    """Returns the nvcc target of a compute capability, e.g. "sm_90a" for 9.0."""
     if (major, minor) == (9, 0):
         return "sm_90a"                 # wgmma / TMA need the arch-specific target
     if (major, minor) == (10, 0):
@@ -118,11 +122,12 @@ def fast_flags(arch: str) -> list[str]:
 
 def build_fast(source_path: str | os.PathLike[str], cache_dir: str | os.PathLike[str],
                arch: str, timeout_s: float, nvcc: str = "nvcc",
-               extra_files: dict[str, bytes] | None = None) -> BuildResult:
+               extra_files: dict[str, bytes] | None = None,
+               env: dict[str, str] | None = None) -> BuildResult:
     """Compiles a fast-form .cu into `cache_dir/<key>/lib.so`, or returns the cached one.
 
     `extra_files` (a program's headers, by file name) are written beside the source and are
-    part of the cache key.
+    part of the cache key; nvcc runs in `env` (default: this process's environment).
     """
     t0 = time.monotonic()
     flags = fast_flags(arch)
@@ -144,7 +149,8 @@ def build_fast(source_path: str | os.PathLike[str], cache_dir: str | os.PathLike
     for extra_name, text in extra.items():
         (tmp / Path(extra_name).name).write_bytes(text)
     (tmp / name).write_bytes(source)
-    ok, log = _run_group([nvcc, *flags, "-o", _FAST_LIB, name], tmp, timeout_s, os.environ)
+    ok, log = _run_group([nvcc, *flags, "-o", _FAST_LIB, name], tmp, timeout_s,
+                         os.environ if env is None else env)
     log = log.replace(str(tmp) + os.sep, "")
     if ok and not (tmp / _FAST_LIB).is_file():
         ok, log = False, log + f"\nnvcc exited 0 but wrote no {_FAST_LIB}"

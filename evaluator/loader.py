@@ -16,7 +16,7 @@ from typing import Any, Callable
 from .problems.base import Problem
 from .program import LIBRARIES_GLOBAL, declared_companions
 
-_HEADERS = (".cuh", ".h", ".hpp", ".inc")
+HEADER_SUFFIXES = (".cuh", ".h", ".hpp", ".inc")
 
 RunFn = Callable[[dict[str, Any], dict[str, Any]], Any]
 

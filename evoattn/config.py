@@ -85,6 +85,9 @@ class EvaluatorConfig:
     backend: str = "local"             # "local" (this machine's GPUs) or "dask"
     scheduler_address: str | None = None   # the Dask scheduler, e.g. tcp://host:8786
     gpus: tuple[int, ...] | None = None    # local: the GPU indices to use (default: all visible)
+    # Iterations in flight (default: one per evaluation slot, plus llm.concurrency). A fixed
+    # window keeps a run's choices the same on any number of GPUs or workers.
+    window: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,6 +250,8 @@ def check_config(cfg: RunConfig, origin: str) -> None:
         value = getattr(cfg.evaluator, key)
         if value is not None and value < 0:
             raise bad(f"evaluator.{key}", "must be >= 0")
+    if cfg.evaluator.window is not None and cfg.evaluator.window < 1:
+        raise bad("evaluator.window", "must be >= 1 (or null: one per evaluation slot)")
     if cfg.evaluator.run_factor <= 0 or cfg.evaluator.run_floor_s <= 0:
         raise bad("evaluator.run_factor", "and run_floor_s must be > 0")
     if any(m.kind == "llm" for m in cfg.mutators) and not cfg.llm.models:

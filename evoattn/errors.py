@@ -5,6 +5,7 @@
     │   └── ConfigError     a config file key is unknown, mistyped or missing
     ├── RunDirError         a run directory is missing, locked or from another config
     ├── LlmError            the LLM endpoint failed after retries
+    ├── ClusterError        the Dask scheduler cannot be reached, or went away mid-run
     └── BudgetExceeded      the run's cost budget is spent (stops the run cleanly)
     Interrupted             SIGTERM or SIGHUP (a KeyboardInterrupt, as Ctrl-C is)
 
@@ -31,6 +32,10 @@ class RunDirError(EvoattnError):
 
 class LlmError(EvoattnError):
     """The LLM endpoint failed after all retries."""
+
+
+class ClusterError(EvoattnError):
+    """The Dask scheduler cannot be reached, or the connection to it was lost (names it)."""
 
 
 class BudgetExceeded(EvoattnError):

@@ -2,7 +2,8 @@
 
     as_pool(evaluator)   an evaluator with evaluate(), as one slot (the tests' fakes)
     LocalPool            one slot per GPU of this machine (CUDA_VISIBLE_DEVICES set per child,
-                         never in this process), or one on the CPU
+                         never in this process), or one on the CPU; a CUDA candidate's nvcc
+                         builds start on CPU threads when it is submitted (evoattn/prebuild.py)
     make_evaluator(...)  what a run config asks for: the local pool, or a Dask cluster
 
 Every pool has the same face: `slots`, `submit(source, suffix, label) -> Future[EvalResult]`,
@@ -23,6 +24,7 @@ from evaluator.request import EvalRequest
 from evaluator.types import EvalResult
 
 from .errors import UsageError
+from .prebuild import Prebuilder
 from .sandbox import SandboxSettings, SubprocessEvaluator
 
 
@@ -64,15 +66,20 @@ class _Job:
     source: str
     suffix: str
     label: str
+    build: cf.Future[Any] | None = None     # its nvcc builds on a CPU thread, if any
 
 
 class LocalPool:
-    """One slot per device id, each a thread driving its own evaluator, taking jobs in order."""
+    """One slot per device id, each a thread driving its own evaluator, taking jobs in order;
+    `prebuild` starts each CUDA job's builds on CPU threads at submission."""
 
-    def __init__(self, devices: Sequence[str], make: Callable[[str], Any]) -> None:
+    def __init__(self, devices: Sequence[str], make: Callable[[str], Any],
+                 prebuild: Prebuilder | None = None) -> None:
         if not devices:
             raise UsageError("no evaluation slot: the list of GPUs is empty")
         self.devices = list(devices)
+        self._prebuild = prebuild
+        self.prefetch = prebuild is not None    # the search keeps one more job queued
         self.slots = len(self.devices)
         self._evaluators = [make(d) for d in self.devices]
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
@@ -85,7 +92,8 @@ class LocalPool:
 
     def submit(self, source: str, suffix: str, label: str) -> cf.Future[EvalResult]:
         fut: cf.Future[EvalResult] = cf.Future()
-        self._jobs.put(_Job(fut, source, suffix, label))
+        build = self._prebuild.submit(source, suffix) if self._prebuild is not None else None
+        self._jobs.put(_Job(fut, source, suffix, label, build))
         return fut
 
     def calibrate(self, seed: EvalResult) -> None:
@@ -96,6 +104,8 @@ class LocalPool:
     def close(self) -> None:
         """Stops the slots: queued jobs are dropped, running children are killed."""
         self._closed = True
+        if self._prebuild is not None:
+            self._prebuild.close()
         for _ in self._threads:
             self._jobs.put(None)
         for ev in self._evaluators:
@@ -118,6 +128,8 @@ class LocalPool:
                 return
             if not job.future.set_running_or_notify_cancel():
                 continue
+            if job.build is not None:      # the child then finds the libraries cached
+                cf.wait([job.build])
             try:
                 job.future.set_result(evaluator.evaluate(job.source, job.suffix, job.label))
             except BaseException as e:  # noqa: BLE001 - delivered to whoever waits on it
@@ -153,16 +165,25 @@ def make_evaluator(cfg: Any, request: EvalRequest, secret_names: tuple[str, ...]
         from .backends.dask import DaskPool
         return DaskPool(ev.scheduler_address, request, secret_names, ev.run_factor,
                         ev.run_floor_s)
-    devices = ["cpu"] if request.device == "cpu" else visible_gpus(ev.gpus)
+    refresh = ev.baseline_refresh_s if ev.station else None
 
     def make(device: str) -> Any:
-        sandbox = SandboxSettings(secret_env_names=secret_names,
-                                  visible_device=None if device == "cpu" else device,
-                                  station_refresh_s=ev.baseline_refresh_s if ev.station
-                                  else None)
-        return _Calibrated(SubprocessEvaluator(request, sandbox), ev.run_factor, ev.run_floor_s)
+        return slot_evaluator(request, device, secret_names, ev.run_factor, ev.run_floor_s,
+                              refresh)
+    if request.device == "cpu":
+        return LocalPool(["cpu"], make)
+    return LocalPool(visible_gpus(ev.gpus), make,
+                     Prebuilder(request, SandboxSettings(secret_env_names=secret_names)))
 
-    return LocalPool(devices, make)
+
+def slot_evaluator(request: EvalRequest, device: str, secret_names: tuple[str, ...],
+                   factor: float, floor_s: float, station_refresh_s: float | None = None) -> Any:
+    """Returns the evaluator of one slot: its children see only `device` (a GPU id), and its
+    station (when station_refresh_s is set) times the baselines for them."""
+    sandbox = SandboxSettings(secret_env_names=secret_names,
+                              visible_device=None if device == "cpu" else device,
+                              station_refresh_s=station_refresh_s)
+    return _Calibrated(SubprocessEvaluator(request, sandbox), factor, floor_s)
 
 
 class _Calibrated:

@@ -44,9 +44,17 @@ def start_run(*, config_path: str | None, iterations: int | None, output: str | 
               console: Console, max_wall_s: float | None = None) -> int:
     """Runs (or resumes) a search, exports its best kernel into RUN_DIR/best; returns the exit
     code (130 after a clean stop on Ctrl-C)."""
+    from .pool import make_evaluator
     from .store import RunStore
     plan = plan_run(config_path, iterations, output, random_seed, device, resume_dir, max_wall_s)
-    store = RunStore.open(plan.run_dir, config_to_dict(plan.cfg), create=not plan.resuming)
+    # Before the run directory: a cluster that cannot be reached leaves nothing behind.
+    evaluator = make_evaluator(plan.cfg, plan.request,
+                               tuple(m.api_key_env for m in plan.cfg.llm.models))
+    try:
+        store = RunStore.open(plan.run_dir, config_to_dict(plan.cfg), create=not plan.resuming)
+    except BaseException:
+        evaluator.close()
+        raise
     try:
         if plan.resuming:
             was = store.stored_config().get("device")
@@ -59,9 +67,10 @@ def start_run(*, config_path: str | None, iterations: int | None, output: str | 
             console.print(f"resuming the run in {plan.run_dir} after iteration {done} "
                           f"({len(store.load_programs())} programs stored)")
             store.record_stop(None)
-        return _search(plan, store, quiet, console)
+        return _search(plan, store, evaluator, quiet, console)
     finally:
         store.close()
+        evaluator.close()                       # stops every child process and zygote
 
 
 def plan_run(config_path: str | None, iterations: int | None, output: str | None,
@@ -72,7 +81,7 @@ def plan_run(config_path: str | None, iterations: int | None, output: str | None
                                     device)
     if max_wall_s is not None:
         cfg = dataclasses.replace(cfg, max_wall_s=max_wall_s)
-    dev = settings.resolve_device(cfg.device)
+    dev = settings.resolve_device(cfg.device, here=cfg.evaluator.backend == "local")
     cfg = dataclasses.replace(cfg, device=dev)
     ref = settings.problem_ref(cfg.problem, config_path)
     prob = settings.problem(ref, "problem: ")
@@ -90,15 +99,13 @@ def plan_run(config_path: str | None, iterations: int | None, output: str | None
                    Path(resume_dir or cfg.output))
 
 
-def _search(plan: RunPlan, store: Any, quiet: bool, console: Console) -> int:
+def _search(plan: RunPlan, store: Any, evaluator: Any, quiet: bool, console: Console) -> int:
     from .export import export_run
     from .mutators.knobs import KnobMutator
-    from .pool import make_evaluator
     from .progress import EventLog, LiveView
     from .search import Search
 
     cfg = plan.cfg
-    evaluator = make_evaluator(cfg, plan.request, tuple(m.api_key_env for m in cfg.llm.models))
     meter = None
     mutators: list[tuple[Any, float]] = []
     target = detect_target(plan.device)   # the @target fact: lets knob conditions rule out code
@@ -130,20 +137,20 @@ def _search(plan: RunPlan, store: Any, quiet: bool, console: Console) -> int:
                     contract=plan.problem.contract, on_progress=view.update,
                     budget_exhausted=lambda: bool(meter and meter.exhausted),
                     llm_totals=llm_totals,
-                    lookahead=cfg.llm.concurrency if meter is not None else 0)
+                    lookahead=cfg.llm.concurrency if meter is not None else 0,
+                    window=cfg.evaluator.window)
     events.write("start", config=config_to_dict(cfg), device=plan.device,
                  run_dir=str(plan.run_dir))
-    try:
-        with view:
-            outcome = search.run()
-    finally:
-        evaluator.close()                       # stops every child process and zygote
+    with view:
+        outcome = search.run()
     events.write("stop", reason=outcome.stop_reason, iterations=outcome.iterations_done,
                  best_id=outcome.best.id if outcome.best else None,
                  best_fitness=outcome.best.fitness if outcome.best else None,
                  elapsed_s=outcome.elapsed_s, run_elapsed_s=outcome.run_elapsed_s)
     events.close()
     _summary(console, outcome, search, plan)
+    if outcome.exit_code == 1:                  # a lost cluster: whole up to its last commit
+        console.print(f"continue the run with `evoattn run --resume {plan.run_dir}`")
     if outcome.best is None:
         raise EvoattnError(f"no correct program, nothing exported ({outcome.stop_reason})")
     export_run(store, plan.run_dir / "best")

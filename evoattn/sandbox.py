@@ -131,6 +131,15 @@ class SubprocessEvaluator:
         if self._station is not None:
             self._station.close()
 
+    def child_environment(self, work: str) -> dict[str, str]:
+        """Returns a candidate's environment: the scrubbed one, with this evaluator's GPU."""
+        s = self.sandbox
+        env = child_env(dict(os.environ), work, s.cache_dir, self.request.device,
+                        s.secret_env_names)
+        if s.visible_device is not None and self.request.device == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = s.visible_device
+        return env
+
     def _stop_zygote(self) -> None:
         if self._zygote is not None:
             self._zygote.close()
@@ -193,9 +202,7 @@ class SubprocessEvaluator:
     def _run_child(self, req: EvalRequest, work: str) -> tuple[EvalResult, dict[str, float]]:
         """Returns the child's result and the wall seconds spent in each stage it reported."""
         s = self.sandbox
-        env = child_env(dict(os.environ), work, s.cache_dir, req.device, s.secret_env_names)
-        if s.visible_device is not None and req.device == "cuda":
-            env["CUDA_VISIBLE_DEVICES"] = s.visible_device
+        env = self.child_environment(work)
         log_path = Path(work) / "child.log"
         nonce = secrets.token_hex(16)
         marks: list[tuple[str, float]] = [("start", time.monotonic())]   # zygote start too

@@ -4,13 +4,14 @@ Each iteration: pick an island, a parent and inspirations; ask a mutator for a c
 evaluate it in the sandbox unless it is a known program; offer it to the population; commit
 the iteration to SQLite in one transaction.
 
-Several iterations are in flight at once: a window of `slots + lookahead` iterations (slots:
-the evaluations the evaluator runs at once, one per GPU; lookahead: LLM requests sent ahead,
-or one when the pool builds ahead, so the next candidate's build overlaps the GPU's work).
-Iterations are prepared in order, each right after the commit of the iteration `window`
-places before it, and committed in order whatever order their evaluations finish in; every
-random choice is drawn here from one seeded RNG. So a given seed and given evaluation
-results give the same run, however many slots evaluate it and however fast each one is.
+Several iterations are in flight at once: a window of `window` iterations (by default
+`slots + lookahead`; slots: the evaluations the evaluator runs at once, one per GPU;
+lookahead: LLM requests sent ahead, or one when the pool builds ahead so that the next
+candidate's build overlaps the GPU's work). Iterations are prepared in order, each right
+after the commit of the iteration `window` places before it, and committed in order whatever
+order their evaluations finish in; every random choice is drawn here from one seeded RNG. So
+a given seed, window and evaluation results give the same run, however many slots evaluate
+it and however fast each one is (the default window grows with the slots, and so changes it).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from typing import Any, Callable, Sequence
 from evaluator.types import EXIT_INTERRUPTED, EvalResult, Verdict
 
 from .config import RunConfig
+from .errors import ClusterError
 from .pool import as_pool
 from .population import Population
 from .store import RunStore
@@ -62,7 +64,8 @@ class Outcome:
     stop_reason: str
     elapsed_s: float                     # this session
     run_elapsed_s: float = 0.0           # every session of the run
-    exit_code: int = 0                   # 130 (or 128 + signal) after a clean stop on a signal
+    exit_code: int = 0                   # 130 (or 128 + signal) after a clean stop on a signal;
+                                         # 1 after one on a lost cluster
     gpu_busy: float = 0.0                # GPU-stage seconds / (wall seconds × slots), this session
 
 
@@ -89,7 +92,7 @@ class Search:
                  clock: Callable[[], float] = time.monotonic,
                  budget_exhausted: Callable[[], bool] = lambda: False,
                  llm_totals: Callable[[], dict[str, float]] = dict,
-                 lookahead: int = 0) -> None:
+                 lookahead: int = 0, window: int | None = None) -> None:
         self.cfg = cfg
         self.store = store
         self.evaluator = as_pool(evaluator)
@@ -102,6 +105,7 @@ class Search:
         self.budget_exhausted = budget_exhausted
         self.llm_totals = llm_totals
         self.lookahead = lookahead
+        self.window = window
         self.stop_requested = False
         self.rng = random.Random(cfg.random_seed)
         self.programs: dict[str, Program] = {}
@@ -184,6 +188,10 @@ class Search:
             exit_code = 128 + signum if signum != 2 else EXIT_INTERRUPTED
             stop = (f"interrupted ({'Ctrl-C' if signum == 2 else f'signal {signum}'}); "
                     "in-flight candidates were not recorded")
+        except ClusterError as e:              # the cluster went away: --resume goes on later
+            if seed is None:
+                raise
+            exit_code, stop = 1, f"{e}; in-flight candidates were not recorded"
         finally:
             for entry in window:
                 entry.proposal.cancel()
@@ -205,7 +213,7 @@ class Search:
         # A pool that builds ahead (nvcc on CPU cores) gets one iteration more than its slots
         # even without LLM lookahead: that proposal's build overlaps the GPU work of the others.
         ahead = self.lookahead or int(getattr(self.evaluator, "prefetch", 0))
-        depth = max(1, self.evaluator.slots) + ahead
+        depth = self.window or max(1, self.evaluator.slots) + ahead
         while next_iter <= self.cfg.iterations and len(window) < depth:
             req, mut = self._prepare(pop, next_iter)
             fut: cf.Future[Proposal]

@@ -68,9 +68,12 @@ def detect_device() -> str:
     return "cpu"
 
 
-def resolve_device(device: str | None) -> str:
+def resolve_device(device: str | None, here: bool = True) -> str:
     """Returns the device to run on: 'auto' (or None) becomes what detect_device() finds; asking
-    for 'cuda' where no GPU is visible is a usage error."""
+    for 'cuda' where no GPU is visible is a usage error. With `here` False the evaluations run
+    elsewhere (a cluster's GPU workers): 'auto' is 'cuda', and this machine needs no GPU."""
+    if not here:
+        return "cuda" if device in (None, "auto") else device
     if device in (None, "auto"):
         return detect_device()
     if device == "cuda" and detect_device() != "cuda":

@@ -1,0 +1,1 @@
+"""Evaluation backends beyond this machine's GPUs: `dask` (a Dask distributed cluster)."""

@@ -1,0 +1,103 @@
+"""Compile-only work on CPU threads: a CUDA candidate's nvcc builds, started at submission.
+
+A GPU slot evaluates one candidate at a time, and a CUDA candidate spends its first seconds
+in nvcc, which needs no GPU. So the local pool hands each submitted program here first: its
+fast-form `.cu` files (a `.cu` main file, or the `.cu` companions of a `.py` main file whose
+conditions hold on this GPU) are built on a CPU thread, into the cache the candidate's child
+reads, with the child's scrubbed environment (never this process's secrets). When the slot
+takes the job, the child finds the library cached. A build that fails here is no verdict:
+the child builds again and reports it.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from evaluator import build, program
+from evaluator.conditions import holds
+from evaluator.knobs import find_knobs, values_of
+from evaluator.loader import HEADER_SUFFIXES, cuda_form
+from evaluator.request import EvalRequest
+
+from .sandbox import SandboxSettings, child_env, default_cache_dir, detect_target
+
+BUILD_THREADS = max(1, (os.cpu_count() or 2) // 2)
+
+
+def target_of(arch: str) -> str:
+    """Returns the `@target` fact of an nvcc target: "sm_90a" -> "sm90"."""
+    return "sm" + "".join(c for c in arch.removeprefix("sm_") if c.isdigit())
+
+
+def arch_of(target: str | None) -> str | None:
+    """Returns the nvcc target the child picks on a GPU of this `@target` ("sm90" ->
+    "sm_90a"), or None for anything else ("cpu", unknown)."""
+    m = re.fullmatch(r"sm(\d+)(\d)", target or "")
+    return build.arch_for(int(m[1]), int(m[2])) if m else None
+
+
+class Prebuilder:
+    """Builds the CUDA files of submitted programs on a pool of CPU threads."""
+
+    def __init__(self, request: EvalRequest, sandbox: SandboxSettings,
+                 threads: int = BUILD_THREADS) -> None:
+        self.cache_dir = os.path.realpath(sandbox.cache_dir or default_cache_dir())
+        self.secret_names = sandbox.secret_env_names
+        self.timeout_s = request.build_timeout_s
+        target = target_of(request.arch) if request.arch else detect_target(request.device)
+        # None: the GPU cannot be told from here, so only the child knows what to build.
+        self.arch = request.arch or arch_of(target)
+        self.facts = {"target": target or "", **request.facts}
+        self._threads = cf.ThreadPoolExecutor(max_workers=threads,
+                                              thread_name_prefix="evoattn-nvcc")
+
+    def names(self, source: str, suffix: str) -> tuple[str, ...]:
+        """Returns the files of a program that its child would build with nvcc (fast form)."""
+        if self.arch is None:
+            return ()
+        try:
+            files = program.split(source, f"candidate{suffix}")
+        except program.ProgramError:
+            return ()
+        main = files.main_name
+        if main.endswith(".cu"):
+            return (main,) if cuda_form(files.main_text) == "cuda-fast" else ()
+        if not main.endswith(".py"):
+            return ()
+        values = values_of(find_knobs(files.main_text))
+        return tuple(c.name for c in files.companions()
+                     if c.name.endswith(".cu") and c.name in files.names
+                     and holds(c.when, values, self.facts))
+
+    def submit(self, source: str, suffix: str) -> cf.Future[tuple[build.BuildResult, ...]] | None:
+        """Starts the program's builds on a CPU thread; None when it has nothing to build."""
+        names = self.names(source, suffix)
+        if not names:
+            return None
+        return self._threads.submit(self._build, source, suffix, names)
+
+    def close(self) -> None:
+        """Drops the builds not started; those running finish (nvcc has its own deadline)."""
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+    def _build(self, source: str, suffix: str,
+               names: tuple[str, ...]) -> tuple[build.BuildResult, ...]:
+        assert self.arch is not None
+        work = tempfile.mkdtemp(prefix="evoattn-nvcc-")
+        try:
+            main = program.write(source, work, f"candidate{suffix}")
+            # the same headers, hence the same cache key, as evaluator/loader.py's build
+            headers = {c.name: (Path(work) / c.name).read_bytes()
+                       for c in program.declared_companions(main.read_text())
+                       if Path(c.name).suffix in HEADER_SUFFIXES
+                       and (Path(work) / c.name).is_file()}
+            env = child_env(dict(os.environ), work, self.cache_dir, "cuda", self.secret_names)
+            return tuple(build.build_fast(Path(work) / name, self.cache_dir, self.arch,
+                                          self.timeout_s, extra_files=headers, env=env)
+                         for name in names)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)

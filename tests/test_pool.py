@@ -1,0 +1,224 @@
+"""The local multi-slot pool with fake GPUs: one GPU per slot's children, N evaluations at
+once, a search that does not depend on the slot count, and nvcc builds on CPU threads."""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from evaluator import build, program
+from evaluator.request import EvalRequest
+from evaluator.types import EvalResult, Verdict
+from evoattn.config import PopulationConfig, RunConfig, config_to_dict
+from evoattn.mutators.knobs import KnobMutator
+from evoattn.pool import LocalPool, slot_evaluator, visible_gpus
+from evoattn.prebuild import Prebuilder
+from evoattn.sandbox import SandboxSettings
+from evoattn.search import Search
+from evoattn.store import RunStore
+from fakes import TOY_SEED, FakeEvaluator
+
+
+class _EnvProbe:
+    """Stands in for a slot's evaluator: records the environment its real one would give a
+    child, and this process's own CUDA_VISIBLE_DEVICES while it runs."""
+
+    def __init__(self, real: Any, work: Path) -> None:
+        self.real, self.work = real, work
+        self.seen: list[tuple[str | None, str | None]] = []
+
+    def evaluate(self, source: str, suffix: str, label: str) -> EvalResult:
+        child = self.real.evaluator.child_environment(str(self.work))
+        self.seen.append((child.get("CUDA_VISIBLE_DEVICES"),
+                          os.environ.get("CUDA_VISIBLE_DEVICES")))
+        time.sleep(0.05)
+        return EvalResult(Verdict.PASS, "ok", 1.0, ())
+
+
+def test_each_slot_gives_its_children_one_gpu_and_never_changes_this_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7")
+    monkeypatch.setenv("EVOATTN_TEST_TOKEN", "hidden")
+    devices = visible_gpus((0, 2))
+    assert devices == ["3", "7"]
+    probes: dict[str, _EnvProbe] = {}
+
+    def make(device: str) -> _EnvProbe:
+        real = slot_evaluator(EvalRequest(device="cuda"), device, (), 10.0, 60.0)
+        probes[device] = _EnvProbe(real, tmp_path)
+        return probes[device]
+
+    pool = LocalPool(devices, make)
+    try:
+        futures = [pool.submit(f"x = {i}\n", ".py", str(i)) for i in range(8)]
+        assert all(f.result(timeout=30).correct for f in futures)
+    finally:
+        pool.close()
+    assert {seen for p in probes.values() for seen in p.seen} <= {("3", "3,5,7"), ("7", "3,5,7")}
+    assert all(child == d for d, p in probes.items() for child, _ in p.seen)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "3,5,7"
+    assert "EVOATTN_TEST_TOKEN" not in probes["3"].real.evaluator.child_environment(str(tmp_path))
+
+
+class _Gate:
+    """A fake evaluator whose every evaluation waits until `parties` are running at once."""
+
+    def __init__(self, barrier: threading.Barrier) -> None:
+        self.barrier = barrier
+
+    def evaluate(self, source: str, suffix: str, label: str) -> EvalResult:
+        self.barrier.wait()                # BrokenBarrierError unless all run together
+        return EvalResult(Verdict.PASS, "ok", 1.0, ())
+
+
+@pytest.mark.parametrize("slots", [2, 4])
+def test_n_slots_run_n_evaluations_at_once(slots: int) -> None:
+    barrier = threading.Barrier(slots, timeout=10)
+    pool = LocalPool([str(i) for i in range(slots)], lambda d: _Gate(barrier))
+    try:
+        futures = [pool.submit(f"x = {i}\n", ".py", str(i)) for i in range(2 * slots)]
+        assert all(f.result(timeout=30).correct for f in futures)
+    finally:
+        pool.close()
+
+
+class _Shuffled(FakeEvaluator):
+    """The fake evaluator's scores, finishing after a delay drawn from the program's text, so
+    results arrive out of order; records the order they finish in."""
+
+    def __init__(self, finished: list[str], lock: threading.Lock) -> None:
+        super().__init__()
+        self.finished, self.lock = finished, lock
+
+    def evaluate(self, source: str, suffix: str, label: str = "") -> EvalResult:
+        time.sleep(hashlib.sha256(source.encode()).digest()[0] / 255 * 0.06)
+        result = super().evaluate(source, suffix, label)
+        with self.lock:
+            self.finished.append(label)
+        return result
+
+
+def _search(tmp: Path, slots: int, window: int | None) -> tuple[list[tuple], list[str], list[str]]:
+    """Runs a search on `slots` fake GPUs; returns (committed programs, submission order,
+    finishing order)."""
+    cfg = RunConfig(iterations=16, random_seed=3,
+                    population=PopulationConfig(islands=2, elites_per_island=3,
+                                                migration_interval=4))
+    finished: list[str] = []
+    lock = threading.Lock()
+    pool = LocalPool([str(i) for i in range(slots)], lambda d: _Shuffled(finished, lock))
+    submitted: list[str] = []
+    submit = pool.submit
+    pool.submit = lambda s, x, label: (submitted.append(label), submit(s, x, label))[1]  # type: ignore
+    store = RunStore.open(tmp, config_to_dict(cfg), create=True)
+    holder: dict[str, Search] = {}
+    knobs = KnobMutator(0.2, is_known=lambda pid: pid in holder["s"].programs)
+    try:
+        holder["s"] = Search(cfg, store, pool, [(knobs, 1.0)], TOY_SEED, ".py", window=window)
+        holder["s"].run()
+    finally:
+        store.close()
+        pool.close()
+    with RunStore.open_readonly(tmp) as st:
+        history = [(p.iteration, p.id, p.parent_id) for p in st.load_programs().values()]
+    return history, submitted, finished
+
+
+def test_the_search_commits_the_same_programs_on_1_2_and_4_slots(tmp_path: Path) -> None:
+    runs = {n: _search(tmp_path / str(n), n, window=4) for n in (1, 2, 4)}
+    histories = {n: r[0] for n, r in runs.items()}
+    assert histories[1] == histories[2] == histories[4]
+    assert len(histories[1]) > 8
+    _, submitted, finished = runs[4]
+    assert submitted != finished                    # results did finish out of order
+    assert sorted(submitted) == sorted(finished)
+
+
+TINY_CU = """\
+// evoattn: companion tiny.cuh
+#include "tiny.cuh"
+__global__ void twice(float* x) { x[threadIdx.x] *= TWO; }
+extern "C" int evoattn_sdpa(void* q, void* k, void* v, void* out, int B, int H, int S, int D,
+                            int dtype, int causal, float scale, void* stream) { return 0; }
+"""
+TINY_CUH = "#define TWO 2.0f\n"
+PY_MAIN = """\
+# evoattn: companion tiny.cuh
+# evoattn: companion helper.cu when(@target=sm90)
+# evoattn: companion other.cu when(@target=sm80)
+def attention(q, k, v, causal=False, scale=None):
+    return q
+"""
+
+
+class _Blocked:
+    """A fake slot evaluator: the first job waits for `release`; records, when each job
+    starts, whether its CUDA library is already in the cache."""
+
+    def __init__(self, release: threading.Event, cache: Path) -> None:
+        self.release, self.cache = release, cache
+        self.started: list[tuple[str, bool]] = []
+
+    def evaluate(self, source: str, suffix: str, label: str) -> EvalResult:
+        self.started.append((label, any(self.cache.glob("*/lib.so"))))
+        if label == "first":
+            assert self.release.wait(60)
+        return EvalResult(Verdict.PASS, "ok", 1.0, ())
+
+
+@pytest.mark.skipif(not build.shutil.which("nvcc"), reason="needs nvcc (the CUDA toolkit)")
+@pytest.mark.parametrize("kind", ["cu-main", "py-companion"])
+def test_cuda_builds_run_on_cpu_threads_before_the_slot_takes_the_job(tmp_path: Path,
+                                                                       kind: str) -> None:
+    cache = tmp_path / "cache"
+    request = EvalRequest(device="cuda", arch="sm_90a", build_timeout_s=120)
+    prebuild = Prebuilder(request, SandboxSettings(cache_dir=str(cache)))
+    if kind == "cu-main":
+        source = program.join([("candidate.cu", TINY_CU), ("tiny.cuh", TINY_CUH)])
+        suffix, built = ".cu", ("candidate.cu", TINY_CU)
+    else:
+        source = program.join([("main.py", PY_MAIN), ("helper.cu", TINY_CU),
+                               ("tiny.cuh", TINY_CUH), ("other.cu", "this is not CUDA\n")])
+        suffix, built = ".py", ("helper.cu", TINY_CU)
+    assert prebuild.names(source, suffix) == (built[0],)    # other.cu: not for sm90
+    release = threading.Event()
+    slot = _Blocked(release, cache)
+    pool = LocalPool(["0"], lambda d: slot, prebuild)
+    try:
+        first = pool.submit("x = 1\n", ".py", "first")
+        cuda = pool.submit(source, suffix, "cuda")
+        deadline = time.monotonic() + 120
+        while not any(cache.glob("*/lib.so")):             # built while the slot is busy
+            assert time.monotonic() < deadline, "the build did not happen"
+            time.sleep(0.1)
+        assert slot.started == [("first", False)]
+        release.set()
+        assert first.result(timeout=30).correct and cuda.result(timeout=120).correct
+    finally:
+        release.set()
+        pool.close()
+    assert slot.started == [("first", False), ("cuda", True)]
+    # the child's own build, as evaluator/loader.py runs it, finds that library cached
+    src = tmp_path / "again" / built[0]
+    src.parent.mkdir()
+    src.write_text(built[1])
+    again = build.build_fast(src, cache, "sm_90a", 120,
+                             extra_files={"tiny.cuh": TINY_CUH.encode()})
+    assert again.ok and again.cached
+
+
+def test_a_prebuild_is_skipped_where_nothing_is_built_with_nvcc(tmp_path: Path) -> None:
+    prebuild = Prebuilder(EvalRequest(device="cuda", arch="sm_90a"),
+                          SandboxSettings(cache_dir=str(tmp_path)))
+    try:
+        assert prebuild.submit(TOY_SEED, ".py") is None
+        ext = "#include <torch/extension.h>\ntorch::Tensor attention(torch::Tensor q);\n"
+        assert prebuild.names(ext, ".cu") == ()             # the extension form needs torch
+    finally:
+        prebuild.close()
+
