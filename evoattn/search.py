@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 from evaluator.types import EXIT_INTERRUPTED, EvalResult, Verdict
 
 from .config import RunConfig
+from .errors import LlmError
 from .pool import as_pool
 from .population import Population
 from .store import RunStore
@@ -103,7 +104,6 @@ class Search:
         self.stop_requested = False
         self.rng = random.Random(cfg.random_seed)
         self.programs: dict[str, Program] = {}
-        self.feedback: dict[str, collections.deque[str]] = {}
         self.iteration = 0
         self.gpu_info: dict[str, Any] = {}
         self.evaluated_this_session = 0
@@ -111,6 +111,7 @@ class Search:
         self._gpu_s = 0.0
         self._prior_elapsed = 0.0
         self._in_flight: set[str] = set()
+        self._llm_stop: str | None = None    # why the LLM cannot go on (LlmUnavailable)
 
     def known(self, pid: str) -> bool:
         """Returns whether a program was evaluated or is being evaluated (mutators skip it)."""
@@ -165,16 +166,14 @@ class Search:
                 if not window:
                     stop = "iterations"
                     break
-                self._dispatch(window)
-                head = window[0]
-                proposal = head.proposal.result()
-                self._dispatch(window)
-                result = head.evaluation.result() if head.evaluation is not None else None
-                window.popleft()
-                note = self._step(pop, head, proposal, result)
-                self.iteration = head.iteration
-                self._report(pop, seed, t0, note)
-                stop = self._stop_reason(pop, t0)
+                self._commit_head(window, pop, seed, t0)
+                stop = self._llm_stop or self._stop_reason(pop, t0)
+            # LLM calls under way finish, and those paid for are not thrown away: the window
+            # is committed up to the last of them (at most `lookahead` calls).
+            cf.wait([e.proposal for e in window])
+            while any(_holds_a_paid_call(e) for e in window):
+                self._commit_head(window, pop, seed, t0)
+            exit_code = 1 if self._llm_stop else 0
         except KeyboardInterrupt as e:
             signum = getattr(e, "signum", 2)
             exit_code = 128 + signum if signum != 2 else EXIT_INTERRUPTED
@@ -194,18 +193,43 @@ class Search:
         return Outcome(pop.best(), seed, self.iteration, stop, elapsed,
                        self._prior_elapsed + elapsed, exit_code)
 
+    def _commit_head(self, window: collections.deque[_InFlight], pop: Population, seed: Program,
+                     t0: float) -> None:
+        """Waits for the oldest iteration in flight, commits it and reports it."""
+        self._dispatch(window)
+        head = window[0]
+        proposal = self._proposal_of(head)
+        self._dispatch(window)
+        result = head.evaluation.result() if head.evaluation is not None else None
+        window.popleft()
+        note = self._step(pop, head, proposal, result)
+        self.iteration = head.iteration
+        self._report(pop, seed, t0, note)
+
+    def _proposal_of(self, entry: _InFlight) -> Proposal:
+        """Returns an entry's proposal; an LlmError becomes a rejection and stops the run."""
+        try:
+            return entry.proposal.result()
+        except LlmError as e:
+            self._llm_stop = self._llm_stop or str(e)
+            return Proposal(entry.request.parent.id, getattr(entry.mutator, "name", "llm"), None,
+                            rejected_reason=str(e), usage=getattr(e, "usage", None))
+
     def _fill(self, window: collections.deque[_InFlight], pop: Population, next_iter: int,
               pool: cf.ThreadPoolExecutor | None) -> int:
         """Prepares iterations until the window is full; returns the next iteration number."""
         depth = max(1, self.evaluator.slots) + self.lookahead
-        while next_iter <= self.cfg.iterations and len(window) < depth:
-            req, mut = self._prepare(pop, next_iter)
+        while next_iter <= self.cfg.iterations and len(window) < depth and not self._llm_stop:
+            req, mut = self._prepare(pop, next_iter, window)
             fut: cf.Future[Proposal]
             if pool is None or not getattr(mut, "blocking_io", False):
                 # Local mutators answer here, in order, seeing the state as it is now: only
                 # requests that wait on the network go to the pool.
                 fut = cf.Future()
-                fut.set_result(_safe_propose(mut, req))
+                try:
+                    fut.set_result(_safe_propose(mut, req))
+                except LlmError as e:        # committed in order, as from the pool
+                    fut.set_exception(e)
             else:
                 fut = pool.submit(_safe_propose, mut, req)
             window.append(_InFlight(next_iter, req, mut, fut))
@@ -221,7 +245,7 @@ class Search:
             if not entry.proposal.done():
                 return
             entry.decided = True
-            proposal = entry.proposal.result()
+            proposal = self._proposal_of(entry)
             if proposal.source is None:
                 entry.note = proposal.rejected_reason or "rejected"
                 continue
@@ -233,7 +257,8 @@ class Search:
             self._in_flight.add(pid)
             entry.evaluation = self.evaluator.submit(proposal.source, self.suffix, pid)
 
-    def _prepare(self, pop: Population, iteration: int) -> tuple[MutationRequest, Mutator]:
+    def _prepare(self, pop: Population, iteration: int,
+                 window: Sequence[_InFlight] = ()) -> tuple[MutationRequest, Mutator]:
         island = pop.island_of_next(iteration)
         parent = pop.select_parent(island, self.rng)
         insp = pop.inspirations(island, self.cfg.llm.inspirations, self.rng, exclude_id=parent.id)
@@ -242,7 +267,8 @@ class Search:
         req = MutationRequest(parent=parent, inspirations=tuple(insp),
                               seed=self.rng.getrandbits(32), iteration=iteration,
                               problem_contract=self.contract, gpu_info=self.gpu_info,
-                              feedback=tuple(self.feedback.get(parent.id, ())))
+                              pending=tuple(e.iteration for e in window
+                                            if e.request.parent.id == parent.id))
         return req, mutator
 
     def _step(self, pop: Population, entry: _InFlight, proposal: Proposal,
@@ -255,7 +281,6 @@ class Search:
             if reason.startswith(_DUPLICATE):
                 self._stats["cached"] += 1
             else:
-                self._remember(parent.id, reason)
                 self._stats["rejected"] += 1
             self._commit(pop, iteration, None, (parent.id, proposal.mutator, reason), proposal)
             return f"{proposal.mutator}: {'' if reason.startswith(_DUPLICATE) else 'rejected: '}" \
@@ -267,11 +292,6 @@ class Search:
                         proposal.mutator, proposal.change, result, proposal.second_parent_id)
         self.programs[pid] = child
         pop.add(child)
-        if result.verdict is Verdict.EVALUATOR_FAULT:
-            pass                             # not the mutation's fault: no feedback for it
-        elif not child.correct:
-            self._remember(parent.id, f"a child ({proposal.change[:200]}) failed: "
-                                      f"{result.verdict.value}: {result.reason[:300]}")
         self._commit(pop, iteration, child, None, proposal)
         return (f"{proposal.mutator}: {result.verdict.value} fitness {result.fitness:.3f} "
                 f"({proposal.change[:80]})")
@@ -280,10 +300,6 @@ class Search:
         self._stats["evaluated"] += 1
         self.evaluated_this_session += 1
         self._gpu_s += sum(v for k, v in result.stage_s.items() if k in GPU_STAGES)
-
-    def _remember(self, parent_id: str, text: str) -> None:
-        """Keeps the last few failures of a parent's children for its next prompts."""
-        self.feedback.setdefault(parent_id, collections.deque(maxlen=3)).append(text)
 
     def _commit(self, pop: Population, iteration: int, program: Program | None,
                 rejection: tuple[str, str, str] | None, proposal: Proposal) -> None:
@@ -294,7 +310,8 @@ class Search:
         self.store.commit_iteration(iteration=iteration, program=program, rejection=rejection,
                                     llm_usage=proposal.usage, rng_state=self.rng.getstate(),
                                     population_snapshot=pop.snapshot(),
-                                    elapsed_s=self._prior_elapsed + self.clock() - self._t0)
+                                    elapsed_s=self._prior_elapsed + self.clock() - self._t0,
+                                    rejection_change=proposal.change if rejection else "")
 
     # ---- stopping and reporting -------------------------------------------------
     def _stop_reason(self, pop: Population, t0: float) -> str | None:
@@ -335,6 +352,13 @@ class Search:
 _DUPLICATE = "duplicate of program"    # how a rejection for an already-stored program starts
 _INTEGRITY = {Verdict.POLICY, Verdict.TAMPERING, Verdict.HIDDEN_WORK, Verdict.NONDETERMINISTIC,
               Verdict.IMPLAUSIBLE, Verdict.SANDBOX}
+
+
+def _holds_a_paid_call(entry: _InFlight) -> bool:
+    """Returns whether an iteration's (finished) proposal carries an LLM call's usage."""
+    if entry.proposal.exception() is not None:
+        return getattr(entry.proposal.exception(), "usage", None) is not None
+    return entry.proposal.result().usage is not None
 
 
 def _safe_propose(mutator: Mutator, request: MutationRequest) -> Proposal:
