@@ -403,3 +403,32 @@ def test_prompt_for_a_passing_parent_asks_for_speed_and_lists_recent_attempts_la
     assert text.index("reason-8") < text.index("reason-9")
     assert "Other programs" not in text                                         # parent is not its own inspiration
     assert "GPU: (not given)" in text
+
+
+# ---- the model's context ------------------------------------------------
+
+def test_the_context_the_server_reports_sizes_the_call_and_one_too_small_gets_no_call():
+    with LlmServer(models={"model-a": {"max_model_len": 6000}}) as srv:
+        srv.push(reply(GOOD_EDIT))
+        mut, _, _ = mutator(srv, max_tokens=8192)
+        assert not mut.propose(request()).rejected
+        assert srv.requests[0].body["max_tokens"] == 3000        # half of the 6000 reported
+    with LlmServer(models={"model-a": {"max_model_len": 2048}}) as srv:
+        mut, meter, _ = mutator(srv, max_consecutive_failures=2)
+        p = mut.propose(request())
+        assert p.rejected and p.rejected_reason.startswith("the prompt does not fit the context "
+                                                           f"of model model-a at {srv.base_url}")
+        assert "(2048 tokens, 1024 kept for the answer)" in p.rejected_reason
+        with pytest.raises(LlmError, match="2 calls in a row failed"):
+            mut.propose(request())
+        assert srv.requests == [] and meter.calls == 0            # nothing sent, nothing billed
+
+
+def test_a_too_long_answer_naming_the_context_is_learnt_and_the_call_made_again(server):
+    server.push(error(400, "This model's maximum context length is 5000 tokens. However, you "
+                           "requested 9000 tokens (800 in the messages, 8192 in the completion)."),
+                reply(GOOD_EDIT))
+    mut, meter, _ = mutator(server, max_tokens=8192)
+    p = mut.propose(request())
+    assert not p.rejected and p.usage.attempts == 2
+    assert [r.body["max_tokens"] for r in server.requests] == [8192, 2500]

@@ -202,12 +202,14 @@ class LlmMutator:
         failure too many (or one that no retry can mend)."""
         error = out.error
         assert error is not None
-        self.meter.record(CallRecord(model.name, "fatal" if error.fatal else "failed",
-                                     latency_s=out.latency_s, attempts=out.attempts,
-                                     error=str(error), parent_id=request.parent.id,
-                                     iteration=request.iteration))
-        usage = LlmUsage(model.name, latency_s=out.latency_s, attempts=out.attempts,
-                         status="failed")
+        usage = None                       # a prompt that did not fit: no request was made
+        if out.attempts:
+            self.meter.record(CallRecord(model.name, "fatal" if error.fatal else "failed",
+                                         latency_s=out.latency_s, attempts=out.attempts,
+                                         error=str(error), parent_id=request.parent.id,
+                                         iteration=request.iteration))
+            usage = LlmUsage(model.name, latency_s=out.latency_s, attempts=out.attempts,
+                             status="failed")
         with self._lock:
             n = self._failures[model.name] = self._failures.get(model.name, 0) + 1
             if error.fatal or n >= self.cfg.max_consecutive_failures:

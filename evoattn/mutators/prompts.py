@@ -7,7 +7,8 @@ smaller, in this order, until it fits:
     2. earlier attempts (to 4, 2, then none) and log excerpts (to 800 characters);
     3. companion files of the parent, the largest first (listed as not shown);
     4. the middle lines of the parent's largest shown file (then only edits can apply).
-A prompt that still does not fit is None: no call is made.
+After steps 3 and 4 the room they free is filled again in the order 2, 1 is taken away
+(attempts first, then other programs). A prompt that still does not fit is None: no call.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from evoattn.types import Attempt, MutationRequest
 __all__ = ["Message", "Prompt", "PromptLimits", "PromptSettings", "build_messages",
            "build_prompt", "excerpt"]
 _LEAN_LOG_CHARS = 800
+_NO_ROOM = "left out to fit the model's context"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,50 +60,50 @@ def build_prompt(request: MutationRequest, settings: PromptSettings,
     parent = request.parent
     ratio = budget.chars_per_token if budget else CHARS_PER_TOKEN
     limit = budget.prompt_tokens if budget else None
-    view = ProgramView.of(parent.source, parent.suffix, settings.facts)
     others = [p for p in request.inspirations if p.id != parent.id][:max(settings.inspirations, 0)]
     lim = settings.limits
-    answer = budget.answer_tokens if budget else None
+    lean = [dataclasses.replace(lim, attempts=min(keep, lim.attempts),
+                                log_chars=min(lim.log_chars, _LEAN_LOG_CHARS)) for keep in (4, 2, 0)]
 
-    def make(view: ProgramView, n_insp: int, lim: PromptLimits, trimmed: list[str]) -> Prompt:
-        msgs = _messages(request, settings, view, others[:n_insp], attempts, lim, answer)
+    def make(view: ProgramView, n_insp: int, lim: PromptLimits) -> Prompt:
+        msgs = _messages(request, settings, view, others[:n_insp], attempts, lim,
+                         budget.answer_tokens if budget else None)
         chars = sum(len(m["content"]) for m in msgs)
+        trimmed = [f"{len(others) - n_insp} of {len(others)} other programs"] * (n_insp < len(others))
+        trimmed += [f"attempts beyond {lim.attempts}, log excerpts"] * (lim is not settings.limits)
+        trimmed += [f"file {h.name}" for h in view.hidden if h.why == _NO_ROOM]
+        if view.elided is not None:
+            trimmed.append(f"lines {view.elided[1]}-{view.elided[2]} of {view.elided[0]}")
         return Prompt(msgs, view, chars, estimate_tokens(chars, ratio), tuple(trimmed))
 
-    def fits(p: Prompt) -> bool:
-        return limit is None or p.est_tokens <= limit
+    def fitting(view: ProgramView) -> Prompt:
+        """The largest prompt for this view that fits, else its smallest (which does not)."""
+        tries = [(n, lim) for n in range(len(others), -1, -1)] + [(0, x) for x in lean]
+        for n, limits in tries:
+            p = make(view, n, limits)
+            if limit is None or p.est_tokens <= limit:
+                return p
+        return p
 
-    for n in range(len(others), -1, -1):
-        p = make(view, n, lim, [f"{len(others) - n} of {len(others)} other programs"] *
-                 (n < len(others)))
-        if fits(p):
-            return p
-    trimmed = [f"{len(others)} of {len(others)} other programs"] if others else []
-    for keep in (4, 2, 0):
-        lim = dataclasses.replace(lim, attempts=min(keep, lim.attempts),
-                                  log_chars=min(lim.log_chars, _LEAN_LOG_CHARS))
-        p = make(view, 0, lim, trimmed + [f"attempts beyond {keep}", "log excerpts"])
-        if fits(p):
-            return p
-    trimmed += ["earlier attempts", "log excerpts"]
+    view = ProgramView.of(parent.source, parent.suffix, settings.facts)
+    p = fitting(view)
     for name in sorted(view.shown[1:], key=lambda n: -len(view.text(n))):
-        view = view.hide(name, "left out to fit the model's context")
-        trimmed.append(f"file {name}")
-        p = make(view, 0, lim, trimmed)
-        if fits(p):
+        if limit is None or p.est_tokens <= limit:
             return p
-    if settings.output_format == "full" or limit is None:
+        view = view.hide(name, _NO_ROOM)
+        p = fitting(view)
+    if limit is None or p.est_tokens <= limit:
+        return p
+    if settings.output_format == "full":
         return None
     for _ in range(3):                 # the estimate is per character: converges in 1-2
         over = int((p.est_tokens - limit) * ratio) + 400
         cut = view.elide(over + len(view.editable()) - len(view.presented()))
         if cut is None:
             return None
-        p = make(cut, 0, lim, trimmed + [f"lines {cut.elided[1]}-{cut.elided[2]} of "
-                                         f"{cut.elided[0]}"])
-        if fits(p):
+        view, p = cut, fitting(cut)
+        if p.est_tokens <= limit:
             return p
-        view = cut
     return None
 
 
