@@ -10,6 +10,10 @@ Iterations are prepared in order, each right after the commit of the iteration `
 places before it, and committed in order whatever order their evaluations finish in; every
 random choice is drawn here from one seeded RNG. So a given seed and given evaluation
 results give the same run, however many slots evaluate it and however fast each one is.
+
+A stop (other than Ctrl-C) first commits the window up to its last iteration holding an LLM
+call already made, so no paid answer is lost. An LlmError from a mutator (the LLM cannot serve
+the run) is committed as that iteration's rejection and stops the run cleanly, exit code 1.
 """
 from __future__ import annotations
 

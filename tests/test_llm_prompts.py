@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 
 from evaluator import program
 from evaluator.problems import get_problem

@@ -83,7 +83,7 @@ def test_a_server_that_is_down_stops_the_run_naming_it_and_a_fixed_url_resumes(
     down = f"http://127.0.0.1:{_free_port()}/v1"
     code, out = _start(_config(tmp_path, down, iterations=10, max_consecutive_failures=2))
     assert code == 1
-    assert f"the LLM stopped the run: 2 calls in a row failed" in out
+    assert "the LLM stopped the run: 2 calls in a row failed" in out
     assert f"model m at {down}: cannot connect" in out and "Connection refused" in out
     assert "rerun the same command" in out
     run = tmp_path / "run"
