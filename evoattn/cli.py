@@ -230,6 +230,27 @@ def run(config_path: str | None, iterations: int | None, output: str | None,
                        quiet=quiet, console=console, max_wall_s=max_wall_s))
 
 
+@cli.group()
+def llm() -> None:
+    """Check the LLM endpoints a run config names, before a run spends on them."""
+
+
+@llm.command("check")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False),
+              help="run YAML (default: configs/default.yaml)")
+def llm_check(config_path: str | None) -> None:
+    """Send one short request to each model: answer, latency, context length, price."""
+    from .mutators.check import check, render
+    from .runner import DEFAULT_CONFIG, seed_prompt_chars
+    from .config import load_config
+    path = config_path or DEFAULT_CONFIG
+    cfg = load_config(path)
+    with console.status(f"asking {len(cfg.llm.models)} model(s) ..."):
+        checks = check(cfg.llm)
+    render(console, checks, seed_prompt_chars(path), cfg.llm)
+    sys.exit(0 if all(c.ok for c in checks) else 1)
+
+
 @cli.command()
 @click.argument("run_dir", type=click.Path(file_okay=False))
 @click.option("--out", "out_dir", type=click.Path(file_okay=False),

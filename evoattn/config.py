@@ -37,11 +37,17 @@ class MutatorConfig:
 class ModelConfig:
     name: str = "gpt-4o-mini"
     weight: float = 1.0
-    base_url: str | None = None        # None = the openai package's default endpoint
-    api_key_env: str = "OPENAI_API_KEY"
+    base_url: str | None = None        # None = OpenAI's API (https://api.openai.com/v1)
+    # The variable holding the key. None: the provider's own (OPENAI_API_KEY for OpenAI's API,
+    # GROQ_API_KEY for Groq's, ...: mutators/keys.py) and no key for any other server.
+    api_key_env: str | None = None
+    allow_key_to_other_host: bool = False   # send a provider's key (OPENAI_*...) elsewhere
     price_in_per_mtok: float = 0.0     # USD per million prompt tokens
     price_out_per_mtok: float = 0.0
     reasoning: bool = False            # o-series style: max_completion_tokens, no temperature
+    # Prompt plus answer, in tokens. None: what the server's model list reports, else
+    # mutators/budget.py's DEFAULT_CONTEXT_TOKENS.
+    context_tokens: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +62,10 @@ class LlmConfig:
     concurrency: int = 2               # LLM requests in flight while the GPU evaluates
     inspirations: int = 3
     output_format: str = "diff"        # "diff" (SEARCH/REPLACE) or "full"
+    max_consecutive_failures: int = 3  # failed calls in a row (one model) that stop the run
+    # A prompt waits this long for earlier in-flight children of its parent to be committed,
+    # so their outcomes reach the model (0: never wait, fastest, feedback may lag).
+    feedback_wait_s: float = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,7 +266,26 @@ def check_config(cfg: RunConfig, origin: str) -> None:
         raise bad("evaluator.run_factor", "and run_floor_s must be > 0")
     if any(m.kind == "llm" for m in cfg.mutators) and not cfg.llm.models:
         raise bad("llm.models", "must list at least one model when an llm mutator is used")
-    for i, model in enumerate(cfg.llm.models):
-        if not ENV_NAME.match(model.api_key_env):   # never echo it: it may be the key itself
+    _check_llm(cfg.llm, bad)
+
+
+def _check_llm(llm: LlmConfig, bad: Any) -> None:
+    for key in ("max_tokens", "max_consecutive_failures"):
+        if getattr(llm, key) < 1:
+            raise bad(f"llm.{key}", "must be >= 1")
+    for key in ("timeout_s", "backoff_s", "feedback_wait_s"):
+        if getattr(llm, key) < 0 or (key == "timeout_s" and llm.timeout_s == 0):
+            raise bad(f"llm.{key}", "must be > 0" if key == "timeout_s" else "must be >= 0")
+    if llm.max_retries < 0 or llm.concurrency < 0 or llm.inspirations < 0:
+        raise bad("llm.max_retries", "concurrency and inspirations must be >= 0")
+    for i, model in enumerate(llm.models):
+        env = model.api_key_env
+        if env is not None and not ENV_NAME.match(env):   # never echo it: it may be the key
             raise bad(f"llm.models[{i}].api_key_env", "must be the NAME of an environment "
                       "variable (A-Z, 0-9, _) that holds the key, not the key")
+        if model.context_tokens is not None and model.context_tokens < 1024:
+            raise bad(f"llm.models[{i}].context_tokens", "must be >= 1024 (or null: asked of "
+                      "the server)")
+        if model.base_url is not None and not re.match(r"^https?://[^/\s]+", model.base_url):
+            raise bad(f"llm.models[{i}].base_url", "must be an http:// or https:// URL, "
+                      "e.g. http://127.0.0.1:8000/v1")

@@ -5,6 +5,8 @@
     │   └── ConfigError     a config file key is unknown, mistyped or missing
     ├── RunDirError         a run directory is missing, locked or from another config
     ├── LlmError            the LLM endpoint failed after retries
+    │   └── LlmUnavailable  calls keep failing, or the endpoint refuses the key or model:
+    │                       the search stops cleanly (exit 1) and the run can be resumed
     ├── ClusterError        the Dask scheduler cannot be reached, or went away mid-run
     └── BudgetExceeded      the run's cost budget is spent (stops the run cleanly)
     Interrupted             SIGTERM or SIGHUP (a KeyboardInterrupt, as Ctrl-C is)
@@ -36,6 +38,14 @@ class LlmError(EvoattnError):
 
 class ClusterError(EvoattnError):
     """The Dask scheduler cannot be reached, or the connection to it was lost (names it)."""
+
+
+class LlmUnavailable(LlmError):
+    """The LLM cannot serve the run (failed calls in a row, a refused key, an unknown model)."""
+
+    def __init__(self, message: str, usage: object = None) -> None:
+        super().__init__(message)
+        self.usage = usage             # the LlmUsage of the call that ended it, if one was made
 
 
 class BudgetExceeded(EvoattnError):

@@ -99,4 +99,13 @@ class LiveView:
         else:
             best = f"{p.best.fitness:.4f}" if p.best else "-"
             self.console.print(f"[{p.iteration}/{p.iterations}] best {best} | "
-                               f"flagged {p.flags} | {p.last_note[:120]}", soft_wrap=True)
+                               f"flagged {p.flags}{llm_line(p.llm)} | {p.last_note[:120]}",
+                               soft_wrap=True, markup=False)
+
+
+def llm_line(llm: dict[str, float]) -> str:
+    """Returns ' | LLM n calls, x in / y out tokens, $z' ('' when no LLM is used)."""
+    if not llm:
+        return ""
+    return (f" | LLM {int(llm.get('calls', 0))} calls, {int(llm.get('prompt_tokens', 0))} in / "
+            f"{int(llm.get('completion_tokens', 0))} out tokens, ${llm.get('cost_usd', 0.0):.4f}")

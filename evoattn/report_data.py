@@ -15,7 +15,7 @@ from evaluator.request import TIMING_MODES
 from evaluator.types import EvalResult
 
 from .report import label
-from .search import _DUPLICATE
+from .search import DUPLICATE
 from .store import RunStore, StoredLlmCall
 from .types import Program
 
@@ -143,7 +143,7 @@ def load_run(run_dir: str | Path) -> RunData:
                                    _minutes(times.get(p.id), start), p.id in elites)
                          for p in programs.values() if p.result is not None),
         not_evaluated=tuple(NotEvaluated(r.iteration, "duplicate" if r.reason.startswith(
-            _DUPLICATE) else "rejected") for r in rejections),
+            DUPLICATE) else "rejected") for r in rejections),
         lineage=lineage(best.id, programs) if best else (),
         speedups=speedups(best.result) if best and best.result else (),
         stage_mean_s=stage_means([p.result for p in programs.values() if p.result]),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +49,9 @@ def start_run(*, config_path: str | None, iterations: int | None, output: str | 
     from .store import RunStore
     plan = plan_run(config_path, iterations, output, random_seed, device, resume_dir, max_wall_s)
     # Before the run directory: a cluster that cannot be reached leaves nothing behind.
+    from .mutators.keys import key_env
     evaluator = make_evaluator(plan.cfg, plan.request,
-                               tuple(m.api_key_env for m in plan.cfg.llm.models))
+                               tuple(filter(None, (key_env(m) for m in plan.cfg.llm.models))))
     try:
         store = RunStore.open(plan.run_dir, config_to_dict(plan.cfg), create=not plan.resuming)
     except BaseException:
@@ -66,6 +68,7 @@ def start_run(*, config_path: str | None, iterations: int | None, output: str | 
             done = state["iteration"] if state else 0
             console.print(f"resuming the run in {plan.run_dir} after iteration {done} "
                           f"({len(store.load_programs())} programs stored)")
+            _keep_llm_section(store, plan.cfg, console)
             store.record_stop(None)
         return _search(plan, store, evaluator, quiet, console)
     finally:
@@ -95,6 +98,9 @@ def plan_run(config_path: str | None, iterations: int | None, output: str | None
         raise UsageError(str(e)) from None
     configs = settings.parse_configs(prob, cfg.configs, "configs")
     request = settings.eval_request(ref, prob, dev, configs, cfg.dtype, cfg.evaluator)
+    if any(m.kind == "llm" for m in cfg.mutators):   # a key goes only where it is meant to
+        from .mutators.keys import check_models
+        check_models(cfg.llm.models, os.environ)
     return RunPlan(cfg, resuming, dev, ref, prob, configs, seed_path, source, request,
                    Path(resume_dir or cfg.output))
 
@@ -116,12 +122,16 @@ def _search(plan: RunPlan, store: Any, evaluator: Any, quiet: bool, console: Con
                                          facts={"target": target} if target else None),
                              m.weight))
         else:
+            from .mutators.history import StoreHistory
             from .mutators.llm import CostMeter, LlmMutator
             if meter is None:     # a resumed run keeps counting its earlier calls and spend
                 meter = CostMeter(cfg.llm.budget_usd)
                 t = store.llm_totals()
                 meter.carry_over(t.calls, t.prompt_tokens, t.completion_tokens, t.cost_usd)
-            mutators.append((LlmMutator(cfg.llm, meter), m.weight))
+            mutators.append((LlmMutator(cfg.llm, meter, history=StoreHistory(plan.run_dir),
+                                        facts={"target": target} if target else None,
+                                        knobs_tuned=any(k.kind == "knobs" for k in cfg.mutators)),
+                             m.weight))
     events = EventLog(plan.run_dir / "events.jsonl")
 
     def llm_totals() -> dict[str, float]:
@@ -149,8 +159,9 @@ def _search(plan: RunPlan, store: Any, evaluator: Any, quiet: bool, console: Con
                  elapsed_s=outcome.elapsed_s, run_elapsed_s=outcome.run_elapsed_s)
     events.close()
     _summary(console, outcome, search, plan)
-    if outcome.exit_code == 1:                  # a lost cluster: whole up to its last commit
-        console.print(f"continue the run with `evoattn run --resume {plan.run_dir}`")
+    if outcome.exit_code == 1:     # the LLM or the cluster stopped the run: it can go on later
+        console.print(f"the run stopped ({outcome.stop_reason}); once that is fixed, rerun the "
+                      f"same command (or `evoattn run --resume {plan.run_dir}`) to continue it")
     if outcome.best is None:
         raise EvoattnError(f"no correct program, nothing exported ({outcome.stop_reason})")
     export_run(store, plan.run_dir / "best")
@@ -195,7 +206,37 @@ def _summary(console: Console, outcome: Any, search: Any, plan: RunPlan) -> None
     if llm:
         console.print(f"LLM: {int(llm.get('calls', 0))} calls, {int(llm.get('prompt_tokens', 0))} "
                       f"tokens in, {int(llm.get('completion_tokens', 0))} out, "
-                      f"${llm.get('cost_usd', 0.0):.4f}")
+                      f"${llm.get('cost_usd', 0.0):.4f} (the whole run)")
+
+
+def seed_prompt_chars(config_path: str) -> int | None:
+    """Returns the characters of a first LLM prompt for a config's seed (None if it cannot be
+    built here: a CUDA seed without a GPU, say)."""
+    from .mutators.prompts import PromptSettings, build_prompt
+    from .types import MutationRequest, Program, program_id
+    try:
+        cfg = _absolute_paths(load_config(config_path), config_path)
+        dev = settings.resolve_device(cfg.device)
+        src = program.read(_find_seed(cfg.seed, config_path))
+        prob = settings.problem(settings.problem_ref(cfg.problem, config_path))
+    except (EvoattnError, program.ProgramError):
+        return None
+    seed = Program(program_id(src), src, Path(cfg.seed).suffix, None, 0, 0, "seed", "")
+    req = MutationRequest(seed, (), 0, 1, problem_contract=prob.contract)
+    target = detect_target(dev)
+    prompt = build_prompt(req, PromptSettings(cfg.llm.output_format, cfg.llm.inspirations,
+                                              {"target": target} if target else None))
+    return prompt.chars if prompt else None
+
+
+def _keep_llm_section(store: Any, cfg: RunConfig, console: Console) -> None:
+    """Stores a changed llm section (another model, URL or price), so a later --resume uses it."""
+    stored = store.stored_config()
+    llm = config_to_dict(cfg)["llm"]
+    if stored.get("llm") != llm:
+        stored["llm"] = llm
+        store.update_config(stored)
+        console.print("the llm section differs from the run's: the run goes on with the new one")
 
 
 def _config_spec(cfg: dict[str, Any]) -> str:

@@ -12,6 +12,10 @@ after the commit of the iteration `window` places before it, and committed in or
 order their evaluations finish in; every random choice is drawn here from one seeded RNG. So
 a given seed, window and evaluation results give the same run, however many slots evaluate
 it and however fast each one is (the default window grows with the slots, and so changes it).
+
+A stop (other than Ctrl-C) first commits the window up to its last iteration holding an LLM
+call already made, so no paid answer is lost. An LlmError from a mutator (the LLM cannot serve
+the run) is committed as that iteration's rejection and stops the run cleanly, exit code 1.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ from typing import Any, Callable, Sequence
 from evaluator.types import EXIT_INTERRUPTED, EvalResult, Verdict
 
 from .config import RunConfig
-from .errors import ClusterError
+from .errors import ClusterError, LlmError
 from .pool import as_pool
 from .population import Population
 from .store import RunStore
@@ -109,7 +113,6 @@ class Search:
         self.stop_requested = False
         self.rng = random.Random(cfg.random_seed)
         self.programs: dict[str, Program] = {}
-        self.feedback: dict[str, collections.deque[str]] = {}
         self.iteration = 0
         self.gpu_info: dict[str, Any] = {}
         self.evaluated_this_session = 0
@@ -117,6 +120,7 @@ class Search:
         self._gpu_s = 0.0
         self._prior_elapsed = 0.0
         self._in_flight: set[str] = set()
+        self._llm_stop: str | None = None    # why the LLM cannot go on (LlmUnavailable)
 
     def known(self, pid: str) -> bool:
         """Returns whether a program was evaluated or is being evaluated (mutators skip it)."""
@@ -131,7 +135,7 @@ class Search:
             self.rng.setstate(state["rng_state"])
             self._prior_elapsed = float(state.get("elapsed_s") or 0.0)
             # The view's counters cover the whole run, not only this session.
-            cached = self.store.rejection_count(_DUPLICATE)
+            cached = self.store.rejection_count(DUPLICATE)
             self._stats.update(rejected=self.store.rejection_count() - cached, cached=cached)
             pop = Population.restore(state["population"], self.programs, self.cfg.population)
             return pop, pop.seed
@@ -172,16 +176,14 @@ class Search:
                 if not window:
                     stop = "iterations"
                     break
-                self._dispatch(window)
-                head = window[0]
-                proposal = head.proposal.result()
-                self._dispatch(window)
-                result = head.evaluation.result() if head.evaluation is not None else None
-                window.popleft()
-                note = self._step(pop, head, proposal, result)
-                self.iteration = head.iteration
-                self._report(pop, seed, t0, note)
-                stop = self._stop_reason(pop, t0)
+                self._commit_head(window, pop, seed, t0)
+                stop = self._llm_stop or self._stop_reason(pop, t0)
+            # LLM calls under way finish, and those paid for are not thrown away: the window
+            # is committed up to the last of them (at most `lookahead` calls).
+            cf.wait([e.proposal for e in window])
+            while any(_holds_a_paid_call(e) for e in window):
+                self._commit_head(window, pop, seed, t0)
+            exit_code = 1 if self._llm_stop else 0
         except KeyboardInterrupt as e:
             interrupted = e
             signum = getattr(e, "signum", 2)
@@ -207,6 +209,28 @@ class Search:
         return Outcome(pop.best(), seed, self.iteration, stop, elapsed,
                        self._prior_elapsed + elapsed, exit_code, busy)
 
+    def _commit_head(self, window: collections.deque[_InFlight], pop: Population, seed: Program,
+                     t0: float) -> None:
+        """Waits for the oldest iteration in flight, commits it and reports it."""
+        self._dispatch(window)
+        head = window[0]
+        proposal = self._proposal_of(head)
+        self._dispatch(window)
+        result = head.evaluation.result() if head.evaluation is not None else None
+        window.popleft()
+        note = self._step(pop, head, proposal, result)
+        self.iteration = head.iteration
+        self._report(pop, seed, t0, note)
+
+    def _proposal_of(self, entry: _InFlight) -> Proposal:
+        """Returns an entry's proposal; an LlmError becomes a rejection and stops the run."""
+        try:
+            return entry.proposal.result()
+        except LlmError as e:
+            self._llm_stop = self._llm_stop or str(e)
+            return Proposal(entry.request.parent.id, getattr(entry.mutator, "name", "llm"), None,
+                            rejected_reason=str(e), usage=getattr(e, "usage", None))
+
     def _fill(self, window: collections.deque[_InFlight], pop: Population, next_iter: int,
               pool: cf.ThreadPoolExecutor | None) -> int:
         """Prepares iterations until the window is full; returns the next iteration number."""
@@ -214,14 +238,17 @@ class Search:
         # even without LLM lookahead: that proposal's build overlaps the GPU work of the others.
         ahead = self.lookahead or int(getattr(self.evaluator, "prefetch", 0))
         depth = self.window or max(1, self.evaluator.slots) + ahead
-        while next_iter <= self.cfg.iterations and len(window) < depth:
-            req, mut = self._prepare(pop, next_iter)
+        while next_iter <= self.cfg.iterations and len(window) < depth and not self._llm_stop:
+            req, mut = self._prepare(pop, next_iter, window)
             fut: cf.Future[Proposal]
             if pool is None or not getattr(mut, "blocking_io", False):
                 # Local mutators answer here, in order, seeing the state as it is now: only
                 # requests that wait on the network go to the pool.
                 fut = cf.Future()
-                fut.set_result(_safe_propose(mut, req))
+                try:
+                    fut.set_result(_safe_propose(mut, req))
+                except LlmError as e:        # committed in order, as from the pool
+                    fut.set_exception(e)
             else:
                 fut = pool.submit(_safe_propose, mut, req)
             window.append(_InFlight(next_iter, req, mut, fut))
@@ -237,19 +264,20 @@ class Search:
             if not entry.proposal.done():
                 return
             entry.decided = True
-            proposal = entry.proposal.result()
+            proposal = self._proposal_of(entry)
             if proposal.source is None:
                 entry.note = proposal.rejected_reason or "rejected"
                 continue
             pid = program_id(proposal.source)
             entry.program_id = pid
             if pid in self.programs or pid in self._in_flight:
-                entry.note = f"{_DUPLICATE} {pid} (not evaluated again)"
+                entry.note = f"{DUPLICATE} {pid} (not evaluated again)"
                 continue
             self._in_flight.add(pid)
             entry.evaluation = self.evaluator.submit(proposal.source, self.suffix, pid)
 
-    def _prepare(self, pop: Population, iteration: int) -> tuple[MutationRequest, Mutator]:
+    def _prepare(self, pop: Population, iteration: int,
+                 window: Sequence[_InFlight] = ()) -> tuple[MutationRequest, Mutator]:
         island = pop.island_of_next(iteration)
         parent = pop.select_parent(island, self.rng)
         insp = pop.inspirations(island, self.cfg.llm.inspirations, self.rng, exclude_id=parent.id)
@@ -258,7 +286,8 @@ class Search:
         req = MutationRequest(parent=parent, inspirations=tuple(insp),
                               seed=self.rng.getrandbits(32), iteration=iteration,
                               problem_contract=self.contract, gpu_info=self.gpu_info,
-                              feedback=tuple(self.feedback.get(parent.id, ())))
+                              pending=tuple(e.iteration for e in window
+                                            if e.request.parent.id == parent.id))
         return req, mutator
 
     def _step(self, pop: Population, entry: _InFlight, proposal: Proposal,
@@ -268,13 +297,12 @@ class Search:
         island = pop.island_of_next(iteration)
         if result is None:                   # a rejection or a duplicate
             reason = entry.note or "rejected"
-            if reason.startswith(_DUPLICATE):
+            if reason.startswith(DUPLICATE):
                 self._stats["cached"] += 1
             else:
-                self._remember(parent.id, reason)
                 self._stats["rejected"] += 1
             self._commit(pop, iteration, None, (parent.id, proposal.mutator, reason), proposal)
-            return f"{proposal.mutator}: {'' if reason.startswith(_DUPLICATE) else 'rejected: '}" \
+            return f"{proposal.mutator}: {'' if reason.startswith(DUPLICATE) else 'rejected: '}" \
                    f"{reason}"
         pid = entry.program_id or program_id(proposal.source or "")
         self._in_flight.discard(pid)
@@ -283,11 +311,6 @@ class Search:
                         proposal.mutator, proposal.change, result, proposal.second_parent_id)
         self.programs[pid] = child
         pop.add(child)
-        if result.verdict is Verdict.EVALUATOR_FAULT:
-            pass                             # not the mutation's fault: no feedback for it
-        elif not child.correct:
-            self._remember(parent.id, f"a child ({proposal.change[:200]}) failed: "
-                                      f"{result.verdict.value}: {result.reason[:300]}")
         self._commit(pop, iteration, child, None, proposal)
         if not child.correct:
             return (f"{proposal.mutator}: {result.verdict.value}: {result.reason[:70]} "
@@ -300,10 +323,6 @@ class Search:
         self.evaluated_this_session += 1
         self._gpu_s += sum(v for k, v in result.stage_s.items() if k in GPU_STAGES)
 
-    def _remember(self, parent_id: str, text: str) -> None:
-        """Keeps the last few failures of a parent's children for its next prompts."""
-        self.feedback.setdefault(parent_id, collections.deque(maxlen=3)).append(text)
-
     def _commit(self, pop: Population, iteration: int, program: Program | None,
                 rejection: tuple[str, str, str] | None, proposal: Proposal) -> None:
         # Every iteration counts towards migration, whether or not its child was evaluated.
@@ -313,7 +332,8 @@ class Search:
         self.store.commit_iteration(iteration=iteration, program=program, rejection=rejection,
                                     llm_usage=proposal.usage, rng_state=self.rng.getstate(),
                                     population_snapshot=pop.snapshot(),
-                                    elapsed_s=self._prior_elapsed + self.clock() - self._t0)
+                                    elapsed_s=self._prior_elapsed + self.clock() - self._t0,
+                                    rejection_change=proposal.change if rejection else "")
 
     # ---- stopping and reporting -------------------------------------------------
     def _stop_reason(self, pop: Population, t0: float) -> str | None:
@@ -351,9 +371,16 @@ class Search:
             self.gpu_info = {"name": seed.result.device, **seed.result.device_info}
 
 
-_DUPLICATE = "duplicate of program"    # how a rejection for an already-stored program starts
+DUPLICATE = "duplicate of program"    # how a rejection for an already-stored program starts
 _INTEGRITY = {Verdict.POLICY, Verdict.TAMPERING, Verdict.HIDDEN_WORK, Verdict.NONDETERMINISTIC,
               Verdict.IMPLAUSIBLE, Verdict.SANDBOX}
+
+
+def _holds_a_paid_call(entry: _InFlight) -> bool:
+    """Returns whether an iteration's (finished) proposal carries an LLM call's usage."""
+    if entry.proposal.exception() is not None:
+        return getattr(entry.proposal.exception(), "usage", None) is not None
+    return entry.proposal.result().usage is not None
 
 
 def _safe_propose(mutator: Mutator, request: MutationRequest) -> Proposal:

@@ -33,7 +33,7 @@ from evaluator.types import EvalResult
 
 from .config import ENV_NAME
 from .errors import RunDirError, UsageError
-from .types import LlmUsage, Program
+from .types import Attempt, LlmUsage, Program
 
 SCHEMA_VERSION = 1
 DB_NAME = "run.sqlite"
@@ -49,7 +49,7 @@ CREATE TABLE programs (
 CREATE INDEX programs_verdict_fitness ON programs (verdict, fitness);
 CREATE TABLE rejections (
     iteration INTEGER NOT NULL, parent_id TEXT, mutator TEXT NOT NULL,
-    reason TEXT NOT NULL, created_at TEXT NOT NULL);
+    reason TEXT NOT NULL, created_at TEXT NOT NULL, change TEXT NOT NULL DEFAULT '');
 CREATE TABLE llm_calls (
     iteration INTEGER NOT NULL, model TEXT NOT NULL, prompt_tokens INTEGER NOT NULL,
     completion_tokens INTEGER NOT NULL, cost_usd REAL NOT NULL, latency_s REAL NOT NULL,
@@ -159,6 +159,7 @@ class RunStore:
                 store._create(config_dict or {})
             else:
                 store._check_schema()
+                store._add_rejection_change()
         except BaseException:
             store.close()
             raise
@@ -200,6 +201,15 @@ class RunStore:
             raise RunDirError(f"{self.run_dir}: run database schema version {found}, "
                               f"this evoattn reads version {SCHEMA_VERSION}")
 
+    def _add_rejection_change(self) -> None:
+        # Runs created before rejections kept the change they proposed gain the column.
+        if "change" not in self._columns("rejections"):
+            with self._transaction() as c:
+                c.execute("ALTER TABLE rejections ADD COLUMN change TEXT NOT NULL DEFAULT ''")
+
+    def _columns(self, table: str) -> set[str]:
+        return {row[1] for row in self._conn.execute(f"PRAGMA table_info({table})")}
+
     def close(self) -> None:
         """Closes the database and releases the run directory's lock."""
         self._conn.close()
@@ -217,16 +227,19 @@ class RunStore:
     def commit_iteration(self, *, iteration: int, program: Program | None,
                          rejection: tuple[str | None, str, str] | None,
                          llm_usage: LlmUsage | None, rng_state: Any,
-                         population_snapshot: dict[str, Any], elapsed_s: float = 0.0) -> None:
-        """Writes one iteration's program/rejection, LLM call and search state atomically."""
+                         population_snapshot: dict[str, Any], elapsed_s: float = 0.0,
+                         rejection_change: str = "") -> None:
+        """Writes one iteration's program/rejection (with the change it proposed), LLM call and
+        search state atomically."""
         now = self._now()
         with self._transaction() as c:
             if program is not None:
                 self._insert_program(c, program, now)
             if rejection is not None:
                 parent_id, mutator, reason = rejection
-                c.execute("INSERT INTO rejections VALUES (?, ?, ?, ?, ?)",
-                          (iteration, parent_id, mutator, reason, now))
+                c.execute("INSERT INTO rejections (iteration, parent_id, mutator, reason, "
+                          "created_at, change) VALUES (?, ?, ?, ?, ?, ?)",
+                          (iteration, parent_id, mutator, reason, now, rejection_change))
             if llm_usage is not None:
                 status = llm_usage.status or ("rejected" if program is None else "ok")
                 u = llm_usage
@@ -285,6 +298,30 @@ class RunStore:
                 "population": values["population"],
                 "stop_reason": values.get("stop_reason"),
                 "elapsed_s": values.get("elapsed_s", 0.0)}
+
+    def committed_iteration(self) -> int:
+        """Returns the last iteration committed (-1 before the seed's)."""
+        row = self._conn.execute("SELECT value FROM state WHERE key = 'iteration'").fetchone()
+        return int(json.loads(row[0])) if row else -1
+
+    def recent_attempts(self, parent_id: str, limit: int) -> list[Attempt]:
+        """Returns the latest children and rejected proposals of a parent, oldest first
+        (outcome: the child's verdict, or "rejected"; reason: its verdict reason or why)."""
+        change = "change" if "change" in self._columns("rejections") else "''"
+        rows = self._conn.execute(
+            "SELECT iteration, mutator, COALESCE(verdict, 'unevaluated'), fitness, change, "
+            "COALESCE(json_extract(result_json, '$.reason'), '') FROM programs "
+            "WHERE parent_id = ? UNION ALL "
+            f"SELECT iteration, mutator, 'rejected', NULL, {change}, reason FROM rejections "
+            "WHERE parent_id = ? ORDER BY 1 DESC, 3 LIMIT ?", (parent_id, parent_id, limit))
+        return [Attempt(it, mut, outcome, reason, chg, fit)
+                for it, mut, outcome, fit, chg, reason in reversed(rows.fetchall())]
+
+    def update_config(self, config_dict: dict[str, Any]) -> None:
+        """Replaces the stored config (a resumed run whose llm section changed)."""
+        with self._transaction() as c:
+            c.execute("UPDATE meta SET value = ? WHERE key = 'config'",
+                      (json.dumps(scrub_secrets(config_dict), sort_keys=True),))
 
     def stored_config(self) -> dict[str, Any]:
         """Returns the config dict the run was created with."""

@@ -68,7 +68,22 @@ class MutationRequest:
     iteration: int
     problem_contract: str = ""
     gpu_info: dict[str, Any] = dataclasses.field(default_factory=dict)
-    feedback: tuple[str, ...] = ()       # recent rejection reasons for this parent
+    # Earlier iterations still in flight with the same parent: an LLM prompt may wait for
+    # their outcomes (llm.feedback_wait_s), which the store then holds.
+    pending: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+    """One earlier proposal for a parent and what became of it, as the store recorded it."""
+
+    iteration: int
+    mutator: str
+    outcome: str                         # a verdict ("pass", "incorrect", ...), "rejected"
+                                         # (never evaluated) or "duplicate"
+    reason: str = ""
+    change: str = ""                     # the diff (or knob change) it made, if any
+    fitness: float | None = None         # of the child, or of the program it duplicates
 
 
 @dataclasses.dataclass(frozen=True)

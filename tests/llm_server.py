@@ -8,7 +8,8 @@
 Each POST /v1/chat/completions takes the next scripted response; with the
 script empty it answers 418, which the client neither retries nor treats as
 fatal, so an unexpected request shows up as a rejected proposal and in
-`requests`.
+`requests`. GET /v1/models lists `models` (ids with optional fields, such as
+vLLM's max_model_len); GET requests are recorded in `gets`.
 """
 from __future__ import annotations
 
@@ -70,8 +71,10 @@ def stall(seconds: float, then: Scripted | None = None) -> Scripted:
 class LlmServer:
     """A threaded HTTP server serving a queue of scripted chat completions."""
 
-    def __init__(self) -> None:
+    def __init__(self, models: dict[str, dict[str, Any]] | None = None) -> None:
         self.requests: list[Recorded] = []
+        self.gets: list[Recorded] = []
+        self.models = dict(models or {})
         self._script: collections.deque[Scripted] = collections.deque()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -116,6 +119,17 @@ def _handler_for(server: LlmServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, fmt: str, *args: Any) -> None:   # keep test output quiet
             pass
+
+        def do_GET(self) -> None:
+            rec = Recorded(self.path, {k.lower(): v for k, v in self.headers.items()}, {})
+            with server._lock:
+                server.gets.append(rec)
+            if self.path.rstrip("/") != "/v1/models":
+                self._send(404, {"error": {"message": f"no route {self.path}"}}, ())
+                return
+            data = [{"id": name, "object": "model", "created": 0, "owned_by": "test", **extra}
+                    for name, extra in server.models.items()]
+            self._send(200, {"object": "list", "data": data}, ())
 
         def do_POST(self) -> None:
             length = int(self.headers.get("Content-Length", 0))

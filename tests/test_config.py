@@ -42,6 +42,12 @@ def test_defaults_fill_missing_keys(tmp_path: Path) -> None:
     ("configs: 2,32,2048,64\n", "key 'configs' must be a list"),
     ("[1, 2]\n", "top level must be a mapping"),
     ("iterations: [unclosed\n", "malformed YAML"),
+    ("llm:\n  models:\n    - {name: x, context_tokens: 512}\n",
+     "key 'llm.models[0].context_tokens' must be >= 1024"),
+    ("llm:\n  models:\n    - {name: x, base_url: 'localhost:8000/v1'}\n",
+     "key 'llm.models[0].base_url' must be an http:// or https:// URL"),
+    ("llm:\n  max_consecutive_failures: 0\n", "key 'llm.max_consecutive_failures' must be >= 1"),
+    ("llm:\n  feedback_wait_s: -1\n", "key 'llm.feedback_wait_s' must be >= 0"),
 ])
 def test_mistakes_name_the_file_and_key(tmp_path: Path, text: str, needle: str) -> None:
     p = _write(tmp_path, text)

@@ -14,7 +14,7 @@ from evoattn.mutators.llm import (
     cost_usd, parse_retry_after,
 )
 from evoattn.mutators.prompts import build_messages
-from evoattn.types import MutationRequest, Program
+from evoattn.types import Attempt, MutationRequest, Program
 from llm_server import LlmServer, error, reply, stall
 
 KEY = "sk-test-S3CRETKEY-0123456789abcdef"
@@ -60,9 +60,22 @@ INSPIRATION = Program(id="insp01", source="# INSPIRATION-SOURCE: persistent kern
                       result=EvalResult(verdict=Verdict.PASS, reason="", fitness=1.42))
 
 
-def request(seed: int = 7, feedback: tuple[str, ...] = (), parent: Program | None = None) -> MutationRequest:
+def request(seed: int = 7, parent: Program | None = None) -> MutationRequest:
     return MutationRequest(parent=parent or make_parent(), inspirations=(INSPIRATION,), seed=seed,
-                           iteration=3, problem_contract=CONTRACT, gpu_info=GPU, feedback=feedback)
+                           iteration=3, problem_contract=CONTRACT, gpu_info=GPU)
+
+
+class ListHistory:
+    """A History over a list: what a store would hold for parent01."""
+
+    def __init__(self, attempts: list[Attempt] | None = None) -> None:
+        self.items = list(attempts or [])
+
+    def committed_iteration(self) -> int:
+        return 10 ** 6
+
+    def attempts(self, parent_id: str, limit: int) -> list[Attempt]:
+        return self.items[-limit:]
 
 
 @pytest.fixture
@@ -82,15 +95,16 @@ def model(srv: LlmServer, name: str = "model-a", **kw) -> ModelConfig:
     return ModelConfig(name=name, base_url=srv.base_url, api_key_env=ENV, **kw)
 
 
-def mutator(srv: LlmServer, *, models=None, budget=None, **cfg_kw):
+def mutator(srv: LlmServer, *, models=None, budget=None, history=None, **cfg_kw):
     """Returns (mutator, meter, sleeps) wired to the server through the real OpenAI client."""
     cfg_kw.setdefault("timeout_s", 1.0)
     cfg_kw.setdefault("max_retries", 2)
     cfg_kw.setdefault("backoff_s", 0.5)
+    cfg_kw.setdefault("max_consecutive_failures", 100)
     cfg = LlmConfig(models=tuple(models or (model(srv),)), budget_usd=budget, **cfg_kw)
     sleeps: list[float] = []
     meter = CostMeter(cfg.budget_usd)
-    return LlmMutator(cfg, meter, sleep=sleeps.append), meter, sleeps
+    return LlmMutator(cfg, meter, sleep=sleeps.append, history=history), meter, sleeps
 
 
 # ---- answers ------------------------------------------------------------
@@ -126,11 +140,13 @@ def test_prompt_carries_contract_gpu_parent_results_and_inspirations(server):
     text = user["content"]
     assert SOURCE.rstrip("\n") in text
     assert CONTRACT in text
-    assert "name: NVIDIA H100 80GB HBM3" in text and "sm_count: 132" in text
+    assert "GPU: NVIDIA H100 80GB HBM3" in text and "sm_count 132" in text
+    assert "Triton's interpreter" not in text
     assert "B=1,H=4,S=1023,D=128,causal=True" in text            # the failing config ...
     assert "max_abs_err 0.25 vs tolerance 0.005 (50x over)" in text   # ... and by how much
     assert "UNIQUE-LOG-LINE" in text
-    assert "INSPIRATION-SOURCE" in text and "fitness 1.42" in text
+    assert "+# INSPIRATION-SOURCE: persistent kernel" in text and "fitness 1.42" in text
+    assert "-    BLOCK_M = 64" in text                      # a diff against the parent
     assert "Fix it so that every config passes" in text
 
 
@@ -142,20 +158,29 @@ def test_whole_program_answer_replaces_the_source(server):
     assert p.source == program and "+    return fused(q, k, v, causal)" in p.change
 
 
-def test_malformed_edit_is_rejected_and_its_reason_reaches_the_next_prompt(server):
+def test_malformed_edit_is_rejected_and_recorded_attempts_reach_the_next_prompt(server):
     server.push(reply(BAD_EDIT), reply(GOOD_EDIT))
-    mut, meter, _ = mutator(server)
+    history = ListHistory()
+    mut, meter, _ = mutator(server, history=history)
     first = mut.propose(request())
     assert first.rejected and first.source is None
     assert "'BLOCK_K = 32' was not found" in first.rejected_reason
     assert "'BLOCK_M = 64'" in first.rejected_reason or "'BLOCK_N = 64'" in first.rejected_reason
     assert first.usage is not None and meter.calls == 1          # a bad answer still cost money
+    assert "-    BLOCK_K = 32" in first.change and "+    BLOCK_K = 64" in first.change
 
-    second = mut.propose(request(seed=8, feedback=(first.rejected_reason,)))
+    history.items.append(Attempt(3, first.mutator, "rejected", first.rejected_reason,
+                                 first.change))
+    history.items.append(Attempt(4, "llm:model-a", "incorrect", "1 of 2 configs incorrect",
+                             "--- parent\n+++ child\n@@ -1 +1 @@\n-    BLOCK_N = 64\n"
+                             "+    BLOCK_N = 96\n context"))
+    second = mut.propose(request(seed=8))
     assert not second.rejected
     prompt = server.requests[1].prompt
-    assert "Earlier answers for this program failed" in prompt
-    assert f"- {first.rejected_reason}" in prompt
+    assert "Already tried on this program" in prompt
+    assert first.rejected_reason in prompt and "iteration 3, llm:model-a" in prompt
+    assert "incorrect: 1 of 2 configs incorrect" in prompt
+    assert "-    BLOCK_N = 64\n  +    BLOCK_N = 96" in prompt    # the changed lines themselves
     assert first.rejected_reason not in server.requests[0].prompt
 
 
@@ -205,7 +230,8 @@ def test_exhausted_retries_give_a_rejected_proposal_not_an_exception(server):
     server.push(error(500), error(500), error(500), reply(GOOD_EDIT))
     mut, meter, sleeps = mutator(server, max_retries=2)
     p = mut.propose(request())
-    assert p.rejected and p.rejected_reason.startswith("LLM call failed after 3 attempt(s): HTTP 500")
+    assert p.rejected and p.rejected_reason.startswith(
+        f"LLM call failed after 3 attempt(s): model model-a at {server.base_url}: HTTP 500")
     assert len(server.requests) == 3 and len(sleeps) == 2 and server.pending == 1
     assert p.usage.attempts == 3 and p.usage.cost_usd == 0.0 and p.usage.status == "failed"
     (rec,) = meter.drain()
@@ -213,11 +239,17 @@ def test_exhausted_retries_give_a_rejected_proposal_not_an_exception(server):
 
 
 def test_other_client_errors_are_not_retried(server):
-    server.push(error(400, "maximum context length exceeded"), reply(GOOD_EDIT))
+    server.push(error(400, "maximum context length exceeded"),
+                error(400, "maximum context length exceeded"))
     mut, _, sleeps = mutator(server)
     p = mut.propose(request())
-    assert p.rejected and "HTTP 400: maximum context length exceeded" in p.rejected_reason
-    assert len(server.requests) == 1 and sleeps == []
+    assert p.rejected and "HTTP 400: the prompt does not fit the model's context: maximum " \
+        "context length exceeded" in p.rejected_reason
+    assert len(server.requests) == 2          # a context error is sent once more, smaller
+    server.push(error(400, "bad request: unknown field"), reply(GOOD_EDIT))
+    p = mut.propose(request())
+    assert p.rejected and "HTTP 400: bad request: unknown field" in p.rejected_reason
+    assert len(server.requests) == 3 and sleeps == []
 
 
 def test_authentication_error_raises_without_retrying(server):
@@ -356,17 +388,47 @@ def test_retry_after_accepts_seconds_milliseconds_and_dates():
     assert parse_retry_after({"retry-after": "100000"}) == 300.0
 
 
-def test_prompt_for_a_passing_parent_asks_for_speed_and_lists_feedback_last_first():
+def test_prompt_for_a_passing_parent_asks_for_speed_and_lists_recent_attempts_last():
     parent = Program(id="p", source="__global__ void k() {}\n", suffix=".cu", parent_id=None,
                      iteration=0, island=0, mutator="seed", change="",
                      result=EvalResult(verdict=Verdict.PASS, reason="", fitness=1.1))
-    reasons = tuple(f"reason-{i}" for i in range(8))
-    req = MutationRequest(parent, inspirations=(parent,), seed=0, iteration=1, feedback=reasons)
-    system, user = build_messages(req, output_format="full")
+    attempts = [Attempt(i, "llm:m", "rejected", f"reason-{i}") for i in range(10)]
+    req = MutationRequest(parent, inspirations=(parent,), seed=0, iteration=1)
+    system, user = build_messages(req, output_format="full", attempts=attempts)
     assert "whole program" in system["content"].lower() and "```cuda" in system["content"]
     text = user["content"]
     assert "```cuda\n__global__ void k() {}\n```" in text
-    assert "makes the current program faster" in text
-    assert "reason-7" in text and "reason-3" in text and "reason-2" not in text   # 5 most recent
+    assert "makes the current program faster on this GPU" in text
+    assert "reason-9" in text and "reason-2" in text and "reason-1" not in text   # 8 most recent
+    assert text.index("reason-8") < text.index("reason-9")
     assert "Other programs" not in text                                         # parent is not its own inspiration
-    assert "GPU\n(not given)" in text
+    assert "GPU: (not given)" in text
+
+
+# ---- the model's context ------------------------------------------------
+
+def test_the_context_the_server_reports_sizes_the_call_and_one_too_small_gets_no_call():
+    with LlmServer(models={"model-a": {"max_model_len": 6000}}) as srv:
+        srv.push(reply(GOOD_EDIT))
+        mut, _, _ = mutator(srv, max_tokens=8192)
+        assert not mut.propose(request()).rejected
+        assert srv.requests[0].body["max_tokens"] == 3000        # half of the 6000 reported
+    with LlmServer(models={"model-a": {"max_model_len": 2048}}) as srv:
+        mut, meter, _ = mutator(srv, max_consecutive_failures=2)
+        p = mut.propose(request())
+        assert p.rejected and p.rejected_reason.startswith("the prompt does not fit the context "
+                                                           f"of model model-a at {srv.base_url}")
+        assert "(2048 tokens, 1024 kept for the answer)" in p.rejected_reason
+        with pytest.raises(LlmError, match="2 calls in a row failed"):
+            mut.propose(request())
+        assert srv.requests == [] and meter.calls == 0            # nothing sent, nothing billed
+
+
+def test_a_too_long_answer_naming_the_context_is_learnt_and_the_call_made_again(server):
+    server.push(error(400, "This model's maximum context length is 5000 tokens. However, you "
+                           "requested 9000 tokens (800 in the messages, 8192 in the completion)."),
+                reply(GOOD_EDIT))
+    mut, meter, _ = mutator(server, max_tokens=8192)
+    p = mut.propose(request())
+    assert not p.rejected and p.usage.attempts == 2
+    assert [r.body["max_tokens"] for r in server.requests] == [8192, 2500]

@@ -114,18 +114,20 @@ class _Rejecting:
 
     def propose(self, request: MutationRequest) -> Proposal:
         self.requests.append(request)
-        return Proposal(request.parent.id, self.name, None,
+        return Proposal(request.parent.id, self.name, None, change=f"-a{len(self.requests)}\n+b",
                         rejected_reason=f"SEARCH block {len(self.requests)} not found")
 
 
-def test_rejections_are_recorded_and_fed_back(tmp_path: Path) -> None:
+def test_rejections_are_recorded_with_their_change_as_the_parents_attempts(
+        tmp_path: Path) -> None:
     mut = _Rejecting()
     s, out = _run(tmp_path, _cfg(iterations=4, population=PopulationConfig(islands=1)),
                   mutators=[(mut, 1.0)])
     with RunStore.open_readonly(tmp_path) as st:
         assert st.rejection_count() == 4
-    assert mut.requests[0].feedback == ()
-    assert "SEARCH block 1 not found" in mut.requests[1].feedback
+        tried = st.recent_attempts(out.seed.id, 3)
+    assert [(a.iteration, a.outcome, a.reason, a.change) for a in tried] == [
+        (i, "rejected", f"SEARCH block {i} not found", f"-a{i}\n+b") for i in (2, 3, 4)]
     assert out.best is not None and out.best.id == out.seed.id
 
 

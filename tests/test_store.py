@@ -136,6 +136,35 @@ def test_llm_totals_and_rejections(store):
     conn.close()
 
 
+def test_a_parents_attempts_are_its_children_and_rejections_in_order(store, tmp_path):
+    commit(store, 0, make("seed", None, 1.0, 0))
+    commit(store, 1, make("a", "seed", 0.0, 1, Verdict.INCORRECT))
+    store.commit_iteration(iteration=2, program=None, rejection=("seed", "llm:m", "not found"),
+                           llm_usage=None, rng_state=random.Random(2).getstate(),
+                           population_snapshot={}, rejection_change="-x\n+y")
+    commit(store, 3, make("b", "seed", 1.5, 3))
+    commit(store, 4, make("c", "b", 1.6, 4))                   # another parent's child
+    got = [(a.iteration, a.mutator, a.outcome, a.reason, a.change, a.fitness)
+           for a in store.recent_attempts("seed", 10)]
+    assert got == [(1, "knobs", "incorrect", "bad values", "change a", 0.0),
+                   (2, "llm:m", "rejected", "not found", "-x\n+y", None),
+                   (3, "knobs", "pass", "", "change b", 1.5)]
+    assert [a.iteration for a in store.recent_attempts("seed", 2)] == [2, 3]
+    assert store.committed_iteration() == 4
+    store.close()
+    db = tmp_path / "run" / "run.sqlite"                       # a run made before the column
+    with sqlite3.connect(db) as conn:
+        conn.execute("ALTER TABLE rejections DROP COLUMN change")
+    with RunStore.open_readonly(tmp_path / "run") as old:
+        assert [a.change for a in old.recent_attempts("seed", 10)][1] == ""
+    RunStore.open(tmp_path / "run", None, create=False).close()   # the writer adds it back
+    with RunStore.open_readonly(tmp_path / "run") as again:
+        assert [a.reason for a in again.recent_attempts("seed", 10)][1] == "not found"
+    conn = sqlite3.connect(db)
+    assert "change" in {r[1] for r in conn.execute("PRAGMA table_info(rejections)")}
+    conn.close()
+
+
 def test_lineage_runs_from_seed_to_program(store):
     chain = [make("seed", None, 1.0, 0), make("c1", "seed", 1.1, 1), make("x", "seed", 1.2, 2),
              make("c2", "c1", 1.3, 3), make("c3", "c2", 1.4, 4)]

@@ -28,6 +28,7 @@ LANGUAGE_TAGS = {
     "python": ("python", "py", "python3", ""),
     "cuda": ("cuda", "cu", "cpp", "c++", "cxx", "c", ""),
 }
+LANGUAGE_TAGS["any"] = tuple(dict.fromkeys(t for tags in LANGUAGE_TAGS.values() for t in tags))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +111,17 @@ def summarise_change(old: str, new: str, max_lines: int = 60) -> str:
         more = len(diff) - max_lines
         diff = diff[:max_lines] + [f"... ({more} more diff lines)"]
     return "\n".join(diff)
+
+
+def blocks_as_diff(answer: str, max_lines: int = 60) -> str:
+    """Returns an answer's edit blocks as -/+ lines (what it tried), cut to max_lines."""
+    lines: list[str] = []
+    for b in parse_answer(answer, "any").blocks:
+        lines += ["@@"] + [f"-{ln}" for ln in b.search.split("\n")] + \
+            [f"+{ln}" for ln in b.replace.split("\n") if b.replace]
+    if len(lines) > max_lines:
+        lines = lines[:max_lines] + [f"... ({len(lines) - max_lines} more lines)"]
+    return "\n".join(lines)
 
 
 # ---- parsing ------------------------------------------------------------
