@@ -111,7 +111,7 @@ def build_candidate(path: Path, problem: Problem, cache_dir: Path, build_timeout
 def companion_headers(path: Path, source: str) -> dict[str, bytes]:
     """Returns the header files (by name) a main file declares as companions, read beside it."""
     return {c.name: (path.parent / c.name).read_bytes() for c in declared_companions(source)
-            if Path(c.name).suffix in _HEADERS and (path.parent / c.name).is_file()}
+            if Path(c.name).suffix in HEADER_SUFFIXES and (path.parent / c.name).is_file()}
 
 
 def build_companions(path: Path, source: str, cache_dir: Path, timeout_s: float, arch: str,
