@@ -75,7 +75,8 @@ def evaluate(req: EvalRequest, stage: Stage) -> EvalResult:
     ceiling = _ceiling(s)
     # Binds the clocks before any candidate code. Before the poisoning: setting up the GPU spin
     # captures a CUDA graph, and torch empties the allocator cache when a capture begins.
-    timer = GpuTimer() if req.on_gpu else CpuTimer()
+    stage("timer")
+    timer = GpuTimer(req.cache_dir or None) if req.on_gpu else CpuTimer()
     if req.on_gpu:
         devinfo.poison_allocator([c.out_bytes for c in cases])
     guard = _Guard.install(s)

@@ -12,8 +12,9 @@ ran could otherwise take a slot first (measured on an H200: a side stream's 0.2 
 there, and only the work after it was timed).
 
 Set up once per process, before any candidate code is imported:
-- compiled by Triton into a fresh directory of this process, not the shared Triton cache
-  that candidates can write to (a poisoned cubin there would reach every later evaluation);
+- compiled by Triton into the evaluator's trusted cache (or a fresh directory), never the
+  shared Triton cache that candidates can write to (a poisoned cubin there would reach every
+  later evaluation);
 - captured in a CUDA graph, which the timer replays: a candidate's Triton launch hooks,
   pre-run hooks or a replaced `_hold.run` never see or change the spin's launches;
 - checked once: one replay must take one wave (at most 1.6x its duration), or the blocks
@@ -21,6 +22,7 @@ Set up once per process, before any candidate code is imported:
 """
 from __future__ import annotations
 
+import os
 import tempfile
 
 import triton
@@ -55,7 +57,7 @@ class SpinError(RuntimeError):
 class FullGpuSpin:
     """Queues, on the current stream, a spin of `ns` nanoseconds that holds every SM."""
 
-    def __init__(self, ns: int) -> None:
+    def __init__(self, ns: int, cache_dir: str | None = None) -> None:
         import torch
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         threads = getattr(props, "max_threads_per_multi_processor", THREADS_PER_SM)
@@ -63,7 +65,10 @@ class FullGpuSpin:
         self.ns = int(ns)
         self.out = torch.zeros(self.blocks, dtype=torch.int32, device="cuda")
         with triton.knobs.cache.scope():
-            triton.knobs.cache.dir = tempfile.mkdtemp(prefix="evoattn-spin-")
+            # A directory candidates cannot write (not a shared, writable cache): the
+            # evaluator's trusted one when given, else a fresh one.
+            triton.knobs.cache.dir = (os.path.join(cache_dir, "baselines", "spin") if cache_dir
+                                      else tempfile.mkdtemp(prefix="evoattn-spin-"))
             self._launch()                           # compiles here, into that directory
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

@@ -44,7 +44,7 @@ class _Station:
         self.ceiling = None
         if on_gpu and self.dtype != torch.float32:
             self.ceiling = devinfo.measured_matmul_tflops(self.dtype)
-        self.timer = GpuTimer() if on_gpu else CpuTimer()
+        self.timer = GpuTimer(request.cache_dir or None) if on_gpu else CpuTimer()
         self.baselines = self.problem.baselines()
         self.cases = []
         with trusted_compile_caches(request.cache_dir):

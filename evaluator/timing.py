@@ -183,7 +183,7 @@ class _Timer:
 class GpuTimer(_Timer):
     """Times functions on CUDA in every mode (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cache_dir: str | None = None) -> None:
         import torch
         self.torch = torch
         self.Event = torch.cuda.Event
@@ -193,7 +193,7 @@ class GpuTimer(_Timer):
         self.sleep = torch.cuda._sleep
         self.flush_buf = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
         from .spin import FullGpuSpin
-        self.spin = FullGpuSpin(SPIN_NS)       # compiled and captured before any candidate import
+        self.spin = FullGpuSpin(SPIN_NS, cache_dir)   # built and captured before candidate import
         self.max_mem = torch.cuda.max_memory_allocated
         self.mem = torch.cuda.memory_allocated
         self.reset_peak = torch.cuda.reset_peak_memory_stats

@@ -35,7 +35,7 @@ from .population import Population
 from .store import RunStore
 from .types import Evaluator, MutationRequest, Mutator, Program, Proposal, program_id
 
-GPU_STAGES = ("reference", "baselines", "ceiling", "check", "profile", "time")
+GPU_STAGES = ("reference", "baselines", "ceiling", "timer", "check", "profile", "time")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -391,6 +391,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     block_m, block_n, num_warps, num_stages = _launch_settings(D, causal, S, BH, num_sms)
     num_tiles = triton.cdiv(S, block_m) * BH
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()   # no-ops for contiguous inputs
+    # TMA needs 16-byte aligned bases: a view at an odd offset takes the pointer path.
+    use_tma = use_tma and (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0
     out = torch.empty_like(q)                                  # (B, H, S, D), fresh
     if use_tma:
         # 3-D views (B*H, S, D): each head is its own box range, so TMA zero-fills loads past
