@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from . import device as devinfo, guards
+from . import device as devinfo, guards, snapshot
 from .cases import Case, prepare_case
 from .checking import Checked, Fail, check_all, library_kernels
 from .loader import LoadFailure, Loaded, build_candidate
@@ -216,14 +216,15 @@ class _Guard:
         import evaluator.cases as m0, evaluator.checking as m1  # noqa: E401
         import evaluator.harness as m2, evaluator.measure as m3, evaluator.timing as m4  # noqa
         import evaluator.checks as m5, evaluator.scoring as m6  # noqa: E401
+        import evaluator.hidden_work as m8, evaluator.snapshot as m9  # noqa: E401
         from .problems import base as p_base, common as p_common
-        mods = [m0, m1, m2, m3, m4, m5, m6, guards, p_base, p_common,
+        mods = [m0, m1, m2, m3, m4, m5, m6, m8, m9, guards, p_base, p_common,
                 sys.modules[type(s.problem).__module__]]
         if s.req.on_gpu:
             import evaluator.spin as m7
             mods.append(m7)
         # Held in this object only: a candidate that replaces guards' functions cannot blind it.
-        tampered = guards.harness_snapshot(mods)
+        tampered = snapshot.harness_snapshot(mods)
         allowed = list(s.req.allowed_dirs) or [str(s.root)]
         guards.install_sandbox(violations, allowed)
         return cls(violations, lib_guard, tampered)

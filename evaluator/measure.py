@@ -16,7 +16,8 @@ from .cases import Case, fresh_bound
 from .checking import Fail, Meta
 from .problems.base import Problem, Tolerance
 from .request import EvalRequest
-from .timing import Plan, hidden_work, set_bytes
+from .hidden_work import hidden_work
+from .timing import Plan, set_bytes
 from .types import ConfigResult, Times, Verdict
 
 Fn = Callable[[dict[str, Any]], Any]

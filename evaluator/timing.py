@@ -33,11 +33,11 @@ import statistics
 import time
 from typing import Any, Callable
 
+from .hidden_work import settled_host_time
 from .types import Times
 
 _perf = time.perf_counter          # captured before any candidate is imported
 SPIN_NS = 500_000                  # 0.5 ms: longer than a few Python launches take
-HOST_ROUNDS = 3                    # host cross-check rounds at most (see settled_host_time)
 CALL_SET_BYTES = 256 * 2 ** 20     # call mode: input sets filling at least this (5x an H100's L2)
 CALL_MAX_BYTES = 4 * 2 ** 30       # ... and at most this, whatever the set's size
 HOST_CALLS = 20                    # calls measured for host_us
@@ -380,32 +380,3 @@ class CpuTimer(_Timer):
                           graph_error="CUDA graphs need a GPU", host_us=kernel[n] * 1e3)
                  for n in fns}
         return Measurement(times, kept, {n: None for n in fns}, dict(kernel), {}, samples)
-
-
-def settled_host_time(measure: Callable[[], tuple[float, float]], event_ms: float,
-                      rounds: int = HOST_ROUNDS) -> tuple[float, float]:
-    """Returns the first host measurement (ms per call, ms to return) that does not look like
-    hidden work, measuring up to `rounds` times; if every round does, the fastest.
-
-    A stall of the host (a page fault, another process) inflates one round; work on another
-    stream or thread inflates every round (each starts on fresh inputs), so it still shows.
-    """
-    best = measure()
-    for _ in range(rounds - 1):
-        if not hidden_work(event_ms, *best):
-            return best
-        again = measure()
-        if not hidden_work(event_ms, *again):
-            return again
-        if again[0] < best[0]:
-            best = again
-    return best
-
-
-def hidden_work(event_ms: float, host_ms: float, launch_ms: float = 0.0) -> bool:
-    """Returns True when host time per call shows far more work than the events timed.
-
-    An honest call costs about max(its GPU time, its host launch time) per call when
-    calls run back to back; work on another stream or thread adds to host_ms only.
-    """
-    return host_ms > 1.5 * max(event_ms, launch_ms) + 0.05

@@ -20,7 +20,7 @@ from rich.markup import escape
 
 from evaluator import program
 from evaluator.request import TIMING_MODES
-from evaluator.types import EXIT_INTERRUPTED, EXIT_USAGE, exit_code_for
+from evaluator.types import EXIT_USAGE, exit_code_for
 
 from . import report, settings
 from .errors import EvoattnError, Interrupted, RunDirError, UsageError

@@ -16,7 +16,8 @@ from evaluator.types import EvalResult
 
 from .report import label
 from .search import DUPLICATE
-from .store import RunStore, StoredLlmCall
+from .store import RunStore
+from .store_reads import StoredLlmCall
 from .types import Program
 
 

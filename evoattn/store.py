@@ -17,8 +17,6 @@ while a run is writing.
 """
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import datetime
 import fcntl
 import json
@@ -27,13 +25,12 @@ import re
 import sqlite3
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
-
-from evaluator.types import EvalResult
+from typing import Any, Callable
 
 from .config import ENV_NAME
-from .errors import RunDirError, UsageError
-from .types import Attempt, LlmUsage, Program
+from .errors import RunDirError
+from .store_reads import RunReads
+from .types import LlmUsage, Program
 
 SCHEMA_VERSION = 1
 DB_NAME = "run.sqlite"
@@ -57,42 +54,8 @@ CREATE TABLE llm_calls (
 CREATE TABLE state (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
-_PROGRAM_COLUMNS = ("id, source, suffix, parent_id, second_parent_id, iteration, island, "
-                    "mutator, change, result_json")
-
 # Config keys that could hold a credential; their values must be env var NAMES.
 _SECRET_KEY = re.compile(r"(api[_-]?key|token|secret|password|passwd|credential)", re.I)
-
-
-@dataclasses.dataclass(frozen=True)
-class LlmTotals:
-    """Sums over a run's LLM calls."""
-
-    calls: int
-    prompt_tokens: int
-    completion_tokens: int
-    cost_usd: float
-    latency_s: float
-
-
-@dataclasses.dataclass(frozen=True)
-class StoredRejection:
-    """A proposal that was not evaluated (refused by its mutator, or a duplicate)."""
-
-    iteration: int
-    parent_id: str | None
-    mutator: str
-    reason: str
-    created_at: str                     # ISO 8601, UTC
-
-
-@dataclasses.dataclass(frozen=True)
-class StoredLlmCall:
-    """One recorded LLM call."""
-
-    iteration: int
-    usage: LlmUsage
-    created_at: str                     # ISO 8601, UTC
 
 
 def scrub_secrets(obj: Any) -> Any:
@@ -116,13 +79,7 @@ def rng_state_to_json(state: Any) -> list[Any]:
     return [version, list(internal), gauss_next]
 
 
-def rng_state_from_json(data: list[Any]) -> tuple[Any, ...]:
-    """Returns the tuple random.Random.setstate() takes from its JSON form."""
-    version, internal, gauss_next = data
-    return (version, tuple(internal), gauss_next)
-
-
-class RunStore:
+class RunStore(RunReads):
     """One run directory's database; the search loop is its only writer."""
 
     def __init__(self, run_dir: Path, conn: sqlite3.Connection, lock_fd: int | None,
@@ -207,9 +164,6 @@ class RunStore:
             with self._transaction() as c:
                 c.execute("ALTER TABLE rejections ADD COLUMN change TEXT NOT NULL DEFAULT ''")
 
-    def _columns(self, table: str) -> set[str]:
-        return {row[1] for row in self._conn.execute(f"PRAGMA table_info({table})")}
-
     def close(self) -> None:
         """Closes the database and releases the run directory's lock."""
         self._conn.close()
@@ -270,138 +224,11 @@ class RunStore:
             raise ValueError(f"program {p.id} is already stored (the search must skip "
                              "duplicates)") from None
 
-    # ---- reading -------------------------------------------------------------
-    def load_programs(self) -> dict[str, Program]:
-        """Returns every stored program by id, in the order they were stored."""
-        rows = self._conn.execute(f"SELECT {_PROGRAM_COLUMNS} FROM programs ORDER BY rowid")
-        return {row[0]: _program(row) for row in rows}
-
-    def get_program(self, program_id: str) -> Program | None:
-        """Returns one stored program, or None."""
-        row = self._conn.execute(f"SELECT {_PROGRAM_COLUMNS} FROM programs WHERE id = ?",
-                                 (program_id,)).fetchone()
-        return _program(row) if row else None
-
-    def has_program(self, program_id: str) -> bool:
-        """Returns whether a program with this id is stored."""
-        return self._conn.execute("SELECT 1 FROM programs WHERE id = ?",
-                                  (program_id,)).fetchone() is not None
-
-    def load_state(self) -> dict[str, Any] | None:
-        """Returns {iteration, rng_state, population, stop_reason, elapsed_s} (elapsed_s: the
-        run's wall time over every session), or None before iteration 0."""
-        values = {k: json.loads(v) for k, v in self._conn.execute("SELECT key, value FROM state")}
-        if "iteration" not in values:
-            return None
-        return {"iteration": values["iteration"],
-                "rng_state": rng_state_from_json(values["rng_state"]),
-                "population": values["population"],
-                "stop_reason": values.get("stop_reason"),
-                "elapsed_s": values.get("elapsed_s", 0.0)}
-
-    def committed_iteration(self) -> int:
-        """Returns the last iteration committed (-1 before the seed's)."""
-        row = self._conn.execute("SELECT value FROM state WHERE key = 'iteration'").fetchone()
-        return int(json.loads(row[0])) if row else -1
-
-    def recent_attempts(self, parent_id: str, limit: int) -> list[Attempt]:
-        """Returns the latest children and rejected proposals of a parent, oldest first
-        (outcome: the child's verdict, or "rejected"; reason: its verdict reason or why)."""
-        change = "change" if "change" in self._columns("rejections") else "''"
-        rows = self._conn.execute(
-            "SELECT iteration, mutator, COALESCE(verdict, 'unevaluated'), fitness, change, "
-            "COALESCE(json_extract(result_json, '$.reason'), '') FROM programs "
-            "WHERE parent_id = ? UNION ALL "
-            f"SELECT iteration, mutator, 'rejected', NULL, {change}, reason FROM rejections "
-            "WHERE parent_id = ? ORDER BY 1 DESC, 3 LIMIT ?", (parent_id, parent_id, limit))
-        return [Attempt(it, mut, outcome, reason, chg, fit)
-                for it, mut, outcome, fit, chg, reason in reversed(rows.fetchall())]
-
     def update_config(self, config_dict: dict[str, Any]) -> None:
         """Replaces the stored config (a resumed run whose llm section changed)."""
         with self._transaction() as c:
             c.execute("UPDATE meta SET value = ? WHERE key = 'config'",
                       (json.dumps(scrub_secrets(config_dict), sort_keys=True),))
-
-    def stored_config(self) -> dict[str, Any]:
-        """Returns the config dict the run was created with."""
-        row = self._conn.execute("SELECT value FROM meta WHERE key = 'config'").fetchone()
-        return json.loads(row[0])
-
-    def meta(self) -> dict[str, str]:
-        """Returns the meta table (schema version, created_at, config, problem, seed)."""
-        return dict(self._conn.execute("SELECT key, value FROM meta"))
-
-    def counts_by_verdict(self) -> dict[str, int]:
-        """Returns how many stored programs got each verdict ("unevaluated" for none)."""
-        rows = self._conn.execute(
-            "SELECT COALESCE(verdict, 'unevaluated'), COUNT(*) FROM programs GROUP BY 1")
-        return dict(rows)
-
-    def rejection_count(self, reason_prefix: str = "") -> int:
-        """Returns how many proposals were not evaluated (those whose reason starts so)."""
-        return self._conn.execute(
-            "SELECT COUNT(*) FROM rejections WHERE substr(reason, 1, ?) = ?",
-            (len(reason_prefix), reason_prefix)).fetchone()[0]
-
-    def llm_totals(self) -> LlmTotals:
-        """Returns the sums over every recorded LLM call."""
-        row = self._conn.execute(
-            "SELECT COUNT(*), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0),"
-            " COALESCE(SUM(cost_usd), 0.0), COALESCE(SUM(latency_s), 0.0) FROM llm_calls"
-        ).fetchone()
-        return LlmTotals(row[0], row[1], row[2], float(row[3]), float(row[4]))
-
-    def lineage(self, program_id: str) -> list[Program]:
-        """Returns the chain of first parents from the seed to the program, seed first."""
-        chain: list[Program] = []
-        seen: set[str] = set()
-        pid: str | None = program_id
-        while pid is not None and pid not in seen:
-            p = self.get_program(pid)
-            if p is None:
-                if not chain:
-                    raise UsageError(f"{self.run_dir}: no program with id {program_id}")
-                break                    # parent not stored (e.g. pruned): the chain starts here
-            seen.add(pid)
-            chain.append(p)
-            pid = p.parent_id
-        return chain[::-1]
-
-    def leaderboard(self, k: int) -> list[Program]:
-        """Returns the k correct programs of highest fitness (ties broken by id)."""
-        rows = self._conn.execute(
-            f"SELECT {_PROGRAM_COLUMNS} FROM programs WHERE verdict = 'pass' "
-            "ORDER BY fitness DESC, id ASC LIMIT ?", (k,))
-        return [_program(row) for row in rows]
-
-    # ---- reading the run over time (the HTML report) -------------------------------
-    @contextlib.contextmanager
-    def snapshot(self) -> Iterator[None]:
-        """Holds one read transaction: every read inside sees the same committed iteration."""
-        self._conn.execute("BEGIN")
-        try:
-            yield
-        finally:
-            self._conn.execute("COMMIT")   # a read transaction: ends it, writes nothing
-
-    def program_times(self) -> dict[str, str]:
-        """Returns when each program was stored (ISO 8601, UTC), by id."""
-        return dict(self._conn.execute("SELECT id, created_at FROM programs"))
-
-    def rejections(self) -> list[StoredRejection]:
-        """Returns every proposal that was not evaluated, in the order they were stored."""
-        rows = self._conn.execute("SELECT iteration, parent_id, mutator, reason, created_at "
-                                  "FROM rejections ORDER BY rowid")
-        return [StoredRejection(*row) for row in rows]
-
-    def llm_calls(self) -> list[StoredLlmCall]:
-        """Returns every recorded LLM call, in the order they were stored."""
-        rows = self._conn.execute(
-            "SELECT iteration, model, prompt_tokens, completion_tokens, cost_usd, latency_s, "
-            "attempts, status, created_at FROM llm_calls ORDER BY rowid")
-        return [StoredLlmCall(it, LlmUsage(model, pt, ct, cost, lat, att, status), at)
-                for it, model, pt, ct, cost, lat, att, status, at in rows]
 
     # ---- plumbing --------------------------------------------------------------
     def _transaction(self) -> "_Transaction":
@@ -477,12 +304,3 @@ def _lock(run_dir: Path) -> int:
         raise RunDirError(f"{run_dir}: run directory is in use by another evoattn process") \
             from None
     return fd
-
-
-def _program(row: tuple[Any, ...]) -> Program:
-    (pid, source, suffix, parent_id, second_parent_id, iteration, island, mutator, change,
-     result_json) = row
-    result = EvalResult.from_json(json.loads(result_json)) if result_json else None
-    return Program(id=pid, source=source, suffix=suffix, parent_id=parent_id,
-                   iteration=iteration, island=island, mutator=mutator, change=change,
-                   result=result, second_parent_id=second_parent_id)

@@ -1,7 +1,7 @@
 """The host cross-check's rounds: a transient stall is measured again, hidden work is not forgiven."""
 from __future__ import annotations
 
-from evaluator.timing import HOST_ROUNDS, hidden_work, settled_host_time
+from evaluator.hidden_work import HOST_ROUNDS, hidden_work, settled_host_time
 
 
 def _rounds(values: list[tuple[float, float]]):  # noqa: ANN202
