@@ -22,9 +22,6 @@ import inspect
 import sys
 from pathlib import Path
 
-STANDIN = "hybrid stand-in (flash_triton.py + wgmma_flash.cu companion)"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repo", default=str(Path(__file__).resolve().parent.parent))
@@ -46,7 +43,7 @@ def main() -> None:
 
 
 def seeds(repo: Path) -> list[tuple[str, str, str]]:
-    """Returns (problem, path, program text) for every shipped seed and the hybrid stand-in."""
+    """Returns (problem, path, program text, companions included) for every shipped seed."""
     from evaluator import program
     out = []
     for p in sorted((repo / "seeds").glob("*/*")):
@@ -56,12 +53,6 @@ def seeds(repo: Path) -> list[tuple[str, str, str]]:
             except Exception:  # noqa: BLE001 - a seed's companion missing in that checkout
                 text = p.read_text()
             out.append((p.parent.name, str(p.relative_to(repo)), text))
-    triton = (repo / "seeds/sdpa/flash_triton.py").read_text()
-    cuda = (repo / "seeds/sdpa/wgmma_flash.cu").read_text()
-    main_py = "# evoattn: companion wgmma_flash.cu when(@target=sm90)\n" + triton
-    bundle = (f"#### evoattn file: flash_triton.py ####\n{main_py}"
-              f"#### evoattn file: wgmma_flash.cu ####\n{cuda}")
-    out.append(("sdpa", STANDIN, bundle))
     return out
 
 

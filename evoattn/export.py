@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 from . import export_docs as docs
 from .errors import RunDirError
 from .export_package import KernelInfo, describe, package_files
+from .outdir import replace_directory
 from .store import RunStore
 from .types import Program
 
@@ -84,7 +83,7 @@ def _export(store: RunStore, out_dir: Path) -> ExportSummary:
                                  "package": info.names.package, "dist": info.names.dist,
                                  "namespace": info.names.namespace, "has_op": info.has_op,
                                  "files": top})
-    _write_atomically(out_dir, files)
+    replace_directory(out_dir, files, _replaceable, "an export", "choose another directory")
     return ExportSummary(
         out_dir=out_dir, best_source=out_dir / f"best{best.suffix}",
         best_eval=out_dir / "best_eval.json", lineage_md=out_dir / "lineage.md",
@@ -129,33 +128,3 @@ def _replaceable(out_dir: Path) -> set[str]:
     except (OSError, ValueError, KeyError, TypeError):
         return set(_EXPORT_NAMES)
     return set(_EXPORT_NAMES) | {str(n) for n in listed}
-
-
-def _write_atomically(out_dir: Path, files: dict[str, str]) -> None:
-    if out_dir.exists():
-        if not out_dir.is_dir():
-            raise RunDirError(f"{out_dir}: exists and is not a directory")
-        ours = _replaceable(out_dir)
-        foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in ours)
-        if foreign:
-            raise RunDirError(f"{out_dir}: exists and holds files an export did not write "
-                              f"({', '.join(foreign[:3])}); choose another directory")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        for name, text in files.items():
-            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-            (tmp / name).write_text(text)
-        if out_dir.exists():
-            # A directory cannot be renamed over a non-empty one: move the old export
-            # aside first, then drop it once the new one is in place.
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            old.rmdir()
-            out_dir.rename(old)
-            tmp.rename(out_dir)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import datetime
 import html
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable
 
 from . import charts
-from .errors import RunDirError
+from .outdir import replace_directory
 from .report import MODE_WORDS
 from .report_data import RunData, Speedup, load_run
 
@@ -69,7 +67,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     target = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
     pngs = {name: png for name, png in _draw(data).items() if png is not None}
     page = render(data, set(pngs))
-    _write_atomically(target, {HTML_NAME: page.encode(), **pngs})
+    replace_directory(target, {HTML_NAME: page.encode(), **pngs}, _ours, "a report",
+                      "choose another --out")
     return target / HTML_NAME
 
 
@@ -186,31 +185,5 @@ def _e(text: object) -> str:
     return html.escape(str(text))
 
 
-def _write_atomically(out_dir: Path, files: dict[str, bytes]) -> None:
-    allowed = {HTML_NAME} | {name for name, *_ in _CHARTS}
-    if out_dir.exists():
-        if not out_dir.is_dir():
-            raise RunDirError(f"{out_dir}: exists and is not a directory")
-        foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in allowed)
-        if foreign:
-            raise RunDirError(f"{out_dir}: exists and holds files a report did not write "
-                              f"({', '.join(foreign[:3])}); choose another --out")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        for name, blob in files.items():
-            (tmp / name).write_bytes(blob)
-        tmp.chmod(0o755)                    # mkdtemp's 0700 would hide the page from others
-        if out_dir.exists():
-            # A directory cannot be renamed over a non-empty one: move the old report
-            # aside, put the new one in place, then drop the old one.
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            old.rmdir()
-            out_dir.rename(old)
-            tmp.rename(out_dir)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+def _ours(_out_dir: Path) -> set[str]:
+    return {HTML_NAME} | {name for name, *_ in _CHARTS}

@@ -5,6 +5,7 @@ import dataclasses
 
 from evaluator.types import ConfigResult, EvalResult, Verdict
 from evoattn.mutators.knobs import find_knobs
+from evoattn.sandbox import SandboxSettings, SubprocessEvaluator
 
 
 @dataclasses.dataclass
@@ -50,10 +51,9 @@ def attention(q, k, v, causal=False, scale=None):
 
 
 def sandboxed(*, cache_dir: str = "", zygote: bool | None = None,
-              max_host_mem_bytes: int | None = None, **request: object) -> "SubprocessEvaluator":
+              max_host_mem_bytes: int | None = None, **request: object) -> SubprocessEvaluator:
     """Returns a real sandboxed evaluator: request fields and sandbox settings by keyword."""
     from evaluator.request import EvalRequest
-    from evoattn.sandbox import SandboxSettings, SubprocessEvaluator
     sandbox: dict[str, object] = {"cache_dir": cache_dir}
     if zygote is not None:
         sandbox["zygote"] = zygote

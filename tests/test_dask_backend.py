@@ -26,6 +26,7 @@ from evaluator.request import EvalRequest
 from evaluator.types import Verdict
 from evoattn.backends.dask import START_TOPIC, DaskPool
 from evoattn.runner import plan_run
+from rundb import query
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = ROOT / "seeds" / "sdpa" / "flash_triton.py"
@@ -74,18 +75,11 @@ def _evoattn(*args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _rows(db: Path, sql: str) -> list[tuple]:
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
-
 
 def _programs(db: Path) -> int:
     """Returns how many programs a run being written has committed so far."""
     try:
-        return _rows(db, "SELECT count(*) FROM programs")[0][0]
+        return query(db, "SELECT count(*) FROM programs")[0][0]
     except sqlite3.OperationalError:        # not there yet, or its tables not made yet
         return 0
 
@@ -127,7 +121,7 @@ def test_a_search_runs_on_the_cluster_and_survives_a_worker_killed_under_a_candi
     assert proc.returncode == 0, out + err
     assert "stopped after iteration 4: iterations" in out
     assert len(tries) == 2 and tries[1]["worker"] != victim["worker"]
-    rows = _rows(tmp_path / "run" / "run.sqlite", "SELECT id, verdict FROM programs")
+    rows = query(tmp_path / "run" / "run.sqlite", "SELECT id, verdict FROM programs")
     assert (label, "pass") in rows                            # retried, then judged as usual
     assert len(rows) >= 2 and all(v == "pass" for _, v in rows)
 
@@ -178,16 +172,16 @@ def test_losing_the_scheduler_stops_the_run_and_resume_goes_on_with_a_new_one(
     assert f"lost the Dask scheduler at {address}" in stop
     assert f"evoattn run --resume {tmp_path / 'run'}" in out
     assert "Traceback" not in err
-    assert int(_rows(db, "SELECT value FROM state WHERE key = 'iteration'")[0][0]) < 5
+    assert int(query(db, "SELECT value FROM state WHERE key = 'iteration'")[0][0]) < 5
     assert "lost the Dask scheduler" in json.loads(
-        _rows(db, "SELECT value FROM state WHERE key = 'stop_reason'")[0][0])
+        query(db, "SELECT value FROM state WHERE key = 'stop_reason'")[0][0])
     with _cluster(port=port):
         again = _evoattn("run", "--resume", str(tmp_path / "run"), "--quiet")
         out, err = again.communicate(timeout=240)
     assert again.returncode == 0, out + err
     assert "stopped after iteration 5: iterations" in out
-    assert sorted(i for (i,) in _rows(db, "SELECT iteration FROM programs"))[-1] <= 5
-    assert json.loads(_rows(db, "SELECT value FROM state WHERE key = 'stop_reason'")[0][0]) \
+    assert sorted(i for (i,) in query(db, "SELECT iteration FROM programs"))[-1] <= 5
+    assert json.loads(query(db, "SELECT value FROM state WHERE key = 'stop_reason'")[0][0]) \
         == "iterations"
 
 

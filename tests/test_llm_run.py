@@ -8,7 +8,6 @@ import io
 import json
 import os
 import socket
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from rich.console import Console
 from evoattn import pool, runner
 from fakes import TOY_SEED, FakeEvaluator
 from llm_server import LlmServer, error, reply, stall
+from rundb import query
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = {"name": "m", "price_in_per_mtok": 1.0, "price_out_per_mtok": 2.0}
@@ -64,13 +64,6 @@ def _start(config: Path | None = None, resume: Path | None = None,
     return code, out.getvalue()
 
 
-def _rows(run: Path, sql: str) -> list[tuple]:
-    con = sqlite3.connect(run / "run.sqlite")
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
-
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -87,14 +80,14 @@ def test_a_server_that_is_down_stops_the_run_naming_it_and_a_fixed_url_resumes(
     assert f"model m at {down}: cannot connect" in out and "Connection refused" in out
     assert "rerun the same command" in out
     run = tmp_path / "run"
-    assert _rows(run, "SELECT count(*) FROM rejections")[0][0] == 2      # then it stopped
-    assert _rows(run, "SELECT count(*) FROM llm_calls WHERE status = 'failed'")[0][0] == 2
+    assert query(run, "SELECT count(*) FROM rejections")[0][0] == 2      # then it stopped
+    assert query(run, "SELECT count(*) FROM llm_calls WHERE status = 'failed'")[0][0] == 2
     with LlmServer() as srv:                                            # the server is back
         srv.push(*(reply(edit(i)) for i in range(8)))
         code, out = _start(_config(tmp_path, srv.base_url, iterations=10,
                                    max_consecutive_failures=2))
     assert code == 0 and "resuming the run" in out and "the llm section differs" in out
-    assert json.loads(_rows(run, "SELECT value FROM state WHERE key='iteration'")[0][0]) == 10
+    assert json.loads(query(run, "SELECT value FROM state WHERE key='iteration'")[0][0]) == 10
 
 
 def test_a_hung_server_costs_two_timeouts_a_call_and_stops_the_run(tmp_path: Path) -> None:
@@ -120,7 +113,7 @@ def test_a_wrong_model_name_stops_and_the_fixed_name_carries_on_through_resume(
         assert code == 0
         models = [r.body["model"] for r in srv.requests]
     assert models == ["gtp-4.1", "gpt-4.1", "gpt-4.1", "gpt-4.1"]
-    stored = json.loads(_rows(tmp_path / "run", "SELECT value FROM meta WHERE key='config'")[0][0])
+    stored = json.loads(query(tmp_path / "run", "SELECT value FROM meta WHERE key='config'")[0][0])
     assert stored["llm"]["models"][0]["name"] == "gpt-4.1"
 
 
@@ -133,7 +126,7 @@ def test_a_budget_stop_records_every_call_that_was_answered(tmp_path: Path) -> N
     run = tmp_path / "run"
     assert code == 0 and "stopped after iteration" in out and "LLM budget exhausted" in out
     assert answered >= 2                              # calls were in flight at the stop ...
-    recorded = _rows(run, "SELECT count(*), sum(cost_usd) FROM llm_calls")[0]
+    recorded = query(run, "SELECT count(*), sum(cost_usd) FROM llm_calls")[0]
     assert recorded[0] == answered                    # ... and every one is in the call log
     assert recorded[1] == pytest.approx(answered * 0.0011)
 

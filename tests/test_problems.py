@@ -18,7 +18,6 @@ from click.testing import CliRunner
 from evaluator.problems import builtin_names, get_problem
 from evaluator.types import Verdict
 from evoattn.cli import cli as main
-from evoattn.sandbox import SubprocessEvaluator
 from fakes import sandboxed
 
 ROOT = Path(__file__).resolve().parents[1]

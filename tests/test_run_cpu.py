@@ -5,7 +5,6 @@ import json
 import os
 import re
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from llm_server import LlmServer, error, reply, stall
+from rundb import query
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = ROOT / "seeds" / "sdpa" / "flash_triton.py"
@@ -38,13 +38,6 @@ def _evoattn(*args: str, env: dict | None = None, timeout: int = 900
                           env={**os.environ, **(env or {})})
 
 
-def _rows(db: Path, sql: str) -> list[tuple]:
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
-
 
 def test_knob_search_runs_exports_and_the_export_gets_the_same_verdict(tmp_path: Path) -> None:
     cfg = _config(tmp_path)
@@ -53,8 +46,8 @@ def test_knob_search_runs_exports_and_the_export_gets_the_same_verdict(tmp_path:
     assert "CPU" in p.stdout and "stopped after iteration 3: iterations" in p.stdout
     assert re.search(r"evaluations: [1-4], \d+\.\d s each on average \(\w+ \d", p.stdout), p.stdout
     run = tmp_path / "run"
-    rows = _rows(run / "run.sqlite", "SELECT iteration, verdict, mutator FROM programs")
-    assert rows[0][:2] == (0, "pass") and len(rows) + _rows(
+    rows = query(run / "run.sqlite", "SELECT iteration, verdict, mutator FROM programs")
+    assert rows[0][:2] == (0, "pass") and len(rows) + query(
         run / "run.sqlite", "SELECT count(*) FROM rejections")[0][0] == 4
     events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events][0] == "start" and events[-1]["event"] == "stop"
@@ -85,7 +78,7 @@ def test_a_cpu_run_of_the_hybrid_never_spends_an_evaluation_on_its_cuda_knobs(
     cfg = _config(tmp_path, seed=str(hybrid), iterations=8)
     p = _evoattn("run", "--config", str(cfg), "--quiet")
     assert p.returncode == 0, p.stdout + p.stderr
-    changes = [c for (c,) in _rows(tmp_path / "run" / "run.sqlite",
+    changes = [c for (c,) in query(tmp_path / "run" / "run.sqlite",
                                    "SELECT change FROM programs WHERE iteration > 0")]
     assert len(changes) >= 6
     changed = {m for c in changes for m in re.findall(r"([\w.:]+): \S+ -> ", c)}
@@ -100,26 +93,26 @@ def test_kill_9_mid_run_then_resume_continues_the_same_run(tmp_path: Path) -> No
                             stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 600
     while time.time() < deadline:
-        if db.is_file() and _rows(db, "SELECT count(*) FROM programs")[0][0] >= 2:
+        if db.is_file() and query(db, "SELECT count(*) FROM programs")[0][0] >= 2:
             break
         time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    done = json.loads(_rows(db, "SELECT value FROM state WHERE key='iteration'")[0][0])
+    done = json.loads(query(db, "SELECT value FROM state WHERE key='iteration'")[0][0])
     assert 1 <= done < 5
-    before = {r[0] for r in _rows(db, "SELECT id FROM programs")}
+    before = {r[0] for r in query(db, "SELECT id FROM programs")}
     p = _evoattn("run", "--config", str(cfg), "--quiet")   # same output: continues
     assert p.returncode == 0, p.stdout + p.stderr
-    after = _rows(db, "SELECT id, iteration FROM programs")
+    after = query(db, "SELECT id, iteration FROM programs")
     assert before <= {r[0] for r in after}
-    assert json.loads(_rows(db, "SELECT value FROM state WHERE key='iteration'")[0][0]) == 5
+    assert json.loads(query(db, "SELECT value FROM state WHERE key='iteration'")[0][0]) == 5
     assert len({r[0] for r in after}) == len(after)            # nothing evaluated twice
     assert f"[{done + 1}/5]" in p.stdout                     # resumed after the last commit
     # a different config on the same output is refused, nothing lost
     other = _config(tmp_path, iterations=5, random_seed=9)
     q = _evoattn("run", "--config", str(other))
     assert q.returncode == 4 and "different config" in q.stderr
-    assert len(_rows(db, "SELECT id FROM programs")) == len(after)
+    assert len(query(db, "SELECT id FROM programs")) == len(after)
 
 
 def _block_n_edits() -> tuple[str, str]:
@@ -152,9 +145,9 @@ def test_llm_search_over_a_real_http_server(tmp_path: Path) -> None:
         requests = list(srv.requests)
     assert p.returncode == 0, p.stdout + p.stderr
     db = tmp_path / "run" / "run.sqlite"
-    progs = _rows(db, "SELECT mutator, change FROM programs WHERE iteration > 0")
-    rej = _rows(db, "SELECT reason FROM rejections")
-    calls = _rows(db, "SELECT model, prompt_tokens, completion_tokens, cost_usd, attempts "
+    progs = query(db, "SELECT mutator, change FROM programs WHERE iteration > 0")
+    rej = query(db, "SELECT reason FROM rejections")
+    calls = query(db, "SELECT model, prompt_tokens, completion_tokens, cost_usd, attempts "
                       "FROM llm_calls ORDER BY iteration")
     assert any("BLOCK_N_D64" in c for _, c in progs) and all(m.startswith("llm") for m, _ in progs)
     assert any("BLOCK_Q = 999" in r or "not found" in r for (r,) in rej), rej

@@ -12,7 +12,7 @@ import tempfile
 import pytest
 
 from evoattn import sandbox
-from evoattn.sandbox import SubprocessEvaluator, child_env, detect_target
+from evoattn.sandbox import child_env, detect_target
 from fakes import sandboxed
 from evaluator.types import Verdict
 

@@ -3,7 +3,6 @@ cannot go on, and the siblings a prompt may wait for."""
 from __future__ import annotations
 
 import dataclasses
-import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -15,6 +14,7 @@ from evoattn.search import Search
 from evoattn.store import RunStore
 from evoattn.types import LlmUsage, MutationRequest, Proposal
 from fakes import TOY_SEED, FakeEvaluator
+from rundb import query
 
 
 class _Paid:
@@ -61,13 +61,6 @@ def _run(run_dir: Path, cfg: RunConfig, mutator: object, create: bool = True, **
         store.close()
 
 
-def _rows(run_dir: Path, sql: str) -> list[tuple]:
-    con = sqlite3.connect(run_dir / "run.sqlite")
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
-
 
 def test_a_budget_stop_records_every_call_already_paid(tmp_path: Path) -> None:
     paid = _Paid()
@@ -75,7 +68,7 @@ def test_a_budget_stop_records_every_call_already_paid(tmp_path: Path) -> None:
                budget_exhausted=lambda: paid.calls >= 2)
     assert out.stop_reason == "LLM budget exhausted" and out.exit_code == 0
     assert paid.calls >= 3                     # more calls were in flight than the budget let
-    (calls,) = _rows(tmp_path, "SELECT count(*) FROM llm_calls")[0]
+    (calls,) = query(tmp_path, "SELECT count(*) FROM llm_calls")[0]
     assert calls == paid.calls                  # ... and each one is in the call log
     assert out.iterations_done == paid.calls
 
@@ -85,9 +78,9 @@ def test_an_llm_that_cannot_go_on_stops_the_run_cleanly_and_it_resumes(tmp_path:
     out = _run(tmp_path, _cfg(), failing, lookahead=2)
     assert out.exit_code == 1 and out.stop_reason.startswith("the LLM stopped the run")
     assert "http://x/v1" in out.stop_reason
-    rows = _rows(tmp_path, "SELECT iteration, reason FROM rejections")
+    rows = query(tmp_path, "SELECT iteration, reason FROM rejections")
     assert (4, out.stop_reason) in rows         # the failing call's iteration is committed ...
-    statuses = _rows(tmp_path, "SELECT status FROM llm_calls ORDER BY iteration")
+    statuses = query(tmp_path, "SELECT status FROM llm_calls ORDER BY iteration")
     assert [s for (s,) in statuses] == ["ok"] * 3 + ["failed"]   # ... with its call
     assert out.iterations_done == 4
     with RunStore.open_readonly(tmp_path) as st:
