@@ -7,8 +7,9 @@
 #        `evoattn eval`, its export and its report
 # hf     the exported best inside a Hugging Face Llama model (benchmarks/hf_model.py)
 # dask   a short search through a Dask scheduler and one GPU worker on this machine
-# Results land in $OUT/results.tgz (unpack it into benchmarks/results/, which git ignores, and
-# run `python benchmarks/make_page.py benchmarks/results` to write BENCHMARKS.md's tables).
+# Results land in $OUT/results.tgz. Unpack it into benchmarks/results/ (git ignores it), then
+#   python benchmarks/make_page.py collect benchmarks/results && python benchmarks/make_page.py page
+# writes benchmarks/current.json and BENCHMARKS.md's tables from it.
 # Packages the machine lacks (dask, distributed) come as wheels in .whl/ (see the device tool).
 set -u
 export PYTHONUNBUFFERED=1

@@ -100,8 +100,26 @@ def table(name: str, ev: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summary(rows: list[tuple[str, dict[str, Any]]]) -> str:
+    """One row per evaluation: its fitness in each mode against the fastest baseline."""
+    lines = ["| problem | program | baselines (fitness takes the fastest per config) | "
+             "call time | kernel time | graph time |", "|---|---|---|---|---|---|"]
+    for name, ev in rows:
+        names = ", ".join(dict.fromkeys(n for c in ev["configs"] for n in c["baselines"]))
+        lines.append(f"| {name} | `{ev['candidate']}` | {names} | "
+                     + " | ".join(f"{_f(ev['fitness'][m])}×" for m in MODES) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def page(current: dict[str, Any]) -> str:
-    parts = [f"Machine: {current['machine'].replace(chr(10), '; ')}\n"]
+    machine = "; ".join(current["machine"].splitlines()[:3])    # GPU, versions, date
+    parts = [f"Machine: {machine}\n"]
+    rows = [(n, ev) for n, ev in current["evals"].items() if n != "best"]
+    if "best" in current["evals"]:
+        rows.insert(0, ("sdpa (the default search's best)", current["evals"]["best"]))
+    if current.get("run"):
+        rows.insert(0, ("sdpa (the default seed, in the search)", current["run"]["seed"]))
+    parts.append(summary(rows))
     run = current.get("run")
     if run:
         parts.append(table("sdpa, the default search's best (re-evaluated side by side)",

@@ -1,0 +1,76 @@
+"""benchmarks/make_page.py: BENCHMARKS.md's tables are computed from `evoattn eval --json` files."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODES = ("call", "kernel", "graph")
+
+
+def _times(call: float, kernel: float, graph: float, host: float) -> dict:
+    return {"call_ms": call, "kernel_ms": kernel, "graph_ms": graph, "graph_error": "",
+            "host_us": host}
+
+
+def _eval_json(path: Path) -> Path:
+    """Two configs, two baselines: `slow` is never the fastest, `fast` is in every mode but
+    one (graph time of the second config, where `slow` wins)."""
+    configs = []
+    for i, (mine, fast, slow) in enumerate([((1.0, 0.5, 0.4, 30.0), (2.0, 1.0, 0.8, 20.0),
+                                             (4.0, 2.0, 1.6, 10.0)),
+                                            ((2.0, 1.0, 1.0, 40.0), (1.0, 0.5, 2.0, 20.0),
+                                             (3.0, 3.0, 0.5, 10.0))]):
+        configs.append({"params": {"B": 1, "H": 2, "S": 64 * (i + 1), "D": 64, "causal": i == 1},
+                        **_times(*mine),
+                        "baseline_times": {"fast": _times(*fast), "slow": _times(*slow)}})
+    path.write_text(json.dumps({"candidate": "seed.py", "problem": "sdpa", "verdict": "pass",
+                                "device": "GPU X", "versions": {}, "configs": configs}))
+    return path
+
+
+def _run(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "make_page.py"),
+                           *map(str, args)], cwd=cwd, capture_output=True, text=True)
+
+
+def test_the_page_gets_per_mode_fitness_against_the_fastest_baseline_and_keeps_its_prose(
+        tmp_path: Path) -> None:
+    res = tmp_path / "results"
+    res.mkdir()
+    _eval_json(res / "eval_toy.json")
+    (res / "machine.txt").write_text("GPU X, driver 1\ntorch 9\n")
+    assert _run("collect", res, "-o", tmp_path / "current.json", cwd=tmp_path).returncode == 0
+    current = json.loads((tmp_path / "current.json").read_text())
+    fit = current["evals"]["toy"]["fitness"]
+    # per config: fastest baseline / candidate, then the geometric mean over configs
+    assert math.isclose(fit["call"], math.sqrt((2.0 / 1.0) * (1.0 / 2.0)))
+    assert math.isclose(fit["kernel"], math.sqrt((1.0 / 0.5) * (0.5 / 1.0)))
+    assert math.isclose(fit["graph"], math.sqrt((0.8 / 0.4) * (0.5 / 1.0)))
+
+    page = tmp_path / "BENCHMARKS.md"
+    page.write_text("# Results\n\nprose before\n<!-- tables -->\nold table\n<!-- /tables -->\n"
+                    "prose after\n")
+    out = _run("page", tmp_path / "current.json", "--page", page, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    text = page.read_text()
+    assert text.startswith("# Results\n\nprose before\n<!-- tables -->\n")
+    assert text.endswith("<!-- /tables -->\nprose after\n") and "old table" not in text
+    assert "Machine: GPU X, driver 1; torch 9" in text
+    assert "call time 1.000×, kernel time 1.000×, graph time 1.000×" in text
+    assert "| toy | `seed.py` | fast, slow | 1.000× | 1.000× | 1.000× |" in text
+    # the first config's row: its times, its host cost, each baseline's ratio in every mode
+    assert "| (1,2,64,64) | 1.0000 | 0.5000 | 0.4000 | 30 | 2.00 / 2.00 / 2.00 (host 20) | " \
+           "4.00 / 4.00 / 4.00 (host 10) |" in text
+
+
+def test_a_page_without_the_table_markers_is_refused_and_left_alone(tmp_path: Path) -> None:
+    (tmp_path / "current.json").write_text(json.dumps({"evals": {}, "machine": "m"}))
+    page = tmp_path / "BENCHMARKS.md"
+    page.write_text("# Results\n")
+    out = _run("page", tmp_path / "current.json", "--page", page, cwd=tmp_path)
+    assert out.returncode == 1 and "no <!-- tables -->" in out.stderr
+    assert page.read_text() == "# Results\n"
