@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--timing", choices=("call", "kernel", "graph"), default="call")
     a = ap.parse_args()
     cache = os.environ.get("EVOATTN_CACHE") or tempfile.mkdtemp(prefix="evoattn-prof-")
     work = tempfile.mkdtemp(prefix="evoattn-prof-work-")
@@ -38,9 +39,11 @@ def main() -> None:
     candidate = os.path.abspath(a.candidate)
     problem = os.path.abspath(a.problem) if a.problem.endswith(".py") else a.problem
     os.chdir(work)                     # relative paths resolve where a child's would
-    req = {"candidate": candidate, "problem": problem, "device": a.device,
-           "cache_dir": cache, "allowed_dirs": [work, cache, os.environ["TRITON_CACHE_DIR"]],
-           "secret_seed": secrets.randbits(62), "reps": a.reps, "warmup": a.warmup}
+    from evaluator.request import EvalRequest
+    req = EvalRequest(candidate=candidate, problem=problem, device=a.device, cache_dir=cache,
+                      allowed_dirs=(work, cache, os.environ["TRITON_CACHE_DIR"]),
+                      secret_seed=secrets.randbits(62), reps=a.reps, warmup=a.warmup,
+                      timing=a.timing)
     marks: list[tuple[str, float]] = [("start", time.perf_counter())]
     from evaluator.harness import evaluate
     prof = cProfile.Profile()
