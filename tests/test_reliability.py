@@ -50,12 +50,19 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _as_from_a_terminal() -> None:
+    """SIGINT as a user's Ctrl-C delivers it: a shell starts background jobs (CI's, say) with
+    SIGINT ignored, and a child inherits that; Python then installs no handler for it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _hanging(args: list[str], tmp: Path) -> tuple[subprocess.Popen, set[int]]:
     """Starts evoattn on a hanging candidate; returns it once its candidate runs, and the
     processes it started by then."""
     env = dict(os.environ, EVOATTN_CACHE=str(tmp / "cache"))
     proc = subprocess.Popen([sys.executable, "-m", "evoattn.cli", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=_as_from_a_terminal)
     deadline = time.time() + 180
     seen: set[int] = set()
     while time.time() < deadline:
