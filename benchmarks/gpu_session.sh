@@ -5,6 +5,8 @@
 # tests  the gpu-marked tests
 # run    the default search (call time) for RUN_S seconds, then the best re-evaluated by
 #        `evoattn eval`, its export and its report
+# seed   the default seed alone: a one-iteration run of configs/default.yaml, exported
+#        (what `hf` needs, without a search)
 # hf     the exported best inside a Hugging Face Llama model (benchmarks/hf_model.py)
 # dask   a short search through a Dask scheduler and one GPU worker on this machine
 # Results land in $OUT/results.tgz. Unpack it into benchmarks/results/ (git ignores it), then
@@ -68,13 +70,20 @@ run)
     > /dev/null 2>&1 || echo "report failed"
   cp -r /tmp/run-default/best "$R/export" 2>/dev/null
   ;;
+seed)
+  log "seed export"
+  timeout "${SEED_S:-300}" python -m evoattn.cli run --config configs/default.yaml --iterations 1 \
+    --quiet --output /tmp/run-default > "$R/seed.txt" 2>&1
+  echo "exit $?" >> "$R/seed.txt"; tail -8 "$R/seed.txt"
+  cp /tmp/run-default/best/best_eval.json "$R/seed_best_eval.json" 2>/dev/null
+  ;;
 hf)
-  for d in 128 64; do
+  for d in ${HF_DIMS:-128 64}; do
     log "hf model D=$d"
-    timeout "${HF_S:-150}" python benchmarks/hf_model.py --export /tmp/run-default/best \
+    timeout "${HF_S:-300}" python benchmarks/hf_model.py --export /tmp/run-default/best \
       --device cuda --head-dims $d --seqs "${HF_SEQS:-512,2048,8192}" --compile --dynamic \
-      --runs 5 --json "$R/hf_d$d.json" > "$R/hf_d$d.txt" 2>&1
-    echo "exit $?" >> "$R/hf_d$d.txt"; tail -8 "$R/hf_d$d.txt"
+      --runs 5 --warmup 2 --json "$R/hf_d$d.json" > "$R/hf_d$d.txt" 2>&1
+    echo "exit $?" >> "$R/hf_d$d.txt"; grep -v Warning "$R/hf_d$d.txt" | tail -12
   done
   ;;
 dask)

@@ -67,6 +67,14 @@ def model_config(head_dim: int, a: argparse.Namespace) -> Any:
                        max_position_embeddings=max(a.seqs))
 
 
+_T0 = time.perf_counter()
+
+
+def say(what: str) -> None:
+    """Progress on stderr with the seconds since start (the first compile takes minutes)."""
+    print(f"[{time.perf_counter() - _T0:6.1f}s] {what}", file=sys.stderr, flush=True)
+
+
 def use(model: Any, name: str) -> None:
     """Switches a model's attention implementation."""
     if hasattr(model, "set_attn_implementation"):
@@ -125,6 +133,7 @@ def run_seq(pkg: Any, models: dict[str, Any], ref_model: Any, seq: int,
         for mode, model in models.items():
             got: dict[str, Any] = {}
             for impl in ("sdpa", "evoattn"):
+                say(f"S={seq} {mode} {impl}")
                 use(model, impl)
                 pkg.reset_stats()
                 got[impl] = agreement(model(ids, use_cache=False).logits, ref)
@@ -148,6 +157,7 @@ def run_head_dim(pkg: Any, head_dim: int, a: argparse.Namespace,
     torch.manual_seed(0)
     config = model_config(head_dim, a)
     config._attn_implementation = "sdpa"
+    say(f"building the head-dim-{head_dim} model")
     with torch.device(device):
         ref_model = LlamaForCausalLM(config).eval()
     model = copy.deepcopy(ref_model).to(getattr(torch, a.dtype))
