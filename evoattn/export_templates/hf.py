@@ -43,18 +43,21 @@ def register(name: str = NAME) -> str:
 
 
 def _mask_function() -> Any:
-    """Returns the mask builder: SDPA's (None when is_causal covers it), plus, for the
-    sliding_window problem, None for a plain unpadded sliding window the kernel computes."""
+    """Returns the mask builder: SDPA's, except that a call with nothing to mask but causality
+    gets None (is_causal covers it) also under torch.compile, where transformers' own SDPA
+    builder always materialises the mask (its skip reads values a graph cannot); for the
+    sliding_window problem, also None for a plain unpadded sliding window the kernel computes.
+    The rule is transformers' eager one: no padding mask, no mask pattern beyond causality,
+    and as many keys as queries starting at key 0 (the same positions, so top-left causal)."""
     from transformers.masking_utils import sdpa_mask
-    if ops.META["problem"] != "sliding_window":
-        return sdpa_mask
+    window = ops.META["problem"] == "sliding_window"
 
-    def window_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0,
-                    kv_offset: int = 0, attention_mask: Any = None, local_size: Any = None,
-                    allow_is_causal_skip: bool = True, **kwargs: Any) -> Any:
-        plain = (allow_is_causal_skip and attention_mask is None and local_size is not None
-                 and isinstance(q_offset, int) and q_offset == 0 and kv_offset == 0
-                 and q_length == kv_length)
+    def mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0,
+             kv_offset: int = 0, attention_mask: Any = None, local_size: Any = None,
+             allow_is_causal_skip: bool = True, **kwargs: Any) -> Any:
+        plain = (allow_is_causal_skip and attention_mask is None
+                 and (local_size is None or window)
+                 and isinstance(kv_offset, int) and kv_offset == 0 and q_length == kv_length)
         if plain:
             return None
         return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
@@ -62,7 +65,7 @@ def _mask_function() -> Any:
                          local_size=local_size, allow_is_causal_skip=allow_is_causal_skip,
                          **kwargs)
 
-    return window_mask
+    return mask
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,

@@ -28,7 +28,12 @@ _logged: set[str] = set()
 
 
 def stats() -> dict[str, Any]:
-    """Returns how many calls ran the kernel and how many fell back, with the reasons."""
+    """Returns how many calls ran the kernel and how many fell back, with the reasons.
+
+    Under torch.compile the op's own calls are counted as they run; a call that Python code
+    around the op sends elsewhere (the Hugging Face integration's refusals, inputs that need
+    grad) is decided once when the graph is traced and is not counted per call: counting it
+    would make the count a constant of the graph, and every call a recompile."""
     return {"kernel": _counts["kernel"], "fallback": _counts["fallback"],
             "fallback_reasons": dict(_reasons)}
 
@@ -46,9 +51,11 @@ def note_kernel() -> None:
 
 def note_fallback(reason: str) -> None:
     """Counts one call that ran PyTorch instead; logs the reason the first time it is seen."""
+    if torch.compiler.is_compiling():
+        return
     _counts["fallback"] += 1
     _reasons[reason] = _reasons.get(reason, 0) + 1
-    if reason not in _logged and not torch.compiler.is_compiling():
+    if reason not in _logged:
         _logged.add(reason)
         log.debug("%s: falling back to PyTorch SDPA: %s", NAMESPACE, reason)
 
