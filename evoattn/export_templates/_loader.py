@@ -33,8 +33,14 @@ class KernelUnavailable(RuntimeError):
     """The kernel could not be built or imported on this machine (the reason is the message)."""
 
 
+_by_device: dict[torch.device, Callable[..., Any]] = {}   # the per-call fast path
+
+
 def kernel(meta: dict[str, Any], device: torch.device) -> Callable[..., Any]:
     """Returns the kernel's entry function for a CUDA device (KernelUnavailable if it cannot load)."""
+    fn = _by_device.get(device)
+    if fn is not None:
+        return fn
     target = _build.arch_of(torch.cuda.get_device_capability(device))
     with _lock:
         if target not in _loaded:
@@ -45,6 +51,7 @@ def kernel(meta: dict[str, Any], device: torch.device) -> Callable[..., Any]:
         got = _loaded[target]
     if isinstance(got, Exception):
         raise KernelUnavailable(f"{type(got).__name__}: {got}")
+    _by_device[device] = got
     return got
 
 
