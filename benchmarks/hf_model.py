@@ -14,10 +14,15 @@ sequence length:
              (random weights make near ties, so an absolute top-1 figure means little)
   calls      how many attention calls of one forward reached the kernel and how many fell back
              (the package's counter; eager, and compiled when --compile)
-  latency    one prefill forward (use_cache=False, the same call as the agreement check, so a
-             compiled model needs one graph per implementation), timed both ways: median of
-             --runs after --warmup, CUDA events on a GPU; eager, and under
-             torch.compile(fullgraph=True) with --compile
+  latency    one prefill forward, as generation runs it (use_cache=True: a fresh DynamicCache
+             each call; the same call as the agreement check, so a compiled model needs one
+             graph per implementation), timed both ways: median of --runs after --warmup,
+             CUDA events on a GPU; eager, and under torch.compile(fullgraph=True) with
+             --compile. --no-cache times the training-style forward (use_cache=False) instead:
+             under torch.compile, transformers then builds an explicit mask for every
+             implementation (it cannot rule out packed sequences in position_ids while
+             tracing), so evoattn falls back to SDPA there, uncounted (see the package's
+             stats())
 --tiny is a 2-layer model with 4 heads of each head dim (hidden 64 at the default head dim 16)
 for the CPU, where every call runs the SDPA fallback.
 """
@@ -128,7 +133,7 @@ def run_seq(pkg: Any, models: dict[str, Any], ref_model: Any, seq: int,
     ids = torch.randint(0, a.vocab, (a.batch, seq), generator=gen).to(device)
     clock = Clock(device)
     with torch.inference_mode():
-        ref = ref_model(ids, use_cache=False).logits.float()
+        ref = ref_model(ids, use_cache=a.cache).logits.float()
         row: dict[str, Any] = {"seq": seq, "batch": a.batch}
         for mode, model in models.items():
             got: dict[str, Any] = {}
@@ -136,9 +141,9 @@ def run_seq(pkg: Any, models: dict[str, Any], ref_model: Any, seq: int,
                 say(f"S={seq} {mode} {impl}")
                 use(model, impl)
                 pkg.reset_stats()
-                got[impl] = agreement(model(ids, use_cache=False).logits, ref)
+                got[impl] = agreement(model(ids, use_cache=a.cache).logits, ref)
                 got[impl]["calls"] = pkg.stats()
-                got[impl]["ms"] = median_ms(lambda: model(ids, use_cache=False), clock,
+                got[impl]["ms"] = median_ms(lambda: model(ids, use_cache=a.cache), clock,
                                             a.warmup, a.runs)
             row[mode] = {"sdpa_ms": got["sdpa"]["ms"], "evoattn_ms": got["evoattn"]["ms"],
                          "speedup": got["sdpa"]["ms"] / got["evoattn"]["ms"],
@@ -211,6 +216,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     ap.add_argument("--compile", action="store_true", help="also time torch.compile(fullgraph=True)")
     ap.add_argument("--dynamic", action="store_true", help="compile with dynamic shapes")
+    ap.add_argument("--no-cache", dest="cache", action="store_false",
+                    help="time the training-style forward (use_cache=False)")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer, 4-head model (CPU checks)")
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -243,7 +250,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
               "model": {k: getattr(a, k) for k in ("hidden", "mlp_ratio", "layers", "kv_ratio",
                                                    "vocab", "batch", "dtype")},
-              "compile": a.compile, "dynamic": a.dynamic, "runs": a.runs, "warmup": a.warmup,
+              "compile": a.compile, "dynamic": a.dynamic, "use_cache": a.cache,
+              "runs": a.runs, "warmup": a.warmup,
               "verified": pkg.VERIFIED, "rows": rows,
               "all_agree": all(r[m]["agrees"] for r in rows for m in ("eager", "compile")
                                if m in r)}
