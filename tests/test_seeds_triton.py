@@ -27,7 +27,8 @@ from typing import Any
 
 import pytest
 
-SEEDS_DIR = Path(__file__).resolve().parents[1] / "seeds" / "sdpa"
+ROOT = Path(__file__).resolve().parents[1]
+SEEDS_DIR = ROOT / "seeds" / "sdpa"
 # Max abs error allowed against float64, per input dtype. A flash kernel rounds p to the input
 # dtype before P·V (unit roundoff 2^-11 in float16, 2^-8 in bfloat16), so these are a few times
 # the error seen at these sizes; a mask or rescaling bug gives errors of 0.1 and more.
@@ -177,7 +178,8 @@ def child_main(argv: list[str]) -> None:
 # ---- parent side --------------------------------------------------------------------
 def run_cases(cases: list[dict[str, Any]], device: str = "cpu", timeout_s: float = 300) -> list[dict]:
     """Runs cases in a child process (interpreted on CPU) and returns their results in order."""
-    env = dict(os.environ)
+    env = dict(os.environ)       # the child runs this file by path: the repo root is not on it
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     if device == "cpu":
         env["TRITON_INTERPRET"] = "1"
     else:
