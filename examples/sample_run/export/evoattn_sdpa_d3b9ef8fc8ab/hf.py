@@ -1,0 +1,134 @@
+"""Hugging Face transformers integration: `register()`, then `attn_implementation="evoattn"`.
+
+    from PACKAGE import hf
+    hf.register()                 # AttentionInterface.register("evoattn", hf.attention_forward)
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="evoattn")
+
+transformers passes q, k, v as (B, H, S, D) (k, v with fewer heads under GQA) and wants
+(B, S, H, D) back. `register` also registers the mask builder, so that a call with nothing
+to mask but causality gets no mask (as SDPA does) and a padded batch gets its mask. A call
+the kernel's problem covers goes through the op (whose guard may still fall back); anything
+else runs transformers' own SDPA path, counted as a fallback: an attention mask, query and
+key lengths that differ (decoding with a cache), dropout while training, output_attentions,
+softcap, a position bias, attention sinks, a paged cache.
+
+Per problem: `sdpa` and `gqa` take causal and non-causal prefill (`sdpa` repeats k, v for
+GQA; `gqa` passes them as they are); `sliding_window` takes the model's `sliding_window` (a
+plain causal call is a window as long as the sequence); `masked` serves unmasked causal calls
+through an explicit causal mask, and no padding mask (its contract excludes the fully masked
+rows that left padding makes); `strided` and user problems have no transformers mapping.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import ops
+
+NAME = "evoattn"
+_UNSUPPORTED_KWARGS = ("output_attentions", "softcap", "position_bias", "cache", "s_aux", "sinks")
+
+
+def register(name: str = NAME) -> str:
+    """Registers the attention function (and its mask function) with transformers; returns name."""
+    from transformers import AttentionInterface
+    AttentionInterface.register(name, attention_forward)
+    try:
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError:       # transformers before 4.53: masks follow the sdpa path already
+        return name
+    AttentionMaskInterface.register(name, _mask_function())
+    return name
+
+
+def _mask_function() -> Any:
+    """Returns the mask builder: SDPA's, except that a call with nothing to mask but causality
+    gets None (is_causal covers it) also under torch.compile, where transformers' own SDPA
+    builder always materialises the mask (its skip reads values a graph cannot); for the
+    sliding_window problem, also None for a plain unpadded sliding window the kernel computes.
+    The rule is transformers' eager one: no padding mask, no mask pattern beyond causality,
+    and as many keys as queries starting at key 0 (the same positions, so top-left causal)."""
+    from transformers.masking_utils import sdpa_mask
+    window = ops.META["problem"] == "sliding_window"
+
+    def mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0,
+             kv_offset: int = 0, attention_mask: Any = None, local_size: Any = None,
+             allow_is_causal_skip: bool = True, **kwargs: Any) -> Any:
+        plain = (allow_is_causal_skip and attention_mask is None
+                 and (local_size is None or window)
+                 and isinstance(kv_offset, int) and kv_offset == 0 and q_length == kv_length)
+        if plain:
+            return None
+        return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                         q_offset=q_offset, kv_offset=kv_offset, attention_mask=attention_mask,
+                         local_size=local_size, allow_is_causal_skip=allow_is_causal_skip,
+                         **kwargs)
+
+    return mask
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask: torch.Tensor | None,
+                      scaling: float | None = None, dropout: float = 0.0,
+                      sliding_window: int | None = None, is_causal: bool | None = None,
+                      **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Returns (attention output (B, S, H, D), None), as transformers' attention functions do."""
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    reason = _refusal(module, query, key, attention_mask, dropout, kwargs)
+    if reason is None:
+        out = _through_op(module, query, key, value, attention_mask, scaling, sliding_window,
+                          bool(is_causal))
+        if out is not None:
+            return out.transpose(1, 2).contiguous(), None
+        reason = f"{ops.META['problem']}: this call's pattern is not the kernel's"
+    ops.note_fallback(reason)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, is_causal=is_causal,
+                                  sliding_window=sliding_window, **kwargs)
+
+
+def _refusal(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+             attention_mask: Any, dropout: float, kwargs: dict[str, Any]) -> str | None:
+    if ops.SPEC is None or ops.SPEC.fallback is None:
+        return f"problem {ops.META['problem']} has no transformers mapping"
+    if attention_mask is not None:
+        return "an attention mask (padding or a pattern)"
+    if dropout and module.training:
+        return "dropout while training"
+    if any(kwargs.get(k) not in (None, False) for k in _UNSUPPORTED_KWARGS):
+        return "output_attentions, softcap, a position bias, sinks or a paged cache"
+    if query.shape[2] != key.shape[2]:
+        return "query and key lengths differ (decoding with a cache)"
+    return None
+
+
+def _through_op(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: Any, scale: float | None, window: int | None,
+                causal: bool) -> torch.Tensor | None:
+    """Returns the op's output (B, H, S, D) for this problem, or None if it does not apply."""
+    problem = ops.META["problem"]
+    causal = causal and q.shape[2] > 1
+    if problem == "gqa":
+        return ops.attention(q, k, v, causal=causal, scale=scale)
+    k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
+    if problem == "sdpa":
+        return ops.attention(q, k, v, causal=causal, scale=scale)
+    if problem == "sliding_window" and causal:
+        return ops.attention(q, k, v, window=int(window or q.shape[2]), scale=scale)
+    if problem == "masked" and causal:
+        S = q.shape[2]
+        hidden = torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1)
+        additive = torch.zeros(1, 1, S, S, dtype=q.dtype, device=q.device)
+        return ops.attention(q, k, v, additive.masked_fill(hidden, float("-inf")), scale=scale)
+    return None
+
+
+def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Returns k or v with each of its heads repeated to `heads` (a no-op without GQA)."""
+    B, Hkv, S, D = x.shape
+    if Hkv == heads:
+        return x
+    return x[:, :, None].expand(B, Hkv, heads // Hkv, S, D).reshape(B, heads, S, D)
