@@ -44,7 +44,7 @@ EXIT_CRASH = 3          # timeout / crash / oom
 EXIT_USAGE = 4          # bad usage: missing file, unknown problem, malformed YAML
 EXIT_FAULT = 5          # the evaluator itself failed twice: no verdict on the kernel
 EXIT_COMPILED = 6       # compile-only: a CUDA file built, but there is no GPU to run it
-EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM, after a clean stop
+EXIT_INTERRUPTED = 130  # Ctrl-C, after a clean stop (other signals: 128 + the signal)
 
 
 def exit_code_for(verdict: Verdict) -> int:
