@@ -114,7 +114,8 @@ def test_a_program_of_several_files_exports_each_file(tmp_path):
     s = export_run(tmp_path / "run", tmp_path / "out")
     out = tmp_path / "out"
     assert (out / "best.py").read_text() == main
-    assert (out / "helper.py").read_text() == "X = 1\n" and (out / "fast.cu").is_file()
+    assert (out / "helper.py").read_text() == "X = 1\n"
+    assert (out / "fast.cu").read_text() == 'extern "C" int f() { return 0; }\n'
     assert program.split(program.read(out / "best.py"), "best.py").names == (
         "best.py", "helper.py", "fast.cu")        # `evoattn eval best.py` reads all three
     kernel = s.package_dir / "kernel"

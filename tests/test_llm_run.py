@@ -154,7 +154,7 @@ def test_feedback_comes_from_the_store_survives_resume_and_reports_duplicates(
         prompt = srv.requests[-1].prompt
     assert code == 0
     assert "Already tried" not in first_session[0]
-    assert "incorrect: BLOCK_N=16 is wrong" in first_session[1]          # no lag, no cap
+    assert "incorrect: BLOCK_N=16 is wrong" in first_session[1]          # iteration 1's outcome, in iteration 2's prompt
     tried = prompt.split("## Already tried on this program")[1].split("## Your task")[0]
     assert "iteration 1, llm:m: incorrect: BLOCK_N=16 is wrong" in tried
     assert "-BLOCK_N = 32  # evoattn: choice(16, 32, 64)" in tried       # the changed lines

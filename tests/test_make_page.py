@@ -17,12 +17,13 @@ def _times(call: float, kernel: float, graph: float, host: float) -> dict:
 
 
 def _eval_json(path: Path) -> Path:
-    """Two configs, two baselines: `slow` is never the fastest, `fast` is in every mode but
-    one (graph time of the second config, where `slow` wins)."""
+    """Two configs, two baselines: `fast` is the fastest in every mode but one (graph time of
+    the second config, where `slow` wins). The candidate's ratios differ per mode, and a
+    ratio taken the wrong way round or a product instead of a mean gives other numbers."""
     configs = []
     for i, (mine, fast, slow) in enumerate([((1.0, 0.5, 0.4, 30.0), (2.0, 1.0, 0.8, 20.0),
                                              (4.0, 2.0, 1.6, 10.0)),
-                                            ((2.0, 1.0, 1.0, 40.0), (1.0, 0.5, 2.0, 20.0),
+                                            ((4.0, 0.25, 2.0, 40.0), (1.0, 0.5, 2.0, 20.0),
                                              (3.0, 3.0, 0.5, 10.0))]):
         configs.append({"params": {"B": 1, "H": 2, "S": 64 * (i + 1), "D": 64, "causal": i == 1},
                         **_times(*mine),
@@ -47,9 +48,9 @@ def test_the_page_gets_per_mode_fitness_against_the_fastest_baseline_and_keeps_i
     current = json.loads((tmp_path / "current.json").read_text())
     fit = current["evals"]["toy"]["fitness"]
     # per config: fastest baseline / candidate, then the geometric mean over configs
-    assert math.isclose(fit["call"], math.sqrt((2.0 / 1.0) * (1.0 / 2.0)))
-    assert math.isclose(fit["kernel"], math.sqrt((1.0 / 0.5) * (0.5 / 1.0)))
-    assert math.isclose(fit["graph"], math.sqrt((0.8 / 0.4) * (0.5 / 1.0)))
+    assert math.isclose(fit["call"], math.sqrt((2.0 / 1.0) * (1.0 / 4.0)))     # 0.707
+    assert math.isclose(fit["kernel"], math.sqrt((1.0 / 0.5) * (0.5 / 0.25)))  # 2.0
+    assert math.isclose(fit["graph"], math.sqrt((0.8 / 0.4) * (0.5 / 2.0)))    # 0.707
 
     page = tmp_path / "BENCHMARKS.md"
     page.write_text("# Results\n\nprose before\n<!-- tables -->\nold table\n<!-- /tables -->\n"
@@ -60,8 +61,8 @@ def test_the_page_gets_per_mode_fitness_against_the_fastest_baseline_and_keeps_i
     assert text.startswith("# Results\n\nprose before\n<!-- tables -->\n")
     assert text.endswith("<!-- /tables -->\nprose after\n") and "old table" not in text
     assert "Machine: GPU X, driver 1; torch 9" in text
-    assert "call time 1.000×, kernel time 1.000×, graph time 1.000×" in text
-    assert "| toy | `seed.py` | fast, slow | 1.000× | 1.000× | 1.000× |" in text
+    assert "call time 0.707×, kernel time 2.000×, graph time 0.707×" in text
+    assert "| toy | `seed.py` | fast, slow | 0.707× | 2.000× | 0.707× |" in text
     # the first config's row: its times, its host cost, each baseline's ratio in every mode
     assert "| (1,2,64,64) | 1.0000 | 0.5000 | 0.4000 | 30 | 2.00 / 2.00 / 2.00 (host 20) | " \
            "4.00 / 4.00 / 4.00 (host 10) |" in text

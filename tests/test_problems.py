@@ -231,8 +231,8 @@ def flops(cfg):
 
 
 def test_a_run_honours_the_user_problems_own_tolerance(tmp_path: Path) -> None:
-    """`evoattn run` used to send the config's default tolerance factor and floor (2, 1e-5),
-    replacing a user problem's TOLERANCE, while `evoattn eval` honoured it."""
+    """`evoattn run` judges a user problem by its own TOLERANCE (floor 0.1), as `evoattn eval`
+    does, not by the defaults (2, 1e-5)."""
     (tmp_path / "loose.py").write_text(LOOSE_PROBLEM)
     (tmp_path / "seed.py").write_text("def attention(q):\n    return q * 2 + 0.05\n")
     cfg = {"problem": str(tmp_path / "loose.py"), "seed": str(tmp_path / "seed.py"),

@@ -214,6 +214,7 @@ def test_the_run_deadline_rule() -> None:
                                                       "reference": 1.0, "check": 2.0,
                                                       "time": 3.0})
     assert run_deadline(seed, 10.0, 60.0, 600.0) == 60.0          # 10 x 6 s = the floor
+    assert run_deadline(seed, 5.0, 60.0, 600.0) == 60.0           # 5 x 6 s, raised to the floor
     assert run_deadline(seed, 20.0, 60.0, 600.0) == 120.0         # build time is not counted
     assert run_deadline(seed, 1000.0, 60.0, 600.0) == 600.0       # never past the ceiling
     assert run_deadline(EvalResult(Verdict.PASS, "", 1.0), 10.0, 60.0, 600.0) == 600.0
@@ -243,9 +244,9 @@ def test_usage_errors_exit_4_with_one_line(args: list[str], message: str,
 def test_an_empty_config_file_is_a_config_error_naming_it(tmp_path: Path) -> None:
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
-    p = _cli("run", "--config", str(empty))
-    assert p.returncode == 4 and str(empty) in p.stderr and "empty" in p.stderr
-    assert not (ROOT / "runs" / "default" / "x").exists()
+    p = _cli("run", "--config", str(empty), "--output", str(tmp_path / "run"))
+    assert p.returncode == 4 and str(empty) in p.stderr and "the file is empty" in p.stderr
+    assert sorted(os.listdir(tmp_path)) == ["empty.yaml"]          # no run directory made
 
 
 def test_a_cuda_file_without_a_gpu_is_compiled_only_exit_6(tmp_path: Path) -> None:
