@@ -213,16 +213,16 @@ class _Guard:
         violations = guards.Violations()
         kernel_only = s.req.policy == "kernel-only"
         lib_guard = guards.install_library_guard(violations) if kernel_only else None
-        import evaluator.cases as m0, evaluator.checking as m1  # noqa: E401
-        import evaluator.harness as m2, evaluator.measure as m3, evaluator.timing as m4  # noqa
-        import evaluator.checks as m5, evaluator.scoring as m6  # noqa: E401
-        import evaluator.hidden_work as m8, evaluator.snapshot as m9  # noqa: E401
-        from .problems import base as p_base, common as p_common
-        mods = [m0, m1, m2, m3, m4, m5, m6, m8, m9, guards, p_base, p_common,
-                sys.modules[type(s.problem).__module__]]
+        import evaluator.cases, evaluator.checking, evaluator.measure  # noqa: E401,F401
+        import evaluator.checks, evaluator.hidden_work, evaluator.scoring  # noqa: E401,F401
         if s.req.on_gpu:
-            import evaluator.spin as m7
-            mods.append(m7)
+            import evaluator.spin  # noqa: F401  (watched from here on)
+        # Every evaluator module loaded by now (the stages above, types, request, the
+        # problems and their FlexAttention baselines, ...), and the problem's own module.
+        mods = [m for n, m in sorted(sys.modules.items())
+                if m is not None and (n == "evaluator" or n.startswith("evaluator."))]
+        if sys.modules[type(s.problem).__module__] not in mods:     # a user problem's file
+            mods.append(sys.modules[type(s.problem).__module__])
         # Held in this object only: a candidate that replaces guards' functions cannot blind it.
         tampered = snapshot.harness_snapshot(mods)
         allowed = list(s.req.allowed_dirs) or [str(s.root)]

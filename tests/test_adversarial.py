@@ -124,6 +124,7 @@ CHEATS = [
     # ... by swapping the module the harness calls through, or a method of the problem class
     ("tamper_module.py", Verdict.TAMPERING, r"replaced harness functions: evaluator\.checking\.checks"),
     ("tamper_baseline.py", Verdict.TAMPERING, r"evaluator\.problems\.sdpa\.Sdpa\.baseline"),
+    ("tamper_types.py", Verdict.TAMPERING, r"evaluator\.types\.Times\.in_mode"),
     # 10. non-determinism
     ("nondeterministic.py", Verdict.NONDETERMINISTIC, r"two runs on the same inputs differ"),
     # 11. crashes are contained and named
