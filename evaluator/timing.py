@@ -41,17 +41,12 @@ SPIN_NS = 500_000                  # 0.5 ms: longer than a few Python launches t
 CALL_SET_BYTES = 256 * 2 ** 20     # call mode: input sets filling at least this (5x an H100's L2)
 CALL_MAX_BYTES = 4 * 2 ** 30       # ... and at most this, whatever the set's size
 HOST_CALLS = 20                    # calls measured for host_us
-MODES = ("kernel", "call", "graph")
 
 Fn = Callable[[dict[str, Any]], Any]
 
 
 class LazyOutput(Exception):
     """A timed call returned something other than a plain tensor: work could run after the timer."""
-
-
-class DeferredWork(Exception):
-    """The last output of a batch of back-to-back calls was not finished after the batch."""
 
 
 def plain(name: str, out: Any, tensor_type: Any) -> None:
@@ -95,7 +90,7 @@ class Plan:
 class Kept:
     """A timed output kept for re-checking, with the inputs it was computed from."""
 
-    what: str                          # e.g. "kernel-mode repetition 7"
+    what: str                          # e.g. "timed call 7"
     output: Any
     inputs: dict[str, Any]
     last_of_batch: bool = False        # the last call of a back-to-back batch
@@ -110,7 +105,6 @@ class Measurement:
     peak_mem_bytes: dict[str, int | None]
     host_ms_per_call: dict[str, float]     # kernel mode's cross-check (hidden work)
     launch_ms: dict[str, float]
-    samples_ms: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # kernel mode
 
 
 class InputSets:
@@ -204,7 +198,7 @@ class GpuTimer(_Timer):
                 refill: Callable[[dict[str, Any]], None], plan: Plan, keep: str,
                 rng: random.Random) -> Measurement:
         """Times every function in every mode; keeps some of `keep`'s outputs for re-checks."""
-        kernel, kept, samples = self._kernel_mode(fns, inputs, refill, plan, keep, rng)
+        kernel, kept = self._kernel_mode(fns, inputs, refill, plan, keep, rng)
         host_launch = {n: settled_host_time(lambda fn=fn: self._host_per_call(fn, inputs, refill),
                                             kernel[n]) for n, fn in fns.items()}
         mem = {n: self._peak_mem(fn, inputs) for n, fn in fns.items()}
@@ -217,12 +211,12 @@ class GpuTimer(_Timer):
         times = {n: Times(kernel_ms=kernel[n], call_ms=call[n], graph_ms=graph[n][0],
                           graph_error=graph[n][1], host_us=host[n]) for n in fns}
         return Measurement(times, kept, mem, {n: v[0] for n, v in host_launch.items()},
-                           {n: v[1] for n, v in host_launch.items()}, samples)
+                           {n: v[1] for n, v in host_launch.items()})
 
     # ---- kernel mode ----------------------------------------------------------------
     def _kernel_mode(self, fns: dict[str, Fn], inputs: dict[str, Any],
                      refill: Callable[[dict[str, Any]], None], plan: Plan, keep: str,
-                     rng: random.Random) -> tuple[dict[str, float], list[Kept], dict[str, list]]:
+                     rng: random.Random) -> tuple[dict[str, float], list[Kept]]:
         torch = self.torch
         for _ in range(plan.warmup):
             for fn in fns.values():
@@ -252,7 +246,7 @@ class GpuTimer(_Timer):
         self.sync()
         for name, start, end in events:
             samples[name].append(self.elapsed(start, end))
-        return {n: statistics.median(s) for n, s in samples.items()}, kept, samples
+        return {n: statistics.median(s) for n, s in samples.items()}, kept
 
     def _host_per_call(self, fn: Fn, inputs: dict[str, Any],
                        refill: Callable[[dict[str, Any]], None], n: int = 10
@@ -379,4 +373,4 @@ class CpuTimer(_Timer):
         times = {n: Times(kernel_ms=kernel[n], call_ms=call[n], graph_ms=None,
                           graph_error="CUDA graphs need a GPU", host_us=kernel[n] * 1e3)
                  for n in fns}
-        return Measurement(times, kept, {n: None for n in fns}, dict(kernel), {}, samples)
+        return Measurement(times, kept, {n: None for n in fns}, dict(kernel), {})
