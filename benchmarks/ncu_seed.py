@@ -23,7 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from evaluator import build, program  # noqa: E402
+from evaluator import build  # noqa: E402
+from evaluator.loader import companion_headers  # noqa: E402
 from evoattn.mutators.knobs import parse_settings, set_knobs  # noqa: E402
 
 MAX_ABS_ERR = 1e-2           # float16 attention against SDPA; a wrong kernel is off by far more
@@ -52,8 +53,7 @@ def build_seed(seed: Path, source: str, tmp: Path):
     """Builds the (knob-set) source; returns the entry point, or raises RuntimeError."""
     src = tmp / seed.name
     src.write_text(source)
-    headers = {c.name: (seed.parent / c.name).read_bytes()
-               for c in program.declared_companions(source)}
+    headers = companion_headers(seed, source)
     res = build.build_fast(src, tmp / "cache", build.detect_arch(), timeout_s=600,
                            extra_files=headers)
     if not res.ok:

@@ -20,7 +20,7 @@ from pathlib import Path
 from evaluator import build, program
 from evaluator.conditions import holds
 from evaluator.knobs import find_knobs, values_of
-from evaluator.loader import HEADER_SUFFIXES, cuda_form
+from evaluator.loader import companion_headers, cuda_form
 from evaluator.request import EvalRequest
 
 from .sandbox import SandboxSettings, child_env, default_cache_dir, detect_target
@@ -90,11 +90,7 @@ class Prebuilder:
         work = tempfile.mkdtemp(prefix="evoattn-nvcc-")
         try:
             main = program.write(source, work, f"candidate{suffix}")
-            # the same headers, hence the same cache key, as evaluator/loader.py's build
-            headers = {c.name: (Path(work) / c.name).read_bytes()
-                       for c in program.declared_companions(main.read_text())
-                       if Path(c.name).suffix in HEADER_SUFFIXES
-                       and (Path(work) / c.name).is_file()}
+            headers = companion_headers(main, main.read_text())   # the build's cache key
             env = child_env(dict(os.environ), work, self.cache_dir, "cuda", self.secret_names)
             return tuple(build.build_fast(Path(work) / name, self.cache_dir, self.arch,
                                           self.timeout_s, extra_files=headers, env=env)
