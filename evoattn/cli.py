@@ -55,8 +55,8 @@ def _run(command: Any) -> int:
         code = command()
     except click.exceptions.Exit as e:
         code = e.exit_code
-    except click.exceptions.Abort as e:     # click's wrapping of a KeyboardInterrupt
-        signum = getattr(e.__cause__, "signum", signal.SIGINT)
+    except (click.exceptions.Abort, KeyboardInterrupt) as e:   # Abort: click's wrapping of one
+        signum = getattr(e, "signum", None) or getattr(e.__cause__, "signum", signal.SIGINT)
         err_console.print("interrupted: every evaluation process was stopped")
         code = 128 + signum
     except click.ClickException as e:      # click's own usage errors: a missing option, say
@@ -69,10 +69,6 @@ def _run(command: Any) -> int:
         _die(type(e).__name__, str(e), 1)
     except OSError as e:    # an unwritable --output or --out, a full disk: one line too
         _die(type(e).__name__, str(e), 1)
-    except KeyboardInterrupt as e:
-        signum = getattr(e, "signum", signal.SIGINT)
-        err_console.print("interrupted: every evaluation process was stopped")
-        code = 128 + signum
     return code if isinstance(code, int) else 0
 
 

@@ -54,7 +54,6 @@ class Progress:
     elapsed_s: float
     evaluated: int                       # this session
     llm: dict[str, float]
-    per_minute: float = 0.0              # candidates evaluated per minute, this session
     gpu_busy: float = 0.0                # GPU-stage seconds / (wall seconds × slots)
 
 
@@ -362,7 +361,6 @@ class Search:
             flags=flagged, rejected=self._stats["rejected"], cached=self._stats["cached"],
             elapsed_s=elapsed, evaluated=self.evaluated_this_session,
             llm=self.llm_totals(),
-            per_minute=self.evaluated_this_session / (elapsed / 60) if elapsed > 0 else 0.0,
             gpu_busy=self._gpu_s / (elapsed * max(1, self.evaluator.slots)) if elapsed > 0
             else 0.0))
 

@@ -42,7 +42,6 @@ class Station:
         self._times: dict[str, Any] | None = None
         self._measured_at = 0.0
         self.ceiling_tflops: float | None = None
-        self.refreshes = 0
 
     def for_candidate(self) -> tuple[dict[str, Any], float | None]:
         """Returns the baseline times (measured again when old) and the ceiling."""
@@ -52,7 +51,6 @@ class Station:
             reply = self._ask({"op": "time"})
             self._times = reply["baseline_times"]
             self._measured_at = time.monotonic()
-            self.refreshes += 1
         return self._times, self.ceiling_tflops
 
     def close(self) -> None:
