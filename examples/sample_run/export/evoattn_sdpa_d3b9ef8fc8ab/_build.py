@@ -115,7 +115,8 @@ def build_extension(source: Path, arch: str) -> object:
     """Returns the imported PyTorch extension built from a .cu defining attention()."""
     from torch.utils import cpp_extension
     flags = [f"-gencode=arch=compute_{arch[3:]},code=sm_{arch[3:]}", "-O3", "-lineinfo"]
-    key = _key(source.parent, f"ext:{source.name}", arch, flags, nvcc())
+    import torch          # an extension is built against this torch's ABI: part of its key
+    key = _key(source.parent, f"ext:{source.name}:torch {torch.__version__}", arch, flags, nvcc())
     build_dir = cache_root() / f"ext-{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
     wrapper = build_dir / "wrapper.cu"

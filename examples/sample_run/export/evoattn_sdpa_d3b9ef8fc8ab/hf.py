@@ -113,6 +113,8 @@ def _through_op(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: to
     causal = causal and q.shape[2] > 1
     if problem == "gqa":
         return ops.attention(q, k, v, causal=causal, scale=scale)
+    if problem not in ("sdpa", "sliding_window", "masked"):
+        return None                                  # before repeating k and v for nothing
     k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
     if problem == "sdpa":
         return ops.attention(q, k, v, causal=causal, scale=scale)
