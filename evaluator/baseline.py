@@ -16,11 +16,14 @@ def main() -> None:
     import torch
 
     from . import device as devinfo
+    from .measure import bind
     from .problems import get_problem
+    from .request import EvalRequest
     from .timing import CpuTimer, GpuTimer, Plan, set_bytes
 
     problem = get_problem(req["problem"])
     dev = req["device"]
+    defaults = EvalRequest(device=dev)          # the same warm-up and rounds as every timing
     on_gpu = dev == "cuda"
     dtype = getattr(torch, req.get("dtype") or problem.default_dtype)
     configs = req.get("configs") or (problem.default_configs if on_gpu else problem.cpu_configs)
@@ -32,12 +35,12 @@ def main() -> None:
         gen.manual_seed(rng.getrandbits(62))
         inputs = problem.make_inputs(cfg, dtype, torch.device(dev), gen)
         fns = {**problem.baselines(), **problem.extra_baselines()}
-        plan = Plan.for_device(on_gpu, int(req.get("warmup", 5 if on_gpu else 1)),
-                               int(req.get("reps", 30 if on_gpu else 3)),
+        plan = Plan.for_device(on_gpu, int(req.get("warmup") or defaults.resolved_warmup()),
+                               int(req.get("reps") or defaults.resolved_reps()),
                                set_bytes(inputs, problem.random_inputs), "all")
         times: dict[str, dict | None] = {}
         for name, fn in fns.items():
-            bound = (lambda f, c=cfg: (lambda inp: f(inp, c)))(fn)
+            bound = bind(fn, cfg)
             try:
                 bound(inputs)                          # unsupported configs raise here
                 m = timer.measure({name: bound}, inputs, problem.random_inputs,

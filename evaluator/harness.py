@@ -18,12 +18,13 @@ from typing import Any, Callable, Iterator
 from . import device as devinfo, guards, snapshot
 from .cases import Case, prepare_case
 from .checking import Checked, Fail, check_all, library_kernels
-from .loader import LoadFailure, Loaded, build_candidate
+from .loader import LoadFailure, Loaded, build_candidate, loaded_module
 from .measure import TimingContext, time_case
 from .problems import get_problem
 from .problems.base import Problem, Tolerance
 from .program import declared_companions
 from .request import EvalRequest
+from . import scoring
 from .scoring import fitness
 from .timing import CpuTimer, GpuTimer, LazyOutput
 from .types import ConfigResult, EvalResult, Verdict
@@ -60,6 +61,14 @@ def evaluate(req: EvalRequest, stage: Stage) -> EvalResult:
     if bad:
         return bad
     stage("build")
+    rival_loader = None
+    try:
+        if req.rival:
+            rival_loader = build_candidate(Path(req.rival), s.problem, Path(req.cache_dir),
+                                           req.build_timeout_s, req.arch, req.facts)
+    except LoadFailure as e:
+        return s.fail(Verdict.EVALUATOR_FAULT, f"the rival does not build: {e.reason}",
+                      build_log=e.log)
     try:
         loader = build_candidate(Path(req.candidate), s.problem, Path(req.cache_dir),
                                  req.build_timeout_s, req.arch, req.facts)
@@ -81,6 +90,15 @@ def evaluate(req: EvalRequest, stage: Stage) -> EvalResult:
         devinfo.poison_allocator([c.out_bytes for c in cases])
     guard = _Guard.install(s)
     stage("load")
+    rival = None
+    if rival_loader is not None:
+        # The rival first, then a snapshot of it: a candidate that replaces the rival's
+        # functions to slow it down is caught as tampering, as with the harness's own.
+        try:
+            rival = guard.runner(rival_loader())
+        except LoadFailure as e:
+            return s.fail(Verdict.EVALUATOR_FAULT, f"the rival does not load: {e.reason}")
+        guard.watch(loaded_module(Path(req.rival)))
     try:
         loaded = loader()
     except LoadFailure as e:
@@ -98,18 +116,25 @@ def evaluate(req: EvalRequest, stage: Stage) -> EvalResult:
                         req.screen)
     if checked.failed:
         return s.fail(*checked.failed, configs=checked.results[:len(s.configs)])
-    bad = _profile(s, guard, cases, run, stage)
-    if bad:
-        return bad
+    if rival is not None:
+        rival_checked = check_all(cases, s.dtype_name, rival, req.on_gpu, s.root, False,
+                                  guard.violations, guard.integrity, True)
+        if rival_checked.failed:
+            return s.fail(Verdict.EVALUATOR_FAULT, "the rival is not correct on these inputs: "
+                          f"{rival_checked.failed[1]}")
     if req.check_only:
-        return EvalResult(Verdict.PASS, "correct (not timed)", 0.0,
-                          checked.results[:len(s.configs)], duration_s=_now() - s.t_start,
-                          **s.common)
+        return _profile(s, guard, cases, run, stage) or EvalResult(
+            Verdict.PASS, "correct (not timed)", 0.0, checked.results[:len(s.configs)],
+            duration_s=_now() - s.t_start, **s.common)
     stage("time")
     ctx = TimingContext(s.problem, req, timer, s.tol, s.dtype_name,
                         devinfo.peak_for(s.info, s.dtype_name), ceiling, baselines,
                         s.problem.extra_baselines() if req.all_backends else {})
-    return _time_all(s, ctx, cases, checked, run, rng, guard)
+    timed = _time_all(s, ctx, cases, checked, run, rng, guard, rival)
+    # The profiler runs after timing: once torch.profiler has run in a process, every later
+    # launch costs about 20 µs more host time (CUPTI stays subscribed; measured on an H100,
+    # benchmarks/protocol_check.py --stages plain,profiled), which timing would count.
+    return (_profile(s, guard, cases, run, stage) or timed) if timed.correct else timed
 
 
 def _setup(req: EvalRequest) -> Setup:
@@ -207,6 +232,7 @@ class _Guard:
     def __init__(self, violations: guards.Violations, lib_guard: Any,
                  tampered: Callable[[], list[str]]) -> None:
         self.violations, self.lib_guard, self._tampered = violations, lib_guard, tampered
+        self._watched: list[Callable[[], list[str]]] = []
 
     @classmethod
     def install(cls, s: Setup) -> "_Guard":
@@ -229,8 +255,13 @@ class _Guard:
         guards.install_sandbox(violations, allowed)
         return cls(violations, lib_guard, tampered)
 
+    def watch(self, module: Any) -> None:
+        """Adds a loaded program's module to what the tamper check covers."""
+        if module is not None:
+            self._watched.append(snapshot.harness_snapshot([module]))
+
     def integrity(self) -> tuple[Verdict, str] | None:
-        changed = self._tampered()
+        changed = self._tampered() + [n for w in self._watched for n in w()]
         if changed:
             return Verdict.TAMPERING, "replaced harness functions: " + ", ".join(changed[:5])
         return self.violations.first()
@@ -267,7 +298,8 @@ def _profile(s: Setup, guard: _Guard, cases: list[Case], run: Callable[..., Any]
 
 
 def _time_all(s: Setup, ctx: TimingContext, cases: list[Case], checked: Checked,
-              run: Callable[..., Any], rng: random.Random, guard: _Guard) -> EvalResult:
+              run: Callable[..., Any], rng: random.Random, guard: _Guard,
+              rival: Callable[..., Any] | None = None) -> EvalResult:
     """Times every benchmark config; any failure ends the evaluation with its verdict."""
     import torch
     out: list[ConfigResult] = []
@@ -275,7 +307,7 @@ def _time_all(s: Setup, ctx: TimingContext, cases: list[Case], checked: Checked,
     for i, case in enumerate(cases[:len(s.configs)]):
         label = s.problem.label(case.cfg)
         try:
-            out.append(time_case(ctx, case, run, rng, checked.results[i], flags))
+            out.append(time_case(ctx, case, run, rng, checked.results[i], flags, rival))
         except Fail as f:
             return s.fail(f.verdict, f"{label}: {f.reason}", configs=tuple(out),
                           flags=tuple(flags))
@@ -301,6 +333,13 @@ def _time_all(s: Setup, ctx: TimingContext, cases: list[Case], checked: Checked,
     if missing:
         reason += (f"; no {s.req.timing} time for {len(missing)} config(s): "
                    f"{missing[0].times.graph_error if missing[0].times else ''}")
+    duel: dict[str, Any] = {}
+    if rival is not None:
+        rf, rf_ci = scoring.rival_fitness(out, s.req.timing)
+        g, g_ci = scoring.gain(out)
+        duel = dict(rival=Path(s.req.rival).name, rival_fitness=rf, rival_fitness_ci=rf_ci,
+                    gain=g, gain_ci=g_ci)
     return EvalResult(Verdict.PASS, reason, score, tuple(out), flags=tuple(flags),
-                      duration_s=_now() - s.t_start, **s.common)
+                      fitness_ci=scoring.fitness_ci(out), duration_s=_now() - s.t_start,
+                      **duel, **s.common)
 

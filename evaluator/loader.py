@@ -160,9 +160,18 @@ def _fast_runner(cfn: Any, problem: Problem) -> RunFn:
     return run
 
 
+def _module_name(path: Path) -> str:
+    return f"evoattn_candidate_{abs(hash(str(path))) % 10**8}"
+
+
+def loaded_module(path: Path) -> Any:
+    """Returns the module a Python program at `path` was loaded as (None for CUDA files)."""
+    return sys.modules.get(_module_name(path))
+
+
 def _load_python(path: Path, problem: Problem, libraries: dict[str, str], log: str,
                  cached: bool | None, seconds: float | None) -> Loaded:
-    name = f"evoattn_candidate_{abs(hash(str(path))) % 10**8}"
+    name = _module_name(path)
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise LoadFailure("load", f"{path.name}: cannot be imported as a Python module")

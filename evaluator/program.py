@@ -137,6 +137,7 @@ def read(path: str | Path) -> str:
 def write(source: str, directory: str | Path, single_name: str) -> Path:
     """Writes a program's files into directory; returns the main file's path."""
     d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
     files = split(source, single_name)
     for name, text in files.files:
         (d / name).write_text(text)

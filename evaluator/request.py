@@ -50,6 +50,9 @@ class EvalRequest:
     secret_seed: int = 0
     arch: str | None = None                    # nvcc target; None: the GPU's own
     facts: dict[str, str] = dataclasses.field(default_factory=dict)   # {"target": "sm90"}
+    # a duel: a second program (its main file, in its own directory) checked and timed beside
+    # the candidate in the same interleaved rounds; the result carries its times and the gain
+    rival: str = ""
     # given by a run's station (evoattn/station.py): then the child times no baseline itself
     baseline_times: dict[str, dict[str, dict[str, Any]]] | None = None
     ceiling_tflops: float | None = None

@@ -57,12 +57,11 @@ class _Station:
                 self.cases.append((cfg, inputs, gen))
 
     def time(self) -> dict[str, dict[str, Any]]:
-        from .measure import config_key
+        from .measure import bind, config_key
         from .timing import Plan, set_bytes
         out = {}
         for cfg, inputs, gen in self.cases:
-            fns = {n: (lambda f, c=cfg: (lambda inp: f(inp, c)))(f)
-                   for n, f in self.baselines.items()}
+            fns = {n: bind(f, cfg) for n, f in self.baselines.items()}
             plan = Plan.for_device(self.req.on_gpu, self.req.resolved_warmup(),
                                    self.req.resolved_reps(),
                                    set_bytes(inputs, self.problem.random_inputs),

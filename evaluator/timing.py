@@ -10,16 +10,25 @@ kernel  Per repetition: L2 flushed (a 256 MB buffer written), inputs refilled wi
         threads: a round that trips it is measured again, each time on fresh inputs (a host
         stall is transient, hidden work shows every round; see settled_host_time).
 call    What a model's layer loop sees in eager mode: K back-to-back calls, each on its own
-        input set (K sets of fresh values, together several times L2, filled before the
-        batch), bracketed by a device-wide synchronisation and the host clock. Per call it
-        costs max(host cost, GPU time) plus any gap between them; work on any stream counts.
-        The batch's last output is checked after the batch: work deferred into a later call
-        would leave it unfinished. Rounds alternate between functions; the median counts.
+        input set (fresh values at their own addresses, filled before the batch), bracketed by
+        a device-wide synchronisation and the host clock. K is chosen so that a batch lasts
+        at least CALL_BATCH_MS: the synchronisation at its two ends costs 10-20 µs, which a
+        short batch would spread over few calls (it read 11% high at (8,32,512,64) on an
+        H100 with 8 calls a batch). Per call it costs max(host cost, GPU time) plus any gap
+        between them; work on any stream counts. The batch's last output is checked after
+        the batch: work deferred into a later call would leave it unfinished.
 graph   The same K calls captured once in a CUDA graph and replayed (after the spin, between
         CUDA events): the GPU time of calls with no host cost at all. A call that cannot be
         captured gets no graph time, and the reason.
 host_us The host time of one call while the GPU is busy (a long sleep kernel queued first):
         the CPU cost a model pays per call whatever the GPU does.
+
+Rounds interleave the functions (candidate and baselines alternate, their order reversed
+every round), so all see the GPU and the host in the same state; the median over rounds
+counts, and its 95% bootstrap interval travels with it (evaluator/stats.py). The fitness
+mode's rounds adapt: after a floor, measuring stops once `converged` (given by the caller:
+the fitness ratio's interval is narrow enough) or at the plan's cap; the other modes get a
+fixed few rounds. Launch-bound configs thus get more rounds, long ones fewer.
 
 CPU (Triton's interpreter): kernel and call modes by the host clock, host_us the same as a
 call, no graph mode; every such figure is labelled a CPU timing.
@@ -33,16 +42,30 @@ import statistics
 import time
 from typing import Any, Callable
 
+from . import stats
 from .hidden_work import settled_host_time
 from .types import Times
 
 _perf = time.perf_counter          # captured before any candidate is imported
 SPIN_NS = 500_000                  # 0.5 ms: longer than a few Python launches take
-CALL_SET_BYTES = 256 * 2 ** 20     # call mode: input sets filling at least this (5x an H100's L2)
-CALL_MAX_BYTES = 4 * 2 ** 30       # ... and at most this, whatever the set's size
+CALL_BATCH_MS = 2.0                # call mode: a batch lasts at least this ...
+CALL_SETS = (8, 256)               # ... with this many input sets (distinct inputs per call) ...
+CALL_MAX_BYTES = 4 * 2 ** 30       # ... filling at most this, whatever the set's size
 HOST_CALLS = 20                    # calls measured for host_us
+WIDTH = 0.01                       # target relative half-width of the fitness ratio's interval
+FLOOR = {"kernel": 10, "call": 5, "graph": 5}     # the fitness mode's rounds: at least these
+OTHER = {"kernel": 5, "call": 3, "graph": 3}      # the other modes' rounds
 
 Fn = Callable[[dict[str, Any]], Any]
+Samples = dict[str, list[float]]   # function name -> one time (ms) per round
+Converged = Callable[[str, Samples], bool]
+
+
+def own_width(mode: str, samples: Samples, width: float = WIDTH) -> bool:
+    """The default stopping rule: every function's own median is known within width / sqrt 2
+    (two such medians make a ratio known within about `width`)."""
+    return all(stats.rel_half_width(statistics.median(v), stats.median_ci(v)) <= width / 2 ** .5
+               for v in samples.values())
 
 
 class LazyOutput(Exception):
@@ -58,32 +81,59 @@ def plain(name: str, out: Any, tensor_type: Any) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """How much to measure: repetitions per mode and the call-mode batch size."""
+    """How much to measure: the rounds per mode and the call-mode input sets."""
 
     warmup: int
-    reps: int                          # kernel mode repetitions
-    rounds: int                        # call mode batches
-    graph_rounds: int                  # graph mode replays
-    sets: int                          # input sets per batch (distinct inputs per call)
+    reps: int                          # kernel mode: the cap on repetitions
+    rounds: int                        # call mode: the cap on batches
+    graph_rounds: int                  # graph mode: the cap on replays
+    sets: int                          # call mode: the most input sets memory allows
     graph: bool                        # measure graph mode at all
+    mode: str = "call"                 # the fitness mode: its rounds adapt
+    width: float = WIDTH
 
     @classmethod
     def for_device(cls, on_gpu: bool, warmup: int, reps: int, set_bytes: int,
                    mode: str = "call") -> "Plan":
-        """Returns the plan for a config whose random inputs take `set_bytes`. The timing
-        mode fitness uses gets the full repetitions; the other two about a third (at least
-        3 kernel repetitions, 3 batches): reported, not optimised."""
+        """Returns the plan for a config whose random inputs take `set_bytes`; `reps` caps the
+        fitness mode's rounds (`mode` "all": every mode's)."""
         if not on_gpu:
-            return cls(warmup, reps, rounds=2, graph_rounds=0, sets=2, graph=False)
-        size = max(set_bytes, 1)
-        sets = min(64, max(8, math.ceil(CALL_SET_BYTES / size)))
-        sets = max(2, min(sets, CALL_MAX_BYTES // size))
-        rounds = max(3, min(15, reps // 4))
+            return cls(warmup, reps, rounds=2, graph_rounds=0, sets=2, graph=False, mode=mode)
+        sets = max(2, min(CALL_SETS[1], CALL_MAX_BYTES // max(set_bytes, 1)))
+        cap = max(reps, max(FLOOR.values()))
+        return cls(warmup, cap, cap, cap, sets, graph=True, mode=mode)
 
-        def share(n: int, mine: str) -> int:
-            return n if mode in (mine, "all") else max(3, n // 3)
-        return cls(warmup, share(reps, "kernel"), share(rounds, "call"),
-                   share(rounds, "graph"), sets, graph=True)
+    def bounds(self, mode: str) -> tuple[int, int]:
+        """Returns (floor, cap) of a mode's rounds."""
+        cap = {"kernel": self.reps, "call": self.rounds, "graph": self.graph_rounds}[mode]
+        if self.mode in (mode, "all"):
+            return min(FLOOR[mode], cap), cap
+        return min(OTHER[mode], cap), min(OTHER[mode], cap)
+
+    def call_sets(self, per_call_ms: float) -> int:
+        """Returns the input sets (= calls) of a call-mode batch for calls of about this time."""
+        want = math.ceil(CALL_BATCH_MS / max(per_call_ms, 1e-4))
+        return max(2, min(self.sets, max(CALL_SETS[0], want)))
+
+
+def adapt(mode: str, names: list[str], plan: Plan, converged: Converged | None,
+          one_round: Callable[[int, list[str], Samples], None]) -> Samples:
+    """Runs interleaved rounds of a mode (order reversed each round) until converged or capped."""
+    samples: Samples = {n: [] for n in names}
+    floor, cap = plan.bounds(mode)
+    rule = converged or (lambda m, s: own_width(m, s, plan.width))
+    order = list(names)
+    for r in range(cap):
+        one_round(r, order, samples)
+        order.reverse()
+        if r + 1 >= floor and rule(mode, samples):
+            break
+    return samples
+
+
+def summarise(samples: Samples) -> dict[str, tuple[float, tuple[float, float] | None, int]]:
+    """Returns name -> (median, 95% interval, rounds)."""
+    return {n: (statistics.median(v), stats.median_ci(v), len(v)) for n, v in samples.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +155,7 @@ class Measurement:
     peak_mem_bytes: dict[str, int | None]
     host_ms_per_call: dict[str, float]     # kernel mode's cross-check (hidden work)
     launch_ms: dict[str, float]
+    samples: dict[str, Samples] = dataclasses.field(default_factory=dict)  # mode -> samples
 
 
 class InputSets:
@@ -141,37 +192,41 @@ class _Timer:
 
     # ---- call mode ------------------------------------------------------------------
     def _call_mode(self, fns: dict[str, Fn], sets: InputSets, plan: Plan, keep: str,
-                   rng: random.Random, kept: list[Kept]) -> dict[str, float]:
+                   rng: random.Random, kept: list[Kept],
+                   converged: Converged | None = None) -> Samples:
         torch = self.torch
-        per_call: dict[str, list[float]] = {n: [] for n in fns}
         last = len(sets.sets) - 1
-        for r in range(-1, plan.rounds):                # round -1 warms up, untimed
-            for name, fn in fns.items():
-                sets.refill()
-                # `keep`'s last output is checked in the last round, one other in the first.
-                watch = name == keep and r in (0, plan.rounds - 1)
-                pick = rng.randrange(last) if watch and last and r == 0 else None
-                ends = last if watch and r == plan.rounds - 1 else None
-                before = {i: snapshot(sets.sets[i]) for i in (pick, ends) if i is not None}
-                outs: dict[int, Any] = {}
-                self.sync()
-                t0 = _perf()
-                for i, s in enumerate(sets.sets):
-                    out = fn(s)
-                    if i in before:
-                        outs[i] = out
-                self.sync()
-                elapsed = _perf() - t0
-                plain(name, out, torch.Tensor)
-                if r >= 0:
-                    per_call[name].append(elapsed * 1e3 / len(sets.sets))
-                for i, o in outs.items():
-                    plain(name, o, torch.Tensor)
-                    kept.append(Kept(f"timed call {i + 1} of {last + 1} back to back (round {r})",
-                                     o.clone(), before[i], last_of_batch=i == last))
-                del out, outs
-        return {n: statistics.median(v) for n, v in per_call.items()}
 
+        def batch(name: str, fn: Fn, watch: tuple[int, ...]) -> float:
+            sets.refill()
+            before = {i: snapshot(sets.sets[i]) for i in watch}
+            outs: dict[int, Any] = {}
+            self.sync()
+            t0 = _perf()
+            for i, s in enumerate(sets.sets):
+                out = fn(s)
+                if i in before:
+                    outs[i] = out
+            self.sync()
+            elapsed = _perf() - t0
+            plain(name, out, torch.Tensor)
+            for i, o in outs.items():
+                plain(name, o, torch.Tensor)
+                kept.append(Kept(f"timed call {i + 1} of {last + 1} back to back",
+                                 o.clone(), before[i], last_of_batch=i == last))
+            return elapsed * 1e3 / len(sets.sets)
+
+        for name, fn in fns.items():                   # a warm-up batch each, untimed
+            batch(name, fn, ())
+
+        def one_round(r: int, order: list[str], samples: Samples) -> None:
+            for name in order:
+                # `keep`'s last output is checked in the first two rounds, one other in the first.
+                watch: tuple[int, ...] = ()
+                if name == keep and r < 2:
+                    watch = (last,) if r or not last else (rng.randrange(last), last)
+                samples[name].append(batch(name, fns[name], watch))
+        return adapt("call", list(fns), plan, converged, one_round)
 
 
 class GpuTimer(_Timer):
@@ -196,57 +251,78 @@ class GpuTimer(_Timer):
 
     def measure(self, fns: dict[str, Fn], inputs: dict[str, Any], random_names: tuple[str, ...],
                 refill: Callable[[dict[str, Any]], None], plan: Plan, keep: str,
-                rng: random.Random) -> Measurement:
+                rng: random.Random, converged: Converged | None = None) -> Measurement:
         """Times every function in every mode; keeps some of `keep`'s outputs for re-checks."""
-        kernel, kept = self._kernel_mode(fns, inputs, refill, plan, keep, rng)
-        host_launch = {n: settled_host_time(lambda fn=fn: self._host_per_call(fn, inputs, refill),
-                                            kernel[n]) for n, fn in fns.items()}
+        kernel_s, kept = self._kernel_mode(fns, inputs, refill, plan, keep, rng, converged)
+        kernel = {n: statistics.median(v) for n, v in kernel_s.items()}
+        host_launch = self.cross_check(fns, inputs, refill, kernel)
         mem = {n: self._peak_mem(fn, inputs) for n, fn in fns.items()}
-        sets = InputSets(inputs, random_names, plan.sets, refill)
-        call = self._call_mode(fns, sets, plan, keep, rng, kept)
+        per_call = min(max(kernel[n], *host_launch[n]) for n in fns)
+        sets = InputSets(inputs, random_names, plan.call_sets(per_call), refill)
+        call_s = self._call_mode(fns, sets, plan, keep, rng, kept, converged)
+        call = {n: statistics.median(v) for n, v in call_s.items()}
         host = {n: self._host_us(fn, inputs, call[n]) for n, fn in fns.items()}
-        graph = {n: self._graph_mode(n, fn, sets, plan, n == keep, kept) if plan.graph
-                 else (None, "not measured") for n, fn in fns.items()}
+        graph_s, graph_err = self._graph_mode(fns, sets, plan, keep, kept, converged) \
+            if plan.graph else ({}, {n: "not measured" for n in fns})
         del sets
-        times = {n: Times(kernel_ms=kernel[n], call_ms=call[n], graph_ms=graph[n][0],
-                          graph_error=graph[n][1], host_us=host[n]) for n in fns}
+        samples = {"kernel": kernel_s, "call": call_s, "graph": graph_s}
+        times = {n: _times(n, samples, graph_err.get(n, ""), host[n]) for n in fns}
         return Measurement(times, kept, mem, {n: v[0] for n, v in host_launch.items()},
-                           {n: v[1] for n, v in host_launch.items()})
+                           {n: v[1] for n, v in host_launch.items()}, samples)
+
+    def cross_check(self, fns: dict[str, Fn], inputs: dict[str, Any],
+                    refill: Callable[[dict[str, Any]], None],
+                    kernel_ms: dict[str, float]) -> dict[str, tuple[float, float]]:
+        """Returns name -> (host ms per call back to back, ms to return): the hidden-work check."""
+        return {n: settled_host_time(lambda fn=fn: self._host_per_call(fn, inputs, refill),
+                                     kernel_ms[n]) for n, fn in fns.items()}
+
+    def probe(self, fn: Fn, inputs: dict[str, Any],
+              refill: Callable[[dict[str, Any]], None]) -> tuple[float, float, float]:
+        """Returns one function's kernel-mode median over a few rounds and its host
+        cross-check (ms per call, ms to return): a trusted witness of a busy GPU."""
+        plan = Plan(warmup=2, reps=OTHER["kernel"], rounds=1, graph_rounds=1, sets=2,
+                    graph=False, mode="none")
+        samples, _ = self._kernel_mode({"probe": fn}, inputs, refill, plan, "",
+                                       random.Random(0), lambda m, s: False)
+        event_ms = statistics.median(samples["probe"])
+        host, launch = self.cross_check({"probe": fn}, inputs, refill, {"probe": event_ms})["probe"]
+        return event_ms, host, launch
 
     # ---- kernel mode ----------------------------------------------------------------
     def _kernel_mode(self, fns: dict[str, Fn], inputs: dict[str, Any],
                      refill: Callable[[dict[str, Any]], None], plan: Plan, keep: str,
-                     rng: random.Random) -> tuple[dict[str, float], list[Kept]]:
+                     rng: random.Random, converged: Converged | None = None
+                     ) -> tuple[Samples, list[Kept]]:
         torch = self.torch
         for _ in range(plan.warmup):
             for fn in fns.values():
                 fn(inputs)
         self.sync()
-        keep_reps = set(rng.sample(range(plan.reps), k=min(1, plan.reps)))
-        samples: dict[str, list[float]] = {n: [] for n in fns}
         kept: list[Kept] = []
-        events = []
-        for rep in range(plan.reps):
-            for name, fn in fns.items():
+        keep_round = rng.randrange(plan.bounds("kernel")[0])
+
+        def one_round(r: int, order: list[str], samples: Samples) -> None:
+            events = []
+            for name in order:
                 self.flush_buf.zero_()
                 refill(inputs)
                 self.sync()          # an idle GPU: the spin below takes every SM before any
                 self.spin()          # work the call launches (on any stream) can start
                 start, end = self.Event(enable_timing=True), self.Event(enable_timing=True)
                 self.record(start)
-                out = fn(inputs)
+                out = fns[name](inputs)
                 self.record(end)
                 plain(name, out, torch.Tensor)
                 events.append((name, start, end))
-                if name == keep and rep in keep_reps:
+                if name == keep and r == keep_round:
                     self.sync()
-                    kept.append(Kept(f"timed call {rep}", out.clone(),
-                                     snapshot(inputs)))
+                    kept.append(Kept(f"timed call {r}", out.clone(), snapshot(inputs)))
                 del out
-        self.sync()
-        for name, start, end in events:
-            samples[name].append(self.elapsed(start, end))
-        return {n: statistics.median(s) for n, s in samples.items()}, kept
+            self.sync()
+            for name, start, end in events:
+                samples[name].append(self.elapsed(start, end))
+        return adapt("kernel", list(fns), plan, converged, one_round), kept
 
     def _host_per_call(self, fn: Fn, inputs: dict[str, Any],
                        refill: Callable[[dict[str, Any]], None], n: int = 10
@@ -297,30 +373,38 @@ class GpuTimer(_Timer):
         return statistics.median(stamps)
 
     # ---- graph mode -----------------------------------------------------------------
-    def _graph_mode(self, name: str, fn: Fn, sets: InputSets, plan: Plan, watch: bool,
-                    kept: list[Kept]) -> tuple[float | None, str]:
+    def _graph_mode(self, fns: dict[str, Fn], sets: InputSets, plan: Plan, keep: str,
+                    kept: list[Kept], converged: Converged | None = None
+                    ) -> tuple[Samples, dict[str, str]]:
+        """Returns the replays' per-call times of every capturable function, and why the
+        others have none."""
         torch = self.torch
         calls = sets.sets[:min(len(sets.sets), 16)]
-        self.sync()
-        try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):              # capture needs warm, allocated kernels
-                for s in calls[:2]:
-                    fn(s)
-            torch.cuda.current_stream().wait_stream(side)
+        graphs: dict[str, Any] = {}
+        errors: dict[str, str] = {}
+        for name, fn in fns.items():
             self.sync()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                outs = [fn(s) for s in calls]
-        except Exception as e:  # noqa: BLE001 - a call that cannot be captured is data
-            self.sync()
-            first = str(e).splitlines()[0][:200] if str(e) else ""
-            return None, f"not capturable: {type(e).__name__}: {first}"
-        for out in outs:
-            plain(name, out, torch.Tensor)
-        samples = []
-        for r in range(plan.graph_rounds + 1):
+            try:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):          # capture needs warm, allocated kernels
+                    for s in calls[:2]:
+                        fn(s)
+                torch.cuda.current_stream().wait_stream(side)
+                self.sync()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    outs = [fn(s) for s in calls]
+            except Exception as e:  # noqa: BLE001 - a call that cannot be captured is data
+                self.sync()
+                first = str(e).splitlines()[0][:200] if str(e) else ""
+                errors[name] = f"not capturable: {type(e).__name__}: {first}"
+                continue
+            for out in outs:
+                plain(name, out, torch.Tensor)
+            graphs[name] = (graph, outs)
+
+        def replay(name: str) -> float:
             for s in calls:
                 sets._refill(s)
             self.flush_buf.zero_()
@@ -328,16 +412,39 @@ class GpuTimer(_Timer):
             self.spin()
             start, end = self.Event(enable_timing=True), self.Event(enable_timing=True)
             self.record(start)
-            graph.replay()
+            graphs[name][0].replay()
             self.record(end)
             self.sync()
-            if r:
-                samples.append(self.elapsed(start, end) / len(calls))
-        if watch:
-            kept.append(Kept(f"timed call {len(calls)} of {len(calls)} in a CUDA graph replay", outs[-1].clone(),
-                             snapshot(calls[-1]), last_of_batch=True))
-        del graph, outs
-        return statistics.median(samples), ""
+            return self.elapsed(start, end) / len(calls)
+
+        for name in graphs:                            # one untimed replay each
+            replay(name)
+
+        def one_round(r: int, order: list[str], samples: Samples) -> None:
+            for name in order:
+                samples[name].append(replay(name))
+        samples = adapt("graph", list(graphs), plan, converged, one_round) if graphs else {}
+        if keep in graphs:
+            kept.append(Kept(f"timed call {len(calls)} of {len(calls)} in a CUDA graph replay",
+                             graphs[keep][1][-1].clone(), snapshot(calls[-1]),
+                             last_of_batch=True))
+        graphs.clear()
+        return samples, errors
+
+
+def _times(name: str, samples: dict[str, Samples], graph_error: str,
+           host_us: float | None) -> Times:
+    """Returns one function's Times (medians, intervals, rounds) from its samples per mode."""
+    kw: dict[str, Any] = {}
+    rounds = {}
+    for mode, by_name in samples.items():
+        v = by_name.get(name)
+        if v:
+            kw[f"{mode}_ms"] = statistics.median(v)
+            kw[f"{mode}_ci"] = stats.median_ci(v)
+            rounds[mode] = len(v)
+    return Times(graph_error=graph_error if not kw.get("graph_ms") else "", host_us=host_us,
+                 rounds=rounds, **kw)
 
 
 class CpuTimer(_Timer):
@@ -350,27 +457,31 @@ class CpuTimer(_Timer):
 
     def measure(self, fns: dict[str, Fn], inputs: dict[str, Any], random_names: tuple[str, ...],
                 refill: Callable[[dict[str, Any]], None], plan: Plan, keep: str,
-                rng: random.Random) -> Measurement:
+                rng: random.Random, converged: Converged | None = None) -> Measurement:
         torch = self.torch
         for _ in range(plan.warmup):
             for fn in fns.values():
                 fn(inputs)
-        keep_reps = set(rng.sample(range(plan.reps), k=min(2, plan.reps)))
-        samples: dict[str, list[float]] = {n: [] for n in fns}
         kept: list[Kept] = []
-        for rep in range(plan.reps):
-            for name, fn in fns.items():
+        keep_rounds = set(rng.sample(range(plan.reps), k=min(2, plan.reps)))
+
+        def one_round(r: int, order: list[str], samples: Samples) -> None:
+            for name in order:
                 refill(inputs)
                 t0 = _perf()
-                out = fn(inputs)
+                out = fns[name](inputs)
                 samples[name].append((_perf() - t0) * 1e3)
                 plain(name, out, torch.Tensor)
-                if name == keep and rep in keep_reps:
-                    kept.append(Kept(f"timed call {rep}", out.clone(), snapshot(inputs)))
-        call = self._call_mode(fns, InputSets(inputs, random_names, plan.sets, refill), plan,
-                               keep, rng, kept)
-        kernel = {n: statistics.median(s) for n, s in samples.items()}
-        times = {n: Times(kernel_ms=kernel[n], call_ms=call[n], graph_ms=None,
-                          graph_error="CUDA graphs need a GPU", host_us=kernel[n] * 1e3)
+                if name == keep and r in keep_rounds:
+                    kept.append(Kept(f"timed call {r}", out.clone(), snapshot(inputs)))
+        kernel_s = adapt("kernel", list(fns), dataclasses.replace(plan, mode="kernel"),
+                         lambda m, s: False, one_round)
+        call_s = self._call_mode(fns, InputSets(inputs, random_names, plan.sets, refill),
+                                 dataclasses.replace(plan, mode="call"), keep, rng, kept,
+                                 lambda m, s: False)
+        samples = {"kernel": kernel_s, "call": call_s}
+        times = {n: dataclasses.replace(_times(n, samples, "CUDA graphs need a GPU", None),
+                                        host_us=statistics.median(kernel_s[n]) * 1e3)
                  for n in fns}
-        return Measurement(times, kept, {n: None for n in fns}, dict(kernel), {})
+        kernel = {n: t.kernel_ms for n, t in times.items()}
+        return Measurement(times, kept, {n: None for n in fns}, dict(kernel), {}, samples)

@@ -78,10 +78,19 @@ class Times:
     graph_ms: float | None = None
     graph_error: str = ""
     host_us: float | None = None
+    # 95% intervals of the medians above (evaluator/stats.py), and the rounds behind them
+    kernel_ci: tuple[float, float] | None = None
+    call_ci: tuple[float, float] | None = None
+    graph_ci: tuple[float, float] | None = None
+    rounds: dict[str, int] = dataclasses.field(default_factory=dict)   # mode -> rounds
 
     def in_mode(self, mode: str) -> float | None:
         """Returns the time (ms) in one timing mode."""
         return {"kernel": self.kernel_ms, "call": self.call_ms, "graph": self.graph_ms}[mode]
+
+    def ci_in_mode(self, mode: str) -> tuple[float, float] | None:
+        """Returns the 95% interval (ms) of the time in one timing mode."""
+        return {"kernel": self.kernel_ci, "call": self.call_ci, "graph": self.graph_ci}[mode]
 
     def to_json(self) -> dict[str, Any]:
         return _clean(dataclasses.asdict(self))
@@ -111,6 +120,7 @@ class ConfigResult:
     tflops: float | None = None
     baseline_tflops: float | None = None
     speedup: float | None = None       # baseline_ms / ms
+    speedup_ci: tuple[float, float] | None = None   # its 95% interval
     frac_peak: float | None = None     # tflops / the GPU's peak
     peak_mem_bytes: int | None = None  # candidate's peak beyond inputs and output
     baseline_peak_mem_bytes: int | None = None
@@ -118,6 +128,11 @@ class ConfigResult:
     baselines: dict[str, float] = dataclasses.field(default_factory=dict)  # name -> ms (mode)
     baseline_times: dict[str, Times] = dataclasses.field(default_factory=dict)
     backends_ms: dict[str, float] = dataclasses.field(default_factory=dict)  # --all-backends
+    # A duel (the candidate re-measured beside a rival program in the same rounds): the
+    # rival's times, and rival ms / candidate ms in the timing mode with its interval.
+    rival_times: Times | None = None
+    gain: float | None = None
+    gain_ci: tuple[float, float] | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = _clean(dataclasses.asdict(self))
@@ -140,6 +155,7 @@ class EvalResult:
     reason: str
     fitness: float                     # geometric-mean speedup; 0 unless correct
     configs: tuple[ConfigResult, ...] = ()
+    fitness_ci: tuple[float, float] | None = None   # its 95% interval
     problem: str = "sdpa"
     timing: str = "call"               # the timing mode of ms, speedup and fitness
     baseline: str = "best"             # the fitness baseline: "best" (fastest per config) or a name
@@ -155,6 +171,13 @@ class EvalResult:
     build_seconds: float | None = None
     duration_s: float = 0.0
     stage_s: dict[str, float] = dataclasses.field(default_factory=dict)  # wall time per stage
+    # A duel: the rival's fitness against the same baselines in the same rounds, and the
+    # geometric mean of the per-config gains (rival ms / candidate ms) with its interval.
+    rival: str = ""
+    rival_fitness: float | None = None
+    rival_fitness_ci: tuple[float, float] | None = None
+    gain: float | None = None
+    gain_ci: tuple[float, float] | None = None
 
     @property
     def correct(self) -> bool:
@@ -187,8 +210,10 @@ def _from_json(cls: type, d: dict[str, Any]) -> Any:
             value = Verdict(value)
         elif f.name == "configs":
             value = tuple(ConfigResult.from_json(c) for c in value)
-        elif f.name == "times":
+        elif f.name in ("times", "rival_times"):
             value = None if value is None else Times.from_json(value)
+        elif f.name.endswith("_ci"):
+            value = None if value is None else (float(value[0]), float(value[1]))
         elif f.name == "baseline_times":
             value = {k: Times.from_json(v) for k, v in (value or {}).items()}
         elif f.name == "flags":

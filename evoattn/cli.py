@@ -107,12 +107,15 @@ def main() -> None:
 @click.option("--timeout", type=float, help="run-stage limit in seconds (default 600)")
 @click.option("--set", "knob_sets", multiple=True, metavar="NAME=VALUE",
               help="evaluate with this knob (a `# evoattn: choice(...)` line) set; repeatable")
+@click.option("--rival", type=click.Path(dir_okay=False),
+              help="another kernel file, checked and timed beside PATH in the same rounds: "
+                   "prints both fitnesses and the gain with its 95% interval")
 def eval_cmd(path: str, problem: str, configs: str | None, dtype: str | None, device: str,
              timing: str | None, baseline: str | None, json_path: str | None,
              trials: int | None, reps: int | None, warmup: int | None, policy: str | None,
              max_abs: float | None, tolerance_factor: float | None,
              all_backends: bool, no_screen: bool, timeout: float | None,
-             knob_sets: tuple[str, ...]) -> None:
+             knob_sets: tuple[str, ...], rival: str | None) -> None:
     """Check one kernel file against the reference and time it against PyTorch's baselines."""
     from .sandbox import SubprocessEvaluator
     p = Path(path)
@@ -137,13 +140,20 @@ def eval_cmd(path: str, problem: str, configs: str | None, dtype: str | None, de
         settings.cpu_notice(console)
     try:
         source = _with_knobs(p, program.read(p), knob_sets)
+        rival_source = None
+        if rival is not None:
+            if not Path(rival).is_file():
+                raise UsageError(f"{rival}: file not found (--rival)")
+            if Path(rival).suffix != p.suffix:
+                raise UsageError(f"{rival}: --rival must be a {p.suffix} file like {p.name}")
+            rival_source = program.read(Path(rival))
     except program.ProgramError as e:
         raise UsageError(str(e)) from None
     evaluator = SubprocessEvaluator(request)
     try:
         with console.status(f"evaluating {p.name} on {dev} ..."):
             name = p.name + (f" [{', '.join(knob_sets)}]" if knob_sets else "")
-            result = evaluator.evaluate(source, p.suffix, name)
+            result = evaluator.evaluate(source, p.suffix, name, rival_source)
     finally:
         evaluator.close()
     report.print_eval(console, result, prob.flops)

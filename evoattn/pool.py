@@ -36,10 +36,11 @@ class SerialPool:
     def __init__(self, evaluator: Any) -> None:
         self.evaluator = evaluator
 
-    def submit(self, source: str, suffix: str, label: str) -> cf.Future[EvalResult]:
+    def submit(self, source: str, suffix: str, label: str,
+               rival: str | None = None) -> cf.Future[EvalResult]:
         fut: cf.Future[EvalResult] = cf.Future()
         try:
-            fut.set_result(self.evaluator.evaluate(source, suffix, label))
+            fut.set_result(self.evaluator.evaluate(source, suffix, label, **_duel(rival)))
         except Exception as e:  # noqa: BLE001 - delivered to whoever waits on it
             fut.set_exception(e)
         return fut
@@ -55,6 +56,11 @@ class SerialPool:
             close()
 
 
+def _duel(rival: str | None) -> dict[str, str]:
+    """The keyword a duel adds to evaluate() (none otherwise, so plain fakes still fit)."""
+    return {} if rival is None else {"rival": rival}
+
+
 def as_pool(evaluator: Any) -> Any:
     """Returns the evaluator as a pool (a pool as it is)."""
     return evaluator if hasattr(evaluator, "submit") else SerialPool(evaluator)
@@ -67,6 +73,7 @@ class _Job:
     suffix: str
     label: str
     build: cf.Future[Any] | None = None     # its nvcc builds on a CPU thread, if any
+    rival: str | None = None                # a duel's rival program
 
 
 class LocalPool:
@@ -90,10 +97,11 @@ class LocalPool:
         for t in self._threads:
             t.start()
 
-    def submit(self, source: str, suffix: str, label: str) -> cf.Future[EvalResult]:
+    def submit(self, source: str, suffix: str, label: str,
+               rival: str | None = None) -> cf.Future[EvalResult]:
         fut: cf.Future[EvalResult] = cf.Future()
         build = self._prebuild.submit(source, suffix) if self._prebuild is not None else None
-        self._jobs.put(_Job(fut, source, suffix, label, build))
+        self._jobs.put(_Job(fut, source, suffix, label, build, rival))
         return fut
 
     def calibrate(self, seed: EvalResult) -> None:
@@ -131,7 +139,8 @@ class LocalPool:
             if job.build is not None:      # the child then finds the libraries cached
                 cf.wait([job.build])
             try:
-                job.future.set_result(evaluator.evaluate(job.source, job.suffix, job.label))
+                job.future.set_result(evaluator.evaluate(job.source, job.suffix, job.label,
+                                                         **_duel(job.rival)))
             except BaseException as e:  # noqa: BLE001 - delivered to whoever waits on it
                 job.future.set_exception(e)
 
@@ -192,8 +201,9 @@ class _Calibrated:
     def __init__(self, evaluator: Any, factor: float, floor_s: float) -> None:
         self.evaluator, self.factor, self.floor_s = evaluator, factor, floor_s
 
-    def evaluate(self, source: str, suffix: str, label: str) -> EvalResult:
-        return self.evaluator.evaluate(source, suffix, label)
+    def evaluate(self, source: str, suffix: str, label: str,
+                 rival: str | None = None) -> EvalResult:
+        return self.evaluator.evaluate(source, suffix, label, rival)
 
     def calibrate(self, seed: EvalResult) -> None:
         if hasattr(self.evaluator, "calibrate"):

@@ -40,6 +40,9 @@ class Population:
         self.cfg = cfg
         self.seed = seed
         self._islands: list[list[Program]] = [[] for _ in range(cfg.islands)]
+        # The run's best: the seed, then each challenger that beat it head to head (the
+        # search's champion challenge), not merely the highest fitness read alone.
+        self._champion: Program | None = seed if eligible(seed) else None
         if eligible(seed):
             for elites in self._islands:
                 elites.append(seed)
@@ -50,9 +53,21 @@ class Population:
         return list(self._islands[island])
 
     def best(self) -> Program | None:
-        """Returns the best elite anywhere, or None if no correct program exists."""
+        """Returns the champion: the last program crowned (the seed at first); without one,
+        the best elite anywhere, or None if no correct program exists."""
+        if self._champion is not None:
+            return self._champion
+        return self.top()
+
+    def top(self) -> Program | None:
+        """Returns the elite of highest fitness anywhere (None if no correct program exists)."""
         tops = [e[0] for e in self._islands if e]
         return min(tops, key=_rank_key) if tops else None
+
+    def crown(self, program: Program) -> None:
+        """Makes a correct program the run's best (it won a head-to-head re-measurement)."""
+        if eligible(program):
+            self._champion = program
 
     def contains(self, program_id: str) -> bool:
         """Returns whether a program is an elite of some island."""
@@ -121,7 +136,8 @@ class Population:
     def snapshot(self) -> dict[str, Any]:
         """Returns the population as JSON-ready ids: the seed and each island's elites in order."""
         return {"version": SNAPSHOT_VERSION, "seed": self.seed.id,
-                "islands": [[p.id for p in e] for e in self._islands]}
+                "islands": [[p.id for p in e] for e in self._islands],
+                "champion": self._champion.id if self._champion is not None else None}
 
     @classmethod
     def restore(cls, snapshot: dict[str, Any], programs_by_id: dict[str, Program],
@@ -145,4 +161,9 @@ class Population:
         # Elites are restored verbatim (not re-ranked), so resume is exact even if
         # elites_per_island was lowered: the cap applies from the next insertion.
         pop._islands = [[lookup(pid) for pid in ids] for ids in islands]
+        if "champion" in snapshot:           # absent in runs from before the challenge
+            champ = snapshot["champion"]
+            pop._champion = lookup(champ) if champ else None
+        else:
+            pop._champion = pop.top()
         return pop

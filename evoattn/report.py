@@ -6,7 +6,7 @@ from typing import Any, Callable
 from rich.console import Console
 from rich.table import Table
 
-from evaluator import scoring
+from evaluator import scoring, stats
 from evaluator.request import TIMING_MODES
 from evaluator.types import EvalResult, Verdict
 
@@ -27,11 +27,33 @@ def label(params: dict[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in params.items())
 
 
+def pm(point: float | None, ci: Any, fmt: str = ".3f") -> str:
+    """Returns '0.942x ± 0.006' (the half-width of the 95% interval), or '0.942x' without one."""
+    if not point:
+        return "-"
+    half = stats.plus_minus(point, tuple(ci) if ci else None)
+    return f"{point:{fmt}}x" + (f" ± {half:{fmt}}" if half is not None else "")
+
+
 def headline(result: EvalResult) -> str:
-    """Returns e.g. '0.94x vs the best baseline, call time' (the fitness, named)."""
+    """Returns e.g. '0.94x ± 0.01 vs the best baseline, call time' (the fitness, named)."""
     vs = "the best baseline" if result.baseline == "best" else result.baseline
     cpu = " (CPU timing)" if result.timing_device == "cpu" else ""
-    return f"{result.fitness:.2f}x vs {vs}, {MODE_WORDS.get(result.timing, result.timing)}{cpu}"
+    return (f"{pm(result.fitness, result.fitness_ci, '.3f')} vs {vs}, "
+            f"{MODE_WORDS.get(result.timing, result.timing)}{cpu}")
+
+
+def duel_lines(result: EvalResult) -> list[str]:
+    """Returns the lines on a duel (a rival timed beside the candidate), if it was one."""
+    if not result.rival or not result.correct or result.gain is None:
+        return []
+    ci = result.gain_ci
+    verdict = ("no gain beyond noise" if ci is None or ci[0] <= 1.0 <= ci[1] else
+               "the candidate is faster" if ci[0] > 1.0 else "the candidate is slower")
+    return [f"Rival: {result.rival}, timed in the same rounds: "
+            f"{pm(result.rival_fitness, result.rival_fitness_ci)} vs the same baselines",
+            f"Gain: the candidate is {result.gain:.3f}x the rival's speed (95% interval "
+            + (f"{ci[0]:.3f} to {ci[1]:.3f}" if ci else "not known") + f"): {verdict}"]
 
 
 def eval_table(result: EvalResult) -> Table:
@@ -50,7 +72,7 @@ def eval_table(result: EvalResult) -> Table:
         t.add_row(label(c.params), f"[{style}]{c.verdict.value}[/{style}]",
                   _f(c.max_abs_err, ".2e"), _f(c.tolerance, ".2e"), _f(c.ms, ".4f"),
                   c.baseline_name or "-", _f(c.baseline_ms, ".4f"),
-                  _f(c.speedup, ".3f") + ("x" if c.speedup else ""), _f(c.tflops, ".1f"),
+                  pm(c.speedup, c.speedup_ci), _f(c.tflops, ".1f"),
                   _f(c.times.host_us if c.times else None, ".1f"),
                   _f(base.host_us if base else None, ".1f"),
                   _f(c.peak_mem_bytes / 2**20 if c.peak_mem_bytes is not None else None, ".1f"))
@@ -156,6 +178,8 @@ def print_eval(console: Console, result: EvalResult,
         console.print(f"Speedup: {headline(result)} (geometric mean over {len(timed)} configs)")
         if flops is not None:
             console.print(f"  the same times in the other modes: {other_modes(result, flops)}")
+    for line in duel_lines(result):
+        console.print(line)
     console.print(f"Score: {result.fitness:.4f}")
 
 

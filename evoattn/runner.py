@@ -153,12 +153,17 @@ def _search(plan: RunPlan, store: Any, evaluator: Any, quiet: bool, console: Con
                  run_dir=str(plan.run_dir))
     with view:
         outcome = search.run()
+    final = None
+    if outcome.exit_code == 0 and outcome.best is not None:
+        if not quiet:
+            console.print("re-measuring the seed and the best side by side ...")
+        final = search.remeasure(outcome.best, outcome.seed)
     events.write("stop", reason=outcome.stop_reason, iterations=outcome.iterations_done,
                  best_id=outcome.best.id if outcome.best else None,
                  best_fitness=outcome.best.fitness if outcome.best else None,
                  elapsed_s=outcome.elapsed_s, run_elapsed_s=outcome.run_elapsed_s)
     events.close()
-    _summary(console, outcome, search, plan)
+    _summary(console, outcome, search, plan, final)
     if outcome.exit_code == 1:     # the LLM or the cluster stopped the run: it can go on later
         console.print(f"the run stopped ({outcome.stop_reason}); once that is fixed, rerun the "
                       f"same command (or `evoattn run --resume {plan.run_dir}`) to continue it")
@@ -181,7 +186,8 @@ def _eval_flags(plan: RunPlan) -> str:
     return extra
 
 
-def _summary(console: Console, outcome: Any, search: Any, plan: RunPlan) -> None:
+def _summary(console: Console, outcome: Any, search: Any, plan: RunPlan,
+             final: Any = None) -> None:
     seed, best = outcome.seed, outcome.best
     console.print(f"stopped after iteration {outcome.iterations_done}: {outcome.stop_reason}")
     whole = (f"; the whole run so far {outcome.run_elapsed_s:.0f} s"
@@ -197,6 +203,9 @@ def _summary(console: Console, outcome: Any, search: Any, plan: RunPlan) -> None
             before = by_cfg.get(str(c.params))
             console.print(f"  {label(c.params)}: {before or 0:.3f}x -> {c.speedup or 0:.3f}x "
                           f"vs {c.baseline_name or best.result.baseline}")
+    if final is not None:
+        for line in side_by_side_lines(final, seed.id, best.id if best else ""):
+            console.print(line)
     cost = cost_summary([p.result for p in search.programs.values() if p.result is not None],
                         outcome.elapsed_s, search.evaluated_this_session)
     if cost:
@@ -207,6 +216,37 @@ def _summary(console: Console, outcome: Any, search: Any, plan: RunPlan) -> None
         console.print(f"LLM: {int(llm.get('calls', 0))} calls, {int(llm.get('prompt_tokens', 0))} "
                       f"tokens in, {int(llm.get('completion_tokens', 0))} out, "
                       f"${llm.get('cost_usd', 0.0):.4f} (the whole run)")
+
+
+def side_by_side_lines(duel: Any, seed_id: str, best_id: str) -> list[str]:
+    """Returns the summary's lines for the best re-measured beside the seed (a duel whose
+    candidate is the best and whose rival is the seed): every mode, and whether the gain is
+    beyond noise."""
+    from evaluator import scoring
+    from evaluator.request import TIMING_MODES
+    if not duel.correct:
+        return [f"re-measuring the seed and the best side by side failed: "
+                f"{duel.verdict.value}: {duel.reason[:200]}"]
+    lines = [f"seed ({seed_id}) and best ({best_id}) re-measured side by side in one process "
+             f"(fitness against {duel.baseline}, 95% intervals):"]
+    for mode in [duel.timing] + [m for m in TIMING_MODES if m != duel.timing]:
+        if mode == duel.timing:
+            cand, rival, gain, ci = (duel.fitness, duel.rival_fitness or 0.0, duel.gain,
+                                     duel.gain_ci)
+        else:
+            cand, rival, gain, ci = scoring.duel_in_mode(duel.configs, mode, duel.baseline)
+        if not gain:
+            lines.append(f"  {mode} time: not measured for both")
+            continue
+        verdict = ("no gain beyond noise" if ci is None or ci[0] <= 1.0 <= ci[1] else
+                   "the best is faster" if ci[0] > 1.0 else "the best is slower")
+        lines.append(f"  {mode} time: seed {rival:.4f} -> best {cand:.4f}; best vs seed "
+                     f"{gain:.3f}x{_ci_text(ci)}: {verdict}")
+    return lines
+
+
+def _ci_text(ci: Any) -> str:
+    return f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
 
 
 def seed_prompt_chars(config_path: str) -> int | None:

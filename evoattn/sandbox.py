@@ -101,13 +101,17 @@ class SubprocessEvaluator:
                 env["CUDA_VISIBLE_DEVICES"] = sandbox.visible_device
             self._station = Station(self.request, env, sandbox.station_refresh_s)
 
-    def evaluate(self, source: str, suffix: str, label: str = "candidate") -> EvalResult:
-        """Returns the verdict on `source` (a program text, see evaluator/program.py)."""
-        result = self._evaluate_once(source, suffix, label)
+    def evaluate(self, source: str, suffix: str, label: str = "candidate",
+                 rival: str | None = None) -> EvalResult:
+        """Returns the verdict on `source` (a program text, see evaluator/program.py).
+
+        `rival`: another program's text, timed beside it in the same rounds against the same
+        baselines (a duel); the result carries the rival's fitness and the gain."""
+        result = self._evaluate_once(source, suffix, label, rival)
         if result.verdict is Verdict.EVALUATOR_FAULT and not self._abort.is_set():
             # once more, on a fresh zygote
             self._stop_zygote()
-            again = self._evaluate_once(source, suffix, label)
+            again = self._evaluate_once(source, suffix, label, rival)
             if again.verdict is Verdict.EVALUATOR_FAULT:
                 return dataclasses.replace(again, reason=f"twice: {again.reason} (first: "
                                            f"{result.reason})")
@@ -145,20 +149,25 @@ class SubprocessEvaluator:
             self._zygote.close()
             self._zygote = None
 
-    def _evaluate_once(self, source: str, suffix: str, label: str) -> EvalResult:
+    def _evaluate_once(self, source: str, suffix: str, label: str,
+                       rival: str | None = None) -> EvalResult:
         work = tempfile.mkdtemp(prefix="evoattn-")
         t0 = time.monotonic()
         try:
             try:
                 main = program.write(source, work, f"candidate{suffix}")
+                rival_main = program.write(rival, os.path.join(work, "rival"),
+                                           f"rival{suffix}") if rival is not None else None
             except (program.ProgramError, OSError) as e:
                 return EvalResult.failure(Verdict.LOAD_ERROR, f"cannot write the program: {e}",
                                           problem=self.request.problem, candidate=label)
             req = dataclasses.replace(self.request, candidate=str(main),
                                       allowed_dirs=(work, os.path.join(self.sandbox.cache_dir,
                                                                        "triton")),
-                                      secret_seed=secrets.randbits(62))
-            req = self._with_station(req)
+                                      secret_seed=secrets.randbits(62),
+                                      rival=str(rival_main or ""))
+            # A duel times the baselines beside both programs; otherwise the station's times.
+            req = req if rival is not None else self._with_station(req)
             result, stages = self._run_child(req, work)
             return dataclasses.replace(result, candidate=label, stage_s=stages,
                                        duration_s=round(time.monotonic() - t0, 3))

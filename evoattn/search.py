@@ -306,16 +306,56 @@ class Search:
         pid = entry.program_id or program_id(proposal.source or "")
         self._in_flight.discard(pid)
         self._count(result)
+        result, crowned, verdict = self._challenge(pop, pid, proposal.source or "", result)
         child = Program(pid, proposal.source or "", self.suffix, parent.id, iteration, island,
                         proposal.mutator, proposal.change, result, proposal.second_parent_id)
         self.programs[pid] = child
         pop.add(child)
+        if crowned:
+            pop.crown(child)
         self._commit(pop, iteration, child, None, proposal)
         if not child.correct:
             return (f"{proposal.mutator}: {result.verdict.value}: {result.reason[:70]} "
                     f"({proposal.change[:60]})")
-        return (f"{proposal.mutator}: {result.verdict.value} fitness {result.fitness:.3f} "
-                f"({proposal.change[:80]})")
+        return (f"{proposal.mutator}: {result.verdict.value} fitness {result.fitness:.3f}"
+                f"{verdict} ({proposal.change[:80]})")
+
+    def _challenge(self, pop: Population, pid: str, source: str,
+                   result: EvalResult) -> tuple[EvalResult, bool, str]:
+        """The champion challenge: a correct child whose fitness reads above the best's is
+        re-measured head to head with the best, in one process, in interleaved rounds, on
+        fresh inputs; it becomes the best only if faster by more than their combined
+        uncertainty (the gain's 95% interval lies above 1). Returns the result to store (the
+        re-measured one), whether it won, and a note."""
+        champ = pop.best()
+        if champ is None or not result.correct or result.fitness <= champ.fitness or \
+                champ.id == pid:
+            return result, False, ""
+        duel = self.evaluator.submit(source, self.suffix, f"{pid} vs {champ.id}",
+                                     rival=champ.source).result()
+        self._gpu_s += sum(v for k, v in duel.stage_s.items() if k in GPU_STAGES)
+        self._stats["challenges"] += 1
+        if not duel.correct:
+            return result, False, f" (challenge: {duel.verdict.value}: {duel.reason[:60]})"
+        gain = duel.gain or 0.0
+        won = beats(duel)
+        if won:
+            self._stats["crowned"] += 1
+        note = (f" -> {duel.fitness:.3f} re-measured beside the best ({champ.id}: "
+                f"{duel.rival_fitness or 0:.3f}), {gain:.3f}x"
+                f"{_interval(duel.gain_ci)}: {'new best' if won else 'not beyond noise'}")
+        return duel, won, note
+
+    def remeasure(self, best: Program, seed: Program) -> EvalResult | None:
+        """Returns the best re-measured beside the seed (a duel in one process), or None when
+        there is nothing to compare (the best is the seed, or either is not correct)."""
+        if best.id == seed.id or not (best.correct and seed.correct):
+            return None
+        try:
+            return self.evaluator.submit(best.source, self.suffix, f"{best.id} vs seed",
+                                         rival=seed.source).result()
+        except Exception:  # noqa: BLE001 - the summary then says it could not re-measure
+            return None
 
     def _count(self, result: EvalResult) -> None:
         self._stats["evaluated"] += 1
@@ -370,6 +410,16 @@ class Search:
 
 
 DUPLICATE = "duplicate of program"    # how a rejection for an already-stored program starts
+
+
+def beats(duel: EvalResult) -> bool:
+    """Returns whether a duel's candidate is faster than its rival beyond the noise: the 95%
+    interval of the gain (rival time / candidate time, geometric mean) lies above 1."""
+    return duel.correct and duel.gain_ci is not None and duel.gain_ci[0] > 1.0
+
+
+def _interval(ci: tuple[float, float] | None) -> str:
+    return f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
 _INTEGRITY = {Verdict.POLICY, Verdict.TAMPERING, Verdict.HIDDEN_WORK, Verdict.NONDETERMINISTIC,
               Verdict.IMPLAUSIBLE, Verdict.SANDBOX}
 

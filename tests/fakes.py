@@ -20,23 +20,47 @@ class FakeEvaluator:
     def close(self) -> None:
         self.closed = True
 
-    def evaluate(self, source: str, suffix: str, label: str = "") -> EvalResult:
-        self.calls.append(source)
+    duels: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (source, rival)
+
+    def score(self, source: str) -> float:
+        """The program's true speed over the baseline, from its knob values."""
         knobs = {k.name: k.value for k in find_knobs(source)}
-        for name, value in self.fail_when.items():
-            if knobs.get(name) == value:
-                return EvalResult.failure(Verdict.INCORRECT, f"{name}={value} is wrong")
         score = 1.0
         for i, (name, value) in enumerate(sorted(knobs.items())):
             try:
                 score += (i + 1) * 0.01 * float(value == "True" or value.isdigit() and int(value))
             except ValueError:
                 pass
+        return score
+
+    def evaluate(self, source: str, suffix: str, label: str = "",
+                 rival: str | None = None) -> EvalResult:
+        self.calls.append(source)
+        knobs = {k.name: k.value for k in find_knobs(source)}
+        for name, value in self.fail_when.items():
+            if knobs.get(name) == value:
+                return EvalResult.failure(Verdict.INCORRECT, f"{name}={value} is wrong")
+        score = self.score(source)
         cfg = ConfigResult({"B": 1, "H": 1, "S": 64, "D": 64, "causal": False}, "float16",
                            Verdict.PASS, "", 0.0, 1e-3, ms=1.0 / score, baseline_ms=1.0,
                            baseline_name="baseline", tflops=score, baseline_tflops=score,
                            speedup=score)
-        return EvalResult(Verdict.PASS, "ok", score, (cfg,), device="fake")
+        if rival is None:
+            return EvalResult(Verdict.PASS, "ok", score, (cfg,), device="fake")
+        self.duels.append((source, rival))
+        return duel_result(score, self.score(rival), 0.002)
+
+
+def duel_result(score: float, rival_score: float, rel_noise: float) -> EvalResult:
+    """A duel's result for programs of these true speeds, measured within +-rel_noise."""
+    gain = score / rival_score
+    ci = (gain * (1 - rel_noise), gain * (1 + rel_noise))
+    cfg = ConfigResult({"B": 1, "H": 1, "S": 64, "D": 64, "causal": False}, "float16",
+                       Verdict.PASS, "", 0.0, 1e-3, ms=1.0 / score, baseline_ms=1.0,
+                       baseline_name="baseline", speedup=score, gain=gain, gain_ci=ci)
+    return EvalResult(Verdict.PASS, "ok", score, (cfg,), device="fake", rival="rival.py",
+                      rival_fitness=rival_score, gain=gain, gain_ci=ci,
+                      fitness_ci=(score * (1 - rel_noise), score * (1 + rel_noise)))
 
 
 TOY_SEED = """\

@@ -40,11 +40,12 @@ class TimedEvaluator(FakeEvaluator):
     pause_after: int = 0
     paused: threading.Event = dataclasses.field(default_factory=threading.Event)
 
-    def evaluate(self, source: str, suffix: str, label: str = "") -> EvalResult:
+    def evaluate(self, source: str, suffix: str, label: str = "",
+                 rival: str | None = None) -> EvalResult:
         if self.gate is not None and len(self.calls) >= self.pause_after:
             self.paused.set()
             self.gate.wait(60)
-        r = super().evaluate(source, suffix, label)
+        r = super().evaluate(source, suffix, label, rival)
         stages = {"scan": 0.01, "build": 0.2, "check": 0.5, "time": 1.5}
         if not r.correct:
             return dataclasses.replace(r, stage_s=stages, timing_device="cpu")

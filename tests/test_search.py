@@ -135,8 +135,9 @@ def test_incorrect_and_flagged_children_never_become_best(tmp_path: Path) -> Non
     class Cheated(FakeEvaluator):
         """SPLIT=True 'wins' with fitness 99 but an unresolved integrity flag."""
 
-        def evaluate(self, source: str, suffix: str, label: str = "") -> EvalResult:
-            r = super().evaluate(source, suffix, label)
+        def evaluate(self, source: str, suffix: str, label: str = "",
+                     rival: str | None = None) -> EvalResult:
+            r = super().evaluate(source, suffix, label, rival)
             if {k.name: k.value for k in find_knobs(source)}.get("SPLIT") == "True":
                 return dataclasses.replace(r, verdict=Verdict.IMPLAUSIBLE, fitness=99.0,
                                            flags=("implausible 99x",))
@@ -155,7 +156,8 @@ def test_incorrect_and_flagged_children_never_become_best(tmp_path: Path) -> Non
 
 def test_ctrl_c_stops_cleanly_and_keeps_committed_iterations(tmp_path: Path) -> None:
     class Interrupting(FakeEvaluator):
-        def evaluate(self, source: str, suffix: str, label: str = "") -> EvalResult:
+        def evaluate(self, source: str, suffix: str, label: str = "",
+                     rival: str | None = None) -> EvalResult:
             if len(self.calls) == 4:
                 raise KeyboardInterrupt
             return super().evaluate(source, suffix, label)

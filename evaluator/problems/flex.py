@@ -51,16 +51,36 @@ class FlexBaseline:
 
     def __call__(self, inputs: dict[str, Any], cfg: Config) -> Any:
         q, k, v = inputs["q"], inputs["k"], inputs["v"]
-        constant = tuple(t.data_ptr() for n, t in sorted(inputs.items())
-                         if n not in self._random and hasattr(t, "data_ptr"))
-        key = (json.dumps(cfg, sort_keys=True, default=str), str(q.device), str(q.dtype),
-               constant)
+        key = self._key(inputs, cfg)
         if key not in self._cache:
             self._cache[key] = self._prepare(inputs, cfg)
         block_mask, score_mod = self._cache[key]
         gqa = k.shape[1] != q.shape[1]
         return compiled_flex()(q, k, v, score_mod=score_mod, block_mask=block_mask,
                                scale=inputs.get("scale"), enable_gqa=gqa)
+
+    def bind(self, cfg: Config) -> Callable[[dict[str, Any]], Any]:
+        """Returns the baseline for one config as a user's model would call it: the BlockMask
+        and the compiled function looked up once (on the first call, untimed), then each call
+        goes straight to flex_attention with nothing computed per call."""
+        state: list[Any] = []
+        flex = compiled_flex()
+
+        def run(inputs: dict[str, Any]) -> Any:
+            if not state:
+                self(inputs, cfg)                       # builds and caches the BlockMask
+                state.extend(self._cache[self._key(inputs, cfg)])
+            q, k, v = inputs["q"], inputs["k"], inputs["v"]
+            return flex(q, k, v, score_mod=state[1], block_mask=state[0],
+                        scale=inputs.get("scale"), enable_gqa=k.shape[1] != q.shape[1])
+        return run
+
+    def _key(self, inputs: dict[str, Any], cfg: Config) -> tuple[Any, ...]:
+        q = inputs["q"]
+        constant = tuple(t.data_ptr() for n, t in sorted(inputs.items())
+                         if n not in self._random and hasattr(t, "data_ptr"))
+        return (json.dumps(cfg, sort_keys=True, default=str), str(q.device), str(q.dtype),
+                constant)
 
     def _prepare(self, inputs: dict[str, Any], cfg: Config) -> tuple[Any, Any]:
         from torch.nn.attention.flex_attention import create_block_mask

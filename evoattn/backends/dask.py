@@ -55,6 +55,7 @@ class _Candidate:
     source: str
     suffix: str
     label: str
+    rival: str | None = None           # a duel's rival program
     task: Any = None                   # the Dask future of the current try
     deaths: int = 0                    # tries whose worker died (the scheduler's count)
     workers: list[str] = dataclasses.field(default_factory=list)   # each try's, as it starts
@@ -120,10 +121,12 @@ class DaskPool:
             return None
         return int(sum(w.get("resources", {}).get("GPU", 0) for w in workers))
 
-    def submit(self, source: str, suffix: str, label: str) -> cf.Future[EvalResult]:
-        """Sends one candidate to the cluster; its result arrives on the returned future."""
+    def submit(self, source: str, suffix: str, label: str,
+               rival: str | None = None) -> cf.Future[EvalResult]:
+        """Sends one candidate (with a duel's rival) to the cluster; its result arrives on the
+        returned future."""
         fut: cf.Future[EvalResult] = cf.Future()
-        cand = _Candidate(fut, source, suffix, label)
+        cand = _Candidate(fut, source, suffix, label, rival)
         fut.add_done_callback(lambda f: self._forget(cand, f.cancelled()))
         self._send(cand)
         return fut
@@ -160,7 +163,7 @@ class DaskPool:
         try:
             task = self._client.submit(
                 evaluate_task, self._request.to_json(), list(self._secret_names), cand.source,
-                cand.suffix, cand.label, token, key=f"evoattn-{token}", pure=False,
+                cand.suffix, cand.label, token, cand.rival, key=f"evoattn-{token}", pure=False,
                 resources={"GPU": 1})
         except Exception as e:  # noqa: BLE001 - a client that lost its scheduler
             self._lost(cand, e)
@@ -241,7 +244,8 @@ _here: dict[str, Any] = {}             # this worker process's evaluator and its
 
 
 def evaluate_task(request_json: dict[str, Any], secret_names: list[str], source: str,
-                  suffix: str, label: str, token: str) -> dict[str, Any]:
+                  suffix: str, label: str, token: str, rival: str | None = None
+                  ) -> dict[str, Any]:
     """Evaluates one candidate on this Dask worker (a task); returns its EvalResult's JSON."""
     _announce(token)
     with _here_lock:
@@ -252,11 +256,11 @@ def evaluate_task(request_json: dict[str, Any], secret_names: list[str], source:
                                                     thread_name_prefix="evoattn-eval")
         thread = _here["thread"]
     return thread.submit(_evaluate_here, request_json, tuple(secret_names), source, suffix,
-                         label).result()
+                         label, rival).result()
 
 
 def _evaluate_here(request_json: dict[str, Any], secret_names: tuple[str, ...], source: str,
-                   suffix: str, label: str) -> dict[str, Any]:
+                   suffix: str, label: str, rival: str | None = None) -> dict[str, Any]:
     key = json.dumps([request_json, secret_names], sort_keys=True)
     if _here.get("key") != key:                  # a new run, or the calibrated deadline
         old = _here.pop("evaluator", None)
@@ -266,7 +270,7 @@ def _evaluate_here(request_json: dict[str, Any], secret_names: tuple[str, ...], 
                                   station_refresh_s=STATION_REFRESH_S)   # and its own station
         _here["evaluator"] = SubprocessEvaluator(EvalRequest.from_json(request_json), sandbox)
         _here["key"] = key
-    return _here["evaluator"].evaluate(source, suffix, label).to_json()
+    return _here["evaluator"].evaluate(source, suffix, label, rival).to_json()
 
 
 def _announce(token: str) -> None:

@@ -1,0 +1,131 @@
+"""How much a fitness moves when nothing changes: one program evaluated again and again.
+
+    python benchmarks/noise.py SEED.py --standalone 5 --in-run 5 --out noise.json [--config C]
+
+standalone  `evoattn eval SEED.py --json` in a fresh process each time
+in-run      the same program evaluated as a run's candidates are (a run's evaluation slot:
+            the station's baselines, the zygote), N times in one evaluator
+
+Prints, per config and timing mode, each way's speedups and their spread (max / min - 1),
+the geometric-mean fitness of each evaluation, and the in-run mean against the stand-alone
+mean. GPU only (on the CPU the figures are the interpreter's).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODES = ("call", "kernel", "graph")
+
+
+def standalone(seed: Path, n: int, extra: list[str]) -> list[dict]:
+    out = []
+    for i in range(n):
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "r.json"
+            subprocess.run([sys.executable, "-m", "evoattn.cli", "eval", str(seed), "--json",
+                            str(path), *extra], cwd=ROOT, check=False,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            if path.is_file():
+                out.append(json.loads(path.read_text()))
+        print(f"stand-alone {i + 1}/{n}: "
+              f"{out[-1]['fitness'] if out else 'failed'}", flush=True)
+    return out
+
+
+def in_run(seed: Path, n: int, config: str) -> list[dict]:
+    from evaluator import program
+    from evoattn import runner
+    from evoattn.pool import make_evaluator
+    with tempfile.TemporaryDirectory() as d:
+        plan = runner.plan_run(config, None, d, None, None, None, None)
+    pool = make_evaluator(plan.cfg, plan.request, ())
+    source = program.read(seed)
+    out = []
+    try:
+        first = pool.submit(source, seed.suffix, "seed").result()
+        pool.calibrate(first)
+        out.append(first.to_json())
+        for i in range(n - 1):
+            out.append(pool.submit(source, seed.suffix, f"again {i}").result().to_json())
+            print(f"in-run {i + 2}/{n}: {out[-1]['fitness']}", flush=True)
+    finally:
+        pool.close()
+    return out
+
+
+def speedups(result: dict, mode: str) -> dict[str, float]:
+    """Returns config label -> speedup in `mode` over the fitness baseline of the result."""
+    from evaluator.scoring import pick_baseline
+    from evaluator.types import Times
+    out = {}
+    for c in result["configs"]:
+        label = ",".join(str(c[k]) for k in ("B", "H", "S", "D")) + (" c" if c.get("causal") else "")
+        base = {n: Times.from_json(t) for n, t in (c.get("baseline_times") or {}).items()}
+        _, base_ms = pick_baseline(result.get("baseline", "best"), base, mode)
+        ms = c.get(f"{mode}_ms")
+        if base_ms and ms:
+            out[label] = base_ms / ms
+    return out
+
+
+def geomean(v: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in v) / len(v)) if v else 0.0
+
+
+def spread(v: list[float]) -> float:
+    return max(v) / min(v) - 1 if v else float("nan")
+
+
+def summarise(name: str, results: list[dict]) -> dict:
+    table: dict = {"evaluations": len(results), "modes": {}}
+    for mode in MODES:
+        per = [speedups(r, mode) for r in results]
+        labels = sorted(set().union(*per)) if per else []
+        rows = {lab: [p[lab] for p in per if lab in p] for lab in labels}
+        fits = [geomean(list(p.values())) for p in per if p]
+        table["modes"][mode] = {"fitness": fits, "fitness_spread": spread(fits),
+                                "configs": {lab: {"speedups": v, "spread": spread(v)}
+                                            for lab, v in rows.items()}}
+        worst = max(rows.items(), key=lambda kv: spread(kv[1])) if rows else ("-", [1])
+        print(f"{name:11} {mode:6} fitness {' '.join(f'{f:.4f}' for f in fits)}  spread "
+              f"{spread(fits):.2%}; worst config {worst[0]} {spread(worst[1]):.2%}")
+    return table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("seed")
+    ap.add_argument("--standalone", type=int, default=5)
+    ap.add_argument("--in-run", type=int, default=5)
+    ap.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    seed = Path(args.seed).resolve()
+    out = {}
+    if args.standalone:
+        out["standalone"] = summarise("stand-alone", standalone(seed, args.standalone, []))
+    if args.in_run:
+        out["in_run"] = summarise("in-run", in_run(seed, args.in_run, args.config))
+    if args.standalone and args.in_run:
+        for mode in MODES:
+            a = out["standalone"]["modes"][mode]["fitness"]
+            b = out["in_run"]["modes"][mode]["fitness"]
+            if a and b:
+                rel = (sum(b) / len(b)) / (sum(a) / len(a)) - 1
+                out.setdefault("in_run_vs_standalone", {})[mode] = rel
+                print(f"in-run mean vs stand-alone mean, {mode}: {rel:+.2%}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Checks the evaluator's timing protocol against harnesses it does not share code with.
+
+For each config of a problem (GPU only), in one process:
+  eager        a plain loop of back-to-back baseline calls on one input set, the host clock
+               around N calls and a device sync (what a user's layer loop pays per call)
+  eager_rot    the same over the evaluator's rotating input sets
+  do_bench     triton.testing.do_bench of one call (median; L2 flushed between calls)
+  evaluator    the evaluator's call mode for the same baseline (evaluator/timing.py)
+and the same again after the child's guards are installed (`--guards`), to show what the
+sandbox costs per call. Prints a table and writes JSON (--out).
+
+    python benchmarks/protocol_check.py --out protocol.json [--configs "1,8,512,64;..."]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def per_call_loop(fn, sets, calls: int, repeats: int, sync) -> float:
+    """Returns the median over `repeats` of (host time of `calls` back-to-back calls) / calls, µs."""
+    out = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        for i in range(calls):
+            fn(sets[i % len(sets)])
+        sync()
+        out.append((time.perf_counter() - t0) * 1e6 / calls)
+    return statistics.median(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--problem", default="sdpa")
+    ap.add_argument("--configs", default="")
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--stages", default="plain",
+                    help="comma list of process states to measure in, in order: plain, "
+                         "profiled (after one torch.profiler call, as the evaluator's policy "
+                         "check runs), guards (the child's sandbox guards installed)")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+
+    import torch
+    import triton.testing
+
+    from evaluator.problems import get_problem
+    from evaluator.request import EvalRequest
+    from evaluator.timing import GpuTimer, InputSets, Plan, set_bytes
+
+    problem = get_problem(args.problem)
+    configs = problem.parse_configs(args.configs) if args.configs else problem.default_configs
+    dtype = getattr(torch, args.dtype)
+    dev = torch.device("cuda")
+    timer = GpuTimer()
+    req = EvalRequest()
+    rng = random.Random(0)
+    rows = []
+
+    def measure(tag: str) -> None:
+        for cfg in configs:
+            gen = torch.Generator(device=dev)
+            gen.manual_seed(rng.getrandbits(62))
+            inputs = problem.make_inputs(cfg, dtype, dev, gen)
+            name, base = next(iter(problem.baselines().items()))
+            fn = lambda inp, f=base, c=cfg: f(inp, c)     # noqa: E731
+            fn(inputs)
+            sb = set_bytes(inputs, problem.random_inputs)
+            plan = Plan.for_device(True, req.resolved_warmup(), req.resolved_reps(), sb, "call")
+            sets = InputSets(inputs, problem.random_inputs, plan.sets,
+                             lambda inp: problem.refill(inp, gen))
+            for _ in range(10):
+                fn(inputs)
+            eager = per_call_loop(fn, [inputs], 100, 9, torch.cuda.synchronize)
+            rot = per_call_loop(fn, sets.sets, len(sets.sets) * 2, 9, torch.cuda.synchronize)
+            bench = triton.testing.do_bench(lambda: fn(inputs), warmup=25, rep=200,
+                                            return_mode="median") * 1e3
+            m = timer.measure({name: fn}, inputs, problem.random_inputs,
+                              lambda inp: problem.refill(inp, gen), plan, "", rng)
+            t = m.times[name]
+            row = {"tag": tag, "cfg": cfg, "label": problem.label(cfg), "eager_us": eager,
+                   "eager_rot_us": rot, "do_bench_us": bench,
+                   "evaluator_call_us": t.call_ms * 1e3, "evaluator_kernel_us": t.kernel_ms * 1e3,
+                   "evaluator_graph_us": (t.graph_ms or 0) * 1e3, "host_us": t.host_us,
+                   "sets": len(sets.sets)}
+            if hasattr(t, "call_ci"):
+                row["call_ci"] = t.call_ci
+            rows.append(row)
+            print(f"{tag:6} {row['label']:22} eager {eager:7.1f}  rot {rot:7.1f}  "
+                  f"do_bench {bench:7.1f}  evaluator call {row['evaluator_call_us']:7.1f} "
+                  f"({row['evaluator_call_us'] / eager - 1:+.1%})  kernel "
+                  f"{row['evaluator_kernel_us']:7.1f}  host {t.host_us:6.1f}", flush=True)
+            del sets, inputs
+            torch.cuda.empty_cache()
+
+    for stage in args.stages.split(","):
+        if stage == "profiled":
+            from evaluator.checking import library_kernels
+            x = torch.randn(64, 64, device=dev)
+            library_kernels(lambda: x @ x)
+        elif stage == "guards":
+            from evaluator import guards
+            v = guards.Violations()
+            guards.install_library_guard(v)
+            guards.install_sandbox(v, [tempfile.mkdtemp(), str(Path(args.out).parent)])
+        measure(stage)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                              "torch": torch.__version__, "rows": rows},
+                                             indent=1))
+
+
+if __name__ == "__main__":
+    main()

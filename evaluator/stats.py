@@ -1,0 +1,101 @@
+"""Noise as data: medians with bootstrap confidence intervals, ratios of medians, and the
+geometric mean of ratios with its interval.
+
+A timing is a distribution: each function is measured in rounds, interleaved with the
+functions it is compared with, and the median over rounds counts. Its interval is a
+percentile bootstrap of the median (95%). A ratio of two functions measured in the same
+rounds resamples the rounds jointly (paired: a slow round slows both, and cancels); a ratio of
+functions measured apart (another process) resamples each side alone. The bootstrap's own
+random numbers come from a fixed seed, so the same samples always give the same interval.
+"""
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from typing import Sequence
+
+CONFIDENCE = 0.95
+RESAMPLES = 300
+Z = 1.959963984540054              # the normal quantile of 97.5%
+Interval = tuple[float, float]
+
+
+def _quantiles(values: list[float]) -> Interval:
+    values.sort()
+    lo = values[int((1 - CONFIDENCE) / 2 * (len(values) - 1))]
+    hi = values[int(math.ceil((1 + CONFIDENCE) / 2 * (len(values) - 1)))]
+    return lo, hi
+
+
+def median_ci(samples: Sequence[float]) -> Interval | None:
+    """Returns the 95% bootstrap interval of the median (None for fewer than 2 samples)."""
+    if len(samples) < 2:
+        return None
+    rng = random.Random(len(samples))
+    n = len(samples)
+    meds = [statistics.median(rng.choices(samples, k=n)) for _ in range(RESAMPLES)]
+    return _quantiles(meds)
+
+
+def ratio(num: Sequence[float], den: Sequence[float], paired: bool) -> tuple[float, Interval | None]:
+    """Returns median(num) / median(den) and its 95% bootstrap interval.
+
+    Paired (both measured in the same interleaved rounds, same length): rounds are resampled
+    jointly; otherwise each side is resampled alone."""
+    point = statistics.median(num) / statistics.median(den)
+    if len(num) < 2 or len(den) < 2:
+        return point, None
+    rng = random.Random(len(num) * 1000 + len(den))
+    out = []
+    if paired and len(num) == len(den):
+        idx = range(len(num))
+        for _ in range(RESAMPLES):
+            pick = rng.choices(idx, k=len(num))
+            out.append(statistics.median([num[i] for i in pick]) /
+                       statistics.median([den[i] for i in pick]))
+    else:
+        for _ in range(RESAMPLES):
+            out.append(statistics.median(rng.choices(num, k=len(num))) /
+                       statistics.median(rng.choices(den, k=len(den))))
+    return point, _quantiles(out)
+
+
+def ratio_of_intervals(num: float, num_ci: Interval | None, den: float,
+                       den_ci: Interval | None) -> Interval | None:
+    """Returns an interval for num/den from each side's own interval, taken as independent
+    (their log half-widths add in quadrature); None if either is missing."""
+    if num_ci is None or den_ci is None or min(num, den, *num_ci, *den_ci) <= 0:
+        return None
+    se = math.hypot(_log_se(num, num_ci), _log_se(den, den_ci))
+    point = num / den
+    return point * math.exp(-Z * se), point * math.exp(Z * se)
+
+
+def _log_se(point: float, ci: Interval) -> float:
+    """The standard error in log space implied by an interval around `point`."""
+    return max(math.log(ci[1] / point), math.log(point / ci[0]), 0.0) / Z
+
+
+def geomean_ci(points: Sequence[float], cis: Sequence[Interval | None]) -> Interval | None:
+    """Returns an interval for the geometric mean of independent ratios, from theirs."""
+    if not points or any(c is None for c in cis) or min(points) <= 0:
+        return None
+    n = len(points)
+    g = math.exp(sum(math.log(p) for p in points) / n)
+    se = math.sqrt(sum(_log_se(p, c) ** 2 for p, c in zip(points, cis))) / n  # type: ignore[arg-type]
+    return g * math.exp(-Z * se), g * math.exp(Z * se)
+
+
+def rel_half_width(point: float, ci: Interval | None) -> float:
+    """Returns the larger relative distance from `point` to an end of its interval."""
+    if ci is None or point <= 0:
+        return math.inf
+    return max(ci[1] / point - 1, 1 - ci[0] / point)
+
+
+def plus_minus(point: float, ci: Interval | None) -> float | None:
+    """Returns the half-width of an interval in the point's units, for `0.94x ± 0.01`."""
+    if ci is None:
+        return None
+    return max(ci[1] - point, point - ci[0])

@@ -1,0 +1,231 @@
+"""Noise as data: intervals, adaptive rounds, the champion challenge, a busy GPU."""
+from __future__ import annotations
+
+import dataclasses
+import random
+import statistics
+from pathlib import Path
+
+import pytest
+
+from evaluator import stats
+from evaluator.timing import FLOOR, Plan, adapt
+from evaluator.types import EvalResult, Verdict
+from evoattn.config import RunConfig, config_to_dict
+from evoattn.mutators.knobs import KnobMutator, find_knobs
+from evoattn.search import Search, beats
+from evoattn.store import RunStore
+
+from fakes import TOY_SEED, FakeEvaluator, duel_result
+
+
+# ---- intervals -------------------------------------------------------------------------------
+def test_a_median_interval_holds_the_median_and_narrows_with_more_rounds() -> None:
+    rng = random.Random(1)
+    few = [1.0 + rng.gauss(0, 0.05) for _ in range(6)]
+    many = [1.0 + rng.gauss(0, 0.05) for _ in range(60)]
+    lo, hi = stats.median_ci(few)
+    assert lo <= statistics.median(few) <= hi
+    assert stats.rel_half_width(statistics.median(many), stats.median_ci(many)) < \
+        stats.rel_half_width(statistics.median(few), (lo, hi))
+    assert stats.median_ci([1.0]) is None
+
+
+def test_pairing_cancels_what_both_functions_see_in_a_round() -> None:
+    # Each round's host state slows both functions alike (x1..x1.5); the candidate is truly
+    # 10% faster. Paired, the ratio is known tightly; resampled apart, it is not.
+    rng = random.Random(2)
+    drift = [1.0 + 0.5 * rng.random() for _ in range(20)]
+    base = [2.0 * d for d in drift]
+    cand = [2.0 / 1.1 * d * (1 + rng.gauss(0, 0.002)) for d in drift]
+    point, paired = stats.ratio(base, cand, paired=True)
+    _, apart = stats.ratio(base, cand, paired=False)
+    assert point == pytest.approx(1.1, rel=0.01)
+    assert paired[0] > 1.09 and paired[1] < 1.11
+    assert stats.rel_half_width(point, apart) > 5 * stats.rel_half_width(point, paired)
+
+
+def test_the_geometric_mean_interval_comes_from_the_configs_intervals() -> None:
+    lo, hi = stats.geomean_ci([1.0, 1.0, 1.0, 1.0], [(0.98, 1.02)] * 4)
+    assert lo == pytest.approx(0.99, abs=0.002) and hi == pytest.approx(1.01, abs=0.002)
+    assert stats.geomean_ci([1.0, 2.0], [(0.9, 1.1), None]) is None
+
+
+# ---- adaptive rounds ----------------------------------------------------------------------------
+def _noisy_rounds(noise: float, seed: int = 3):  # noqa: ANN202
+    rng = random.Random(seed)
+
+    def one_round(r: int, order: list[str], samples: dict[str, list[float]]) -> None:
+        for name in order:
+            samples[name].append(1.0 * (1 + rng.gauss(0, noise)))
+    return one_round
+
+
+def test_quiet_timings_stop_at_the_floor_and_noisy_ones_at_the_cap() -> None:
+    plan = Plan(warmup=1, reps=40, rounds=40, graph_rounds=40, sets=8, graph=True, mode="call")
+    quiet = adapt("call", ["candidate", "baseline:sdpa"], plan, None, _noisy_rounds(0.0005))
+    noisy = adapt("call", ["candidate", "baseline:sdpa"], plan, None, _noisy_rounds(0.2))
+    assert len(quiet["candidate"]) == FLOOR["call"]
+    assert len(noisy["candidate"]) == 40
+
+
+def test_rounds_stop_once_the_ratio_is_known_within_the_width() -> None:
+    from evaluator.scoring import converged_rule
+    plan = Plan(warmup=1, reps=60, rounds=60, graph_rounds=60, sets=8, graph=True, mode="call")
+    rule = converged_rule("best", 0.01, False, "call")
+    got = adapt("call", ["candidate", "baseline:sdpa"], plan, rule, _noisy_rounds(0.01))
+    n = len(got["candidate"])
+    assert FLOOR["call"] < n < 60
+    point, ci = stats.ratio(got["baseline:sdpa"], got["candidate"], paired=True)
+    assert stats.rel_half_width(point, ci) <= 0.01
+    shorter = {k: v[:-1] for k, v in got.items()}   # one round fewer was not yet enough
+    assert not rule("call", shorter)
+
+
+def test_other_modes_get_a_fixed_few_rounds() -> None:
+    plan = Plan(warmup=1, reps=40, rounds=40, graph_rounds=40, sets=8, graph=True, mode="call")
+    got = adapt("kernel", ["candidate"], plan, None, _noisy_rounds(0.3))
+    assert len(got["candidate"]) == plan.bounds("kernel")[0] == plan.bounds("kernel")[1]
+
+
+def test_a_call_batch_lasts_long_enough_and_fits_in_memory() -> None:
+    plan = Plan.for_device(True, 10, 50, set_bytes=50 * 2 ** 20)
+    assert plan.call_sets(0.05) == 40                  # 2 ms of 50 µs calls
+    assert plan.call_sets(5.0) == 8                    # at least 8 distinct sets
+    big = Plan.for_device(True, 10, 50, set_bytes=3 * 2 ** 30)
+    assert big.call_sets(0.01) == 2                    # 4 GB allows two
+
+
+# ---- the champion challenge ---------------------------------------------------------------------
+@dataclasses.dataclass
+class _NoisyEvaluator(FakeEvaluator):
+    """True speeds from the knobs; a stand-alone evaluation of `lucky` reads 30% fast (one
+    lucky measurement); duels measure the truth within 0.5%."""
+
+    lucky: str = ""
+
+    def evaluate(self, source: str, suffix: str, label: str = "",
+                 rival: str | None = None) -> EvalResult:
+        r = super().evaluate(source, suffix, label, rival)
+        if rival is None and self.lucky and self.lucky in source:
+            return dataclasses.replace(r, fitness=r.fitness * 1.3)
+        return r
+
+
+def _search(tmp: Path, ev: FakeEvaluator, iterations: int) -> tuple[Search, object]:
+    cfg = RunConfig(iterations=iterations, random_seed=5)
+    store = RunStore.open(tmp, config_to_dict(cfg), create=True)
+    s = Search(cfg, store, ev, [(KnobMutator(0.0), 1.0)], TOY_SEED, ".py")
+    try:
+        out = s.run()
+    finally:
+        store.close()
+    return s, out
+
+
+def test_a_lucky_measurement_does_not_make_a_champion(tmp_path: Path) -> None:
+    # Every child differs from the seed in some knob; the seed's speed comes from BLOCK_M=64,
+    # BLOCK_N=32, STAGES=2, so a child that only changes SPLIT to False... is the seed.
+    # Children that read lucky here are as fast as the seed in truth.
+    ev = _NoisyEvaluator(lucky="STAGES = 2")
+    s, out = _search(tmp_path, ev, 12)
+    lucky = [p for p in s.programs.values() if p.id != out.seed.id and "STAGES = 2" in p.source
+             and ev.score(p.source) <= ev.score(out.seed.source)]
+    assert lucky, "the run should have met a lucky, not faster, child"
+    assert ev.duels, "a child reading above the best must be re-measured head to head"
+    for p in lucky:
+        assert out.best.id != p.id
+    # what is stored for a challenger is its re-measured fitness, not the lucky one
+    for source, _rival in ev.duels:
+        stored = next(p for p in s.programs.values() if p.source == source)
+        assert stored.fitness == pytest.approx(ev.score(source))
+
+
+def test_a_truly_faster_child_is_crowned_after_its_duel(tmp_path: Path) -> None:
+    ev = FakeEvaluator()
+    s, out = _search(tmp_path, ev, 25)
+    assert out.best.id != out.seed.id
+    assert ev.score(out.best.source) > ev.score(out.seed.source)
+    assert any(src == out.best.source for src, _ in ev.duels)
+    assert out.best.result.gain_ci[0] > 1.0
+    with RunStore.open_readonly(tmp_path) as st:
+        assert st.load_state()["population"]["champion"] == out.best.id
+
+
+def test_a_duel_within_noise_is_not_a_win() -> None:
+    assert not beats(duel_result(1.004, 1.0, 0.01))        # 1.004 [0.994, 1.014]
+    assert beats(duel_result(1.05, 1.0, 0.01))
+    assert not beats(dataclasses.replace(duel_result(1.05, 1.0, 0.01),
+                                         verdict=Verdict.EVALUATOR_FAULT))
+
+
+def test_the_end_of_run_summary_says_when_there_is_no_gain_beyond_noise() -> None:
+    from evoattn.runner import side_by_side_lines
+    same = side_by_side_lines(duel_result(1.002, 1.0, 0.01), "seed1", "best1")
+    assert any("no gain beyond noise" in line for line in same)
+    assert any("seed 1.0000 -> best 1.0020" in line for line in same)
+    faster = side_by_side_lines(duel_result(1.1, 1.0, 0.01), "seed1", "best1")
+    assert any("the best is faster" in line for line in faster)
+
+
+# ---- a busy GPU --------------------------------------------------------------------------------
+class _BusyTimer:
+    """Reports event times that the host clock contradicts: for the candidate only (hidden
+    work), or for every function (another process keeps the GPU busy)."""
+
+    def __init__(self, everyone: bool) -> None:
+        self.everyone = everyone
+        self.measures = 0
+
+    def measure(self, fns, inputs, random_names, refill, plan, keep, rng, converged=None):  # noqa: ANN001
+        from evaluator.timing import Measurement
+        from evaluator.types import Times
+        self.measures += 1
+        slow = {n for n in fns if self.everyone or n == "candidate"}
+        times = {n: Times(kernel_ms=1.0, call_ms=1.0, host_us=10.0) for n in fns}
+        return Measurement(times, [], {n: None for n in fns},
+                           {n: (3.0 if n in slow else 1.0) for n in fns},
+                           {n: 0.01 for n in fns})
+
+
+def _time_on(timer: _BusyTimer):  # noqa: ANN202
+    import torch
+
+    from evaluator import measure
+    from evaluator.cases import prepare_case
+    from evaluator.checking import Fail
+    from evaluator.measure import TimingContext, time_case
+    from evaluator.problems import get_problem
+    from evaluator.request import EvalRequest
+    from evaluator.types import ConfigResult
+
+    problem = get_problem("sdpa")
+    cfg = dict(problem.cpu_configs[0])
+    rng = random.Random(7)
+    case = prepare_case(problem, cfg, False, torch.float16, torch.device("cpu"), rng, 1,
+                        problem.tolerance)
+    ctx = TimingContext(problem, EvalRequest(device="cuda"), timer, problem.tolerance, "float16",
+                        None, None, problem.baselines(), {})
+    checked = ConfigResult(cfg, "float16", Verdict.PASS)
+    old = measure.CONTENTION_PAUSE_S
+    measure.CONTENTION_PAUSE_S = 0.0
+    try:
+        time_case(ctx, case, lambda inp, c: problem.baseline(inp, c), rng, checked, [])
+    except Fail as f:
+        return f
+    finally:
+        measure.CONTENTION_PAUSE_S = old
+    return None
+
+
+def test_a_busy_gpu_is_an_evaluator_condition_not_a_verdict() -> None:
+    timer = _BusyTimer(everyone=True)
+    fail = _time_on(timer)
+    assert fail is not None and fail.verdict is Verdict.EVALUATOR_FAULT
+    assert "busy with other work" in fail.reason and "sdpa" in fail.reason
+    assert timer.measures == 3                    # measured again before giving up
+
+
+def test_hidden_work_the_baseline_does_not_show_is_still_caught() -> None:
+    fail = _time_on(_BusyTimer(everyone=False))
+    assert fail is not None and fail.verdict is Verdict.HIDDEN_WORK
