@@ -425,6 +425,7 @@ class GpuTimer(_Timer):
                 samples[name].append(replay(name))
         samples = adapt("graph", list(graphs), plan, converged, one_round) if graphs else {}
         if keep in graphs:
+            replay(keep)            # last, so that its outputs belong to the inputs now in place
             kept.append(Kept(f"timed call {len(calls)} of {len(calls)} in a CUDA graph replay",
                              graphs[keep][1][-1].clone(), snapshot(calls[-1]),
                              last_of_batch=True))
