@@ -82,13 +82,16 @@ def main() -> None:
                 fn(inputs)
             eager = per_call_loop(fn, [inputs], 100, 9, torch.cuda.synchronize)
             rot = per_call_loop(fn, sets.sets, len(sets.sets) * 2, 9, torch.cuda.synchronize)
+            burst = per_call_loop(fn, sets.sets[:8], 8, 15, torch.cuda.synchronize)
+            long = per_call_loop(fn, [inputs], 400, 3, torch.cuda.synchronize)
             bench = triton.testing.do_bench(lambda: fn(inputs), warmup=25, rep=200,
                                             return_mode="median") * 1e3
             m = timer.measure({name: fn}, inputs, problem.random_inputs,
                               lambda inp: problem.refill(inp, gen), plan, "", rng)
             t = m.times[name]
             row = {"tag": tag, "cfg": cfg, "label": problem.label(cfg), "eager_us": eager,
-                   "eager_rot_us": rot, "do_bench_us": bench,
+                   "eager_rot_us": rot, "burst8_us": burst, "eager400_us": long,
+                   "do_bench_us": bench,
                    "evaluator_call_us": t.call_ms * 1e3, "evaluator_kernel_us": t.kernel_ms * 1e3,
                    "evaluator_graph_us": (t.graph_ms or 0) * 1e3, "host_us": t.host_us,
                    "sets": len(sets.sets)}
@@ -96,6 +99,7 @@ def main() -> None:
                 row["call_ci"] = t.call_ci
             rows.append(row)
             print(f"{tag:6} {row['label']:22} eager {eager:7.1f}  rot {rot:7.1f}  "
+                  f"burst8 {burst:7.1f}  eager400 {long:7.1f}  "
                   f"do_bench {bench:7.1f}  evaluator call {row['evaluator_call_us']:7.1f} "
                   f"({row['evaluator_call_us'] / eager - 1:+.1%})  kernel "
                   f"{row['evaluator_kernel_us']:7.1f}  host {t.host_us:6.1f}", flush=True)
