@@ -90,7 +90,10 @@ class EvaluatorConfig:
     # least run_floor_s and at most run_timeout_s: a hang costs seconds, not minutes.
     run_factor: float = 10.0
     run_floor_s: float = 60.0
-    station: bool = True               # time the baselines in each slot's warm process
+    # True: a warm process per slot times the baselines once for all candidates (faster, but
+    # apart from the candidate: host-bound configs then swing by tens of % between
+    # evaluations). False: each candidate's baselines in its own interleaved rounds.
+    station: bool = False
     baseline_refresh_s: float = 60.0   # ... again between candidates once this old
     backend: str = "local"             # "local" (this machine's GPUs) or "dask"
     scheduler_address: str | None = None   # the Dask scheduler, e.g. tcp://host:8786
