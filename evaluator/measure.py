@@ -66,10 +66,12 @@ def time_case(ctx: TimingContext, case: Case, run: Callable[..., Any], rng: rand
     plan = Plan.for_device(req.on_gpu, req.resolved_warmup(), req.resolved_reps(),
                            set_bytes(inputs, problem.random_inputs), req.timing)
     refill = lambda inp: problem.refill(inp, case.gen)     # noqa: E731
+    # The default refill is elementwise (normal_): it can fill every input set in one launch.
+    refill_all = refill if type(problem).refill is Problem.refill else None
     converged = scoring.converged_rule(req.baseline, plan.width, given, req.timing)
     for attempt in range(CONTENTION_TRIES):
         m = ctx.timer.measure(fns, inputs, problem.random_inputs, refill, plan, "candidate",
-                              rng, converged)
+                              rng, converged, refill_all=refill_all)
         _recheck(problem, case, m.kept, ctx.tol)
         suspect = _hidden(m, "candidate") if req.on_gpu else None
         if suspect is None:

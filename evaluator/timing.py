@@ -54,6 +54,7 @@ CALL_MAX_BYTES = 4 * 2 ** 30       # ... filling at most this, whatever the set'
 HOST_CALLS = 20                    # calls measured for host_us
 WIDTH = 0.01                       # target relative half-width of the fitness ratio's interval
 FLOOR = {"kernel": 10, "call": 5, "graph": 5}     # the fitness mode's rounds: at least these
+CAP = 30                                          # ... and at most these
 OTHER = {"kernel": 5, "call": 3, "graph": 3}      # the other modes' rounds
 
 Fn = Callable[[dict[str, Any]], Any]
@@ -100,7 +101,7 @@ class Plan:
         if not on_gpu:
             return cls(warmup, reps, rounds=2, graph_rounds=0, sets=2, graph=False, mode=mode)
         sets = max(2, min(CALL_SETS[1], CALL_MAX_BYTES // max(set_bytes, 1)))
-        cap = max(reps, max(FLOOR.values()))
+        cap = max(min(reps, CAP), max(FLOOR.values()))
         return cls(warmup, cap, cap, cap, sets, graph=True, mode=mode)
 
     def bounds(self, mode: str) -> tuple[int, int]:
@@ -159,15 +160,35 @@ class Measurement:
 
 
 class InputSets:
-    """Distinct copies of a config's inputs (fresh values, own addresses) for back-to-back calls."""
+    """Distinct copies of a config's inputs (fresh values, own addresses) for back-to-back calls.
+
+    With `refill_all` (a refill that fills any tensor elementwise, as the problems' default
+    does), each random input of every set is a slice of one buffer of `count` sets, filled
+    by one launch per input: refilling 256 sets one tensor at a time took milliseconds of
+    launches per batch."""
 
     def __init__(self, base: dict[str, Any], random_names: tuple[str, ...], count: int,
-                 refill: Callable[[dict[str, Any]], None]) -> None:
-        self.sets = [{k: (v.clone() if k in random_names else v) for k, v in base.items()}
-                     for _ in range(count)]
+                 refill: Callable[[dict[str, Any]], None],
+                 refill_all: Callable[[dict[str, Any]], None] | None = None) -> None:
         self._refill = refill
+        self._bulk: dict[str, Any] = {}
+        if refill_all is not None and all(
+                getattr(base.get(n), "is_contiguous", lambda: False)() for n in random_names):
+            import torch
+            self._bulk = {n: torch.empty((count, *base[n].shape), dtype=base[n].dtype,
+                                         device=base[n].device) for n in random_names}
+            self._refill_all = refill_all
+            self.sets = [{k: (self._bulk[k][i] if k in self._bulk else v)
+                          for k, v in base.items()} for i in range(count)]
+            refill_all(self._bulk)
+        else:
+            self.sets = [{k: (v.clone() if k in random_names else v) for k, v in base.items()}
+                         for _ in range(count)]
 
     def refill(self) -> None:
+        if self._bulk:
+            self._refill_all(self._bulk)
+            return
         for s in self.sets:
             self._refill(s)
 
@@ -251,14 +272,15 @@ class GpuTimer(_Timer):
 
     def measure(self, fns: dict[str, Fn], inputs: dict[str, Any], random_names: tuple[str, ...],
                 refill: Callable[[dict[str, Any]], None], plan: Plan, keep: str,
-                rng: random.Random, converged: Converged | None = None) -> Measurement:
+                rng: random.Random, converged: Converged | None = None,
+                refill_all: Callable[[dict[str, Any]], None] | None = None) -> Measurement:
         """Times every function in every mode; keeps some of `keep`'s outputs for re-checks."""
         kernel_s, kept = self._kernel_mode(fns, inputs, refill, plan, keep, rng, converged)
         kernel = {n: statistics.median(v) for n, v in kernel_s.items()}
         host_launch = self.cross_check(fns, inputs, refill, kernel)
         mem = {n: self._peak_mem(fn, inputs) for n, fn in fns.items()}
         per_call = min(max(kernel[n], *host_launch[n]) for n in fns)
-        sets = InputSets(inputs, random_names, plan.call_sets(per_call), refill)
+        sets = InputSets(inputs, random_names, plan.call_sets(per_call), refill, refill_all)
         call_s = self._call_mode(fns, sets, plan, keep, rng, kept, converged)
         call = {n: statistics.median(v) for n, v in call_s.items()}
         host = {n: self._host_us(fn, inputs, call[n]) for n, fn in fns.items()}
@@ -458,7 +480,8 @@ class CpuTimer(_Timer):
 
     def measure(self, fns: dict[str, Fn], inputs: dict[str, Any], random_names: tuple[str, ...],
                 refill: Callable[[dict[str, Any]], None], plan: Plan, keep: str,
-                rng: random.Random, converged: Converged | None = None) -> Measurement:
+                rng: random.Random, converged: Converged | None = None,
+                refill_all: Callable[[dict[str, Any]], None] | None = None) -> Measurement:
         torch = self.torch
         for _ in range(plan.warmup):
             for fn in fns.values():

@@ -328,8 +328,11 @@ class Search:
         uncertainty (the gain's 95% interval lies above 1). Returns the result to store (the
         re-measured one), whether it won, and a note."""
         champ = pop.best()
-        if champ is None or not result.correct or result.fitness <= champ.fitness or \
-                champ.id == pid:
+        # "Reads above" means beyond its own noise: the lower end of its fitness interval
+        # (the point where it has none), so that a child as fast as the best, which reads
+        # above it half the time, does not cost a duel every other iteration.
+        floor = result.fitness_ci[0] if result.fitness_ci else result.fitness
+        if champ is None or not result.correct or floor <= champ.fitness or champ.id == pid:
             return result, False, ""
         duel = self.evaluator.submit(source, self.suffix, f"{pid} vs {champ.id}",
                                      rival=champ.source).result()
