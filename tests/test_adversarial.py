@@ -243,7 +243,7 @@ class _FakeTimer:
         self.ms = {"candidate": candidate_ms, "baseline": baseline_ms}
         self.kept_out = kept_out            # a timed output to hand back for re-checking
 
-    def measure(self, fns, inputs, random_names, refill, plan, keep, rng):  # noqa: ANN001
+    def measure(self, fns, inputs, random_names, refill, plan, keep, rng, *_, **__):  # noqa: ANN001, ANN002, ANN003
         from evaluator.timing import Kept, Measurement
         from evaluator.types import Times
         names = list(fns)

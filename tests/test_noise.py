@@ -177,7 +177,7 @@ class _BusyTimer:
         self.everyone = everyone
         self.measures = 0
 
-    def measure(self, fns, inputs, random_names, refill, plan, keep, rng, converged=None):  # noqa: ANN001
+    def measure(self, fns, inputs, random_names, refill, plan, keep, rng, *_, **__):  # noqa: ANN001, ANN002, ANN003
         from evaluator.timing import Measurement
         from evaluator.types import Times
         self.measures += 1
