@@ -14,7 +14,8 @@ from typing import Any
 TIMING_MODES = ("call", "kernel", "graph")
 POLICIES = ("kernel-only", "allow-library")
 DTYPES = ("float16", "bfloat16", "float32")
-GPU_REPS, GPU_WARMUP = 50, 10      # timed repetitions and untimed calls per config on a GPU
+GPU_REPS, GPU_WARMUP = 30, 10      # the most rounds of the fitness mode (evaluator/timing.py)
+                                   # and untimed calls per config, on a GPU
 CPU_REPS, CPU_WARMUP = 3, 1        # on the CPU (Triton's interpreter is slow): at most these
 
 

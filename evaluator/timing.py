@@ -54,7 +54,6 @@ CALL_MAX_BYTES = 4 * 2 ** 30       # ... filling at most this, whatever the set'
 HOST_CALLS = 20                    # calls measured for host_us
 WIDTH = 0.01                       # target relative half-width of the fitness ratio's interval
 FLOOR = {"kernel": 10, "call": 5, "graph": 5}     # the fitness mode's rounds: at least these
-CAP = 30                                          # ... and at most these
 OTHER = {"kernel": 5, "call": 3, "graph": 3}      # the other modes' rounds
 
 Fn = Callable[[dict[str, Any]], Any]
@@ -101,7 +100,7 @@ class Plan:
         if not on_gpu:
             return cls(warmup, reps, rounds=2, graph_rounds=0, sets=2, graph=False, mode=mode)
         sets = max(2, min(CALL_SETS[1], CALL_MAX_BYTES // max(set_bytes, 1)))
-        cap = max(min(reps, CAP), max(FLOOR.values()))
+        cap = max(reps, max(FLOOR.values()))
         return cls(warmup, cap, cap, cap, sets, graph=True, mode=mode)
 
     def bounds(self, mode: str) -> tuple[int, int]:
