@@ -35,6 +35,15 @@ class EventLog:
         self._f.close()
 
 
+def _fitness(program: Any) -> str:
+    """Returns '0.9420 ± 0.0040' (the 95% interval's half-width), or the fitness alone."""
+    if program is None:
+        return "-"
+    ci = program.result.fitness_ci if program.result else None
+    half = max(ci[1] - program.fitness, program.fitness - ci[0]) if ci else None
+    return f"{program.fitness:.4f}" + (f" ± {half:.4f}" if half is not None else "")
+
+
 def render(p: Progress, device: str) -> Group:
     """Returns the live view: the headline numbers and the best's per-config speedups."""
     head = Table.grid(padding=(0, 2))
@@ -43,7 +52,7 @@ def render(p: Progress, device: str) -> Group:
     head.add_row("iteration", f"{p.iteration}/{p.iterations}", "elapsed", f"{p.elapsed_s:.0f} s",
                  "candidates/min", f"{rate:.1f} ({'GPU' if device == 'cuda' else 'evaluator'} "
                  f"busy {100 * p.gpu_busy:.0f}%)")
-    head.add_row("best fitness", f"{best.fitness:.4f}" if best else "-", "seed fitness",
+    head.add_row("best fitness", _fitness(best), "seed fitness",
                  f"{p.seed_fitness:.4f}", "best id", best.id if best else "-")
     verdicts = ", ".join(f"{k} {v}" for k, v in sorted(p.counts.items()))
     head.add_row("verdicts", verdicts or "-", "flagged", str(p.flags),
@@ -97,7 +106,7 @@ class LiveView:
         if self.live is not None:
             self.live.update(render(p, self.device))
         else:
-            best = f"{p.best.fitness:.4f}" if p.best else "-"
+            best = _fitness(p.best)
             self.console.print(f"[{p.iteration}/{p.iterations}] best {best} | "
                                f"flagged {p.flags}{llm_line(p.llm)} | {p.last_note[:120]}",
                                soft_wrap=True, markup=False)
