@@ -151,6 +151,24 @@ def test_float32_problem_computed_in_bfloat16_is_incorrect(cache_dir: str) -> No
     assert result.configs[0].dtype == "float32"
 
 
+def test_slowing_down_the_rival_in_a_duel_is_tampering(cpu_eval: SubprocessEvaluator) -> None:
+    rival = read(ADV / "honest_torch.py")
+    result = cpu_eval.evaluate(read(ADV / "sabotage_rival.py"), ".py", "sabotage_rival.py",
+                               rival=rival)
+    assert_verdict(result, Verdict.TAMPERING, r"evoattn_candidate_\d+\.attention")
+
+
+def test_an_honest_duel_reports_both_programs_and_the_gain(cpu_eval: SubprocessEvaluator) -> None:
+    result = cpu_eval.evaluate(read(ADV / "honest_torch.py"), ".py", "honest_torch.py",
+                               rival=read(SEEDS / "naive_torch.py"))
+    assert result.verdict is Verdict.PASS, result.reason
+    assert result.rival and result.rival_fitness and result.gain and result.gain_ci
+    assert result.fitness_ci and result.fitness_ci[0] <= result.fitness <= result.fitness_ci[1]
+    for c in result.configs:
+        assert c.rival_times is not None and c.rival_times.call_ms
+        assert c.speedup_ci and c.gain == pytest.approx(c.rival_times.call_ms / c.times.call_ms)
+
+
 def test_replacing_clocks_sync_and_checks_is_tampering(cpu_eval: SubprocessEvaluator) -> None:
     result = evaluate(cpu_eval, ADV / "tamper_harness.py")
     assert_verdict(result, Verdict.TAMPERING, r"replaced harness functions")
