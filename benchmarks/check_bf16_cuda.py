@@ -120,14 +120,25 @@ def label(cfg: dict[str, Any]) -> str:
     return f"({cfg['B']},{cfg['H']},{cfg['S']},{cfg['D']}){' causal' if cfg['causal'] else ''}"
 
 
-def check(impls: dict[str, Run], seeds: set[str], trials: int, hopper: bool) -> list[dict]:
-    """Every case in both dtypes for every implementation; one row per (impl, case, dtype)."""
-    import torch
+def all_cases() -> list[tuple[dict[str, Any], bool]]:
+    """(config, correctness-only?) for the default configs, the domain shapes and EXTRA."""
     problem = get_problem("sdpa")
-    device = torch.device("cuda")
-    cfgs = [(c, False) for c in problem.default_configs] + \
+    return [(c, False) for c in problem.default_configs] + \
            [(c, True) for c in problem.domain_configs] + \
            [({"B": b, "H": h, "S": s, "D": d, "causal": c}, True) for b, h, s, d, c in EXTRA]
+
+
+def check(impls: dict[str, Run], seeds: set[str], trials: int, hopper: bool,
+          cfgs: list[tuple[dict[str, Any], bool]], device: Any = "cuda",
+          route: Callable[[Run, dict[str, Any], dict[str, Any]], tuple[str, Any]] = route_of
+          ) -> list[dict]:
+    """Every case in both dtypes for every implementation; one row per (impl, case, dtype).
+    A row passes when the error is within the bound, the route is a tensor-core one for the
+    `seeds` on Hopper, and a bfloat16 row took its float16 twin's route."""
+    import torch
+    problem = get_problem("sdpa")
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = []
     for n, (cfg, domain) in enumerate(cfgs):
         for dname in DTYPES:
@@ -142,10 +153,10 @@ def check(impls: dict[str, Run], seeds: set[str], trials: int, hopper: bool) -> 
                     worst = 0.0
                     for t, trial in enumerate(case.trials):
                         if t == 0:
-                            row["route"], out = route_of(run, trial.inputs, cfg)
+                            row["route"], out = route(run, trial.inputs, cfg)
                         else:
                             out = run(trial.inputs, cfg)
-                        torch.cuda.synchronize()
+                        sync()
                         if out.dtype != trial.inputs["q"].dtype or out.shape != trial.ref.shape:
                             raise RuntimeError(f"output {out.dtype} {tuple(out.shape)}")
                         worst = max(worst, checks.max_abs_err(out, trial.ref))
@@ -161,7 +172,8 @@ def check(impls: dict[str, Run], seeds: set[str], trials: int, hopper: bool) -> 
                     row.update(ok=False, why=f"16-bit call on Hopper took {row['route']}")
                 rows.append(row)
             del case
-            torch.cuda.empty_cache()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     # bfloat16 goes where float16 goes
     twin = {(r["impl"], label(r["cfg"])): r["route"] for r in rows if r["dtype"] == "float16"}
     for r in rows:
@@ -239,7 +251,7 @@ def main() -> int:
         except (LoadFailure, ValueError, program.ProgramError) as e:
             print(f"check_bf16_cuda: {e}\n{getattr(e, 'log', '')[-3000:]}", file=sys.stderr)
             return 2
-        rows = check(impls, set(impls) - {Path(a.program).name}, a.trials, hopper)
+        rows = check(impls, set(impls) - {Path(a.program).name}, a.trials, hopper, all_cases())
         times = [] if a.no_timing else time_all(impls)
     failed = [r for r in rows if not r["ok"]]
     print("ALL PASS" if not failed else f"{len(failed)} FAILED")
