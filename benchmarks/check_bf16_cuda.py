@@ -2,7 +2,7 @@
 """float16 and bfloat16 on the CUDA paths of the default sdpa program (GPU only; wgmma: Hopper).
 
     PYTHONPATH=$PWD python benchmarks/check_bf16_cuda.py [PROGRAM] [--set KNOB=VALUE ...]
-        [--cu SEED.cu ...] [--trials N] [--no-timing] [--json FILE]
+        [--cu SEED.cu ...] [--trials N] [--no-timing] [--no-routes] [--json FILE]
 
 For trusted files only (the seeds): builds, as the evaluator does (evaluator/loader.py and
 evaluator/build.py: the same nvcc flags, arch and companion conditions), the CUDA companions of
@@ -46,7 +46,7 @@ from evaluator.loader import LoadFailure, build_companions, companion_headers  #
 from evaluator.problems import get_problem  # noqa: E402
 from evoattn.mutators.knobs import parse_settings  # noqa: E402
 
-DTYPES = ("float16", "bfloat16")
+DTYPES = ("float16", "bfloat16")          # float16 first: its route is the one to match
 # Odd lengths beyond the problem's own domain shapes: S = 1, a partial last tile, lengths
 # past TMA_STORE_MAX_S's default (the st.global epilogue), more work items than SMs (the
 # persistent schedule), and a long odd causal S.
@@ -109,11 +109,16 @@ def route_of(run: Run, inputs: dict[str, Any], cfg: dict[str, Any]) -> tuple[str
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         out = run(inputs, cfg)
         torch.cuda.synchronize()
-    names = [e.key for e in prof.key_averages()]
+    names = [e.key for e in prof.key_averages() if e.device_type.name == "CUDA"]
     for fragment, route in ROUTES:
         if any(fragment in n for n in names):
             return route, out
     return ("other:" + names[0][:40]) if names else "none", out
+
+
+def no_route(run: Run, inputs: dict[str, Any], cfg: dict[str, Any]) -> tuple[str, Any]:
+    """--no-routes: the call without the profiler; every route reads "-" and is not checked."""
+    return "-", run(inputs, cfg)
 
 
 def label(cfg: dict[str, Any]) -> str:
@@ -140,6 +145,7 @@ def check(impls: dict[str, Run], seeds: set[str], trials: int, hopper: bool,
     device = torch.device(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = []
+    routes: dict[tuple[str, str], str] = {}     # (impl, case) -> the float16 call's route
     for n, (cfg, domain) in enumerate(cfgs):
         for dname in DTYPES:
             # the same secret-free seed per (config, dtype) for every implementation
@@ -167,23 +173,21 @@ def check(impls: dict[str, Run], seeds: set[str], trials: int, hopper: bool,
                 except Exception as e:  # noqa: BLE001 - reported as a failed check
                     row.update(err=float("inf"), ok=False, why=f"{type(e).__name__}: {e}"[:200])
                     row.setdefault("route", "?")
-                if (row["ok"] and name in seeds and hopper
-                        and row["route"] not in TENSOR_CORE):
+                if row["ok"] and row["route"] == "none":
+                    row.update(ok=False, why="the profiler saw no kernel (rerun with --no-routes)")
+                elif (row["ok"] and name in seeds and hopper
+                        and row["route"] not in TENSOR_CORE | {"-"}):
                     row.update(ok=False, why=f"16-bit call on Hopper took {row['route']}")
+                twin = routes.setdefault((name, label(cfg)), row["route"])   # float16's, first
+                if row["ok"] and row["route"] != twin:                        # bf16 goes there too
+                    row.update(ok=False, why=f"route {row['route']}, float16 took {twin}")
                 rows.append(row)
+                print(f"{'PASS' if row['ok'] else 'FAIL'}  {name:<18} {label(cfg):<26} {dname:<8} "
+                      f"{row['route']:<10} err {row['err']:.2e} bound {row['bound']:.2e}"
+                      f"{'  ' + row['why'] if row['why'] else ''}", flush=True)
             del case
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    # bfloat16 goes where float16 goes
-    twin = {(r["impl"], label(r["cfg"])): r["route"] for r in rows if r["dtype"] == "float16"}
-    for r in rows:
-        if r["dtype"] == "bfloat16" and r["ok"] and r["route"] != twin[(r["impl"], label(r["cfg"]))]:
-            r.update(ok=False, why=f"route {r['route']}, float16 took "
-                                   f"{twin[(r['impl'], label(r['cfg']))]}")
-    for r in rows:
-        print(f"{'PASS' if r['ok'] else 'FAIL'}  {r['impl']:<18} {label(r['cfg']):<26} "
-              f"{r['dtype']:<8} {r['route']:<10} err {r['err']:.2e} bound {r['bound']:.2e}"
-              f"{'  ' + r['why'] if r['why'] else ''}", flush=True)
     return rows
 
 
@@ -232,6 +236,8 @@ def main() -> int:
                     help="a fast-form seed to check on its own (default: wgmma_flash.cu)")
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--no-routes", action="store_true",
+                    help="no profiler: check the outputs only, not which kernel ran")
     ap.add_argument("--json")
     a = ap.parse_args()
     import torch
@@ -251,7 +257,8 @@ def main() -> int:
         except (LoadFailure, ValueError, program.ProgramError) as e:
             print(f"check_bf16_cuda: {e}\n{getattr(e, 'log', '')[-3000:]}", file=sys.stderr)
             return 2
-        rows = check(impls, set(impls) - {Path(a.program).name}, a.trials, hopper, all_cases())
+        rows = check(impls, set(impls) - {Path(a.program).name}, a.trials, hopper, all_cases(),
+                     route=no_route if a.no_routes else route_of)
         times = [] if a.no_timing else time_all(impls)
     failed = [r for r in rows if not r["ok"]]
     print("ALL PASS" if not failed else f"{len(failed)} FAILED")

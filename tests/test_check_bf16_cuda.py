@@ -90,3 +90,12 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_2():
                           text=True, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["check_bf16_cuda: needs a CUDA GPU"]
+
+
+def test_a_call_the_profiler_saw_no_kernel_of_fails_unless_routes_are_off(script):
+    rows = script.check({"hybrid": _reference_in_dtype}, set(), 1, True, CFGS[:1], device="cpu",
+                        route=_route_by_dtype({"torch.float16": "none", "torch.bfloat16": "none"}))
+    assert all(not r["ok"] and "--no-routes" in r["why"] for r in rows)
+    rows = script.check({"wgmma_flash.cu": _reference_in_dtype}, {"wgmma_flash.cu"}, 1, True,
+                        CFGS[:1], device="cpu", route=script.no_route)
+    assert [r["route"] for r in rows] == ["-", "-"] and all(r["ok"] for r in rows)
