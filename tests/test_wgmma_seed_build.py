@@ -1,7 +1,9 @@
 """The wgmma seed without a GPU: the probe's knob settings, and an nvcc build for sm_90a.
 
 nvcc compiles for Hopper on a machine without one; ptxas's report shows register spills and
-its warnings (C7510-C7520: wgmma serialised) before any GPU time is spent.
+its warnings (C7510-C7520: wgmma serialised) before any GPU time is spent, and the SASS of the
+built library (cuobjdump, from the CUDA toolkit or Triton's wheel) shows which element type
+each instantiation's tensor-core instructions and conversions use.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -96,21 +99,103 @@ def test_probe_knows_which_ring_depths_fit_in_shared_memory(tmp_path):
     assert libs[4].probe_ws_smem_bytes(128) == tile + 2 * 2 * tile + tile + 8 * (2 + 4 * 2) + 8 + 1024
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
-def test_seed_builds_for_sm90a_without_spills_or_serialised_wgmma(tmp_path):
-    """At the seed's knob setting, with the evaluator's own nvcc flags."""
+class SeedBuild(NamedTuple):
+    library: Path
+    log: str                                  # nvcc's output with ptxas -v
+
+
+@pytest.fixture(scope="module")
+def seed_build(tmp_path_factory) -> SeedBuild:
+    """The seed at its knob setting, built once with the evaluator's own nvcc flags."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not on PATH")
     from evaluator.build import fast_flags
-    proc = subprocess.run(
-        ["nvcc", *fast_flags("sm_90a"), "-Xptxas", "-v", "-o", str(tmp_path / "lib.so"),
-         str(SEED)], capture_output=True, text=True, timeout=600)
+    lib = tmp_path_factory.mktemp("wgmma_seed") / "lib.so"
+    proc = subprocess.run(["nvcc", *fast_flags("sm_90a"), "-Xptxas", "-v", "-o", str(lib),
+                           str(SEED)], capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:]
+    return SeedBuild(lib, log)
+
+
+def test_seed_builds_for_sm90a_without_spills_or_serialised_wgmma(seed_build):
+    log = seed_build.log
     assert "warning" not in log.lower(), log[-3000:]
     # per tensor-core kernel (wgmma_flash, wgmma_ws): "N bytes spill stores" must be 0
     blocks = re.findall(r"Compiling entry function '(\w*wgmma_(?:flash|ws)_kernel\w*)'.*?"
                         r"(\d+) bytes spill stores", log, re.S)
     assert len(blocks) == 8, log[-3000:]      # 2 kernels x 2 dtypes x 2 head dims
     assert all(n == "0" for _, n in blocks), blocks
+
+
+def _cuobjdump() -> str | None:
+    """cuobjdump from PATH, else the copy Triton's NVIDIA backend ships."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import triton
+    except ImportError:
+        return None
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(bundled) if bundled.is_file() else None
+
+
+def _sass_opcodes(library: Path) -> dict[str, list[str]]:
+    """{mangled kernel name: its SASS opcodes (with modifiers), in order}."""
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton's wheel)")
+    proc = subprocess.run([tool, "-sass", str(library)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    kernels: dict[str, list[str]] = {}
+    ops: list[str] = []
+    for line in proc.stdout.splitlines():
+        head = re.search(r"Function : (\S+)", line)
+        if head:
+            ops = kernels.setdefault(head.group(1), [])
+            continue
+        # "/*0af0*/  @!P0 HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24 ... ;"
+        ins = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T\d]+\s+)?([A-Z][A-Za-z0-9_.]*)", line)
+        if ins:
+            ops.append(ins.group(1))
+    return kernels
+
+
+def test_bfloat16_instantiations_run_bf16_wgmma_and_round_to_bf16(seed_build):
+    """Each tensor-core kernel exists for __half and __nv_bfloat16: the bf16 one issues every
+    wgmma as .bf16 (HGMMA...BF16) and rounds P and O with bf16 conversions, the fp16 one uses
+    no bf16 instruction; both issue the same number of wgmma (one kernel body, one type)."""
+    kernels = _sass_opcodes(seed_build.library)
+    seen = set()
+    for name, ops in kernels.items():
+        m = re.fullmatch(r"_Z\d+(wgmma_(?:flash|ws)_kernel)I(13__nv_bfloat16|6__half)Li(\d+)E.*",
+                         name)
+        if m is None:
+            continue
+        kernel, elem, d = m.group(1), m.group(2), m.group(3)
+        bf16 = elem == "13__nv_bfloat16"
+        seen.add((kernel, bf16, d))
+        hgmma = [o for o in ops if o.startswith("HGMMA.")]
+        packs = [o for o in ops if o.startswith("F2FP.")]
+        assert hgmma, name
+        # HGMMA.64x{N}x16.F32 is the f16 form; .BF16 the bf16 one (the 64 N / 16 K shape)
+        assert all(o.endswith(".BF16") == bf16 for o in hgmma), (name, sorted(set(hgmma)))
+        want = "F2FP.BF16.F32.PACK_AB" if bf16 else "F2FP.F16.F32.PACK_AB"
+        assert want in packs, (name, sorted(set(packs)))
+        assert all(".BF16." in o if bf16 else ".BF16." not in o for o in packs), \
+            (name, sorted(set(packs)))
+    assert seen == {(k, b, d) for k in ("wgmma_flash_kernel", "wgmma_ws_kernel")
+                    for b in (False, True) for d in ("64", "128")}, seen
+
+    def count(kernel: str, elem: str, d: str) -> int:
+        (ops,) = [o for n, o in kernels.items() if re.fullmatch(
+            rf"_Z\d+{kernel}I{elem}Li{d}E.*", n)]
+        return sum(o.startswith("HGMMA.") for o in ops)
+    for kernel in ("wgmma_flash_kernel", "wgmma_ws_kernel"):
+        for d in ("64", "128"):
+            assert count(kernel, "13__nv_bfloat16", d) == count(kernel, "6__half", d), (kernel, d)
 
 
 @pytest.mark.parametrize("args, message", [
