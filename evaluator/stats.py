@@ -11,9 +11,8 @@ random numbers come from a fixed seed, so the same samples always give the same 
 from __future__ import annotations
 
 import math
-import random
 import statistics
-from typing import Sequence
+from typing import Any, Sequence
 
 CONFIDENCE = 0.95
 RESAMPLES = 300
@@ -21,21 +20,28 @@ Z = 1.959963984540054              # the normal quantile of 97.5%
 Interval = tuple[float, float]
 
 
-def _quantiles(values: list[float]) -> Interval:
-    values.sort()
-    lo = values[int((1 - CONFIDENCE) / 2 * (len(values) - 1))]
-    hi = values[int(math.ceil((1 + CONFIDENCE) / 2 * (len(values) - 1)))]
-    return lo, hi
+def _quantiles(values: Any) -> Interval:
+    import numpy as np
+    lo, hi = np.quantile(values, [(1 - CONFIDENCE) / 2, (1 + CONFIDENCE) / 2])
+    return float(lo), float(hi)
+
+
+def _resampled_medians(samples: Sequence[float], picks: Any) -> Any:
+    import numpy as np
+    return np.median(np.asarray(samples, dtype=float)[picks], axis=1)
+
+
+def _picks(n: int, seed: int) -> Any:
+    """Returns RESAMPLES rows of n indices drawn with replacement (a fixed seed per size)."""
+    import numpy as np
+    return np.random.default_rng(seed).integers(0, n, size=(RESAMPLES, n))
 
 
 def median_ci(samples: Sequence[float]) -> Interval | None:
     """Returns the 95% bootstrap interval of the median (None for fewer than 2 samples)."""
     if len(samples) < 2:
         return None
-    rng = random.Random(len(samples))
-    n = len(samples)
-    meds = [statistics.median(rng.choices(samples, k=n)) for _ in range(RESAMPLES)]
-    return _quantiles(meds)
+    return _quantiles(_resampled_medians(samples, _picks(len(samples), len(samples))))
 
 
 def ratio(num: Sequence[float], den: Sequence[float], paired: bool) -> tuple[float, Interval | None]:
@@ -46,19 +52,12 @@ def ratio(num: Sequence[float], den: Sequence[float], paired: bool) -> tuple[flo
     point = statistics.median(num) / statistics.median(den)
     if len(num) < 2 or len(den) < 2:
         return point, None
-    rng = random.Random(len(num) * 1000 + len(den))
-    out = []
     if paired and len(num) == len(den):
-        idx = range(len(num))
-        for _ in range(RESAMPLES):
-            pick = rng.choices(idx, k=len(num))
-            out.append(statistics.median([num[i] for i in pick]) /
-                       statistics.median([den[i] for i in pick]))
-    else:
-        for _ in range(RESAMPLES):
-            out.append(statistics.median(rng.choices(num, k=len(num))) /
-                       statistics.median(rng.choices(den, k=len(den))))
-    return point, _quantiles(out)
+        picks = _picks(len(num), len(num) * 1000 + len(den))
+        return point, _quantiles(_resampled_medians(num, picks) / _resampled_medians(den, picks))
+    top = _resampled_medians(num, _picks(len(num), len(num) * 1000 + len(den)))
+    bottom = _resampled_medians(den, _picks(len(den), len(den) * 1000 + len(num) + 1))
+    return point, _quantiles(top / bottom)
 
 
 def ratio_of_intervals(num: float, num_ci: Interval | None, den: float,
