@@ -338,5 +338,50 @@ def test_seed_passes_the_real_evaluator_on_cpu() -> None:
     assert "Correctness: PASS" in proc.stdout
 
 
+
+# ---- on a GPU (the lead runs: pytest -m gpu tests/test_decode.py) ---------------------------------
+GPU_CONFIGS = ("B=3,Hq=32,Hkv=8,Sq=1,ctx=4096,D=64,lens=ragged;"
+               "B=2,Hq=8,Hkv=1,Sq=4,ctx=2000,D=128,lens=edge")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_seed_passes_the_real_evaluator_on_gpu(dtype: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "evoattn.cli", "eval", str(SEED), "--problem",
+                           "decode", "--device", "cuda", "--dtype", dtype, "--configs",
+                           GPU_CONFIGS, "--trials", "2", "--reps", "10"],
+                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Correctness: PASS" in proc.stdout
+
+
+@pytest.mark.gpu
+def test_seed_never_synchronises_and_replays_from_a_cuda_graph() -> None:
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("decode_seed", SEED)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    p = get_problem("decode")
+    c = cfg(4, 32, 8, 4, 3000, lens="edge")
+    dev = torch.device("cuda")
+    inp = p.make_inputs(c, torch.float16, dev, torch.Generator(device=dev).manual_seed(0))
+    p.call(mod.attention, inp, c)                        # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")              # a host synchronisation raises
+    try:
+        p.call(mod.attention, inp, c)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = p.call(mod.attention, inp, c)
+    p.refill(inp, torch.Generator(device=dev).manual_seed(1))      # new values, same addresses
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = p.reference(inp, c)
+    bound = 2 * (p.torch_in_dtype(inp, c).float() - ref).abs().max().item() + 1e-5
+    assert (out.float() - ref).abs().max().item() <= bound
+
 if __name__ == "__main__":
     child(sys.argv[1], sys.argv[2])
