@@ -77,8 +77,8 @@ def test_default_configs_cover_the_issue_grid_within_memory() -> None:
     assert {s.ctx for s in shapes} == {1024, 8192, 32768}
     assert {(s.Hq, s.Hkv) for s in shapes} == {(32, 8), (8, 1)}
     assert {s.Sq for s in shapes} == {1, 4} and {s.D for s in shapes} == {64, 128}
-    for s in shapes:                                     # the cache, k and v, in 16-bit
-        assert 4 * s.B * s.Hkv * s.ctx * s.D <= 2 * 2 ** 30
+    caches = [4 * s.B * s.Hkv * s.ctx * s.D for s in shapes]     # k and v, in 16-bit
+    assert max(caches) <= 2 ** 30 and 3 * sum(caches) < 16 * 2 ** 30  # 3 trials held at once
 
 
 def test_flops_and_bytes_count_only_the_valid_cache() -> None:

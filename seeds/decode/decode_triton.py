@@ -18,7 +18,8 @@ Two kernels:
              that hold keys, weighting each partial output by 2^(lse - max lse).
 With a single split the first kernel writes the output itself and no merge runs.
 
-Knobs (the lines marked `# evoattn: choice(...)`); every combination is correct:
+Knobs (the lines marked `# evoattn: choice(...)`); every combination is correct (on a GPU, the
+largest tiles with the deepest pipelines may not fit in shared memory: the launch then fails):
   BLOCK_N_D64, BLOCK_N_D128   keys per loop iteration, per head dim
   NUM_WARPS, NUM_STAGES       the split kernel's launch settings (stages pipeline the cache loads)
   MAX_BLOCK_M                 most query rows per tile: more rows than this (G*Sq > MAX_BLOCK_M)
