@@ -128,6 +128,10 @@ _CALLS = {
                        "q, k, v: (B, H, S, D); query i sees keys i-511 .. i"),
     "strided": ("attention(q, k, v, stride=4)", "an SDPA call with a strided causal mask",
                 "q, k, v: (B, H, S, D); query i sees keys j <= i with j % 4 == 0"),
+    "decode": ("attention(q, k, v, cache_seqlens)",
+               "an SDPA call over the cache with a padding mask",
+               "q: (B, Hq, Sq <= 16, D), the new tokens; k, v: (B, Hkv, Smax, D), the cache; "
+               "cache_seqlens: int32 (B,)"),
     "masked": ("attention(q, k, v, mask)",
                "F.scaled_dot_product_attention(q, k, v, attn_mask=mask)",
                "q: (B, H, Sq, D); k, v: (B, H, Sk, D); mask additive, of q's dtype, "
