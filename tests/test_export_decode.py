@@ -19,12 +19,10 @@ ROOT = Path(__file__).resolve().parent.parent
 SEED = ROOT / "seeds" / "decode" / "decode_triton.py"
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory) -> dict:
-    """The decode seed, checked by the real CPU evaluator, stored as a run and exported."""
-    tmp = tmp_path_factory.mktemp("decode_pkg")
+def _export(tmp: Path, device: str) -> dict:
+    """The decode seed, checked by the real evaluator on `device`, stored as a run and exported."""
     prob = settings.problem("decode")
-    request = settings.eval_request("decode", prob, "cpu", None, None,
+    request = settings.eval_request("decode", prob, device, None, None,
                                     settings.evaluator_config(trials=1))
     ev = SubprocessEvaluator(dataclasses.replace(request, check_only=True))
     try:
@@ -36,6 +34,11 @@ def exported(tmp_path_factory) -> dict:
                problem="decode")
     summary = export_run(tmp / "run", tmp / "out")
     return {"out": tmp / "out", "summary": summary}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> dict:
+    return _export(tmp_path_factory.mktemp("decode_pkg"), "cpu")
 
 
 @pytest.mark.slow
@@ -66,23 +69,21 @@ def test_decode_op_falls_back_to_sdpa_over_the_lengths_on_cpu(exported) -> None:
         "verified on cpu only (the kernel runs on CUDA GPUs)": 1}
 
 
-@pytest.mark.slow
-def test_tiny_llama_generates_through_the_decode_op(exported) -> None:
-    s = exported["summary"]
-    got = _py(f"""
+GENERATE = """
         import json, torch
         from transformers import LlamaConfig, LlamaForCausalLM
-        import {s.package} as pkg
-        from {s.package} import hf
+        import {package} as pkg
+        from {package} import hf
         hf.register()
-        cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, vocab_size=97)
         torch.manual_seed(0)
-        model = LlamaForCausalLM(cfg).eval()
+        model = LlamaForCausalLM(cfg).eval().to("{device}", torch.{dtype})
         out = {{}}
         for name, prompt in (("long", 21), ("short", 5)):
-            ids = torch.randint(0, 97, (2, prompt))
-            kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+            ids = torch.randint(1, 97, (2, prompt), device="{device}")
+            kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0,
+                      attention_mask=torch.ones_like(ids))            # no padding
             with torch.no_grad():
                 model.set_attn_implementation("sdpa")
                 ref = model.generate(ids, **kw)
@@ -91,7 +92,14 @@ def test_tiny_llama_generates_through_the_decode_op(exported) -> None:
                 got = model.generate(ids, **kw)
             out[name] = {{"same": bool(torch.equal(ref, got)), "stats": pkg.stats()}}
         print(json.dumps(out))
-    """, cwd=exported["out"])
+"""     # head dim 64: a verified one
+
+
+@pytest.mark.slow
+def test_tiny_llama_generates_through_the_decode_op(exported) -> None:
+    s = exported["summary"]
+    got = _py(GENERATE.format(package=s.package, device="cpu", dtype="float32"),
+              cwd=exported["out"])
     r = json.loads(got.splitlines()[-1])
     cpu = "verified on cpu only (the kernel runs on CUDA GPUs)"
     # 8 new tokens: a prefill and 7 one-token steps, 2 layers each
@@ -99,3 +107,16 @@ def test_tiny_llama_generates_through_the_decode_op(exported) -> None:
     assert r["long"]["stats"]["fallback_reasons"] == {
         cpu: 14, "decode: this call's pattern is not the kernel's": 2}    # a 21-token prompt
     assert r["short"]["stats"]["fallback_reasons"] == {cpu: 16}           # 5 tokens: causal
+
+
+@pytest.mark.gpu
+def test_tiny_llama_generation_steps_run_the_kernel_on_gpu(tmp_path) -> None:
+    ex = _export(tmp_path, "cuda")
+    got = _py(GENERATE.format(package=ex["summary"].package, device="cuda", dtype="float16"),
+              cwd=ex["out"])
+    r = json.loads(got.splitlines()[-1])
+    assert r["long"]["same"] and r["short"]["same"], r
+    assert r["long"]["stats"]["kernel"] == 14 and r["long"]["stats"]["fallback_reasons"] == {
+        "decode: this call's pattern is not the kernel's": 2}
+    assert r["short"]["stats"]["kernel"] == 16 and r["short"]["stats"]["fallback"] == 0
+
