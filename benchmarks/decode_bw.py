@@ -58,7 +58,8 @@ def load_seed(path: Path) -> Any:
 
 
 def copies_of(inputs: dict[str, Any], n: int, problem: Any, gen: Any) -> list[dict[str, Any]]:
-    """Returns n input sets with their own q, k, v (fresh values, garbage tails), the rest shared."""
+    """Returns n input sets with their own q, k, v (fresh values, garbage tails), the rest
+    shared."""
     out = []
     for _ in range(n):
         s = {k: (v.clone() if k in RANDOM else v) for k, v in inputs.items()}

@@ -49,7 +49,7 @@ def brute_force(inp: dict) -> torch.Tensor:
     return torch.softmax(s, -1).nan_to_num(0.0) @ v
 
 
-# ---- configs and lengths --------------------------------------------------------------------
+# ---- configs and lengths ------------------------------------------------------------------------
 def test_lengths_are_deterministic_and_cover_the_edges() -> None:
     c = cfg(8, 4, 2, 3, 100, lens="edge")
     assert lengths(c) == lengths(dict(c))
@@ -92,7 +92,7 @@ def test_flops_and_bytes_count_only_the_valid_cache() -> None:
     assert p.bytes_moved(big, 2) == pytest.approx(2 * sum(lengths(big)) * 8 * 64 * 2, rel=1e-3)
 
 
-# ---- the inputs ------------------------------------------------------------------------------
+# ---- the inputs ---------------------------------------------------------------------------------
 def test_the_cache_past_each_length_is_large_finite_garbage_refilled_in_place() -> None:
     p = get_problem("decode")
     c = cfg(4, 4, 2, 1, 256)
@@ -124,7 +124,7 @@ def test_the_reference_never_reads_past_a_length() -> None:
     assert torch.equal(p.reference(inp, c), ref)
 
 
-# ---- the semantics -------------------------------------------------------------------------------
+# ---- the semantics ------------------------------------------------------------------------------
 SEMANTIC = [cfg(7, 4, 2, 3, 40, lens="edge"), cfg(3, 8, 1, 4, 50), cfg(2, 6, 2, 16, 30),
             cfg(5, 2, 2, 1, 20, 128, lens="edge"), cfg(1, 2, 1, 1, 1)]
 
@@ -182,7 +182,7 @@ def test_torch_in_dtype_is_a_small_nonzero_error_in_each_dtype() -> None:
         assert probe.dtype == dtype and 0 < err < most
 
 
-# ---- the baselines --------------------------------------------------------------------------------
+# ---- the baselines ------------------------------------------------------------------------------
 @pytest.mark.parametrize("c", [cfg(3, 4, 2, 1, 64), cfg(2, 4, 1, 4, 48),
                                cfg(2, 4, 2, 1, 32, lens="full")],
                          ids=["ragged-q1", "ragged-q4", "uniform-q1"])
@@ -252,7 +252,7 @@ def test_flex_baseline_is_right_on_ragged_lengths() -> None:
     assert (out.double() - brute_force(inp)).abs().max().item() < 2e-3
 
 
-# ---- the seed, in Triton's interpreter (a child process) ------------------------------------------
+# ---- the seed, in Triton's interpreter (a child process) ----------------------------------------
 FORCE_SPLITS = {"PROGRAMS_PER_SM": "8", "MIN_SPLIT_KEYS": "64", "BLOCK_N_D64": "16",
                 "BLOCK_N_D128": "32"}
 ROW_BLOCKS = {"MAX_BLOCK_M": "16", "PROGRAMS_PER_SM": "4", "MIN_SPLIT_KEYS": "64",
@@ -339,7 +339,7 @@ def test_seed_passes_the_real_evaluator_on_cpu() -> None:
 
 
 
-# ---- on a GPU (the lead runs: pytest -m gpu tests/test_decode.py) ---------------------------------
+# ---- on a GPU (the lead runs: pytest -m gpu tests/test_decode.py) -------------------------------
 GPU_CONFIGS = ("B=3,Hq=32,Hkv=8,Sq=1,ctx=4096,D=64,lens=ragged;"
                "B=2,Hq=8,Hkv=1,Sq=4,ctx=2000,D=128,lens=edge")
 

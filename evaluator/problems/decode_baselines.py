@@ -79,7 +79,8 @@ class DecodeBaselines:
             if Sq == 1 and bool((lens == kv_len).all()):
                 return None, kv_len
             j = torch.arange(kv_len, device=q.device)[None, None, :]
-            last = lens.long()[:, None, None] - Sq + torch.arange(Sq, device=q.device)[None, :, None]
+            i = torch.arange(Sq, device=q.device)[None, :, None]
+            last = lens.long()[:, None, None] - Sq + i              # each query's last key
             return (j <= last)[:, None], kv_len
         return self._cache.get(_key(inputs, cfg, "hf_mask"), make)
 
