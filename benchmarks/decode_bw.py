@@ -6,7 +6,7 @@
 
 A decode call must read the valid cache once: bytes = 2 * sum(cache_seqlens) * Hkv * D *
 element size, plus q and the output (the problem's `bytes_moved`). Per config and function:
-  check      the output against the float32 reference, within the evaluator's tolerance
+  check      two calls' outputs against the float32 reference, within the evaluator's tolerance
              (2x the error of a flash kernel's rounding, plus 1e-5); a function that fails
              is reported and not timed
   do_bench   triton.testing.do_bench (L2 flushed before every call; median), the GPU time
@@ -157,10 +157,12 @@ def bench_config(problem: Any, cfg: dict[str, Any], fns: dict[str, Callable[...,
     for name, fn in fns.items():
         res: dict[str, Any] = {}
         row["results"][name] = res
-        try:
-            out = fn(inputs, cfg)
-            sync()
-            err = (out.float() - ref).abs().max().item()
+        try:        # twice: a second call may take another path (a prepared launch)
+            err = 0.0
+            for _ in range(2):
+                out = fn(inputs, cfg)
+                sync()
+                err = max(err, (out.float() - ref).abs().max().item())
         except Exception as e:  # noqa: BLE001 - reported, not timed
             res.update(ok=False, error=f"{type(e).__name__}: {str(e)[:200]}")
             continue

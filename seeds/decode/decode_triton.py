@@ -27,6 +27,9 @@ largest tiles with the deepest pipelines may not fit in shared memory: the launc
   PROGRAMS_PER_SM             the split count aims at this many programs per SM over the grid
   MIN_SPLIT_KEYS              ... but gives no split fewer keys than this
   MERGE_WARPS                 the merge kernel's warps
+  FAST_LAUNCH                 calls of a shape seen before launch the compiled kernels directly
+                              (Triton's argument binding and cache lookup skipped: tens of
+                              microseconds of host time per call, what a decode step pays)
 
 Rows with no visible key (L = 0, or L < Sq) output zeros. Loads never go past a sequence's
 length: the last block's rows past it are masked (read as zeros, scored -inf).
@@ -50,6 +53,7 @@ MAX_BLOCK_M = 64  # evoattn: choice(16, 32, 64, 128)
 PROGRAMS_PER_SM = 2  # evoattn: choice(1, 2, 4, 8)
 MIN_SPLIT_KEYS = 256  # evoattn: choice(64, 128, 256, 512, 1024, 2048)
 MERGE_WARPS = 4  # evoattn: choice(1, 2, 4, 8)
+FAST_LAUNCH = True  # evoattn: choice(True, False) when(@target!=cpu)
 
 MAX_SPLITS = 256               # the grid's second axis (at most 65535)
 INTERPRETER_SMS = 4            # the SM count assumed by Triton's CPU interpreter
@@ -221,11 +225,85 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor
         raise RuntimeError("decode_triton needs CUDA tensors, or TRITON_INTERPRET=1 for CPU ones")
 
 
+class _Launch:
+    """One shape's launches, prepared by its first call: the compiled kernels, their grids and
+    every argument that does not change between calls of that shape."""
+
+    __slots__ = ("split", "grid", "ints", "constexprs", "merge", "merge_grid", "merge_ints",
+                 "merge_constexprs", "part_shape")
+
+    def __init__(self, split, grid: tuple, ints: tuple, constexprs: tuple,  # noqa: ANN001
+                 merge, merge_grid: tuple, merge_ints: tuple,  # noqa: ANN001
+                 merge_constexprs: tuple, part_shape: tuple | None) -> None:
+        self.split, self.grid, self.ints, self.constexprs = split, grid, ints, constexprs
+        self.merge, self.merge_grid = merge, merge_grid
+        self.merge_ints, self.merge_constexprs = merge_ints, merge_constexprs
+        self.part_shape = part_shape                        # None: one split, no merge
+
+
+# Launches prepared per (q shape, cache shape, dtype, device). Triton's launch hooks, if anyone
+# set them, are honoured by taking the ordinary path.
+_LAUNCHES: dict[tuple, _Launch] = {}
+_MAX_LAUNCHES = 256
+
+
+def _no_hook(hook) -> bool:  # noqa: ANN001
+    """Whether a Triton launch hook is unset (None, or an empty HookChain)."""
+    return hook is None or (hasattr(hook, "calls") and not hook.calls)
+
+
+def _fast_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor) -> bool:
+    """Whether a call may use a prepared launch: a real GPU, no launch hooks, contiguous and
+    16-byte aligned inputs (the compiled kernel assumed both of the first call's inputs)."""
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    return (FAST_LAUNCH and runtime is not None and q.device.type == "cuda"
+            and not _interpreting()
+            and _no_hook(getattr(runtime, "launch_enter_hook", None))
+            and _no_hook(getattr(runtime, "launch_exit_hook", None))
+            and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+            and lens.is_contiguous()
+            and (q.data_ptr() | k.data_ptr() | v.data_ptr() | lens.data_ptr()) % 16 == 0)
+
+
+def _launch_prepared(launch: _Launch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     lens: torch.Tensor, qk_scale: float) -> torch.Tensor:
+    """Launches a prepared shape's kernels on fresh inputs (see _LAUNCHES)."""
+    out = torch.empty_like(q)
+    if launch.part_shape is None:
+        o_part = lse_part = out
+    else:
+        o_part = torch.empty(launch.part_shape, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(launch.part_shape[:-1], dtype=torch.float32, device=q.device)
+    stream = torch._C._cuda_getCurrentRawStream(q.device.index)
+    s = launch.split
+    s.run(*launch.grid, stream, s.function, s.packed_metadata, None, None, None,
+          q, k, v, lens, out, o_part, lse_part, *launch.ints, qk_scale, *launch.constexprs)
+    if launch.merge is not None:
+        m = launch.merge
+        m.run(*launch.merge_grid, stream, m.function, m.packed_metadata, None, None, None,
+              o_part, lse_part, lens, out, *launch.merge_ints, *launch.merge_constexprs)
+    return out
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_seqlens: torch.Tensor,
               scale: float | None = None) -> torch.Tensor:
     """Returns attention of q (B, Hq, Sq, D), the newest Sq tokens, over the cache k, v
     (B, Hkv, Smax, D) of per-sequence lengths cache_seqlens (int32, (B,))."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    fast = _fast_ok(q, k, v, cache_seqlens)
+    key = (q.shape, k.shape, q.dtype, q.device)
+    launch = _LAUNCHES.get(key) if fast else None
+    if launch is not None and v.shape == k.shape and k.dtype == q.dtype == v.dtype and \
+            cache_seqlens.dtype == torch.int32 and cache_seqlens.shape == q.shape[:1] and \
+            k.device == v.device == cache_seqlens.device == q.device:
+        return _launch_prepared(launch, q, k, v, cache_seqlens, scale * LOG2E)
     _check(q, k, v, cache_seqlens)
+    return _forward(q, k, v, cache_seqlens, scale, key if fast else None)
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_seqlens: torch.Tensor,
+             scale: float, key: tuple | None) -> torch.Tensor:
+    """Launches the kernels through Triton; with a key, prepares the shape's fast launch."""
     B, HQ, SQ, D = q.shape
     HKV, SMAX = k.shape[1], k.shape[2]
     rows = (HQ // HKV) * SQ                     # query rows sharing one key/value head
@@ -233,7 +311,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_seqlens: 
     row_blocks = triton.cdiv(rows, block_m)
     block_n = BLOCK_N_D64 if D == 64 else BLOCK_N_D128
     num_splits, split = _splits(B * HKV * row_blocks, SMAX, block_n, q.device)
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()   # no-ops for contiguous inputs
     lens = cache_seqlens.contiguous()
     # Triton's interpreter multiplies bfloat16 tiles as their raw bits and rounds float32 to
@@ -248,12 +325,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_seqlens: 
     else:
         o_part = torch.empty(B * HKV, num_splits, rows, D, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(B * HKV, num_splits, rows, dtype=torch.float32, device=q.device)
-    _split_kv[(B * HKV, num_splits, row_blocks)](
-        q, k, v, lens, out, o_part, lse_part, SMAX, HKV, rows, SQ, split, num_splits,
-        scale * LOG2E, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct,
-        UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32", num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES)
+    grid = (B * HKV, num_splits, row_blocks)
+    ints = (SMAX, HKV, rows, SQ, split, num_splits)
+    constexprs = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct,
+                      UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32")
+    split_kernel = _split_kv[grid](q, k, v, lens, out, o_part, lse_part, *ints, scale * LOG2E,
+                                   **constexprs, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    merge_kernel, merge_grid = None, (B * HKV, row_blocks, 1)
+    merge_ints = (HKV, rows, split, num_splits)
+    merge_constexprs = dict(HEAD_DIM=D, BLOCK_M=block_m)
     if not direct:
-        _merge[(B * HKV, row_blocks)](o_part, lse_part, lens, out, HKV, rows, split, num_splits,
-                                      HEAD_DIM=D, BLOCK_M=block_m, num_warps=MERGE_WARPS)
+        merge_kernel = _merge[merge_grid](o_part, lse_part, lens, out, *merge_ints,
+                                          **merge_constexprs, num_warps=MERGE_WARPS)
+    if key is not None and hasattr(split_kernel, "packed_metadata") and \
+            (direct or hasattr(merge_kernel, "packed_metadata")):
+        if len(_LAUNCHES) >= _MAX_LAUNCHES:
+            _LAUNCHES.clear()
+        _LAUNCHES[key] = _Launch(split_kernel, grid, ints, tuple(constexprs.values()),
+                                 merge_kernel, merge_grid, merge_ints,
+                                 tuple(merge_constexprs.values()),
+                                 None if direct else tuple(o_part.shape))
     return out.to(q.dtype) if upcast else out
