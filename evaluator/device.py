@@ -12,6 +12,19 @@ _PEAKS = [
     ("RTX 4090", (165.2, 82.6)), ("RTX 3090", (71.0, 35.6)), ("V100", (125.0, 15.7)),
 ]
 
+# Datasheet memory bandwidth in TB/s (HBM), matched by substring in this order: what a
+# bandwidth-bound kernel (decode) is measured against.
+_HBM_TBPS = [
+    ("H200", 4.8), ("H100 NVL", 3.9), ("H100 PCIe", 2.0), ("H100", 3.35), ("H800", 3.35),
+    ("GH200", 4.0), ("B200", 8.0), ("A100-SXM4-80GB", 2.039), ("A100 80GB PCIe", 1.935),
+    ("A100", 1.555), ("L40S", 0.864), ("L4", 0.3), ("A10", 0.6), ("RTX 4090", 1.008),
+]
+
+
+def hbm_tbps(name: str) -> float | None:
+    """Returns the datasheet memory bandwidth (TB/s) of a device by its name, if known."""
+    return next((bw for key, bw in _HBM_TBPS if key in name), None)
+
 
 def versions() -> dict[str, str]:
     """Returns torch/triton/CUDA versions as strings."""

@@ -128,6 +128,10 @@ _CALLS = {
                        "q, k, v: (B, H, S, D); query i sees keys i-511 .. i"),
     "strided": ("attention(q, k, v, stride=4)", "an SDPA call with a strided causal mask",
                 "q, k, v: (B, H, S, D); query i sees keys j <= i with j % 4 == 0"),
+    "decode": ("attention(q, k, v, cache_seqlens)",
+               "an SDPA call over the cache with a padding mask",
+               "q: (B, Hq, Sq <= 16, D), the new tokens; k, v: (B, Hkv, Smax, D), the cache; "
+               "cache_seqlens: int32 (B,)"),
     "masked": ("attention(q, k, v, mask)",
                "F.scaled_dot_product_attention(q, k, v, attn_mask=mask)",
                "q: (B, H, Sq, D); k, v: (B, H, Sk, D); mask additive, of q's dtype, "
@@ -155,7 +159,8 @@ def _usage(info: KernelInfo) -> list[str]:
                   "first tensor argument, and there is no PyTorch fallback: outside the "
                   "verified set the op raises NotImplementedError.", ""]
         return lines
-    lines += ["### In an `nn.Module`", "", "```python", "import torch",
+    module = [] if info.problem == "decode" else [    # a decode call needs a cache
+              "### In an `nn.Module`", "", "```python", "import torch",
               f"from {pkg} import attention", "",
               "class SelfAttention(torch.nn.Module):",
               "    def __init__(self, dim, heads):",
@@ -168,7 +173,8 @@ def _usage(info: KernelInfo) -> list[str]:
               "        q, k, v = self.qkv(x).view(B, S, 3, self.heads, C // self.heads)"
               ".permute(2, 0, 3, 1, 4)",
               f"        y = {call}" + (f"   # was {replaces}" if replaces else ""),
-              "        return self.proj(y.transpose(1, 2).reshape(B, S, C))", "```", "",
+              "        return self.proj(y.transpose(1, 2).reshape(B, S, C))", "```", ""]
+    lines += module + [
               "### In a Hugging Face transformers model", "", "```python",
               "from transformers import AutoModelForCausalLM",
               f"from {pkg} import hf", "",
@@ -179,8 +185,14 @@ def _usage(info: KernelInfo) -> list[str]:
               "`hf.attention_forward(module, query, key, value, attention_mask, scaling=None, "
               "dropout=0.0, sliding_window=None, is_causal=None, **kwargs)` takes transformers' "
               "(B, H, S, D) inputs (GQA-shaped k, v too) and returns (B, S, H, D). Calls the "
-              "kernel does not cover (a padding mask, decoding with a cache, dropout while "
-              "training) run transformers' SDPA path; `hf.py` lists them.", ""]
+              "kernel does not cover (" + ("a padding mask, a static cache, the prefill of a "
+                                           "prompt over 16 tokens" if info.problem == "decode"
+                                           else "a padding mask, decoding with a cache")
+              + ", dropout while training) run transformers' SDPA path; `hf.py` lists them.",
+              ""]
+    if info.problem == "decode":
+        lines += ["The kernel serves `generate`'s one-token steps over the dynamic cache of a "
+                  "batch without padding (`decode.py` in this package says which calls).", ""]
     return lines
 
 

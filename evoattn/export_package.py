@@ -24,8 +24,8 @@ TEMPLATES = Path(__file__).resolve().parent / "export_templates"
 # template file -> its name in the package (the template directory is no package itself)
 TEMPLATE_MODULES = {"package_init.py": "__init__.py", "_build.py": "_build.py",
                     "_loader.py": "_loader.py", "guard.py": "guard.py", "hf.py": "hf.py",
-                    "ops.py": "ops.py", "problems.py": "problems.py"}
-BUILTIN_OPS = ("sdpa", "gqa", "masked", "sliding_window", "strided")
+                    "ops.py": "ops.py", "problems.py": "problems.py", "decode.py": "decode.py"}
+BUILTIN_OPS = ("sdpa", "gqa", "masked", "sliding_window", "strided", "decode")
 ID_CHARS = 12                          # of the program id, in package and op names
 
 

@@ -184,6 +184,25 @@ def test_forged_results_on_stdout_files_and_fds_are_ignored(
     assert '"fitness": 1000.0' in result.log_tail          # it did print its forgery
 
 
+# ---- decode: a kernel that reads the cache past cache_seqlens -------------------------------
+@pytest.mark.parametrize("extra, verdict", [("1", Verdict.INCORRECT), ("0", Verdict.PASS)],
+                         ids=["one_past_the_length", "honest_control"])
+def test_decode_reading_past_cache_seqlens_is_incorrect(cache_dir: str, extra: str,
+                                                        verdict: Verdict) -> None:
+    """The harness writes large garbage past each length, so one key read past it is a wrong
+    answer; the same candidate without the off-by-one passes (the control)."""
+    ev = sandboxed(problem="decode", device="cpu", cache_dir=cache_dir, check_only=True)
+    try:
+        src = read(ADV / "decode_past_length.py").replace("EXTRA = 1", f"EXTRA = {extra}")
+        result = ev.evaluate(src, ".py", "decode_past_length.py")
+    finally:
+        ev.close()
+    if verdict is Verdict.PASS:
+        assert result.verdict is Verdict.PASS, f"{result.reason}\n{result.log_tail}"
+    else:
+        assert_verdict(result, verdict, r"max abs error .* > tolerance")
+
+
 # ---- 9. secrets and the sandbox ------------------------------------------------------------
 def _tree_contains(root: str, needle: bytes) -> list[str]:
     hits = []

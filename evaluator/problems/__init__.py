@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .base import Config, Problem, Tolerance
+from .decode import Decode
 from .gqa import Gqa
 from .masked import Masked
 from .mha import Mha
@@ -10,7 +11,7 @@ from .sliding_window import SlidingWindow
 from .strided import Strided
 
 _BUILTIN: dict[str, type[Problem]] = {p.name: p for p in (Sdpa, Mha, Strided, Masked, Gqa,
-                                                           SlidingWindow)}
+                                                           SlidingWindow, Decode)}
 
 
 class UnknownProblem(ValueError):

@@ -73,6 +73,11 @@ class Problem:
         """Returns the FLOP count used for TFLOP/s."""
         raise NotImplementedError
 
+    def bytes_moved(self, cfg: Config, elem_bytes: int = 2) -> float | None:
+        """Returns the least bytes a call must read and write (for GB/s), where the problem is
+        bandwidth-bound and says so; None otherwise."""
+        return None
+
     # ---- tensor functions (child process only) --------------------------
     def make_inputs(self, cfg: Config, dtype: Any, device: Any, gen: Any) -> dict[str, Any]:
         """Returns fresh random inputs (tensors and scalars) for one trial."""
@@ -94,6 +99,11 @@ class Problem:
         """Returns what a PyTorch user could use instead, by name: each is timed side by side
         with the candidate, and fitness takes the fastest (or the one the run names)."""
         return {"baseline": self.baseline}
+
+    def skipped_baselines(self) -> dict[str, str]:
+        """Returns {name: why} for baselines of `baseline_names` that cannot run here (a
+        library that is not installed), so a listing can name them instead of omitting them."""
+        return {}
 
     def extra_baselines(self) -> dict[str, Callable[[dict[str, Any], Config], Any]]:
         """Returns diagnostic implementations (SDPA backends, naive) timed with --all-backends."""

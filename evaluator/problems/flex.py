@@ -35,7 +35,14 @@ def compiled_flex() -> Any:
     """Returns torch.compile(flex_attention), made once per process."""
     if not _compiled:
         import torch
+        import torch._dynamo
         from torch.nn.attention.flex_attention import flex_attention
+        # One graph per config's shapes: past dynamo's recompile limit (8 by default) the
+        # configs after the eighth would run flex_attention uncompiled, an unfused and
+        # unfairly slow baseline (`decode` has 13 configs).
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
         _compiled.append(torch.compile(flex_attention, dynamic=False))
     return _compiled[0]
 

@@ -16,7 +16,8 @@ Per problem: `sdpa` and `gqa` take causal and non-causal prefill (`sdpa` repeats
 GQA; `gqa` passes them as they are); `sliding_window` takes the model's `sliding_window` (a
 plain causal call is a window as long as the sequence); `masked` serves unmasked causal calls
 through an explicit causal mask, and no padding mask (its contract excludes the fully masked
-rows that left padding makes); `strided` and user problems have no transformers mapping.
+rows that left padding makes); `decode` serves generation steps over the dynamic cache with
+no padding (decode.py says which); `strided` and user problems have no transformers mapping.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import ops
+from . import decode, ops
 
 NAME = "evoattn"
 _UNSUPPORTED_KWARGS = ("output_attentions", "softcap", "position_bias", "cache", "s_aux", "sinks")
@@ -100,7 +101,7 @@ def _refusal(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
         return "dropout while training"
     if any(kwargs.get(k) not in (None, False) for k in _UNSUPPORTED_KWARGS):
         return "output_attentions, softcap, a position bias, sinks or a paged cache"
-    if query.shape[2] != key.shape[2]:
+    if query.shape[2] != key.shape[2] and ops.META["problem"] != "decode":
         return "query and key lengths differ (decoding with a cache)"
     return None
 
@@ -111,6 +112,8 @@ def _through_op(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: to
     """Returns the op's output (B, H, S, D) for this problem, or None if it does not apply."""
     problem = ops.META["problem"]
     causal = causal and q.shape[2] > 1
+    if problem == "decode":                          # a step over transformers' cache
+        return decode.hf_call(ops.attention, q, k, v, mask, scale, causal)
     if problem == "gqa":
         return ops.attention(q, k, v, causal=causal, scale=scale)
     if problem not in ("sdpa", "sliding_window", "masked"):

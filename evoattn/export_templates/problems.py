@@ -218,4 +218,7 @@ def spec_for(meta: dict[str, Any]) -> OpSpec | None:
         return _param_spec("stride", _strided_fallback)
     if problem == "masked":
         return _masked_spec()
+    if problem == "decode":
+        from .decode import spec
+        return spec()
     return None

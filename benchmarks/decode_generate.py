@@ -1,0 +1,187 @@
+"""Greedy generation through an exported `decode` kernel against SDPA: same tokens, tokens/s.
+
+    python benchmarks/decode_generate.py --export RUN_DIR/best --out gen.json
+    python benchmarks/decode_generate.py --export RUN_DIR/best --dtypes bfloat16 --out g.json
+    python benchmarks/decode_generate.py --export RUN_DIR/best --device cpu --tiny --out g.json
+
+A Llama-shaped model with random weights, no download (hidden 2048, 16 layers, MLP 8192, 32
+query heads of 64 and 8 key/value heads: GQA 4:1, vocabulary 32000), --batch prompts of
+--prompt random tokens (no padding), --new tokens generated greedily (min_new_tokens =
+max_new_tokens: every run takes the same steps), eager, per dtype:
+  tokens     the evoattn generation's tokens equal SDPA's
+  time       the prefill alone (max_new_tokens=1) and the whole generation, medians of --runs
+             after a warm-up; the decode steps take the difference; tokens/s = batch * (new - 1)
+             / that
+  attention  the share of the decode steps spent in attention: CUDA events around every
+             one-token attention call of one more generation, summed, over its decode time
+             (the events cost a little: this run is not the timed one)
+  calls      the package's kernel and fallback counts in the evoattn generation (the prefill
+             falls back: a decode kernel serves the one-token steps)
+--tiny: 2 layers, hidden 256, 4/2 heads of 64, a 32-token prompt, 8 new tokens (the CPU check).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hf_model import load_export  # noqa: E402
+
+
+def model_config(a: argparse.Namespace) -> Any:
+    from transformers import LlamaConfig
+    if a.tiny:
+        return LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, vocab_size=97)
+    return LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                       num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                       max_position_embeddings=a.prompt + a.new + 16)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_generate(model: Any, ids: torch.Tensor, new: int,
+                   device: torch.device) -> tuple[Any, float]:
+    """Returns (tokens, seconds) of one greedy generation of exactly `new` tokens."""
+    sync(device)
+    t0 = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                         min_new_tokens=new, do_sample=False, pad_token_id=0)
+    sync(device)
+    return out, time.perf_counter() - t0
+
+
+class AttentionClock:
+    """Wraps an attention function: CUDA events around its one-token calls."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn, self.events = fn, []
+
+    def __call__(self, module: Any, query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if query.shape[2] != 1 or not query.is_cuda:
+            return self.fn(module, query, *args, **kwargs)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = self.fn(module, query, *args, **kwargs)
+        end.record()
+        self.events.append((start, end))
+        return out
+
+    def seconds(self) -> float:
+        torch.cuda.synchronize()
+        return sum(s.elapsed_time(e) for s, e in self.events) / 1e3
+
+
+def register_clocks(hf: Any) -> dict[str, AttentionClock]:
+    """Registers 'sdpa_clock' and 'evoattn_clock': the two implementations, timed."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    clocks = {"sdpa": AttentionClock(sdpa_attention_forward),
+              "evoattn": AttentionClock(hf.attention_forward)}
+    hf.register("evoattn_clock")                       # its mask function under that name
+    AttentionInterface.register("evoattn_clock", clocks["evoattn"])
+    AttentionInterface.register("sdpa_clock", clocks["sdpa"])
+    AttentionMaskInterface.register("sdpa_clock", sdpa_mask)
+    return clocks
+
+
+def run_dtype(pkg: Any, clocks: dict[str, AttentionClock], model: Any, dtype: str,
+              a: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """Generates with both implementations in one dtype; returns the row."""
+    model = copy.deepcopy(model).to(getattr(torch, dtype))     # from the float32 weights
+    cfg = model.config
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    ids = torch.randint(1, cfg.vocab_size, (a.batch, a.prompt), generator=gen).to(device)
+    row: dict[str, Any] = {"dtype": dtype, "batch": a.batch, "prompt": a.prompt, "new": a.new}
+    tokens = {}
+    with torch.no_grad():
+        for impl in ("sdpa", "evoattn"):
+            model.set_attn_implementation(impl)
+            timed_generate(model, ids, a.new, device)                  # warm-up
+            prefill = statistics.median(timed_generate(model, ids, 1, device)[1]
+                                        for _ in range(a.runs))
+            pkg.reset_stats()
+            runs = [timed_generate(model, ids, a.new, device) for _ in range(a.runs)]
+            stats = pkg.stats()
+            tokens[impl] = runs[0][0]
+            total = statistics.median(t for _, t in runs)
+            decode_s = max(total - prefill, 1e-9)
+            r = {"prefill_s": prefill, "total_s": total, "decode_s": decode_s,
+                 "tokens_per_s": a.batch * (a.new - 1) / decode_s,
+                 "calls": stats if impl == "evoattn" else None}       # over the --runs
+            if device.type == "cuda":
+                model.set_attn_implementation(f"{impl}_clock")
+                clock = clocks[impl]
+                clock.events.clear()
+                timed_generate(model, ids, a.new, device)
+                r["attention_share"] = clock.seconds() / decode_s
+            row[impl] = r
+    row["same_tokens"] = bool(torch.equal(tokens["sdpa"], tokens["evoattn"]))
+    row["first_difference"] = None if row["same_tokens"] else int(
+        (tokens["sdpa"] != tokens["evoattn"]).any(0).nonzero()[0])
+    row["speedup_tokens_per_s"] = row["evoattn"]["tokens_per_s"] / row["sdpa"]["tokens_per_s"]
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--export", required=True, help="an export directory or a run's best/")
+    ap.add_argument("--out", required=True, help="the JSON file to write")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--dtypes", default="float16,bfloat16")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=8192)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--tiny", action="store_true")
+    a = ap.parse_args()
+    if a.device == "cpu" and not a.tiny:
+        raise SystemExit("the full-size model needs a GPU: use --tiny on the CPU")
+    if a.tiny:
+        a.batch, a.prompt, a.new = min(a.batch, 2), min(a.prompt, 32), min(a.new, 8)
+    device = torch.device(a.device)
+    pkg = load_export(a.export)
+    if pkg.PROBLEM != "decode":
+        raise SystemExit(f"{a.export}: a {pkg.PROBLEM} kernel; this benchmark needs a decode one")
+    hf = importlib.import_module(f"{pkg.__name__}.hf")
+    hf.register("evoattn")
+    clocks = register_clocks(hf)
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(0)
+    config = model_config(a)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).eval()
+    rows = []
+    for dtype in a.dtypes.split(","):
+        row = run_dtype(pkg, clocks, model, dtype, a, device)
+        rows.append(row)
+        s, e = row["sdpa"], row["evoattn"]
+        print(f"{dtype}: same tokens {row['same_tokens']}; tokens/s SDPA {s['tokens_per_s']:.0f}, "
+              f"evoattn {e['tokens_per_s']:.0f} ({row['speedup_tokens_per_s']:.3f}x); "
+              f"attention share SDPA {s.get('attention_share', float('nan')):.2f}, "
+              f"evoattn {e.get('attention_share', float('nan')):.2f}; "
+              f"calls in {a.runs} runs {e['calls']}", flush=True)
+    result = {"package": pkg.__name__, "device": torch.cuda.get_device_name(device)
+              if device.type == "cuda" else "cpu", "config": config.to_dict(), "rows": rows}
+    Path(a.out).write_text(json.dumps(result, indent=1, default=str))
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

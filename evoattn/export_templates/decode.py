@@ -1,0 +1,82 @@
+"""The `decode` problem's op (schema, shape rule, SDPA fallback) and its Hugging Face route.
+
+The kernel takes q (B, Hq, Sq, D) with 1 <= Sq <= 16, the cache k, v (B, Hkv, Smax, D) and
+cache_seqlens (int32, (B,)): sequence b's valid cache is its first L = cache_seqlens[b]
+positions and query i of Sq sees keys 0 .. L - Sq + i; a query that sees no key gives zeros.
+
+transformers' dynamic cache hands an attention layer the whole cache, (B, Hkv, kv_len, D),
+every sequence kv_len long when the batch has no padding. Such a call with no mask and one
+new token (a generation step), or with as many queries as keys, at most 16 (a short causal
+prompt), is served with cache_seqlens = kv_len for every sequence; any other call (a padding
+mask, a static cache, whose mask marks the valid positions, several new tokens against a
+longer cache) is left to transformers' SDPA path, counted.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from .problems import Args, OpSpec, parse_schema
+
+SCHEMA = "(Tensor q, Tensor k, Tensor v, Tensor cache_seqlens, float? scale=None) -> Tensor"
+MAX_SQ = 16
+
+
+def _scale(a: Args) -> float:
+    return a["scale"] if a["scale"] is not None else a["q"].shape[-1] ** -0.5
+
+
+def shape_refusal(a: Args) -> str | None:
+    """Returns why a call is outside the decode contract, or None."""
+    q, k, v, lens = a["q"], a["k"], a["v"], a["cache_seqlens"]
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        return f"expected q (B, Hq, Sq, D), k, v (B, Hkv, Smax, D); got {tuple(q.shape)}, " \
+               f"{tuple(k.shape)}"
+    if (k.shape[0], k.shape[3]) != (q.shape[0], q.shape[3]) or q.shape[1] % k.shape[1]:
+        return f"cache {tuple(k.shape)} does not fit q {tuple(q.shape)} (Hq % Hkv == 0)"
+    if not 1 <= q.shape[2] <= MAX_SQ:
+        return f"{q.shape[2]} new tokens (the kernel takes 1 to {MAX_SQ})"
+    if lens.dtype != torch.int32 or tuple(lens.shape) != (q.shape[0],):
+        return f"cache_seqlens must be int32 of shape ({q.shape[0]},)"
+    return None
+
+
+def visible(q: torch.Tensor, k: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """Returns the (B, 1, Sq, Smax) mask of the keys each query sees."""
+    Sq = q.shape[2]
+    j = torch.arange(k.shape[2], device=q.device)[None, None, :]
+    last = lens.long()[:, None, None] - Sq + torch.arange(Sq, device=q.device)[None, :, None]
+    return (j <= last)[:, None]
+
+
+def fallback(a: Args) -> torch.Tensor:
+    """Decode attention by SDPA with the lengths' mask; rows with no key are zeros."""
+    q = a["q"]
+    keep = visible(q, a["k"], a["cache_seqlens"])
+    out = F.scaled_dot_product_attention(q, a["k"], a["v"], attn_mask=keep, scale=_scale(a),
+                                         enable_gqa=a["k"].shape[1] != q.shape[1])
+    return torch.where(keep.any(-1, keepdim=True), out, torch.zeros_like(out))
+
+
+def spec() -> OpSpec:
+    """Returns the decode op's spec."""
+    return OpSpec(
+        schema=SCHEMA, params=parse_schema(SCHEMA), shape_refusal=shape_refusal,
+        call_kernel=lambda fn, a: fn(a["q"], a["k"], a["v"], a["cache_seqlens"],
+                                     scale=_scale(a)),
+        fallback=fallback, flags=lambda a: {})
+
+
+def hf_call(attention: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+            v: torch.Tensor, mask: Any, scale: float | None,
+            causal: bool) -> torch.Tensor | None:
+    """Returns the op's output (B, Hq, Sq, D) for a transformers call it serves, else None."""
+    Sq, kv_len = q.shape[2], k.shape[2]
+    one_step = Sq == 1 and kv_len >= 1
+    short_prompt = causal and Sq == kv_len <= MAX_SQ
+    if mask is not None or not (one_step or short_prompt):
+        return None
+    lens = torch.full((q.shape[0],), kv_len, dtype=torch.int32, device=q.device)
+    return attention(q, k, v, lens, scale=scale)

@@ -1,0 +1,348 @@
+"""Seed for `decode`: split-KV (FlashDecoding) attention over a KV cache, in Triton.
+
+q is (B, Hq, Sq, D), the cache k, v is (B, Hkv, Smax, D), and sequence b's valid cache is its
+first cache_seqlens[b] positions; query i of Sq sees keys 0 .. L - Sq + i (L its length).
+
+Two kernels:
+  _split_kv  one program per (batch * key/value head, split of the cache, block of query
+             rows). The G = Hq // Hkv query heads of a key/value head, times their Sq new
+             tokens, are the G*Sq rows of one tile (they are contiguous in q: head h =
+             kv*G + g, row g*Sq + i), so each cache block is loaded once for all of them. A
+             program folds its split of the cache into a running max, sum and float32
+             accumulator (online softmax, exp2), and writes its partial output and log2-sum-exp.
+             Splits let a batch of 1 fill the GPU: the cache of each sequence is cut into
+             `num_splits` pieces of `split` keys (a multiple of BLOCK_N), chosen on the host
+             from Smax, never from the lengths (reading them would synchronise with the host
+             and break CUDA-graph capture); splits past a sequence's length return at once.
+  _merge     one program per (batch * key/value head, block of rows): combines the splits
+             that hold keys, weighting each partial output by 2^(lse - max lse).
+With a single split the first kernel writes the output itself and no merge runs.
+
+Knobs (the lines marked `# evoattn: choice(...)`); every combination is correct (on a GPU, the
+largest tiles with the deepest pipelines may not fit in shared memory: the launch then fails):
+  BLOCK_N_D64, BLOCK_N_D128   keys per loop iteration, per head dim
+  NUM_WARPS, NUM_STAGES       the split kernel's launch settings (stages pipeline the cache loads)
+  MAX_BLOCK_M                 most query rows per tile: more rows than this (G*Sq > MAX_BLOCK_M)
+                              take several row blocks, each reading the cache again
+  PROGRAMS_PER_SM             the split count aims at this many programs per SM over the grid
+  MIN_SPLIT_KEYS              ... but gives no split fewer keys than this
+  MERGE_WARPS                 the merge kernel's warps
+  FAST_LAUNCH                 calls of a shape seen before launch the compiled kernels directly
+                              (Triton's argument binding and cache lookup skipped: tens of
+                              microseconds of host time per call, what a decode step pays)
+
+Rows with no visible key (L = 0, or L < Sq) output zeros. Loads never go past a sequence's
+length: the last block's rows past it are masked (read as zeros, scored -inf).
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# ---- knobs (one per line; the mutator rewrites only the value) ------------------------
+BLOCK_N_D64 = 64  # evoattn: choice(16, 32, 64, 128)
+BLOCK_N_D128 = 64  # evoattn: choice(16, 32, 64, 128)
+NUM_WARPS = 4  # evoattn: choice(1, 2, 4, 8)
+NUM_STAGES = 2  # evoattn: choice(1, 2, 3, 4)
+MAX_BLOCK_M = 64  # evoattn: choice(16, 32, 64, 128)
+PROGRAMS_PER_SM = 2  # evoattn: choice(1, 2, 4, 8)
+MIN_SPLIT_KEYS = 256  # evoattn: choice(64, 128, 256, 512, 1024, 2048)
+MERGE_WARPS = 4  # evoattn: choice(1, 2, 4, 8)
+FAST_LAUNCH = True  # evoattn: choice(True, False) when(@target!=cpu)
+
+MAX_SPLITS = 256               # the grid's second axis (at most 65535)
+INTERPRETER_SMS = 4            # the SM count assumed by Triton's CPU interpreter
+LOG2E = 1.44269504             # log2(e) = 1/ln 2: exp(x) == exp2(x * LOG2E)
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+# ---- capability helpers ---------------------------------------------------------------
+def _interpreting() -> bool:
+    """Returns True when Triton runs kernels on the CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# ---- kernels --------------------------------------------------------------------------
+@triton.jit
+def _fold(acc, l_i, m_i, q, K, V, kv_base, lo, hi, lim, L, qk_scale,
+          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+          UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Folds cache blocks [lo, hi) of one key/value head into (acc, l_i, m_i). Unmasked
+    blocks lie below L and every row sees all their keys; masked ones hide keys past each
+    row's last visible key `lim` (and never load at or past L)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + offs_n                                            # key positions
+        ptrs = kv_base + cols[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :]
+        if MASKED:
+            k = tl.load(K + ptrs, mask=cols[:, None] < L, other=0.0)      # (BLOCK_N, D)
+        else:
+            k = tl.load(K + ptrs)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # (BLOCK_M, BLOCK_N)
+        if MASKED:
+            s = tl.where(cols[None, :] <= lim[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)             # no -inf - -inf
+        p = tl.math.exp2(s - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)                                # rescales the old state
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(V + ptrs, mask=cols[:, None] < L, other=0.0)
+        else:
+            v = tl.load(V + ptrs)
+        if UPCAST:                      # the interpreter's bfloat16: p stays float32
+            v = v.to(tl.float32)
+        else:
+            p = p.to(v.dtype)                                            # as a flash kernel does
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _split_kv(Q, K, V, Lens, O, OPart, LsePart, SMAX, HKV, ROWS, SQ, SPLIT, NUM_SPLITS,
+              qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              DIRECT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Q, O: contiguous (B*Hkv, ROWS, D) views of (B, Hq, Sq, D); K, V: (B*Hkv, SMAX, D);
+    OPart (B*Hkv, NUM_SPLITS, ROWS, D) and LsePart (B*Hkv, NUM_SPLITS, ROWS) float32.
+    Grid: (B*Hkv, NUM_SPLITS, row blocks). DIRECT: one split, the output written here."""
+    bh = tl.program_id(0)                       # b * Hkv + key/value head
+    split = tl.program_id(1)
+    rb = tl.program_id(2)
+    L = tl.load(Lens + bh // HKV)
+    lo = split * SPLIT
+    if not DIRECT:
+        if lo >= L:                             # past the sequence: the merge skips it
+            return
+    hi = tl.minimum(lo + SPLIT, L)
+    rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)                          # tile rows
+    offs_d = tl.arange(0, HEAD_DIM)
+    lim = L - SQ + rows % SQ                    # row g*Sq + i sees keys 0 .. L - Sq + i
+    # -- q: (BLOCK_M, D), in registers throughout; rows past ROWS read as zeros
+    row_ptrs = bh.to(tl.int64) * ROWS * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :]
+    q = tl.load(Q + row_ptrs, mask=rows[:, None] < ROWS, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)            # running row max
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)                          # running row sum
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)                # unnormalised output
+    # Keys below L - Sq + 1 are visible to every row: whole blocks of them need no mask.
+    full_end = tl.minimum(hi, L - SQ + 1)
+    mid = lo + (tl.maximum(full_end - lo, 0) // BLOCK_N) * BLOCK_N
+    kv_base = bh.to(tl.int64) * SMAX * HEAD_DIM
+    acc, l_i, m_i = _fold(acc, l_i, m_i, q, K, V, kv_base, lo, mid, lim, L, qk_scale,
+                          HEAD_DIM, BLOCK_N, False, UPCAST, DOT_PRECISION)
+    acc, l_i, m_i = _fold(acc, l_i, m_i, q, K, V, kv_base, mid, hi, lim, L, qk_scale,
+                          HEAD_DIM, BLOCK_N, True, UPCAST, DOT_PRECISION)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)                              # no key: acc is 0
+    o = acc / l_safe[:, None]
+    keep_rows = rows[:, None] < ROWS
+    if DIRECT:
+        tl.store(O + row_ptrs, o.to(O.dtype.element_ty), mask=keep_rows)
+    else:
+        part = (bh.to(tl.int64) * NUM_SPLITS + split) * ROWS + rows
+        tl.store(OPart + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=keep_rows)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+        tl.store(LsePart + part, lse, mask=rows < ROWS)
+
+
+@triton.jit
+def _merge(OPart, LsePart, Lens, O, HKV, ROWS, SPLIT, NUM_SPLITS,
+           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Combines the splits holding keys of one (batch, key/value head) and row block."""
+    bh = tl.program_id(0)
+    rb = tl.program_id(1)
+    L = tl.load(Lens + bh // HKV)
+    used = tl.minimum(tl.cdiv(L, SPLIT), NUM_SPLITS)       # splits that wrote a result
+    rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    keep = rows < ROWS
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for s in range(0, used):
+        part = (bh.to(tl.int64) * NUM_SPLITS + s) * ROWS + rows
+        lse = tl.load(LsePart + part, mask=keep, other=float("-inf"))
+        o = tl.load(OPart + part[:, None] * HEAD_DIM + offs_d[None, :], mask=keep[:, None],
+                    other=0.0)
+        m_new = tl.maximum(m, lse)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m - m_sub)
+        w = tl.math.exp2(lse - m_sub)
+        acc = acc * alpha[:, None] + o * w[:, None]
+        l = l * alpha + w
+        m = m_new
+    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]                     # rows with no key: 0
+    row_ptrs = bh.to(tl.int64) * ROWS * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(O + row_ptrs, out.to(O.dtype.element_ty), mask=keep[:, None])
+
+
+# ---- wrapper ------------------------------------------------------------------------
+def _splits(programs: int, smax: int, block_n: int, device: torch.device) -> tuple[int, int]:
+    """Returns (num_splits, keys per split): enough programs for PROGRAMS_PER_SM per SM, no
+    split under MIN_SPLIT_KEYS keys, each a whole number of BLOCK_N blocks."""
+    want = triton.cdiv(PROGRAMS_PER_SM * _sm_count(device), programs)
+    most = triton.cdiv(smax, max(MIN_SPLIT_KEYS, block_n))
+    n = max(1, min(want, most, MAX_SPLITS))
+    split = triton.cdiv(triton.cdiv(smax, n), block_n) * block_n
+    return triton.cdiv(smax, split), split
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"expected q (B, Hq, Sq, D) and k, v (B, Hkv, Smax, D); got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, HQ, _, D = q.shape
+    if k.shape[0] != B or k.shape[3] != D or k.shape[1] == 0 or HQ % k.shape[1]:
+        raise ValueError(f"cache shape {tuple(k.shape)} does not fit q {tuple(q.shape)} "
+                         "(same B and D, Hq % Hkv == 0)")
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"expected q, k, v of one dtype, float16 or bfloat16; got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if D not in (64, 128):
+        raise ValueError(f"head dim {D} not supported (64 or 128)")
+    if tuple(lens.shape) != (B,) or lens.dtype != torch.int32:
+        raise ValueError(f"cache_seqlens must be int32 of shape ({B},); got {lens.dtype} "
+                         f"{tuple(lens.shape)}")
+    if not (q.device == k.device == v.device == lens.device):
+        raise ValueError("q, k, v and cache_seqlens must be on one device")
+    if q.device.type != "cuda" and not _interpreting():
+        raise RuntimeError("decode_triton needs CUDA tensors, or TRITON_INTERPRET=1 for CPU ones")
+
+
+class _Launch:
+    """One shape's launches, prepared by its first call: the compiled kernels, their grids and
+    every argument that does not change between calls of that shape."""
+
+    __slots__ = ("split", "grid", "ints", "constexprs", "merge", "merge_grid", "merge_ints",
+                 "merge_constexprs", "part_shape")
+
+    def __init__(self, split, grid: tuple, ints: tuple, constexprs: tuple,  # noqa: ANN001
+                 merge, merge_grid: tuple, merge_ints: tuple,  # noqa: ANN001
+                 merge_constexprs: tuple, part_shape: tuple | None) -> None:
+        self.split, self.grid, self.ints, self.constexprs = split, grid, ints, constexprs
+        self.merge, self.merge_grid = merge, merge_grid
+        self.merge_ints, self.merge_constexprs = merge_ints, merge_constexprs
+        self.part_shape = part_shape                        # None: one split, no merge
+
+
+# Launches prepared per (q shape, cache shape, dtype, device). Triton's launch hooks, if anyone
+# set them, are honoured by taking the ordinary path.
+_LAUNCHES: dict[tuple, _Launch] = {}
+_MAX_LAUNCHES = 256
+
+
+def _no_hook(hook) -> bool:  # noqa: ANN001
+    """Whether a Triton launch hook is unset (None, or an empty HookChain)."""
+    return hook is None or (hasattr(hook, "calls") and not hook.calls)
+
+
+def _fast_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor) -> bool:
+    """Whether a call may use a prepared launch: a real GPU, no launch hooks, contiguous and
+    16-byte aligned inputs (the compiled kernel assumed both of the first call's inputs)."""
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    return (FAST_LAUNCH and runtime is not None and q.device.type == "cuda"
+            and not _interpreting()
+            and _no_hook(getattr(runtime, "launch_enter_hook", None))
+            and _no_hook(getattr(runtime, "launch_exit_hook", None))
+            and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+            and lens.is_contiguous()
+            and (q.data_ptr() | k.data_ptr() | v.data_ptr() | lens.data_ptr()) % 16 == 0)
+
+
+def _launch_prepared(launch: _Launch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     lens: torch.Tensor, qk_scale: float) -> torch.Tensor:
+    """Launches a prepared shape's kernels on fresh inputs (see _LAUNCHES)."""
+    out = torch.empty_like(q)
+    if launch.part_shape is None:
+        o_part = lse_part = out
+    else:
+        o_part = torch.empty(launch.part_shape, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(launch.part_shape[:-1], dtype=torch.float32, device=q.device)
+    stream = torch._C._cuda_getCurrentRawStream(q.device.index)
+    s = launch.split
+    s.run(*launch.grid, stream, s.function, s.packed_metadata, None, None, None,
+          q, k, v, lens, out, o_part, lse_part, *launch.ints, qk_scale, *launch.constexprs)
+    if launch.merge is not None:
+        m = launch.merge
+        m.run(*launch.merge_grid, stream, m.function, m.packed_metadata, None, None, None,
+              o_part, lse_part, lens, out, *launch.merge_ints, *launch.merge_constexprs)
+    return out
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_seqlens: torch.Tensor,
+              scale: float | None = None) -> torch.Tensor:
+    """Returns attention of q (B, Hq, Sq, D), the newest Sq tokens, over the cache k, v
+    (B, Hkv, Smax, D) of per-sequence lengths cache_seqlens (int32, (B,))."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    fast = _fast_ok(q, k, v, cache_seqlens)
+    key = (q.shape, k.shape, q.dtype, q.device)
+    launch = _LAUNCHES.get(key) if fast else None
+    if launch is not None and v.shape == k.shape and k.dtype == q.dtype == v.dtype and \
+            cache_seqlens.dtype == torch.int32 and cache_seqlens.shape == q.shape[:1] and \
+            k.device == v.device == cache_seqlens.device == q.device:
+        return _launch_prepared(launch, q, k, v, cache_seqlens, scale * LOG2E)
+    _check(q, k, v, cache_seqlens)
+    return _forward(q, k, v, cache_seqlens, scale, key if fast else None)
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_seqlens: torch.Tensor,
+             scale: float, key: tuple | None) -> torch.Tensor:
+    """Launches the kernels through Triton; with a key, prepares the shape's fast launch."""
+    B, HQ, SQ, D = q.shape
+    HKV, SMAX = k.shape[1], k.shape[2]
+    rows = (HQ // HKV) * SQ                     # query rows sharing one key/value head
+    block_m = min(max(16, triton.next_power_of_2(rows)), MAX_BLOCK_M)
+    row_blocks = triton.cdiv(rows, block_m)
+    block_n = BLOCK_N_D64 if D == 64 else BLOCK_N_D128
+    num_splits, split = _splits(B * HKV * row_blocks, SMAX, block_n, q.device)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()   # no-ops for contiguous inputs
+    lens = cache_seqlens.contiguous()
+    # Triton's interpreter multiplies bfloat16 tiles as their raw bits and rounds float32 to
+    # bfloat16 by truncation, so there, and only there, the dots take bfloat16 values widened
+    # to float32 (exact products), p is not rounded, and the output is written in float32 and
+    # rounded to nearest by torch.
+    upcast = _interpreting() and q.dtype == torch.bfloat16
+    out = torch.empty(q.shape, dtype=torch.float32 if upcast else q.dtype, device=q.device)
+    direct = num_splits == 1
+    if direct:
+        o_part = lse_part = out                                # unused
+    else:
+        o_part = torch.empty(B * HKV, num_splits, rows, D, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(B * HKV, num_splits, rows, dtype=torch.float32, device=q.device)
+    grid = (B * HKV, num_splits, row_blocks)
+    ints = (SMAX, HKV, rows, SQ, split, num_splits)
+    constexprs = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct,
+                      UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32")
+    split_kernel = _split_kv[grid](q, k, v, lens, out, o_part, lse_part, *ints, scale * LOG2E,
+                                   **constexprs, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    merge_kernel, merge_grid = None, (B * HKV, row_blocks, 1)
+    merge_ints = (HKV, rows, split, num_splits)
+    merge_constexprs = dict(HEAD_DIM=D, BLOCK_M=block_m)
+    if not direct:
+        merge_kernel = _merge[merge_grid](o_part, lse_part, lens, out, *merge_ints,
+                                          **merge_constexprs, num_warps=MERGE_WARPS)
+    if key is not None and hasattr(split_kernel, "packed_metadata") and \
+            (direct or hasattr(merge_kernel, "packed_metadata")):
+        if len(_LAUNCHES) >= _MAX_LAUNCHES:
+            _LAUNCHES.clear()
+        _LAUNCHES[key] = _Launch(split_kernel, grid, ints, tuple(constexprs.values()),
+                                 merge_kernel, merge_grid, merge_ints,
+                                 tuple(merge_constexprs.values()),
+                                 None if direct else tuple(o_part.shape))
+    return out.to(q.dtype) if upcast else out

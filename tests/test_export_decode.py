@@ -1,0 +1,122 @@
+"""An exported `decode` kernel: its op with the lengths argument, its SDPA fallback, and a tiny
+Hugging Face Llama generating through it (the CPU guard sends every call to the fallback, so
+what is checked is the routing: generation steps reach the op, a long prompt does not)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from evaluator.types import Verdict
+from evoattn import settings
+from evoattn.export import export_run
+from evoattn.sandbox import SubprocessEvaluator
+from test_export_package import _py, _store_run
+
+ROOT = Path(__file__).resolve().parent.parent
+SEED = ROOT / "seeds" / "decode" / "decode_triton.py"
+
+
+def _export(tmp: Path, device: str) -> dict:
+    """The decode seed, checked by the real evaluator on `device`, stored as a run and exported."""
+    prob = settings.problem("decode")
+    request = settings.eval_request("decode", prob, device, None, None,
+                                    settings.evaluator_config(trials=1))
+    ev = SubprocessEvaluator(dataclasses.replace(request, check_only=True))
+    try:
+        result = ev.evaluate(SEED.read_text(), ".py", SEED.name)
+    finally:
+        ev.close()
+    assert result.verdict is Verdict.PASS, result.reason
+    _store_run(tmp / "run", SEED.read_text(), dataclasses.replace(result, fitness=1.0),
+               problem="decode")
+    summary = export_run(tmp / "run", tmp / "out")
+    return {"out": tmp / "out", "summary": summary}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> dict:
+    return _export(tmp_path_factory.mktemp("decode_pkg"), "cpu")
+
+
+@pytest.mark.slow
+def test_decode_op_falls_back_to_sdpa_over_the_lengths_on_cpu(exported) -> None:
+    s = exported["summary"]
+    got = _py(f"""
+        import json, torch
+        import {s.package} as pkg
+        torch.manual_seed(0)
+        q = torch.randn(3, 4, 2, 64)
+        k, v = torch.randn(3, 2, 10, 64), torch.randn(3, 2, 10, 64)
+        lens = torch.tensor([10, 1, 0], dtype=torch.int32)
+        out = pkg.attention(q, k, v, lens)
+        # by hand: query i of sequence b sees keys 0 .. L - 2 + i
+        want = torch.zeros_like(q)
+        for b, L in enumerate(lens.tolist()):
+            for h in range(4):
+                for i in range(2):
+                    n = L - 2 + i + 1
+                    if n > 0:
+                        p = torch.softmax(q[b, h, i] @ k[b, h // 2, :n].T / 8.0, -1)
+                        want[b, h, i] = p @ v[b, h // 2, :n]
+        print(json.dumps({{"err": (out - want).abs().max().item(), "stats": pkg.stats()}}))
+    """, cwd=exported["out"])
+    r = json.loads(got.splitlines()[-1])
+    assert r["err"] < 1e-5
+    assert r["stats"]["fallback_reasons"] == {
+        "verified on cpu only (the kernel runs on CUDA GPUs)": 1}
+
+
+GENERATE = """
+        import json, torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+        import {package} as pkg
+        from {package} import hf
+        hf.register()
+        cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=97)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg).eval().to("{device}", torch.{dtype})
+        out = {{}}
+        for name, prompt in (("long", 21), ("short", 5)):
+            ids = torch.randint(1, 97, (2, prompt), device="{device}")
+            kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0,
+                      attention_mask=torch.ones_like(ids))            # no padding
+            with torch.no_grad():
+                model.set_attn_implementation("sdpa")
+                ref = model.generate(ids, **kw)
+                model.set_attn_implementation("evoattn")
+                pkg.reset_stats()
+                got = model.generate(ids, **kw)
+            out[name] = {{"same": bool(torch.equal(ref, got)), "stats": pkg.stats()}}
+        print(json.dumps(out))
+"""     # head dim 64: a verified one
+
+
+@pytest.mark.slow
+def test_tiny_llama_generates_through_the_decode_op(exported) -> None:
+    s = exported["summary"]
+    got = _py(GENERATE.format(package=s.package, device="cpu", dtype="float32"),
+              cwd=exported["out"])
+    r = json.loads(got.splitlines()[-1])
+    cpu = "verified on cpu only (the kernel runs on CUDA GPUs)"
+    # 8 new tokens: a prefill and 7 one-token steps, 2 layers each
+    assert r["long"]["same"] and r["short"]["same"]
+    assert r["long"]["stats"]["fallback_reasons"] == {
+        cpu: 14, "decode: this call's pattern is not the kernel's": 2}    # a 21-token prompt
+    assert r["short"]["stats"]["fallback_reasons"] == {cpu: 16}           # 5 tokens: causal
+
+
+@pytest.mark.gpu
+def test_tiny_llama_generation_steps_run_the_kernel_on_gpu(tmp_path) -> None:
+    ex = _export(tmp_path, "cuda")
+    got = _py(GENERATE.format(package=ex["summary"].package, device="cuda", dtype="float16"),
+              cwd=ex["out"])
+    r = json.loads(got.splitlines()[-1])
+    assert r["long"]["same"] and r["short"]["same"], r
+    assert r["long"]["stats"]["kernel"] == 14 and r["long"]["stats"]["fallback_reasons"] == {
+        "decode: this call's pattern is not the kernel's": 2}
+    assert r["short"]["stats"]["kernel"] == 16 and r["short"]["stats"]["fallback"] == 0
+
