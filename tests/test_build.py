@@ -1,4 +1,4 @@
-"""Tests for evaluator.build: flags, cache keys, log trimming, and real nvcc builds."""
+"""Tests for evaluator.runtime: flags, cache keys, conditions, log trimming, and real nvcc builds."""
 from __future__ import annotations
 
 import ctypes
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from evaluator import build
-from evaluator.build import (BuildResult, LoadError, build_fast, cache_key, fast_flags,
-                             gencode_flags, load_fast, torch_arch_list, trim_log)
+from evaluator import runtime
+from evaluator.runtime import (BuildResult, LoadError, build_fast, cache_key, fast_flags,
+                               gencode_flags, load_fast, torch_arch_list, trim_log)
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 
@@ -116,7 +116,7 @@ def test_build_then_cache_hit_without_running_nvcc(tmp_path, monkeypatch):
 
     def no_nvcc(*a, **kw):
         raise AssertionError("nvcc ran for a cached build")
-    monkeypatch.setattr(build, "_run_group", no_nvcc)
+    monkeypatch.setattr(runtime, "_run_group", no_nvcc)
     second = build_fast(src, cache, ARCH, 120)
     assert second.ok and second.cached and second.path == first.path
     assert not [e for e in _entries(cache) if e.startswith(".tmp-")]

@@ -64,7 +64,7 @@ def load_seed(case: dict[str, Any], workdir: Path, index: int, device: str = "cp
     """Imports a (possibly rewritten) copy of the case's seed program as a fresh module: its
     files in a directory of their own, knob values set as the mutator sets them (by key), and,
     on a GPU, its CUDA companions built and handed over as the evaluator does."""
-    from evaluator import build, program
+    from evaluator import program, runtime
     from evaluator.knobs import find_knobs, set_knobs as set_program_knobs
     from evaluator.loader import build_companions
     main = SEEDS_DIR / f"{case['seed']}.py"
@@ -89,7 +89,7 @@ def load_seed(case: dict[str, Any], workdir: Path, index: int, device: str = "cp
         import torch
         major, minor = torch.cuda.get_device_capability()
         libraries = build_companions(path, path.read_text(), workdir / "cache", 600,
-                                     build.detect_arch(), f"sm{major}{minor}")[0]
+                                     runtime.detect_arch(), f"sm{major}{minor}")[0]
     spec = importlib.util.spec_from_file_location(f"seed_{index}", path)
     module = importlib.util.module_from_spec(spec)
     module.EVOATTN_LIBRARIES = libraries

@@ -99,7 +99,7 @@ def test_probe_knows_which_ring_depths_fit_in_shared_memory(tmp_path):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def test_seed_builds_for_sm90a_without_spills_or_serialised_wgmma(tmp_path):
     """At the seed's knob setting, with the evaluator's own nvcc flags."""
-    from evaluator.build import fast_flags
+    from evaluator.runtime import fast_flags
     proc = subprocess.run(
         ["nvcc", *fast_flags("sm_90a"), "-Xptxas", "-v", "-o", str(tmp_path / "lib.so"),
          str(SEED)], capture_output=True, text=True, timeout=600)
