@@ -73,8 +73,8 @@ def test_op_calls_the_kernel_with_the_problems_arguments(tmp_path, problem):
         attention = lambda *a, **kw: ops.SPEC.bind(a, kw)
         args = {call}
         kernel = getattr(pkg.load_kernel_module(), "attention")
-        mine = ops.SPEC.call_kernel(kernel, args)
-        theirs = ops.SPEC.fallback(args)
+        mine = ops.SPEC.call_kernel(kernel, *args.values())
+        theirs = ops.SPEC.fallback_for(args)(*args.values())
         op = pkg.{call}
         print(json.dumps({{"schema": str(getattr(torch.ops, pkg.NAMESPACE).attention.default._schema),
                            "err": (mine - theirs).abs().max().item(),
