@@ -85,6 +85,65 @@ def test_export_writes_a_package_with_the_kernel_and_its_evidence(exported):
         assert text in readme, text
 
 
+def test_the_package_ships_the_evaluators_runtime_unchanged_and_imports_it(exported):
+    s, out = exported["summary"], exported["out"]
+    shipped = out / s.package / "_runtime.py"
+    assert shipped.read_bytes() == (ROOT / "evaluator" / "runtime.py").read_bytes()
+    assert not (out / s.package / "_build.py").exists()
+    got = _py(f"""
+        import json, sys, torch
+        import {s.package} as pkg
+        from {s.package} import _loader
+        pkg.attention(*(torch.randn(1, 2, 8, 64) for _ in range(3)))
+        print(json.dumps({{"runtime": _loader._runtime.__file__,
+                           "evaluator": sorted(m for m in sys.modules
+                                               if m.split(".")[0] == "evaluator")}}))
+    """, cwd=exported["tmp"], env={"PYTHONPATH": str(out)})
+    r = json.loads(got.splitlines()[-1])
+    assert Path(r["runtime"]).resolve() == shipped.resolve() and r["evaluator"] == []
+
+
+def test_the_op_decides_once_per_call_key(exported):
+    """A repeated call looks its decision up; new strides, dtype, device or arguments decide
+    again, through attention() and through torch.ops alike."""
+    s = exported["summary"]
+    got = _py(f"""
+        import json, torch
+        import {s.package} as pkg
+        from {s.package} import guard
+        checks = []
+        real = guard.refusal
+        guard.refusal = lambda *a: checks.append(1) or real(*a)
+        op = getattr(torch.ops, pkg.NAMESPACE).attention
+        x = lambda: torch.randn(1, 2, 16, 64)
+        q = x()
+        seen = []
+        def after(call):
+            call()
+            seen.append(len(checks))
+        after(lambda: pkg.attention(q, q, q))
+        after(lambda: pkg.attention(q, q, q))                    # the same call
+        after(lambda: pkg.attention(x(), x(), x()))              # other tensors, same key
+        after(lambda: op(x(), x(), x()))                         # the op: the same key
+        t = torch.randn(1, 16, 2, 64).transpose(1, 2)
+        after(lambda: pkg.attention(t, q, q))                    # strides
+        after(lambda: pkg.attention(t, q, q))
+        after(lambda: pkg.attention(q.half(), q.half(), q.half()))   # dtype
+        m = q.to("meta")
+        after(lambda: pkg.attention(m, m, m))                    # device
+        after(lambda: pkg.attention(m, m, m))
+        after(lambda: pkg.attention(q, q, q, causal=True))       # another argument
+        after(lambda: op(q, q, q, True))
+        after(lambda: pkg.attention(q, q, q, scale=0.5))
+        print(json.dumps({{"seen": seen, "stats": pkg.stats()}}))
+    """, cwd=exported["out"])
+    r = json.loads(got.splitlines()[-1])
+    assert r["seen"] == [1, 1, 1, 1, 2, 2, 3, 4, 4, 5, 5, 6]
+    assert r["stats"]["fallback"] == 12 and r["stats"]["kernel"] == 0
+    assert r["stats"]["fallback_reasons"] == {
+        "verified on cpu only (the kernel runs on CUDA GPUs)": 12}
+
+
 def test_package_imports_in_a_fresh_process_and_registers_the_op(exported):
     s = exported["summary"]
     got = _py(f"""

@@ -111,7 +111,7 @@ def _decide(values: tuple[Any, ...], key: tuple) -> Decision:
     """Decides what a call key runs (the guard's checks, the kernel's load, a layout check)
     and remembers it."""
     assert SPEC is not None
-    args = dict(zip(SPEC.names, values))
+    args = SPEC.bind(values, {})              # the dispatcher leaves trailing defaults out
     reason = guard.refusal(META["verified"], SPEC, args)
     kernel = None
     if reason is None:
@@ -226,7 +226,7 @@ def _entry_for(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., t
         reason = "inputs require grad (the kernel is forward-only)"
         _log_once(reason)
         return _counted(reason, SPEC.fallback_for(bound), False)
-    values = tuple(bound.values())              # bind() keeps the schema's order
+    values = SPEC.trim(tuple(bound.values()))   # as the op will get them: the same key
     key = tuple(map(_meta, values))
     decision = _decisions.get(key) or _decide(values, key)
     if decision.fallback is not None:

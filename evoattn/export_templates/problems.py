@@ -52,6 +52,16 @@ class OpSpec:
     def names(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.params)
 
+    def trim(self, values: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Returns the values without trailing defaults, as PyTorch's dispatcher hands them to
+        the op (so that a call and its dispatched form share one call key)."""
+        n = len(values)
+        while n and not self.params[n - 1].required and not isinstance(values[n - 1], torch.Tensor) \
+                and type(values[n - 1]) is type(self.params[n - 1].default) \
+                and values[n - 1] == self.params[n - 1].default:
+            n -= 1
+        return values[:n]
+
     def layout_needs(self, args: Args) -> frozenset[str]:
         """Returns what a call asks of the kernel beyond its contract's dense inputs: "strided"
         (a tensor that is not contiguous), "gqa" (k, v with fewer heads than q, to repeat)."""
