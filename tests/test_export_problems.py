@@ -250,3 +250,34 @@ def test_a_kernel_that_ignores_strides_gets_contiguous_copies(tmp_path):
                           "stats": pkg.stats()}))
     """)
     assert max(r["errs"]) < 4e-3 and r["copied"] and r["stats"]["kernel"] == 2, r
+
+
+def test_eager_calls_skip_the_dispatcher_unless_a_mode_is_watching(tmp_path):
+    """attention() runs the kernel without entering PyTorch's dispatcher; under a dispatch mode
+    the call goes through the op, so the mode sees it."""
+    out, s = export_problem(tmp_path, "sdpa", ("float16",), device="cpu")
+    r = _serve(out, s.package, """
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Seen(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.ops = []
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                self.ops.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        q, k, v = (torch.randn(1, 2, 16, 64).half() for _ in range(3))
+        pkg.attention(q, k, v)
+        launched.clear()
+        with torch.profiler.profile() as prof:
+            plain = pkg.attention(q, k, v)
+        with Seen() as seen:
+            watched = pkg.attention(q, k, v)
+        name = f"{pkg.NAMESPACE}.attention"
+        print(json.dumps({"profiled": [e.name for e in prof.events() if "attention" in e.name],
+                          "seen": [o for o in seen.ops if o.startswith(name)],
+                          "launches": len(launched), "same": torch.equal(plain, watched)}))
+    """)
+    assert r["profiled"] == [] and r["seen"] == [f"{s.namespace}.attention.default"], r
+    assert r["launches"] == 2 and r["same"], r

@@ -9,10 +9,12 @@ a layout (its INPUT_LAYOUTS: "strided", any strides; "gqa", k and v with fewer h
 such inputs as they lie once it has given, on the first call of that key, what it gives on
 contiguous copies; other kernels get the copies.
 
-`attention()`, called eagerly, decides before the op: a call that falls back runs SDPA
-directly, never entering the op. Under torch.compile it goes through the op, which decides
-per call at run time. `stats()` counts both kinds of call; a CUDA graph replay runs no
-Python, so replays are not counted.
+`attention()`, called eagerly, decides before the op and skips PyTorch's dispatcher (tens of
+microseconds for an op implemented in Python): a call that falls back runs SDPA directly, a
+call on plain tensors with no dispatch or function mode active runs what the op would run. Under
+torch.compile, and under such modes, it goes through the op, which decides per call at run
+time. `stats()` counts both kinds of call; a CUDA graph replay runs no Python, so replays are
+not counted.
 """
 from __future__ import annotations
 
@@ -86,7 +88,8 @@ def _log_once(reason: str, warning: bool = False) -> None:
 def _meta(value: Any) -> Any:
     """Returns what a call key keeps of one argument."""
     if isinstance(value, torch.Tensor):
-        return (value.shape, value.stride(), value.dtype, value.device, value.requires_grad)
+        return (type(value), value.shape, value.stride(), value.dtype, value.device,
+                value.requires_grad)
     return value
 
 
@@ -155,16 +158,18 @@ def _takes_as_given(kernel: _loader.Kernel, args: problems.Args,
 
 
 def _kernel_run(fn: Callable[..., Any], direct: bool) -> Callable[..., torch.Tensor]:
+    """Returns what runs the kernel: on the inputs as they are, or on dense copies (tensors
+    come positionally; other arguments may come by name, as a Python call passes them)."""
     call, dense = SPEC.call_kernel, SPEC.dense
 
     if direct:
-        def run(*values: Any) -> torch.Tensor:
+        def run(*values: Any, **named: Any) -> torch.Tensor:
             _counts["kernel"] += 1
-            return call(fn, *values).contiguous()
+            return call(fn, *values, **named).contiguous()
     else:
-        def run(*values: Any) -> torch.Tensor:
+        def run(*values: Any, **named: Any) -> torch.Tensor:
             _counts["kernel"] += 1
-            return call(fn, *dense(values)).contiguous()
+            return call(fn, *dense(values), **named).contiguous()
     return run
 
 
@@ -212,12 +217,15 @@ def attention(*args: Any, **kwargs: Any) -> torch.Tensor:
            torch.is_grad_enabled())
     entry = _entries.get(key)
     if entry is None:
-        entry = _remember(_entries, key, _entry_for(args, kwargs))
+        entry = _entry_for(args, kwargs, key)
     return entry(*args, **kwargs)
 
 
-def _entry_for(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., torch.Tensor]:
-    """Returns what attention() runs for calls like this one: the op, or a counted SDPA."""
+def _entry_for(args: tuple[Any, ...], kwargs: dict[str, Any],
+               entry_key: tuple) -> Callable[..., torch.Tensor]:
+    """Returns what attention() runs for calls like this one (the op's run without the
+    dispatcher, the op, or a counted SDPA), remembered under entry_key once the op's own
+    decision is."""
     if SPEC is None:
         raise NotImplementedError(f"problem {META['problem']} has no attention op; "
                                   "see load_kernel_module()")
@@ -225,13 +233,29 @@ def _entry_for(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., t
     if SPEC.fallback_for is not None and _needs_grad(bound):
         reason = "inputs require grad (the kernel is forward-only)"
         _log_once(reason)
-        return _counted(reason, SPEC.fallback_for(bound), False)
+        return _remember(_entries, entry_key, _counted(reason, SPEC.fallback_for(bound), False))
     values = SPEC.trim(tuple(bound.values()))   # as the op will get them: the same key
     key = tuple(map(_meta, values))
     decision = _decisions.get(key) or _decide(values, key)
+    if key not in _decisions:                   # decided for this call only (see _decide)
+        return _dispatch
     if decision.fallback is not None:
-        return _counted(str(decision.reason), decision.fallback, False)
-    return _dispatch
+        return _remember(_entries, entry_key,
+                         _counted(str(decision.reason), decision.fallback, False))
+    tensors_positional = all(not isinstance(v, torch.Tensor) for v in kwargs.values())
+    # A refusal to raise, tensors passed by name, tensor subclasses: the op handles them.
+    if decision.reason is not None or not tensors_positional or \
+            any(type(v) is not torch.Tensor for v in values if isinstance(v, torch.Tensor)):
+        return _remember(_entries, entry_key, _dispatch)
+    run = decision.run
+    modes, function_modes = torch._C._len_torch_dispatch_stack, \
+        torch._C._is_torch_function_mode_enabled
+
+    def direct(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if modes() or function_modes():        # a mode wants to see the op: let it
+            return _dispatch(*args, **kwargs)
+        return run(*args, **kwargs)
+    return _remember(_entries, entry_key, direct)
 
 
 def _needs_grad(bound: problems.Args) -> bool:
