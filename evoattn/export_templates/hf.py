@@ -113,7 +113,7 @@ def _through_op(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: to
     problem = ops.META["problem"]
     causal = causal and q.shape[2] > 1
     if problem in ("sdpa", "gqa"):
-        return ops.attention(q, k, v, causal=causal, scale=scale)
+        return ops.attention(q, k, v, causal, scale)   # positional: the shortest call key
     if problem not in ("sliding_window", "masked"):
         return None                                  # before repeating k and v for nothing
     k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
