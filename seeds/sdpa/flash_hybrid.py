@@ -41,9 +41,7 @@ _CUDA_ERRORS = {1: "cudaErrorInvalidValue: a shape, or more shared memory than a
                 98: "cudaErrorInvalidDeviceFunction: built without sm_90a code",
                 801: "cudaErrorNotSupported: the driver has no cuTensorMapEncodeTiled"}
 _LIBRARIES: dict = globals().get("EVOATTN_LIBRARIES", {})   # set by the loader, see above
-# Any strides and k, v with fewer heads than q (see flash_triton.py): Triton reads them as they
-# lie; the CUDA kernel reads contiguous (B, H, S, D) of one shape, so its calls copy them first.
-INPUT_LAYOUTS = ("strided", "gqa")
+INPUT_LAYOUTS = ("strided", "gqa")  # see flash_triton.py (CUDA calls copy)
 
 
 def _sibling(name: str):  # noqa: ANN202
@@ -96,14 +94,12 @@ _ROUTES: dict[tuple, bool] = {}   # (device, dtype, head dim, causal) -> CUDA?, 
 
 def _cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                     scale: float) -> torch.Tensor:
-    """Runs the CUDA kernel on the current stream of q's device (contiguous copies of other
-    layouts, k and v repeated to q's heads: the kernel takes neither)."""
+    """Runs the CUDA kernel on the current stream of q's device."""
     if not (q.shape == k.shape == v.shape and q.dtype == k.dtype == v.dtype
             and q.device == k.device == v.device):
-        _triton._check_inputs(q, k, v)             # raises the descriptive error unless GQA
-        group = q.shape[1] // k.shape[1]           # kv head h // group serves query head h
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()   # no-ops for contiguous inputs
+        _triton._check_inputs(q, k, v)             # raises unless GQA, which CUDA does not take
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], 1) for t in (k, v))
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()   # it takes no strides either
     out = torch.empty_like(q)
     B, H, S, D = q.shape
     index = q.device.index
@@ -123,9 +119,8 @@ def _cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               causal: bool = False, scale: float | None = None) -> torch.Tensor:
-    """Returns softmax(q kᵀ·scale [+ top-left causal mask]) v for q (B, H, S, D) and k, v
-    (B, Hkv, S, D), from the CUDA kernel where the CUDA_* knobs send the call, else from the
-    Triton kernel."""
+    """Returns softmax(q kᵀ·scale [+ top-left causal mask]) v for (B, H, S, D) inputs, from
+    the CUDA kernel where the CUDA_* knobs send the call, else from the Triton kernel."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     causal = bool(causal)

@@ -39,8 +39,6 @@ Correct for any S >= 1: key columns past S get a score of -inf and query rows pa
 never stored (the pointer path masks loads and stores; the TMA path uses 4-D descriptors of
 shape (B, H, S, D), so out-of-range rows of a head read as zeros and stores are clipped at
 that head's S, never spilling into the next head). float32 inputs use IEEE dots (no TF32).
-Inputs are read where they lie, with their strides (only a non-contiguous last dim is copied),
-and k, v may have fewer heads than q (GQA): INPUT_LAYOUTS says so to whoever loads the file.
 """
 from __future__ import annotations
 
@@ -92,10 +90,7 @@ BLOCK_N_D64_SMALL_GRID = 128  # evoattn: choice(32, 64, 128) when(CUDA_D64=False
 FAST_LAUNCH = True  # evoattn: choice(True, False) when(CUDA_D64=False, CUDA_D64_CAUSAL=False, CUDA_D128=False, CUDA_D128_CAUSAL=False, @target!=sm90) when(@target!=cpu)
 
 LOG2E = 1.44269504  # log2(e) = 1/ln 2: exp(x) == exp2(x * LOG2E)
-# What attention() takes as it is, beyond contiguous q, k, v of one shape: any strides, and
-# k, v with fewer heads than q. An exported package passes such calls through without copies
-# once it has checked, per layout, that the result equals this file's on contiguous copies.
-INPUT_LAYOUTS = ("strided", "gqa")
+INPUT_LAYOUTS = ("strided", "gqa")  # attention() reads any strides, and k, v of fewer heads
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -130,14 +125,12 @@ def _num_sms(device: torch.device) -> int:
 # ---- kernel -------------------------------------------------------------------------
 @triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, q, K, V, k_base, v_base, sks, svs, b, h_kv, offs_m, lo, hi,
-                    S, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                    S, qk_scale,
+                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                     CAUSAL: tl.constexpr, SCALE_NONNEG: tl.constexpr, EXP2: tl.constexpr,
                     TMA: tl.constexpr, WARP_SPEC: tl.constexpr, DOT_PRECISION: tl.constexpr,
                     UPCAST: tl.constexpr):
-    """Folds key/value blocks [lo, hi) into (acc, l_i, m_i); MASKED applies the S and causal masks.
-
-    K, V: pointers with k_base/v_base the element offset of kv head (b, h_kv) and sks/svs the
-    row strides, or 4-D (B, Hkv, S, D) tensor descriptors loaded at [b, h_kv, row, 0] if TMA."""
+    """Folds key/value blocks [lo, hi) into (acc, l_i, m_i); MASKED applies the S and causal masks."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
@@ -203,22 +196,19 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, k_base, v_base, sks, svs, b, h_kv, o
 
 @triton.jit
 def _attn_fwd_tile(Q, K, V, O, m_idx, off_hz, S, H, GROUP, sqb, sqh, sqs, skb, skh, sks,
-                   svb, svh, svs, sob, soh, sos, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   svb, svh, svs, qk_scale,
+                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, CAUSAL_SPLIT: tl.constexpr, SCALE_NONNEG: tl.constexpr,
                    EXP2: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """Computes output rows [m_idx*BLOCK_M, +BLOCK_M) of head `off_hz` (a flat b*H + h).
-
-    Query head h reads kv head h // GROUP (GROUP = Hq // Hkv: grouped-query attention)."""
+    """Computes output rows [m_idx*BLOCK_M, +BLOCK_M) of head `off_hz` (a flat b*H + h)."""
     start_m = m_idx * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)                              # query indices
     offs_d = tl.arange(0, HEAD_DIM)
-    b = off_hz // H
-    h = off_hz % H
+    b, h = off_hz // H, off_hz % H
     h_kv = h // GROUP
-    # element offsets of this (b, h) slice of q and o, and of its (b, h_kv) slice of k and v
     b64, h64, hkv64 = b.to(tl.int64), h.to(tl.int64), h_kv.to(tl.int64)
-    q_base, o_base = b64 * sqb + h64 * sqh, b64 * sob + h64 * soh
+    q_base, o_base = b64 * sqb + h64 * sqh, off_hz.to(tl.int64) * S * HEAD_DIM  # O: contiguous
     k_base, v_base = b64 * skb + hkv64 * skh, b64 * svb + hkv64 * svh
     # -- q: (BLOCK_M, HEAD_DIM); it stays in registers throughout. Rows past S read as zeros.
     if TMA:
@@ -244,11 +234,11 @@ def _attn_fwd_tile(Q, K, V, O, m_idx, off_hz, S, H, GROUP, sqb, sqh, sqs, skb, s
         hi = S
         split = (S // BLOCK_N) * BLOCK_N          # only the last, partial block needs the mask
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, k_base, v_base, sks, svs, b, h_kv,
-                                    offs_m, 0, split, S, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, SCALE_NONNEG,
-                                    EXP2, TMA, WARP_SPEC, DOT_PRECISION, UPCAST)
+                                    offs_m, 0, split, S, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL,
+                                    SCALE_NONNEG, EXP2, TMA, WARP_SPEC, DOT_PRECISION, UPCAST)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, k_base, v_base, sks, svs, b, h_kv,
-                                    offs_m, split, hi, S, qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, SCALE_NONNEG,
-                                    EXP2, TMA, WARP_SPEC, DOT_PRECISION, UPCAST)
+                                    offs_m, split, hi, S, qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL,
+                                    SCALE_NONNEG, EXP2, TMA, WARP_SPEC, DOT_PRECISION, UPCAST)
     # -- epilogue: normalise once. Top-left causal never leaves a row without keys, but a
     # zero row sum must not become 0/0 = NaN.
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -256,7 +246,7 @@ def _attn_fwd_tile(Q, K, V, O, m_idx, off_hz, S, H, GROUP, sqb, sqh, sqs, skb, s
     if TMA:
         O.store([b, h, start_m, 0], out.reshape(1, 1, BLOCK_M, HEAD_DIM))  # clipped at S
     else:
-        tl.store(O + o_base + offs_m[:, None] * sos + offs_d[None, :], out,
+        tl.store(O + o_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], out,
                  mask=offs_m[:, None] < S)
 
 
@@ -279,27 +269,26 @@ def _tile_coords(tile, num_m, BH, CAUSAL: tl.constexpr, HEAD_MAJOR: tl.constexpr
 # candidate compiles 2-4 kernels, not one per divisibility class of S).
 @triton.jit(do_not_specialize=["S", "BH", "H", "GROUP"])
 def _attn_fwd(Q, K, V, O, qk_scale, S, BH, H, GROUP, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
-              sob, soh, sos, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               CAUSAL: tl.constexpr, CAUSAL_SPLIT: tl.constexpr, SCALE_NONNEG: tl.constexpr,
               EXP2: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
               DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PERSISTENT: tl.constexpr,
               HEAD_MAJOR: tl.constexpr, HEAVY_FIRST: tl.constexpr):
-    """Q, O: (B, H, S, D); K, V: (B, H // GROUP, S, D). Pointers with the strides s<t><b|h|s>
-    (the last dim contiguous), or 4-D tensor descriptors if TMA."""
+    """Q, O: (B, H, S, D), K, V: (B, H // GROUP, S, D); strided pointers, or descriptors if TMA."""
     num_m = tl.cdiv(S, BLOCK_M)
     if PERSISTENT:
         num_tiles = num_m * BH
         for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0)):
             m_idx, off_hz = _tile_coords(tile, num_m, BH, CAUSAL, HEAD_MAJOR, HEAVY_FIRST)
             _attn_fwd_tile(Q, K, V, O, m_idx, off_hz, S, H, GROUP, sqb, sqh, sqs, skb, skh, sks,
-                           svb, svh, svs, sob, soh, sos, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                           svb, svh, svs, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
                            CAUSAL, CAUSAL_SPLIT, SCALE_NONNEG, EXP2, TMA, WARP_SPEC,
                            DOT_PRECISION, UPCAST)
     else:
         m_idx, off_hz = _tile_coords(tl.program_id(0), num_m, BH, CAUSAL, HEAD_MAJOR,
                                      HEAVY_FIRST)
         _attn_fwd_tile(Q, K, V, O, m_idx, off_hz, S, H, GROUP, sqb, sqh, sqs, skb, skh, sks,
-                       svb, svh, svs, sob, soh, sos, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                       svb, svh, svs, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
                        CAUSAL, CAUSAL_SPLIT, SCALE_NONNEG, EXP2, TMA, WARP_SPEC, DOT_PRECISION,
                        UPCAST)
 
@@ -331,33 +320,16 @@ def _launch_settings(head_dim: int, causal: bool, seq_len: int, bh: int,
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Raises ValueError unless q is (B, H, S, D) and k, v are (B, Hkv, S, D) with H a multiple
-    of Hkv, all of one dtype and device."""
-    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or \
-            (k.shape[0], k.shape[2], k.shape[3]) != (q.shape[0], q.shape[2], q.shape[3]) or \
-            k.shape[1] < 1 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"expected q (B, H, S, D) and k, v (B, Hkv, S, D) with H % Hkv == 0; "
-                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    """Raises ValueError unless q is (B, H, S, D), k, v (B, Hkv, S, D), of one dtype and device."""
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or k.shape[1] < 1 or \
+            q.shape[1] % k.shape[1] or q[:, :k.shape[1]].shape != k.shape:
+        raise ValueError(f"expected q (B, H, S, D) and k, v (B, H / n, S, D); got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"expected q, k, v of one dtype among float16/bfloat16/float32; got "
                          f"{q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError("q, k and v must be on one device")
-
-
-def _rows_dense(t: torch.Tensor) -> torch.Tensor:
-    """Returns t itself when its last dim is contiguous (any other strides are the kernel's to
-    follow), else a contiguous copy."""
-    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
-
-
-def _tma_ok(*tensors: torch.Tensor) -> bool:
-    """Whether TMA can describe these (B, H, S, D) tensors: 16-byte aligned bases and strides."""
-    for t in tensors:
-        size = t.element_size()
-        if t.data_ptr() % 16 or any((st * size) % 16 for st in t.stride()[:3]):
-            return False
-    return True
 
 
 class _Desc:
@@ -372,8 +344,7 @@ class _Desc:
 
 
 class _Launch:
-    """One call key's launch, prepared by its first call: the compiled kernel, its grid and
-    every argument that does not change between calls with that key (shapes, strides)."""
+    """One call key's launch, prepared by its first call: every argument but the tensors."""
 
     __slots__ = ("run", "function", "packed", "grid", "out_shape", "descs", "ints",
                  "constexprs")
@@ -385,10 +356,8 @@ class _Launch:
         self.ints, self.constexprs = ints, constexprs
 
 
-# Launches prepared per (shapes, strides, dtype, device, causality, TMA, WS, sign of the scale):
-# a call with a known key skips Triton's argument binding and cache lookup (tens of microseconds
-# of host time per call) and calls the compiled kernel's launcher directly. Triton's launch
-# hooks, if anyone set them, are honoured by taking the ordinary path.
+# Launches prepared per call key: a known key skips Triton's argument binding and cache lookup
+# (tens of µs of host time) for the compiled kernel's launcher. Launch hooks take the usual path.
 _LAUNCHES: dict[tuple, _Launch] = {}
 _MAX_LAUNCHES = 256
 
@@ -400,7 +369,7 @@ def _no_hook(hook) -> bool:  # noqa: ANN001
 
 def _fast_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether a call may use a prepared launch: a real GPU, no launch hooks, 16-byte aligned
-    inputs (the compiled kernel assumed the first call's alignment; its strides are keyed)."""
+    inputs (the compiled kernel assumed the first call's alignment)."""
     return (FAST_LAUNCH and q.device.type == "cuda" and not _interpreting()
             and _no_hook(triton.knobs.runtime.launch_enter_hook)
             and _no_hook(triton.knobs.runtime.launch_exit_hook)
@@ -409,11 +378,7 @@ def _fast_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
              use_tma: bool, warp_specialize: bool) -> torch.Tensor:
-    """Checks shapes and launches the kernel with the module's knobs (TMA and WS as given).
-
-    q, k, v are read where they lie: any strides with a contiguous last dim (e.g. the
-    (B, S, H, D) storage of transformers' projections viewed as (B, H, S, D)), and k, v with
-    fewer heads than q. The output is a new contiguous (B, H, S, D) tensor."""
+    """Checks shapes and launches the kernel with the module's knobs (TMA and WS as given)."""
     fast = _fast_ok(q, k, v)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, causal,
            use_tma, warp_specialize, scale >= 0)
@@ -431,21 +396,20 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     num_sms = _num_sms(q.device)
     block_m, block_n, num_warps, num_stages = _launch_settings(D, causal, S, BH, num_sms)
     num_tiles = triton.cdiv(S, block_m) * BH
-    q, k, v = _rows_dense(q), _rows_dense(k), _rows_dense(v)   # no-ops for models' layouts
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (B, H, S, D), contiguous
-    # TMA needs 16-byte aligned bases and strides: other views take the pointer path.
-    use_tma = use_tma and _tma_ok(q, k, v)
+    use_tma = use_tma and not any(  # TMA needs 16-byte aligned bases and strides
+        t.data_ptr() % 16 or (t.stride(0) | t.stride(1) | t.stride(2)) * t.element_size() % 16
+        for t in (q, k, v))
     descs = None
     if use_tma:
-        # 4-D descriptors (B, H, S, D) over each tensor's own strides: TMA zero-fills loads past
-        # S and clips stores at S per (b, h), and k, v keep their own (fewer) heads.
+        # 4-D (B, H, S, D) views: TMA zero-fills loads past S and clips stores at S per head.
         descs = tuple((list(t.shape), list(t.stride()), [1, 1, rows, D])
                       for t, rows in ((q, block_m), (k, block_n), (v, block_n), (out, block_m)))
         args = tuple(TensorDescriptor(t, *d) for t, d in zip((q, k, v, out), descs))
     else:
         args = (q, k, v, out)
-    ints = (S, BH, H, H // k.shape[1], *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-            *out.stride()[:3])
+    ints = (S, BH, H, H // k.shape[1], *q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
     grid = (min(num_tiles, PROGRAMS_PER_SM * num_sms) if PERSISTENT else num_tiles,)
     qk_scale = scale * LOG2E if USE_EXP2 else scale
     # Triton 3.6's interpreter multiplies bfloat16 tiles as their raw uint16 bits (garbage), so
@@ -493,8 +457,7 @@ def _launch_prepared(launch: _Launch, q: torch.Tensor, k: torch.Tensor, v: torch
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               causal: bool = False, scale: float | None = None) -> torch.Tensor:
-    """Returns softmax(q kᵀ·scale [+ top-left causal mask]) v for q (B, H, S, D) and k, v
-    (B, Hkv, S, D), query head h reading kv head h // (H // Hkv); any strides."""
+    """Returns softmax(q kᵀ·scale [+ top-left causal mask]) v for (B, H, S, D) inputs."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     device = q.device
