@@ -3,8 +3,8 @@
     python benchmarks/op_calls.py --export DIR [--dtypes float16,bfloat16] [--layout bhsd|model]
                                   [--fallback] [--json F]
 
-Imports the package from DIR (an `evoattn export` directory, or any directory holding the
-installed package) and, per default config and dtype, prints: the host time of one call while
+Imports the package from DIR (an `evoattn export` directory, or a run directory) and, per
+default config and dtype, prints: the host time of one call while
 the GPU is held busy (a sleep kernel queued first, so no call waits for the GPU), for
 `attention()` and for `F.scaled_dot_product_attention`; the per-call time of back-to-back eager
 calls on distinct inputs, for both; and how many calls ran the kernel. `--layout model` passes
@@ -23,14 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.hf_model import load_export  # noqa: E402
 from benchmarks.host_cost import eager_ms, host_us  # noqa: E402
-
-
-def load_package(export_dir: Path):  # noqa: ANN201
-    """Imports the exported package found in export_dir."""
-    manifest = json.loads((export_dir / "export.json").read_text())
-    sys.path.insert(0, str(export_dir))
-    return importlib.import_module(manifest["package"])
 
 
 def inputs(cfg: dict, dtype, layout: str, n: int) -> list[tuple]:  # noqa: ANN001
@@ -59,7 +53,7 @@ def main() -> None:
     import torch.nn.functional as F
 
     from evaluator.problems import get_problem
-    pkg = load_package(a.export)
+    pkg = load_export(str(a.export))
     if a.fallback:
         importlib.import_module(f"{pkg.__name__}.guard").KERNEL_DEVICE_TYPES = ()
     rows = []
