@@ -281,3 +281,37 @@ def test_eager_calls_skip_the_dispatcher_unless_a_mode_is_watching(tmp_path):
     """)
     assert r["profiled"] == [] and r["seen"] == [f"{s.namespace}.attention.default"], r
     assert r["launches"] == 2 and r["same"], r
+
+
+def test_a_llama_prefill_reaches_the_kernel_with_its_own_views_and_kv_heads(tmp_path):
+    """Through hf.register(): each layer's call reaches the kernel entry with transformers'
+    (B, S, H, D) view of q and k, v at their own (fewer) heads, and the logits match SDPA's."""
+    out, s = export_problem(tmp_path, "sdpa", ("float16",), device="cpu")
+    r = _serve(out, s.package, """
+        import transformers
+        seen = []
+        real_attention = mod.attention
+        def watched(q, k, v, causal=False, scale=None):
+            seen.append([q.is_contiguous(), q.shape[1], k.shape[1]])
+            return real_attention(q, k, v, causal=causal, scale=scale)
+        mod.attention = watched
+        pkg.hf.register()
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, vocab_size=97)).eval().half()
+        ids = torch.randint(0, 97, (1, 19))
+        with torch.no_grad():
+            model.set_attn_implementation("sdpa")
+            ref = model(ids).logits.float()
+            model.set_attn_implementation("evoattn")
+            model(ids)                               # decides (one layout check)
+            seen.clear()
+            pkg.reset_stats()
+            got = model(ids).logits.float()
+        print(json.dumps({"err": (got - ref).abs().max().item(), "seen": seen,
+                          "stats": pkg.stats()}))
+    """)
+    assert r["stats"]["kernel"] == 2 and r["stats"]["fallback"] == 0, r
+    assert r["seen"] == [[False, 2, 1], [False, 2, 1]], r       # views, k/v unrepeated
+    assert r["err"] < 5e-2, r
