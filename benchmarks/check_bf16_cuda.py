@@ -5,7 +5,7 @@
         [--cu SEED.cu ...] [--trials N] [--no-timing] [--no-routes] [--json FILE]
 
 For trusted files only (the seeds): builds, as the evaluator does (evaluator/loader.py and
-evaluator/build.py: the same nvcc flags, arch and companion conditions), the CUDA companions of
+evaluator/runtime.py: the same nvcc flags, arch and companion conditions), the CUDA companions of
 PROGRAM (default seeds/sdpa/flash_hybrid.py, whose wgmma_flash.cu serves the head dims its
 CUDA_* knobs route there) and loads the program in this process; and builds each --cu seed on
 its own in the fast form (default seeds/sdpa/wgmma_flash.cu, which then serves D=64 and
@@ -40,7 +40,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from evaluator import build, cases, checks, program  # noqa: E402
+from evaluator import cases, checks, program, runtime as build  # noqa: E402
 from evaluator.knobs import set_knobs  # noqa: E402
 from evaluator.loader import LoadFailure, build_companions, companion_headers  # noqa: E402
 from evaluator.problems import get_problem  # noqa: E402

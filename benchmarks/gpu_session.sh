@@ -8,6 +8,7 @@
 # seed   the default seed alone: a one-iteration run of configs/default.yaml, exported
 #        (what `hf` needs, without a search)
 # hf     the exported best inside a Hugging Face Llama model (benchmarks/hf_model.py)
+# op     the exported best's op against SDPA per default config (benchmarks/op_calls.py)
 # dask   a short search through a Dask scheduler and one GPU worker on this machine
 # Results land in $OUT/results.tgz. Unpack it into benchmarks/results/ (git ignores it), then
 #   python benchmarks/make_page.py collect benchmarks/results && python benchmarks/make_page.py page
@@ -84,6 +85,17 @@ hf)
       --device cuda --head-dims $d --seqs "${HF_SEQS:-512,2048,8192}" --compile --dynamic \
       --runs 5 --warmup 2 --json "$R/hf_d$d.json" > "$R/hf_d$d.txt" 2>&1
     echo "exit $?" >> "$R/hf_d$d.txt"; grep -v Warning "$R/hf_d$d.txt" | tail -12
+  done
+  ;;
+op)
+  # the exported op as a user calls it (needs `seed` or `run` first): host µs and eager time per
+  # call against SDPA, both dtypes; transformers' layout with GQA; the fallback alone
+  for how in "--layout bhsd" "--layout model" "--layout bhsd --fallback"; do
+    name=$(echo "$how" | tr -d ' -')
+    log "op calls $how"
+    timeout "${OP_S:-300}" python benchmarks/op_calls.py --export /tmp/run-default/best $how \
+      --json "$R/op_$name.json" > "$R/op_$name.txt" 2>&1
+    echo "exit $?" >> "$R/op_$name.txt"; tail -3 "$R/op_$name.txt"
   done
   ;;
 dask)

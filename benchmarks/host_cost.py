@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from evaluator import build, program  # noqa: E402
+from evaluator import program, runtime  # noqa: E402
 from evaluator.knobs import set_knobs  # noqa: E402
 from evaluator.loader import build_companions  # noqa: E402
 from evoattn.mutators.knobs import parse_settings  # noqa: E402
@@ -34,7 +34,7 @@ def load(path: Path, sets: list[str], tmp: Path):  # noqa: ANN201
     source = set_knobs(source, parse_settings(str(path), source, sets)) if sets else source
     main = program.write(source, tmp, path.name)
     major, minor = torch.cuda.get_device_capability()
-    libs = build_companions(main, main.read_text(), tmp / "cache", 600, build.detect_arch(),
+    libs = build_companions(main, main.read_text(), tmp / "cache", 600, runtime.detect_arch(),
                             f"sm{major}{minor}")[0]
     spec = importlib.util.spec_from_file_location("host_cost_program", main)
     mod = importlib.util.module_from_spec(spec)

@@ -6,7 +6,7 @@
         [--set KNOB=VALUE ...] [--causal] [--calls 2]
 
 Builds the seed with the knob values given (checked as `evoattn eval --set` checks them)
-through evaluator.build, calls its entry point `--calls` times on random float16 inputs, and
+through evaluator.runtime, calls its entry point `--calls` times on random float16 inputs, and
 checks the last output against torch's SDPA, so a profile of a wrong kernel says so. Prints
 one line; exits 0 when the output matches, 1 when it does not or the call fails, 2 on bad
 arguments.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from evaluator import build  # noqa: E402
+from evaluator import runtime  # noqa: E402
 from evaluator.loader import companion_headers  # noqa: E402
 from evoattn.mutators.knobs import parse_settings, set_knobs  # noqa: E402
 
@@ -54,13 +54,13 @@ def build_seed(seed: Path, source: str, tmp: Path):
     src = tmp / seed.name
     src.write_text(source)
     headers = companion_headers(seed, source)
-    res = build.build_fast(src, tmp / "cache", build.detect_arch(), timeout_s=600,
+    res = runtime.build_fast(src, tmp / "cache", runtime.detect_arch(), timeout_s=600,
                            extra_files=headers)
     if not res.ok:
         raise RuntimeError(f"{seed}: build failed:\n{res.log}")
     try:
-        return build.load_fast(res.path, "evoattn_sdpa")
-    except build.LoadError as e:
+        return runtime.load_fast(res.path, "evoattn_sdpa")
+    except runtime.LoadError as e:
         raise RuntimeError(str(e)) from None
 
 

@@ -4,7 +4,7 @@
     USE_TMA = True  # evoattn: choice(True, False)             structural switch
     #define BLOCK_N 64  // evoattn: choice(32, 64, 128)        CUDA macro
     constexpr int WARPS = 4;  // evoattn: choice(4, 8)         CUDA constant
-    TILE = 64  # evoattn: choice(32, 64) when(PATH=a, PATH=b)  gated (conditions.py): the knob's
+    TILE = 64  # evoattn: choice(32, 64) when(PATH=a, PATH=b)  gated (runtime.py): the knob's
                                                                code runs only when this holds
 In a program of several files (program.py) a knob belongs to its file, and its key is its
 name, or `file:name` where two files have a knob of that name. A when(...) term names a knob
@@ -19,7 +19,7 @@ import dataclasses
 import re
 from typing import Mapping
 
-from . import conditions
+from . import runtime
 
 _PY = re.compile(r"^(?P<pre>\s*(?P<name>[A-Za-z_]\w*)\s*(?::\s*[\w\[\]., ]+)?=\s*)"
                  r"(?P<val>[^#\n]+?)(?P<post>\s*#\s*evoattn:\s*choice\((?P<choices>[^)]*)\)[^\n]*)$")
@@ -39,7 +39,7 @@ class Knob:
     line: int
     value: str
     choices: tuple[str, ...]
-    when: conditions.Conditions = ()   # all groups must hold for the knob's code to run
+    when: runtime.Conditions = ()   # all groups must hold for the knob's code to run
     file: str = ""                     # its file in a program of several files
     key: str = ""                      # unique in the program: name, or "file:name"
 
@@ -61,7 +61,7 @@ def find_knobs(source: str) -> list[Knob]:
         if m:
             choices = tuple(c.strip() for c in m["choices"].split(",") if c.strip())
             found.append((m["name"], i, m["val"].strip(), choices,
-                          conditions.parse(m["post"]), current))
+                          runtime.parse_conditions(m["post"]), current))
     counts = collections.Counter(name for name, *_ in found)
     return [Knob(name, i, val, ch, when, file, name if counts[name] == 1 else f"{file}:{name}")
             for name, i, val, ch, when, file in found]
@@ -91,7 +91,7 @@ def active(knobs: list[Knob], facts: Mapping[str, str] | None = None) -> list[Kn
 
     cache: dict[str, dict[str, str]] = {}
     return [k for k in knobs
-            if conditions.holds(k.when, cache.setdefault(k.file, values_for(k.file)), facts)]
+            if runtime.holds(k.when, cache.setdefault(k.file, values_for(k.file)), facts)]
 
 
 def values_of(knobs: list[Knob]) -> dict[str, str]:

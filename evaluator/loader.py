@@ -7,16 +7,12 @@ PyTorch-extension CUDA file (built with torch.utils.cpp_extension).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import re
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from . import runtime
 from .problems.base import Problem
-from .program import LIBRARIES_GLOBAL, declared_companions
-
-HEADER_SUFFIXES = (".cuh", ".h", ".hpp", ".inc")
+from .program import declared_companions
 
 RunFn = Callable[[dict[str, Any], dict[str, Any]], Any]
 
@@ -40,14 +36,6 @@ class Loaded:
     build_seconds: float | None = None
 
 
-def cuda_form(source: str) -> str:
-    """Returns 'cuda-ext' for a PyTorch-extension source, else 'cuda-fast'."""
-    if re.search(r"#\s*include\s*[<\"](torch/extension\.h|torch/torch\.h|ATen/)", source) or \
-            re.search(r"torch::Tensor\s+attention\s*\(", source):
-        return "cuda-ext"
-    return "cuda-fast"
-
-
 def build_candidate(path: Path, problem: Problem, cache_dir: Path, build_timeout_s: float,
                     arch: str | None, facts: dict[str, str] | None = None
                     ) -> Callable[[], Loaded]:
@@ -57,26 +45,24 @@ def build_candidate(path: Path, problem: Problem, cache_dir: Path, build_timeout
     headers = companion_headers(path, source)
     import torch
     has_gpu = torch.cuda.is_available()
-    from . import build
-    arch = arch or (build.detect_arch() if has_gpu else "sm_90a")
+    arch = arch or (runtime.detect_arch() if has_gpu else "sm_90a")
     if path.suffix == ".py":
         target = None
         if has_gpu:
-            major, minor = torch.cuda.get_device_capability()
-            target = f"sm{major}{minor}"
+            target = runtime.target_fact(runtime.arch_for(*torch.cuda.get_device_capability()))
         libraries, log, cached, seconds = build_companions(path, source, cache_dir,
                                                            build_timeout_s, arch, target, facts)
         return lambda: _load_python(path, problem, libraries, log, cached, seconds)
-    form = cuda_form(source)
+    form = runtime.cuda_form(source)
     if form == "cuda-fast":
         if not problem.cuda_symbol:
             raise LoadFailure("load", f"problem {problem.name} has no fast CUDA form")
         if problem.cuda_symbol not in source:
             raise LoadFailure("load", f"{path.name}: no extern \"C\" function "
                                       f"{problem.cuda_symbol} (see the README's CUDA contract)")
-        res = build.build_fast(path, cache_dir, arch, build_timeout_s, extra_files=headers)
+        res = runtime.build_fast(path, cache_dir, arch, build_timeout_s, extra_files=headers)
     else:
-        res = build.build_extension(path, cache_dir, arch, build_timeout_s)
+        res = runtime.build_extension(path, cache_dir, arch, build_timeout_s)
     if not res.ok:
         raise LoadFailure("build", _first_error(res.log) or "build failed", res.log)
 
@@ -87,13 +73,13 @@ def build_candidate(path: Path, problem: Problem, cache_dir: Path, build_timeout
                               "need a GPU to run", res.log)
         if form == "cuda-fast":
             try:
-                cfn = build.load_fast(res.path, problem.cuda_symbol)
-            except build.LoadError as e:
+                cfn = runtime.load_fast(res.path, problem.cuda_symbol)
+            except runtime.LoadError as e:
                 raise LoadFailure("load", f"{path.name}: {e}") from None
             run = _fast_runner(cfn, problem)
         else:
             try:
-                mod = build.load_extension(res.path)
+                mod = runtime.load_extension(res.path)
             except Exception as e:  # noqa: BLE001 - a candidate's failure is data
                 raise LoadFailure("load", f"extension failed to load: {e}") from None
             fn = getattr(mod, "attention", None)
@@ -110,8 +96,7 @@ def build_candidate(path: Path, problem: Problem, cache_dir: Path, build_timeout
 
 def companion_headers(path: Path, source: str) -> dict[str, bytes]:
     """Returns the header files (by name) a main file declares as companions, read beside it."""
-    return {c.name: (path.parent / c.name).read_bytes() for c in declared_companions(source)
-            if Path(c.name).suffix in HEADER_SUFFIXES and (path.parent / c.name).is_file()}
+    return runtime.header_files(path.parent, (c.name for c in declared_companions(source)))
 
 
 def build_companions(path: Path, source: str, cache_dir: Path, timeout_s: float, arch: str,
@@ -120,8 +105,6 @@ def build_companions(path: Path, source: str, cache_dir: Path, timeout_s: float,
     """Builds the `.cu` companions a Python main file declares, where their conditions hold for
     the GPU `target` ("sm90"; None: no GPU, nothing could run them, nothing is built) and the
     main file's knob values; returns {name: library path}, the log, cached?, seconds."""
-    from . import build
-    from .conditions import holds
     from .knobs import find_knobs, values_of
     if target is None:
         return {}, "", None, None
@@ -129,16 +112,15 @@ def build_companions(path: Path, source: str, cache_dir: Path, timeout_s: float,
     values = values_of(find_knobs(source))
     headers = companion_headers(path, source)
     libraries, logs, cached, seconds = {}, [], True, 0.0
-    for comp in declared_companions(source):
-        if Path(comp.name).suffix != ".cu" or not holds(comp.when, values, facts):
-            continue
-        res = build.build_fast(path.parent / comp.name, cache_dir, arch, timeout_s,
-                               extra_files=headers)
-        logs.append(f"[{comp.name}] {res.log}".strip())
+    companions = ((c.name, c.when) for c in declared_companions(source))
+    for name in runtime.cuda_companions(companions, values, facts):
+        res = runtime.build_fast(path.parent / name, cache_dir, arch, timeout_s,
+                                 extra_files=headers)
+        logs.append(f"[{name}] {res.log}".strip())
         if not res.ok:
-            raise LoadFailure("build", f"{comp.name}: " + (_first_error(res.log) or
-                                                           "build failed"), res.log)
-        libraries[comp.name] = res.path
+            raise LoadFailure("build", f"{name}: " + (_first_error(res.log) or
+                                                      "build failed"), res.log)
+        libraries[name] = res.path
         cached = cached and res.cached
         seconds += res.seconds
     if not libraries:
@@ -172,14 +154,10 @@ def loaded_module(path: Path) -> Any:
 def _load_python(path: Path, problem: Problem, libraries: dict[str, str], log: str,
                  cached: bool | None, seconds: float | None) -> Loaded:
     name = _module_name(path)
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise LoadFailure("load", f"{path.name}: cannot be imported as a Python module")
-    mod = importlib.util.module_from_spec(spec)
-    setattr(mod, LIBRARIES_GLOBAL, dict(libraries))   # the built companions, before it runs
-    sys.modules[name] = mod
     try:
-        spec.loader.exec_module(mod)
+        mod = runtime.import_main(path, name, libraries)
+    except runtime.LoadError as e:
+        raise LoadFailure("load", str(e)) from None
     except SyntaxError as e:
         raise LoadFailure("load", f"{path.name}:{e.lineno}: syntax error: {e.msg}") from None
     except BaseException as e:  # noqa: BLE001 - includes SystemExit from a candidate

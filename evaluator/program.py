@@ -14,7 +14,7 @@ program ids need nothing new. The main file names its companions, one per line:
     # evoattn: companion flash_triton.py
     # evoattn: companion wgmma_flash.cu when(@target=sm90)
 
-(`//` instead of `#` in a CUDA main file). A companion's `when(...)` (evaluator/conditions.py)
+(`//` instead of `#` in a CUDA main file). A companion's `when(...)` (evaluator/runtime.py)
 says where it can run: the evaluator builds a `.cu` companion of a Python main file only on
 a GPU where its conditions hold, and hands the library's path to the main module before it
 runs, as `EVOATTN_LIBRARIES = {"wgmma_flash.cu": "/path/lib.so"}` in its globals; anything
@@ -27,13 +27,12 @@ import re
 from pathlib import Path
 from typing import Mapping
 
-from . import conditions
+from . import runtime
 
 HEADER = "#### evoattn file: {name} ####"
 _HEADER = re.compile(r"^#### evoattn file: (?P<name>[A-Za-z0-9_][A-Za-z0-9_.-]*) ####$", re.M)
 _COMPANION = re.compile(r"^\s*(?:#|//)\s*evoattn:\s*companion\s+(?P<name>[A-Za-z0-9_][\w.-]*)"
                         r"(?P<rest>[^\n]*)$", re.M)
-LIBRARIES_GLOBAL = "EVOATTN_LIBRARIES"
 
 
 class ProgramError(ValueError):
@@ -45,7 +44,7 @@ class Companion:
     """A file the main file declares it needs, and where it can run."""
 
     name: str
-    when: conditions.Conditions = ()
+    when: runtime.Conditions = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +76,7 @@ class ProgramFiles:
 
 def declared_companions(main_text: str) -> tuple[Companion, ...]:
     """Returns the `evoattn: companion NAME [when(...)]` lines of a main file."""
-    return tuple(Companion(m["name"], conditions.parse(m["rest"]))
+    return tuple(Companion(m["name"], runtime.parse_conditions(m["rest"]))
                  for m in _COMPANION.finditer(main_text))
 
 
@@ -152,7 +151,7 @@ def live_names(files: ProgramFiles, facts: Mapping[str, str] | None = None,
     keep = [files.main_name]
     for name in files.names[1:]:
         comp = declared.get(name)
-        if comp is None or conditions.holds(comp.when, values, facts):
+        if comp is None or runtime.holds(comp.when, values, facts):
             keep.append(name)
     return tuple(keep)
 

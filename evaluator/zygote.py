@@ -67,8 +67,8 @@ def _warm_imports(torch, guards) -> None:  # noqa: ANN001
     try:
         with guards.DispatchWatch(guards.Violations()):
             torch.empty(2).add_(1)
-        from . import build
-        build.toolchain_id()           # `nvcc --version`, cached: not once per CUDA candidate
+        from . import runtime
+        runtime.toolchain_id()           # `nvcc --version`, cached: not once per CUDA candidate
         from triton.runtime.cache import triton_key
         triton_key()                   # hashes Triton's own files (cached): ~0.6 s once
     except Exception:  # noqa: BLE001 - only a speed-up: the candidates import what is missing

@@ -221,8 +221,12 @@ def _guard(info: KernelInfo) -> list[str]:
         lines.append(f"- causal: {', '.join(map(str, v['causal']))}")
     lines += ["- shapes: the problem's contract (checked on odd sequence lengths too), up to "
               "2**31 elements per tensor",
-              "- layout: non-contiguous inputs (as transformers passes after a transpose) are "
-              "copied to contiguous ones first; the output is contiguous",
+              "- layout: strided inputs (transformers' (B, S, H, D) views) and k, v with fewer "
+              "heads go to the kernel as they lie when its INPUT_LAYOUTS says it takes them and "
+              "it gives on them, at the first call of that layout, what it gives on contiguous "
+              "copies; otherwise it gets the copies. The op's output is contiguous",
+              "- each call key (shapes, strides, dtypes, devices, arguments) is decided once; "
+              "a repeated call looks its decision up",
               "- autograd: inputs that require grad take SDPA (the kernel is forward-only)",
               "", "A kernel that cannot be built or imported on a machine (no nvcc, say) is "
               "reported once as a warning, and every call runs SDPA.", ""]

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from evaluator import program as program_files
+from evaluator import runtime
 from evaluator.knobs import find_knobs, values_of
 from evaluator.types import EvalResult, Verdict
 
@@ -22,9 +23,13 @@ from .types import Program
 
 TEMPLATES = Path(__file__).resolve().parent / "export_templates"
 # template file -> its name in the package (the template directory is no package itself)
-TEMPLATE_MODULES = {"package_init.py": "__init__.py", "_build.py": "_build.py",
-                    "_loader.py": "_loader.py", "guard.py": "guard.py", "hf.py": "hf.py",
-                    "ops.py": "ops.py", "problems.py": "problems.py", "decode.py": "decode.py"}
+TEMPLATE_MODULES = {"package_init.py": "__init__.py", "_loader.py": "_loader.py",
+                    "guard.py": "guard.py", "hf.py": "hf.py", "ops.py": "ops.py",
+                    "problems.py": "problems.py", "decode.py": "decode.py"}
+# The evaluator's build, cache key, flags and when(...) rules, shipped unchanged: a package
+# builds its kernel exactly as the run that verified it did.
+RUNTIME = Path(runtime.__file__).resolve()
+RUNTIME_MODULE = "_runtime.py"
 BUILTIN_OPS = ("sdpa", "gqa", "masked", "sliding_window", "strided", "decode")
 ID_CHARS = 12                          # of the program id, in package and op names
 
@@ -67,7 +72,7 @@ def describe(best: Program, problem: str, user_problem: bool, entry: str) -> Ker
     files = program_files.split(best.source, f"best{best.suffix}")
     names = names_for(problem, best.id)
     main = files.main_name
-    form = "python" if main.endswith(".py") else _cuda_form(files.main_text)
+    form = "python" if main.endswith(".py") else runtime.cuda_form(files.main_text)
     schema = user_schema(files.main_text, entry) if user_problem and form == "python" else None
     meta = {
         "package": names.package, "dist": names.dist, "namespace": names.namespace,
@@ -80,11 +85,6 @@ def describe(best: Program, problem: str, user_problem: bool, entry: str) -> Ker
         "schema": schema,
     }
     return KernelInfo(names=names, problem=problem, files=files, meta=meta)
-
-
-def _cuda_form(source: str) -> str:
-    from evaluator.loader import cuda_form
-    return cuda_form(source)
 
 
 def verified_set(result: EvalResult | None) -> dict[str, Any]:
@@ -159,6 +159,7 @@ def package_files(info: KernelInfo, evidence: dict[str, str]) -> dict[str, str]:
     out = {"pyproject.toml": _pyproject(info)}
     for template, name in TEMPLATE_MODULES.items():
         out[f"{pkg}/{name}"] = (TEMPLATES / template).read_text()
+    out[f"{pkg}/{RUNTIME_MODULE}"] = RUNTIME.read_text()
     out[f"{pkg}/kernel.json"] = json.dumps(info.meta, indent=2) + "\n"
     for name, text in info.files.files:
         out[f"{pkg}/kernel/{name}"] = text

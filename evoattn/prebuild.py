@@ -17,10 +17,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from evaluator import build, program
-from evaluator.conditions import holds
+from evaluator import program, runtime
 from evaluator.knobs import find_knobs, values_of
-from evaluator.loader import companion_headers, cuda_form
+from evaluator.loader import companion_headers
 from evaluator.request import EvalRequest
 
 from .sandbox import SandboxSettings, child_env, default_cache_dir, detect_target
@@ -28,16 +27,11 @@ from .sandbox import SandboxSettings, child_env, default_cache_dir, detect_targe
 BUILD_THREADS = max(1, (os.cpu_count() or 2) // 2)
 
 
-def target_of(arch: str) -> str:
-    """Returns the `@target` fact of an nvcc target: "sm_90a" -> "sm90"."""
-    return "sm" + "".join(c for c in arch.removeprefix("sm_") if c.isdigit())
-
-
 def arch_of(target: str | None) -> str | None:
     """Returns the nvcc target the child picks on a GPU of this `@target` ("sm90" ->
     "sm_90a"), or None for anything else ("cpu", unknown)."""
     m = re.fullmatch(r"sm(\d+)(\d)", target or "")
-    return build.arch_for(int(m[1]), int(m[2])) if m else None
+    return runtime.arch_for(int(m[1]), int(m[2])) if m else None
 
 
 class Prebuilder:
@@ -48,7 +42,7 @@ class Prebuilder:
         self.cache_dir = os.path.realpath(sandbox.cache_dir or default_cache_dir())
         self.secret_names = sandbox.secret_env_names
         self.timeout_s = request.build_timeout_s
-        target = target_of(request.arch) if request.arch else detect_target(request.device)
+        target = runtime.target_fact(request.arch) if request.arch else detect_target(request.device)
         # None: the GPU cannot be told from here, so only the child knows what to build.
         self.arch = request.arch or arch_of(target)
         self.facts = {"target": target or "", **request.facts}
@@ -65,15 +59,14 @@ class Prebuilder:
             return ()
         main = files.main_name
         if main.endswith(".cu"):
-            return (main,) if cuda_form(files.main_text) == "cuda-fast" else ()
+            return (main,) if runtime.cuda_form(files.main_text) == "cuda-fast" else ()
         if not main.endswith(".py"):
             return ()
         values = values_of(find_knobs(files.main_text))
-        return tuple(c.name for c in files.companions()
-                     if c.name.endswith(".cu") and c.name in files.names
-                     and holds(c.when, values, self.facts))
+        present = [(c.name, c.when) for c in files.companions() if c.name in files.names]
+        return tuple(runtime.cuda_companions(present, values, self.facts))
 
-    def submit(self, source: str, suffix: str) -> cf.Future[tuple[build.BuildResult, ...]] | None:
+    def submit(self, source: str, suffix: str) -> cf.Future[tuple[runtime.BuildResult, ...]] | None:
         """Starts the program's builds on a CPU thread; None when it has nothing to build."""
         names = self.names(source, suffix)
         if not names:
@@ -85,14 +78,14 @@ class Prebuilder:
         self._threads.shutdown(wait=False, cancel_futures=True)
 
     def _build(self, source: str, suffix: str,
-               names: tuple[str, ...]) -> tuple[build.BuildResult, ...]:
+               names: tuple[str, ...]) -> tuple[runtime.BuildResult, ...]:
         assert self.arch is not None
         work = tempfile.mkdtemp(prefix="evoattn-nvcc-")
         try:
             main = program.write(source, work, f"candidate{suffix}")
             headers = companion_headers(main, main.read_text())   # the build's cache key
             env = child_env(dict(os.environ), work, self.cache_dir, "cuda", self.secret_names)
-            return tuple(build.build_fast(Path(work) / name, self.cache_dir, self.arch,
+            return tuple(runtime.build_fast(Path(work) / name, self.cache_dir, self.arch,
                                           self.timeout_s, extra_files=headers, env=env)
                          for name in names)
         finally:

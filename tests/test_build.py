@@ -1,4 +1,4 @@
-"""Tests for evaluator.build: flags, cache keys, log trimming, and real nvcc builds."""
+"""Tests for evaluator.runtime: flags, cache keys, conditions, log trimming, and real nvcc builds."""
 from __future__ import annotations
 
 import ctypes
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from evaluator import build
-from evaluator.build import (BuildResult, LoadError, build_fast, cache_key, fast_flags,
-                             gencode_flags, load_fast, torch_arch_list, trim_log)
+from evaluator import runtime
+from evaluator.runtime import (BuildResult, LoadError, build_fast, cache_key, fast_flags,
+                               gencode_flags, load_fast, torch_arch_list, trim_log)
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 
@@ -116,7 +116,7 @@ def test_build_then_cache_hit_without_running_nvcc(tmp_path, monkeypatch):
 
     def no_nvcc(*a, **kw):
         raise AssertionError("nvcc ran for a cached build")
-    monkeypatch.setattr(build, "_run_group", no_nvcc)
+    monkeypatch.setattr(runtime, "_run_group", no_nvcc)
     second = build_fast(src, cache, ARCH, 120)
     assert second.ok and second.cached and second.path == first.path
     assert not [e for e in _entries(cache) if e.startswith(".tmp-")]
@@ -170,3 +170,35 @@ def test_python_candidate_with_a_latin1_comment_loads(tmp_path):
     path.write_bytes(b"# caf\xe9\ndef attention(q, k, v, causal=False, scale=None):\n    return q\n")
     loaded = build_candidate(path, get_problem("sdpa"), tmp_path / "cache", 10.0, None)()
     assert loaded.form == "python"
+
+
+# ---- the shared rules: conditions and companion selection -------------------------
+
+def test_cuda_companions_are_the_cu_files_whose_conditions_hold():
+    from evaluator.runtime import cuda_companions, parse_conditions
+    comps = [("fast.cu", parse_conditions("when(@target=sm90) when(USE=True)")),
+             ("any.cu", ()), ("helper.py", ()),
+             ("fast.cuh", parse_conditions("when(@target=sm90)"))]
+    assert cuda_companions(comps, {"USE": "True"}, {"target": "sm90"}) == ["fast.cu", "any.cu"]
+    assert cuda_companions(comps, {"USE": "True"}, {"target": "sm80"}) == ["any.cu"]
+    assert cuda_companions(comps, {"USE": "False"}, {"target": "sm90"}) == ["any.cu"]
+    # conditions as a JSON file gives them back (lists), as an exported package reads them
+    as_json = [(n, [[list(t) for t in g] for g in w]) for n, w in comps]
+    assert cuda_companions(as_json, {"USE": "True"}, {"target": "sm90"}) == ["fast.cu", "any.cu"]
+    assert cuda_companions(as_json, {"USE": "True"}, {"target": "sm80"}) == ["any.cu"]
+
+
+def test_the_target_fact_of_an_arch_drops_the_suffix():
+    assert runtime.target_fact("sm_90a") == "sm90" and runtime.target_fact("sm_86") == "sm86"
+    assert runtime.target_fact("sm_100a") == "sm100"
+
+
+def test_the_runtime_imports_only_the_standard_library():
+    """An exported package ships this file: it must import where only the package is."""
+    import ast
+    import sys
+    tree = ast.parse(Path(runtime.__file__).read_text())
+    top = {(n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
+           for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
+           for a in (n.names if isinstance(n, ast.Import) else [n])}
+    assert top - {"__future__"} <= set(sys.stdlib_module_names), top

@@ -69,7 +69,7 @@ def test_export_writes_a_package_with_the_kernel_and_its_evidence(exported):
     assert s.package == names_for("sdpa", s.best_id).package and s.has_op
     assert (pkg / "kernel" / "best.py").read_text() == NAIVE.read_text()
     for name in ("__init__.py", "ops.py", "guard.py", "hf.py", "problems.py", "_loader.py",
-                 "_build.py", "kernel.json", "evidence/best_eval.json", "evidence/lineage.json"):
+                 "_runtime.py", "kernel.json", "evidence/best_eval.json", "evidence/lineage.json"):
         assert (pkg / name).is_file(), name
     meta = json.loads((pkg / "kernel.json").read_text())
     assert meta["form"] == "python" and meta["namespace"] == s.namespace
@@ -83,6 +83,65 @@ def test_export_writes_a_package_with_the_kernel_and_its_evidence(exported):
                  'hf.register("evoattn")', 'attn_implementation="evoattn"', "fullgraph=True",
                  "### kernel", "### call", "### graph", "class SelfAttention"):
         assert text in readme, text
+
+
+def test_the_package_ships_the_evaluators_runtime_unchanged_and_imports_it(exported):
+    s, out = exported["summary"], exported["out"]
+    shipped = out / s.package / "_runtime.py"
+    assert shipped.read_bytes() == (ROOT / "evaluator" / "runtime.py").read_bytes()
+    assert not (out / s.package / "_build.py").exists()
+    got = _py(f"""
+        import json, sys, torch
+        import {s.package} as pkg
+        from {s.package} import _loader
+        pkg.attention(*(torch.randn(1, 2, 8, 64) for _ in range(3)))
+        print(json.dumps({{"runtime": _loader._runtime.__file__,
+                           "evaluator": sorted(m for m in sys.modules
+                                               if m.split(".")[0] == "evaluator")}}))
+    """, cwd=exported["tmp"], env={"PYTHONPATH": str(out)})
+    r = json.loads(got.splitlines()[-1])
+    assert Path(r["runtime"]).resolve() == shipped.resolve() and r["evaluator"] == []
+
+
+def test_the_op_decides_once_per_call_key(exported):
+    """A repeated call looks its decision up; new strides, dtype, device or arguments decide
+    again, through attention() and through torch.ops alike."""
+    s = exported["summary"]
+    got = _py(f"""
+        import json, torch
+        import {s.package} as pkg
+        from {s.package} import guard
+        checks = []
+        real = guard.refusal
+        guard.refusal = lambda *a: checks.append(1) or real(*a)
+        op = getattr(torch.ops, pkg.NAMESPACE).attention
+        x = lambda: torch.randn(1, 2, 16, 64)
+        q = x()
+        seen = []
+        def after(call):
+            call()
+            seen.append(len(checks))
+        after(lambda: pkg.attention(q, q, q))
+        after(lambda: pkg.attention(q, q, q))                    # the same call
+        after(lambda: pkg.attention(x(), x(), x()))              # other tensors, same key
+        after(lambda: op(x(), x(), x()))                         # the op: the same key
+        t = torch.randn(1, 16, 2, 64).transpose(1, 2)
+        after(lambda: pkg.attention(t, q, q))                    # strides
+        after(lambda: pkg.attention(t, q, q))
+        after(lambda: pkg.attention(q.half(), q.half(), q.half()))   # dtype
+        m = q.to("meta")
+        after(lambda: pkg.attention(m, m, m))                    # device
+        after(lambda: pkg.attention(m, m, m))
+        after(lambda: pkg.attention(q, q, q, causal=True))       # another argument
+        after(lambda: op(q, q, q, True))
+        after(lambda: pkg.attention(q, q, q, scale=0.5))
+        print(json.dumps({{"seen": seen, "stats": pkg.stats()}}))
+    """, cwd=exported["out"])
+    r = json.loads(got.splitlines()[-1])
+    assert r["seen"] == [1, 1, 1, 1, 2, 2, 3, 4, 4, 5, 5, 6]
+    assert r["stats"]["fallback"] == 12 and r["stats"]["kernel"] == 0
+    assert r["stats"]["fallback_reasons"] == {
+        "verified on cpu only (the kernel runs on CUDA GPUs)": 12}
 
 
 def test_package_imports_in_a_fresh_process_and_registers_the_op(exported):
@@ -125,7 +184,10 @@ def test_pip_install_into_a_fresh_venv_then_import_and_call(exported):
         q = torch.randn(1, 2, 16, 64).transpose(1, 2).contiguous().transpose(1, 2)
         out = pkg.attention(q, q, q, causal=False)
         print((out - F.scaled_dot_product_attention(q, q, q)).abs().max().item())
-        print(hasattr(torch.ops.{s.namespace}, "attention"), out.is_contiguous())
+        # the op's output is contiguous, as its fake says (attention() falling back returns
+        # SDPA's own output, whatever its layout)
+        print(hasattr(torch.ops.{s.namespace}, "attention"),
+              torch.ops.{s.namespace}.attention(q, q, q).is_contiguous())
     """, cwd=exported["tmp"], python=python)
     where, err, flags = got.strip().splitlines()[-3:]
     assert where.startswith(purelib) and (Path(where).parent / "kernel" / "best.py").is_file()
@@ -303,13 +365,12 @@ def test_a_multi_file_kernel_loads_with_its_companions(tmp_path):
     got = _py(f"""
         import torch
         import {s.package} as pkg
-        from {s.package} import _loader, ops
+        from {s.package} import _runtime, ops
         mod = pkg.load_kernel_module()
         print(mod.LIBS, mod.attention(torch.ones(1), None, None).item())
-        when = ops.META["companions"][1]["when"]
-        print(_loader._holds(when, {{"USE_FAST": "True"}}, "sm_90a"),
-              _loader._holds(when, {{"USE_FAST": "True"}}, "sm_80"),
-              _loader._holds(when, {{"USE_FAST": "False"}}, "sm_90a"))
+        comps = [(c["name"], c["when"]) for c in ops.META["companions"]]
+        print([_runtime.cuda_companions(comps, {{"USE_FAST": value}}, {{"target": target}})
+               for value, target in (("True", "sm90"), ("True", "sm80"), ("False", "sm90"))])
     """, cwd=tmp_path / "out")
-    libs, holds = got.strip().splitlines()[-2:]
-    assert libs == "{} 2.0" and holds == "True False False"
+    libs, built = got.strip().splitlines()[-2:]
+    assert libs == "{} 2.0" and built == "[['fast.cu'], [], []]"

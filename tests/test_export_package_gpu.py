@@ -1,5 +1,7 @@
 """The exported package on a GPU: the kernel itself runs through the op, eagerly, under
-torch.compile(fullgraph=True), inside CUDA graphs, on transposed inputs, and in a Llama model.
+torch.compile(fullgraph=True), inside CUDA graphs, on transposed inputs, on transformers'
+(B, S, H, D) views with GQA k/v (without copies for the Triton seed), in each verified dtype,
+and in a Llama model.
 
 Run on the device machine: `python -m pytest -q -m gpu tests/test_export_package_gpu.py`.
 """
@@ -85,10 +87,32 @@ _CHECKS = """
                 "compiled": err(compiled, ref), "graphed": err(g.clone(), ref),
                 "kernel_calls": pkg.stats()["kernel"], "fallbacks": pkg.stats()["fallback"]}}
     pkg.reset_stats()
-    pkg.attention(*(torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
-                    for _ in range(3)))
-    r["bf16"] = pkg.stats()["fallback_reasons"]
+    qb, kb, vb = (torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
+                  for _ in range(3))
+    got = pkg.attention(qb, kb, vb)
+    r["bf16"] = {{"stats": pkg.stats(), "err": err(got, F.scaled_dot_product_attention(
+        qb.float(), kb.float(), vb.float()))}}
+    # transformers' layout with GQA 4:1, as models pass it: what one call allocates beyond its
+    # output (0 when the inputs reach the kernel as they lie; copies of q, k, v otherwise)
+    for D in (64, 128):
+        q = torch.randn(2, 300, 8, D, device="cuda", dtype=torch.float16).transpose(1, 2)
+        k, v = (torch.randn(2, 300, 2, D, device="cuda", dtype=torch.float16).transpose(1, 2)
+                for _ in range(2))
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
+                                             enable_gqa=True)
+        pkg.attention(q, k, v, causal=True)          # decides this key (one layout check)
+        torch.cuda.synchronize()
+        pkg.reset_stats()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        got = pkg.attention(q, k, v, causal=True)
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - before - got.numel() * got.element_size()
+        r[f"model{{D}}"] = {{"err": err(got, ref), "extra_bytes": extra,
+                           "input_bytes": q.numel() * q.element_size(),
+                           "kernel_calls": pkg.stats()["kernel"]}}
     r["graph_breaks"] = sum(counters["graph_break"].values())
+    r["verified_dtypes"] = pkg.VERIFIED["dtypes"]
     print(json.dumps(r))
 """
 
@@ -103,7 +127,20 @@ def test_kernel_runs_through_the_op_eager_compiled_and_in_cuda_graphs(tmp_path, 
         # eager, transposed, compiled, and the graph's warmup/capture calls reached the kernel
         assert got["kernel_calls"] >= 4 and got["fallbacks"] == 0, got
     assert r["graph_breaks"] == 0
-    assert list(r["bf16"]) == ["dtype bfloat16 (verified: float16, all inputs alike)"]
+    bf16 = r["bf16"]
+    assert bf16["err"] < 4e-2, bf16
+    if "bfloat16" in r["verified_dtypes"]:
+        assert bf16["stats"]["kernel"] == 1 and bf16["stats"]["fallback"] == 0, bf16
+    else:
+        assert list(bf16["stats"]["fallback_reasons"]) == [
+            "dtype bfloat16 (verified: float16, all inputs alike)"], bf16
+    for D in (64, 128):
+        got = r[f"model{D}"]
+        assert got["err"] < 2e-2 and got["kernel_calls"] == 1, got
+        if seed.endswith(".py"):          # the Triton seed takes the layout: no copies
+            assert got["extra_bytes"] < got["input_bytes"], got
+        else:                             # a fast-form CUDA kernel gets contiguous copies
+            assert got["extra_bytes"] >= got["input_bytes"], got
 
 
 def test_llama_model_runs_the_kernel_in_every_layer(tmp_path):

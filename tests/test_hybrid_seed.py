@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from evaluator import build, program
+from evaluator import program, runtime
 from evaluator.knobs import active, find_knobs, set_knobs
 from evaluator.loader import LoadFailure, build_candidate, build_companions
 from evaluator.problems import get_problem
@@ -142,7 +142,7 @@ def test_the_evaluator_builds_the_cuda_companion_once_and_hands_it_over(tmp_path
 
     def no_nvcc(*a, **kw):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("nvcc ran for a cached companion")
-    monkeypatch.setattr(build, "_run_group", no_nvcc)
+    monkeypatch.setattr(runtime, "_run_group", no_nvcc)
     again, _, cached, _ = build_companions(main, main.read_text(), cache, 120, "sm_90a",
                                            "sm90")
     assert again == libs and cached is True
@@ -151,7 +151,7 @@ def test_the_evaluator_builds_the_cuda_companion_once_and_hands_it_over(tmp_path
 def test_the_cuda_companion_is_not_built_where_no_call_would_run_it(tmp_path, monkeypatch):
     def no_nvcc(*a, **kw):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("nvcc ran")
-    monkeypatch.setattr(build, "_run_group", no_nvcc)
+    monkeypatch.setattr(runtime, "_run_group", no_nvcc)
     (tmp_path / "a").mkdir()
     main = _program_with_stub(tmp_path / "a")
     for target in (None, "sm80"):                 # no GPU; a GPU other than an H100/H200

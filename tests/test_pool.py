@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from evaluator import build, program
+from evaluator import program, runtime
 from evaluator.request import EvalRequest
 from evaluator.types import EvalResult, Verdict
 from evoattn.config import PopulationConfig, RunConfig, config_to_dict
@@ -171,7 +171,7 @@ class _Blocked:
         return EvalResult(Verdict.PASS, "ok", 1.0, ())
 
 
-@pytest.mark.skipif(not build.shutil.which("nvcc"), reason="needs nvcc (the CUDA toolkit)")
+@pytest.mark.skipif(not runtime.shutil.which("nvcc"), reason="needs nvcc (the CUDA toolkit)")
 @pytest.mark.parametrize("kind", ["cu-main", "py-companion"])
 def test_cuda_builds_run_on_cpu_threads_before_the_slot_takes_the_job(tmp_path: Path,
                                                                        kind: str) -> None:
@@ -207,7 +207,7 @@ def test_cuda_builds_run_on_cpu_threads_before_the_slot_takes_the_job(tmp_path: 
     src = tmp_path / "again" / built[0]
     src.parent.mkdir()
     src.write_text(built[1])
-    again = build.build_fast(src, cache, "sm_90a", 120,
+    again = runtime.build_fast(src, cache, "sm_90a", 120,
                              extra_files={"tiny.cuh": TINY_CUH.encode()})
     assert again.ok and again.cached
 

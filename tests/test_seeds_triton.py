@@ -64,7 +64,7 @@ def load_seed(case: dict[str, Any], workdir: Path, index: int, device: str = "cp
     """Imports a (possibly rewritten) copy of the case's seed program as a fresh module: its
     files in a directory of their own, knob values set as the mutator sets them (by key), and,
     on a GPU, its CUDA companions built and handed over as the evaluator does."""
-    from evaluator import build, program
+    from evaluator import program, runtime
     from evaluator.knobs import find_knobs, set_knobs as set_program_knobs
     from evaluator.loader import build_companions
     main = SEEDS_DIR / f"{case['seed']}.py"
@@ -89,7 +89,7 @@ def load_seed(case: dict[str, Any], workdir: Path, index: int, device: str = "cp
         import torch
         major, minor = torch.cuda.get_device_capability()
         libraries = build_companions(path, path.read_text(), workdir / "cache", 600,
-                                     build.detect_arch(), f"sm{major}{minor}")[0]
+                                     runtime.detect_arch(), f"sm{major}{minor}")[0]
     spec = importlib.util.spec_from_file_location(f"seed_{index}", path)
     module = importlib.util.module_from_spec(spec)
     module.EVOATTN_LIBRARIES = libraries
@@ -117,8 +117,10 @@ def run_case(case: dict[str, Any], device: str, workdir: Path, index: int) -> di
     except Exception as exc:  # a failure is a result here; the test decides if it is allowed
         result["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         return result
+    recorder = _Recorder.install(module) if case.get("record") else None
     for _ in range(calls):
-        q, k, v = (torch.randn(B, H, S, D, generator=gen).to(dtype).to(device) for _ in range(3))
+        q, k, v = (make_input(case, heads, gen, dtype, device)
+                   for heads in (H, case.get("kv_heads", H), case.get("kv_heads", H)))
         before = [t.clone() for t in (q, k, v)]
         try:
             if case.get("path") == "tma":   # the TMA kernel, forced (the public entry uses it on sm_90+)
@@ -145,6 +147,9 @@ def run_case(case: dict[str, Any], device: str, workdir: Path, index: int) -> di
             return result
         ref = reference(q, k, v, causal, scale)
         errs.append((out.detach().cpu().double() - ref).abs().max().item())
+        if recorder is not None:     # the inputs as they were, against what the launch got
+            result["given"] = [t.data_ptr() for t in (q, k, v)]
+            result["launched"] = recorder.pointers[-1]
     result["seconds"] = time.perf_counter() - t0
     err = max(errs)
     tol = TOLERANCE[case["dtype"]]
@@ -152,10 +157,46 @@ def run_case(case: dict[str, Any], device: str, workdir: Path, index: int) -> di
     return result
 
 
+def make_input(case: dict[str, Any], heads: int, gen: Any, dtype: Any, device: str) -> Any:
+    """Returns a random (B, heads, S, D) input in the case's layout: "bhsd" (contiguous) or
+    "bshd" (contiguous (B, S, H, D) storage viewed as (B, H, S, D), as transformers passes)."""
+    import torch
+    B, _, S, D = case["shape"]
+    t = torch.randn(B, heads, S, D, generator=gen).to(dtype).to(device)
+    if case.get("layout", "bhsd") == "bshd":
+        t = t.transpose(1, 2).contiguous().transpose(1, 2)
+    return t
+
+
+class _Recorder:
+    """Stands in for a seed's Triton kernel `_attn_fwd`: records the data pointers of the q,
+    k, v its launches receive (a descriptor's base for TMA), then launches the real kernel."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel, self.pointers = kernel, []
+
+    @classmethod
+    def install(cls, module: Any) -> "_Recorder":
+        target = getattr(module, "_triton", module)      # the hybrid's Triton companion
+        recorder = cls(target._attn_fwd)
+        target._attn_fwd = recorder
+        return recorder
+
+    def __getitem__(self, grid: Any) -> Any:
+        launch = self.kernel[grid]
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            self.pointers.append([getattr(a, "base", a).data_ptr() for a in args[:3]])
+            return launch(*args, **kwargs)
+        return run
+
+
 def reference(q: Any, k: Any, v: Any, causal: bool, scale: float | None) -> Any:
-    """Returns attention in float64 on the CPU from the (rounded) inputs the candidate saw."""
+    """Returns attention in float64 on the CPU from the (rounded) inputs the candidate saw
+    (k, v with fewer heads serve H // Hkv consecutive query heads each)."""
     import torch
     q, k, v = (t.detach().cpu().double() for t in (q, k, v))
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
     S, D = q.shape[-2], q.shape[-1]
     s = q @ k.transpose(-1, -2) * (scale if scale is not None else 1.0 / math.sqrt(D))
     if causal:
@@ -198,6 +239,7 @@ def run_cases(cases: list[dict[str, Any]], device: str = "cpu", timeout_s: float
 def describe(result: dict[str, Any]) -> str:
     c = result["case"]
     what = (f"{c['seed']} {c.get('knobs', {})} {c.get('path', 'public')} {tuple(c['shape'])} "
+            f"{c.get('layout', 'bhsd')} kv_heads={c.get('kv_heads', c['shape'][1])} "
             f"{c['dtype']} causal={c['causal']} scale={c.get('scale')}")
     if "error" in result:
         return f"{what}: {result['error']}"
@@ -288,6 +330,25 @@ def test_flash_hybrid_runs_the_triton_kernel_in_the_interpreter():
              case("flash_hybrid", (1, 1, 33, 64), "float16", True,
                   knobs={"CUDA_D64": True, "CUDA_D64_CAUSAL": True})]
     assert_all_pass(run_cases(cases))
+
+
+@pytest.mark.slow
+def test_model_layouts_and_gqa_reach_the_triton_launch_without_a_copy():
+    """transformers' (B, S, H, D) storage viewed as (B, H, S, D), and k, v with fewer heads
+    than q, are launched as they lie (the launch gets the callers' data pointers) and match a
+    float64 reference, in each dtype, on the pointer and the TMA path, and through the hybrid."""
+    cases = [case("flash_triton", (2, 4, 37, 64), dtype, causal, 0.3, layout=layout,
+                  kv_heads=kv, record=True, path=path)
+             for dtype, causal, layout, kv, path in [
+                 ("float32", True, "bshd", 4, "public"), ("float16", False, "bshd", 2, "public"),
+                 ("bfloat16", True, "bshd", 1, "public"), ("bfloat16", False, "bhsd", 2, "tma"),
+                 ("float16", True, "bshd", 2, "tma"), ("float32", False, "bshd", 2, "tma")]]
+    cases.append(case("flash_hybrid", (1, 4, 33, 128), "bfloat16", True, layout="bshd",
+                      kv_heads=2, record=True))
+    results = run_cases(cases)
+    assert_all_pass(results)
+    for r in results:
+        assert r["launched"] == r["given"], describe(r)
 
 
 @pytest.mark.slow

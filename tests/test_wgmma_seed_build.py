@@ -109,7 +109,7 @@ def seed_build(tmp_path_factory) -> SeedBuild:
     """The seed at its knob setting, built once with the evaluator's own nvcc flags."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not on PATH")
-    from evaluator.build import fast_flags
+    from evaluator.runtime import fast_flags
     lib = tmp_path_factory.mktemp("wgmma_seed") / "lib.so"
     proc = subprocess.run(["nvcc", *fast_flags("sm_90a"), "-Xptxas", "-v", "-o", str(lib),
                            str(SEED)], capture_output=True, text=True, timeout=600)

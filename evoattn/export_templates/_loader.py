@@ -1,114 +1,133 @@
-"""Loads the evolved kernel from kernel/ by path and returns its entry function.
+"""Loads the evolved kernel from kernel/ and returns its entry, built as the evaluator built it.
 
 Three forms, as the evaluator ran them: a Python main file (its `.cu` companions, where their
 `when(...)` conditions hold on this GPU, are built first and handed to it as the module
 global EVOATTN_LIBRARIES = {"name.cu": "/path/lib.so"} before it runs); a fast-form `.cu`
 exporting `extern "C" evoattn_sdpa` (called through ctypes on the current CUDA stream); a
-PyTorch-extension `.cu` defining `attention`. Loading happens once per process and GPU
-target, on the first call the guard lets through; a failure is remembered, not retried.
+PyTorch-extension `.cu` defining `attention`. The build, its cache key, flags and companion
+rules are _runtime.py, the evaluator's own module shipped unchanged; builds run in child
+processes. A library shipped as kernel/prebuilt/<stem>.<arch>.so is used as it is.
+Cache: $EVOATTN_KERNEL_CACHE, else $XDG_CACHE_HOME/evoattn-kernels, else ~/.cache/evoattn-kernels.
+Loading happens once per process and GPU target, on the first call the guard lets through; a
+failure is remembered, not retried.
 """
 from __future__ import annotations
 
-import ctypes
-import importlib.util
+import dataclasses
 import math
-import sys
+import os
 import threading
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from . import _build
+from . import _runtime
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernel"
-LIBRARIES_GLOBAL = "EVOATTN_LIBRARIES"
+BUILD_TIMEOUT_S = 900
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 _lock = threading.Lock()
-_loaded: dict[str, Callable[..., Any] | Exception] = {}
+_loaded: dict[str, Kernel | Exception] = {}
 
 
 class KernelUnavailable(RuntimeError):
     """The kernel could not be built or imported on this machine (the reason is the message)."""
 
 
-_by_device: dict[torch.device, Callable[..., Any]] = {}   # the per-call fast path
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """The kernel's entry function and the input layouts it takes as they lie (its main
+    module's INPUT_LAYOUTS: "strided" for any strides, "gqa" for k, v with fewer heads)."""
+
+    fn: Callable[..., Any]
+    layouts: frozenset[str] = frozenset()
 
 
-def kernel(meta: dict[str, Any], device: torch.device) -> Callable[..., Any]:
-    """Returns the kernel's entry function for a CUDA device (KernelUnavailable if it cannot load)."""
-    fn = _by_device.get(device)
-    if fn is not None:
-        return fn
-    target = _build.arch_of(torch.cuda.get_device_capability(device))
+def cache_root() -> Path:
+    """Returns the directory holding built kernels."""
+    if os.environ.get("EVOATTN_KERNEL_CACHE"):
+        return Path(os.environ["EVOATTN_KERNEL_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "evoattn-kernels"
+
+
+def kernel(meta: dict[str, Any], device: torch.device) -> Kernel:
+    """Returns the kernel for a device (KernelUnavailable if it cannot be built or loaded)."""
+    if device.type == "cuda":
+        arch = _runtime.arch_for(*torch.cuda.get_device_capability(device))
+    else:
+        arch = device.type                 # Triton's CPU interpreter (tests): nothing to build
     with _lock:
-        if target not in _loaded:
+        if arch not in _loaded:
             try:
-                _loaded[target] = _load(meta, target)
+                _loaded[arch] = _load(meta, arch)
             except Exception as e:  # noqa: BLE001 - any failure to load is remembered as data
-                _loaded[target] = e
-        got = _loaded[target]
+                _loaded[arch] = e
+        got = _loaded[arch]
     if isinstance(got, Exception):
         raise KernelUnavailable(f"{type(got).__name__}: {got}")
-    _by_device[device] = got
     return got
 
 
-def _load(meta: dict[str, Any], target: str) -> Callable[..., Any]:
+def _load(meta: dict[str, Any], arch: str) -> Kernel:
     main = KERNEL_DIR / meta["main"]
     if meta["form"] == "python":
-        libraries = {c["name"]: _build.build_fast(KERNEL_DIR / c["name"], target)
-                     for c in meta["companions"]
-                     if c["name"].endswith(".cu") and _holds(c["when"], meta["knobs"], target)}
+        libraries = {}
+        if arch.startswith("sm_"):
+            facts = {"target": _runtime.target_fact(arch)}
+            companions = [(c["name"], c["when"]) for c in meta["companions"]]
+            libraries = {name: _build_fast(name, arch, meta)
+                         for name in _runtime.cuda_companions(companions, meta["knobs"], facts)}
         module = import_main(meta, libraries)
         fn = getattr(module, meta["entry"], None)
         if not callable(fn):
             raise KernelUnavailable(f"{main.name} defines no function {meta['entry']}()")
-        return fn
+        return Kernel(fn, frozenset(getattr(module, "INPUT_LAYOUTS", ())))
     if meta["form"] == "cuda-fast":
-        return _fast_entry(_build.build_fast(main, target))
-    ext = _build.build_extension(main, target)
-    return lambda q, k, v, causal=False, scale=None: ext.attention(
-        q, k, v, bool(causal), float(scale if scale is not None else 1 / math.sqrt(q.shape[-1])))
+        return Kernel(_fast_entry(_runtime.load_fast(_build_fast(meta["main"], arch, meta),
+                                                     "evoattn_sdpa")))
+    res = _runtime.build_extension(main, cache_root(), arch, BUILD_TIMEOUT_S,
+                                   nvcc=_runtime.find_nvcc())
+    if not res.ok:
+        raise KernelUnavailable(f"cannot build the extension {main.name} for {arch}:\n"
+                                + _tail(res.log))
+    ext = _runtime.load_extension(res.path)
+    return Kernel(lambda q, k, v, causal=False, scale=None: ext.attention(
+        q, k, v, bool(causal), float(scale if scale is not None else 1 / math.sqrt(q.shape[-1]))))
+
+
+def _build_fast(name: str, arch: str, meta: dict[str, Any]) -> str:
+    """Returns the library built from the fast-form kernel/<name> (shipped prebuilt, cached,
+    or built now with the program's header companions beside it)."""
+    source = KERNEL_DIR / name
+    prebuilt = KERNEL_DIR / "prebuilt" / f"{source.stem}.{arch}.so"
+    if prebuilt.is_file():
+        return str(prebuilt)
+    headers = _runtime.header_files(KERNEL_DIR, [c["name"] for c in meta["companions"]])
+    res = _runtime.build_fast(source, cache_root(), arch, BUILD_TIMEOUT_S,
+                              nvcc=_runtime.find_nvcc(), extra_files=headers)
+    if not res.ok:
+        raise KernelUnavailable(f"nvcc failed on {name} for {arch}:\n" + _tail(res.log))
+    return str(res.path)
+
+
+def _tail(text: str, lines: int = 30) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
 
 
 def import_main(meta: dict[str, Any], libraries: dict[str, str] | None = None) -> Any:
     """Imports the Python main file by path (no sys.path change), its libraries given first."""
+    import sys
     name = f"{meta['package']}._kernel_main"
     if name in sys.modules:
         return sys.modules[name]
-    path = KERNEL_DIR / meta["main"]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise KernelUnavailable(f"{path} cannot be imported")
-    module = importlib.util.module_from_spec(spec)
-    setattr(module, LIBRARIES_GLOBAL, dict(libraries or {}))
-    sys.modules[name] = module         # Triton and dataclasses look the module up by name
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
+    return _runtime.import_main(KERNEL_DIR / meta["main"], name, libraries)
 
 
-def _holds(when: list[list[list[str]]], knobs: dict[str, str], target: str) -> bool:
-    """Returns whether a companion's when(...) groups hold: all groups, any term of each."""
-    facts = {"target": "sm" + target[3:].rstrip("a")}
-
-    def term(name: str, op: str, value: str) -> bool:
-        have = facts.get(name[1:]) if name.startswith("@") else knobs.get(name)
-        return True if have is None else (have == value) == (op == "=")
-
-    return all(any(term(*t) for t in group) for group in when)
-
-
-def _fast_entry(library: str) -> Callable[..., Any]:
-    """Returns attention(q, k, v, causal, scale) over the library's evoattn_sdpa."""
-    cfn = ctypes.CDLL(library).evoattn_sdpa
-    cfn.restype = ctypes.c_int
-    cfn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p]
+def _fast_entry(cfn: Callable[..., int]) -> Callable[..., Any]:
+    """Returns attention(q, k, v, causal, scale) over a fast-form library's evoattn_sdpa."""
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                   scale: float | None = None) -> torch.Tensor:

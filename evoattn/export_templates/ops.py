@@ -1,9 +1,19 @@
 """The kernel as a PyTorch custom op: `torch.ops.<namespace>.attention`, with a fake for compile.
 
 Dynamo and CUDA graphs see one opaque op whose output is a new contiguous tensor shaped like
-q; inside it the guard decides per call: the evolved kernel on what it was verified on (inputs
-made contiguous first), PyTorch SDPA elsewhere (logged once per reason at debug level on this
-package's logger). `stats()` counts both; a CUDA graph replay runs no Python, so replays are
+q. What a call runs is decided once per call key (each tensor's shape, strides, dtype, device
+and requires_grad; the other arguments' values) and kept, so a repeated call costs a dict
+lookup: the evolved kernel on what the guard says it was verified on, PyTorch SDPA elsewhere
+(logged once per reason at debug level on this package's logger). A kernel whose module takes
+a layout (its INPUT_LAYOUTS: "strided", any strides; "gqa", k and v with fewer heads) gets
+such inputs as they lie once it has given, on the first call of that key, what it gives on
+contiguous copies; other kernels get the copies.
+
+`attention()`, called eagerly, decides before the op and skips PyTorch's dispatcher (tens of
+microseconds for an op implemented in Python): a call that falls back runs SDPA directly, a
+call on plain tensors with no dispatch or function mode active runs what the op would run. Under
+torch.compile, and under such modes, it goes through the op, which decides per call at run
+time. `stats()` counts both kinds of call; a CUDA graph replay runs no Python, so replays are
 not counted.
 """
 from __future__ import annotations
@@ -11,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -21,10 +31,23 @@ META: dict[str, Any] = json.loads((Path(__file__).resolve().parent / "kernel.jso
 NAMESPACE: str = META["namespace"]
 SPEC = problems.spec_for(META)
 log = logging.getLogger(META["package"])
+MAX_DECISIONS = 4096                   # per table; a full table starts again empty
 
 _counts = {"kernel": 0, "fallback": 0}
 _reasons: dict[str, int] = {}
 _logged: set[str] = set()
+
+
+class Decision(NamedTuple):
+    """What the op runs for one call key."""
+
+    run: Callable[..., torch.Tensor]                 # takes the op's values in schema order
+    fallback: Callable[..., torch.Tensor] | None     # SDPA, when the call falls back
+    reason: str | None                               # why it falls back
+
+
+_decisions: dict[tuple, Decision] = {}                    # the op's, by call key
+_entries: dict[tuple, Callable[..., torch.Tensor]] = {}   # attention()'s, by its call key
 
 
 def stats() -> dict[str, Any]:
@@ -44,46 +67,128 @@ def reset_stats() -> None:
     _reasons.clear()
 
 
-def note_kernel() -> None:
-    """Counts one call that ran the evolved kernel."""
-    _counts["kernel"] += 1
-
-
 def note_fallback(reason: str) -> None:
     """Counts one call that ran PyTorch instead; logs the reason the first time it is seen."""
     if torch.compiler.is_compiling():
         return
     _counts["fallback"] += 1
     _reasons[reason] = _reasons.get(reason, 0) + 1
+    _log_once(reason)
+
+
+def _log_once(reason: str, warning: bool = False) -> None:
     if reason not in _logged:
         _logged.add(reason)
-        log.debug("%s: falling back to PyTorch SDPA: %s", NAMESPACE, reason)
+        if warning:
+            log.warning("%s: %s; running PyTorch SDPA instead", NAMESPACE, reason)
+        else:
+            log.debug("%s: falling back to PyTorch SDPA: %s", NAMESPACE, reason)
 
 
-def _run(*values: Any, **named: Any) -> torch.Tensor:
-    """Runs one call: the kernel where the guard allows it, else the fallback."""
+def _meta(value: Any) -> Any:
+    """Returns what a call key keeps of one argument."""
+    if isinstance(value, torch.Tensor):
+        return (type(value), value.shape, value.stride(), value.dtype, value.device,
+                value.requires_grad)
+    return value
+
+
+def _remember(table: dict, key: tuple, value: Any) -> Any:
+    if len(table) >= MAX_DECISIONS:
+        table.clear()
+    table[key] = value
+    return value
+
+
+# ---- the op: what it runs per call key ---------------------------------------------
+def _run(*values: Any) -> torch.Tensor:
+    """The op's implementation: runs one call as its key's decision says."""
+    key = tuple(map(_meta, values))
+    decision = _decisions.get(key)
+    if decision is None:
+        decision = _decide(values, key)
+    return decision.run(*values)
+
+
+def _decide(values: tuple[Any, ...], key: tuple) -> Decision:
+    """Decides what a call key runs (the guard's checks, the kernel's load, a layout check)
+    and remembers it."""
     assert SPEC is not None
-    args = SPEC.bind(values, named)
+    args = SPEC.bind(values, {})              # the dispatcher leaves trailing defaults out
     reason = guard.refusal(META["verified"], SPEC, args)
-    fn = None
+    kernel = None
     if reason is None:
         try:
             first = next(args[p.name] for p in SPEC.params if p.is_tensor)
-            fn = _loader.kernel(META, first.device)
+            kernel = _loader.kernel(META, first.device)
         except _loader.KernelUnavailable as e:
             reason = f"kernel unavailable: {e}"
-            if reason not in _logged:
-                _logged.add(reason)
-                log.warning("%s: %s; running PyTorch SDPA instead", NAMESPACE, reason)
-    if fn is None:
-        if SPEC.fallback is None:
-            raise NotImplementedError(f"{NAMESPACE}.attention: {reason}, and this problem has "
-                                      "no PyTorch fallback")
-        note_fallback(str(reason))
-        return SPEC.fallback(args).contiguous()
-    note_kernel()
-    dense = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
-    return SPEC.call_kernel(fn, dense).contiguous()
+            _log_once(reason, warning=True)
+    if kernel is None:
+        _log_once(str(reason))
+        if SPEC.fallback_for is None:
+            return _remember(_decisions, key, Decision(_refuse(str(reason)), None, reason))
+        fallback = SPEC.fallback_for(args)
+        return _remember(_decisions, key, Decision(_counted(str(reason), fallback, True),
+                                                   fallback, reason))
+    direct = _takes_as_given(kernel, args, values)
+    decision = Decision(_kernel_run(kernel.fn, direct is True), None, None)
+    return decision if direct is None else _remember(_decisions, key, decision)
+
+
+def _takes_as_given(kernel: _loader.Kernel, args: problems.Args,
+                    values: tuple[Any, ...]) -> bool | None:
+    """Returns whether the kernel gets these inputs as they lie: True for the contract's dense
+    layout; for another, whether the kernel declares it and gives on it what it gives on
+    contiguous copies (within a few units of rounding); None while a CUDA graph is being
+    captured (nothing may synchronise then: copies this time, the check on a later call)."""
+    assert SPEC is not None
+    needs = SPEC.layout_needs(args)
+    if not needs:
+        return True
+    if not needs <= kernel.layouts:
+        return False
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return None
+    given = SPEC.call_kernel(kernel.fn, *values)
+    dense = SPEC.call_kernel(kernel.fn, *SPEC.dense(values))
+    tol = 4 * torch.finfo(dense.dtype).eps if dense.dtype.is_floating_point else 0
+    return given.shape == dense.shape and torch.allclose(
+        given.float(), dense.float(), rtol=tol, atol=tol, equal_nan=True)
+
+
+def _kernel_run(fn: Callable[..., Any], direct: bool) -> Callable[..., torch.Tensor]:
+    """Returns what runs the kernel: on the inputs as they are, or on dense copies (tensors
+    come positionally; other arguments may come by name, as a Python call passes them)."""
+    call, dense = SPEC.call_kernel, SPEC.dense
+
+    if direct:
+        def run(*values: Any, **named: Any) -> torch.Tensor:
+            _counts["kernel"] += 1
+            return call(fn, *values, **named).contiguous()
+    else:
+        def run(*values: Any, **named: Any) -> torch.Tensor:
+            _counts["kernel"] += 1
+            return call(fn, *dense(values), **named).contiguous()
+    return run
+
+
+def _counted(reason: str, fallback: Callable[..., torch.Tensor],
+             contiguous: bool) -> Callable[..., torch.Tensor]:
+    """Returns the fallback, counting each call (the op's output is contiguous, like its fake)."""
+    def run(*args: Any, **kwargs: Any) -> torch.Tensor:
+        _counts["fallback"] += 1
+        _reasons[reason] = _reasons.get(reason, 0) + 1
+        out = fallback(*args, **kwargs)
+        return out.contiguous() if contiguous else out
+    return run
+
+
+def _refuse(reason: str) -> Callable[..., torch.Tensor]:
+    def run(*values: Any) -> torch.Tensor:
+        raise NotImplementedError(f"{NAMESPACE}.attention: {reason}, and this problem has "
+                                  "no PyTorch fallback")
+    return run
 
 
 def _fake(*values: Any, **named: Any) -> torch.Tensor:
@@ -101,14 +206,69 @@ if SPEC is not None:
     _dispatch = getattr(torch.ops, NAMESPACE).attention
 
 
+# ---- the Python entry ----------------------------------------------------------------
 def attention(*args: Any, **kwargs: Any) -> torch.Tensor:
-    """Runs the op; inputs that need gradients take differentiable PyTorch SDPA instead."""
+    """Runs one call, like SDPA: the kernel through the op where it may run, SDPA directly
+    elsewhere; inputs that need gradients take differentiable SDPA (the kernel is
+    forward-only)."""
+    if torch.compiler.is_compiling():
+        return _traced(args, kwargs)
+    key = (tuple(map(_meta, args)), tuple((n, _meta(v)) for n, v in kwargs.items()),
+           torch.is_grad_enabled())
+    entry = _entries.get(key)
+    if entry is None:
+        entry = _entry_for(args, kwargs, key)
+    return entry(*args, **kwargs)
+
+
+def _entry_for(args: tuple[Any, ...], kwargs: dict[str, Any],
+               entry_key: tuple) -> Callable[..., torch.Tensor]:
+    """Returns what attention() runs for calls like this one (the op's run without the
+    dispatcher, the op, or a counted SDPA), remembered under entry_key once the op's own
+    decision is."""
     if SPEC is None:
         raise NotImplementedError(f"problem {META['problem']} has no attention op; "
                                   "see load_kernel_module()")
     bound = SPEC.bind(args, dict(kwargs))
-    if torch.is_grad_enabled() and SPEC.fallback is not None and any(
-            isinstance(v, torch.Tensor) and v.requires_grad for v in bound.values()):
+    if SPEC.fallback_for is not None and _needs_grad(bound):
+        reason = "inputs require grad (the kernel is forward-only)"
+        _log_once(reason)
+        return _remember(_entries, entry_key, _counted(reason, SPEC.fallback_for(bound), False))
+    values = SPEC.trim(tuple(bound.values()))   # as the op will get them: the same key
+    key = tuple(map(_meta, values))
+    decision = _decisions.get(key) or _decide(values, key)
+    if key not in _decisions:                   # decided for this call only (see _decide)
+        return _dispatch
+    if decision.fallback is not None:
+        return _remember(_entries, entry_key,
+                         _counted(str(decision.reason), decision.fallback, False))
+    tensors_positional = all(not isinstance(v, torch.Tensor) for v in kwargs.values())
+    # A refusal to raise, tensors passed by name, tensor subclasses: the op handles them.
+    if decision.reason is not None or not tensors_positional or \
+            any(type(v) is not torch.Tensor for v in values if isinstance(v, torch.Tensor)):
+        return _remember(_entries, entry_key, _dispatch)
+    run = decision.run
+    modes, function_modes = torch._C._len_torch_dispatch_stack, \
+        torch._C._is_torch_function_mode_enabled
+
+    def direct(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if modes() or function_modes():        # a mode wants to see the op: let it
+            return _dispatch(*args, **kwargs)
+        return run(*args, **kwargs)
+    return _remember(_entries, entry_key, direct)
+
+
+def _needs_grad(bound: problems.Args) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(v, torch.Tensor) and v.requires_grad for v in bound.values())
+
+
+def _traced(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    """attention() under torch.compile: the op (deciding at run time), or SDPA for grad."""
+    if SPEC is None:
+        raise NotImplementedError(f"problem {META['problem']} has no attention op")
+    bound = SPEC.bind(args, dict(kwargs))
+    if SPEC.fallback_for is not None and _needs_grad(bound):
         note_fallback("inputs require grad (the kernel is forward-only)")
-        return SPEC.fallback(bound)
-    return _dispatch(*bound.values())             # bind() keeps the schema's order
+        return SPEC.fallback_for(bound)(*bound.values())
+    return _dispatch(*bound.values())

@@ -41,6 +41,7 @@ _CUDA_ERRORS = {1: "cudaErrorInvalidValue: a shape, or more shared memory than a
                 98: "cudaErrorInvalidDeviceFunction: built without sm_90a code",
                 801: "cudaErrorNotSupported: the driver has no cuTensorMapEncodeTiled"}
 _LIBRARIES: dict = globals().get("EVOATTN_LIBRARIES", {})   # set by the loader, see above
+INPUT_LAYOUTS = ("strided", "gqa")  # see flash_triton.py (CUDA calls copy)
 
 
 def _sibling(name: str):  # noqa: ANN202
@@ -96,8 +97,9 @@ def _cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     """Runs the CUDA kernel on the current stream of q's device."""
     if not (q.shape == k.shape == v.shape and q.dtype == k.dtype == v.dtype
             and q.device == k.device == v.device):
-        _triton._check_inputs(q, k, v)             # raises the descriptive error
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()   # no-ops for contiguous inputs
+        _triton._check_inputs(q, k, v)             # raises unless GQA, which CUDA does not take
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], 1) for t in (k, v))
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()   # it takes no strides either
     out = torch.empty_like(q)
     B, H, S, D = q.shape
     index = q.device.index

@@ -36,8 +36,8 @@ mutator rewrites. Every combination is either correct or raises a clear error:
                       over BLOCK_N_D64 and BLOCK_N_D64_LONG there)
 
 Correct for any S >= 1: key columns past S get a score of -inf and query rows past S are
-never stored (the pointer path masks loads and stores; the TMA path uses 3-D descriptors of
-shape (B*H, S, D), so out-of-range rows of a head read as zeros and stores are clipped at
+never stored (the pointer path masks loads and stores; the TMA path uses 4-D descriptors of
+shape (B, H, S, D), so out-of-range rows of a head read as zeros and stores are clipped at
 that head's S, never spilling into the next head). float32 inputs use IEEE dots (no TF32).
 """
 from __future__ import annotations
@@ -90,6 +90,7 @@ BLOCK_N_D64_SMALL_GRID = 128  # evoattn: choice(32, 64, 128) when(CUDA_D64=False
 FAST_LAUNCH = True  # evoattn: choice(True, False) when(CUDA_D64=False, CUDA_D64_CAUSAL=False, CUDA_D128=False, CUDA_D128_CAUSAL=False, @target!=sm90) when(@target!=cpu)
 
 LOG2E = 1.44269504  # log2(e) = 1/ln 2: exp(x) == exp2(x * LOG2E)
+INPUT_LAYOUTS = ("strided", "gqa")  # attention() reads any strides, and k, v of fewer heads
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -123,7 +124,8 @@ def _num_sms(device: torch.device) -> int:
 
 # ---- kernel -------------------------------------------------------------------------
 @triton.jit
-def _attn_fwd_inner(acc, l_i, m_i, q, K, V, head, off_hz, offs_m, lo, hi, S, qk_scale,
+def _attn_fwd_inner(acc, l_i, m_i, q, K, V, k_base, v_base, sks, svs, b, h_kv, offs_m, lo, hi,
+                    S, qk_scale,
                     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                     CAUSAL: tl.constexpr, SCALE_NONNEG: tl.constexpr, EXP2: tl.constexpr,
                     TMA: tl.constexpr, WARP_SPEC: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -136,9 +138,9 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, head, off_hz, offs_m, lo, hi, S, qk_
         cols = start_n + offs_n                                           # key indices (BLOCK_N,)
         # -- k: (BLOCK_N, HEAD_DIM), streamed; rows past S read as zeros
         if TMA:
-            k = K.load([off_hz, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+            k = K.load([b, h_kv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         else:
-            k_ptrs = K + head + cols[:, None] * HEAD_DIM + offs_d[None, :]
+            k_ptrs = K + k_base + cols[:, None] * sks + offs_d[None, :]
             if MASKED:
                 k = tl.load(k_ptrs, mask=cols[:, None] < S, other=0.0)
             else:
@@ -176,9 +178,9 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, head, off_hz, offs_m, lo, hi, S, qk_
         # -- v: (BLOCK_N, HEAD_DIM), streamed; p is cast to v's dtype for the tensor cores (the
         # precision cut every flash kernel makes; float32 inputs keep p in float32)
         if TMA:
-            v = V.load([off_hz, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+            v = V.load([b, h_kv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         else:
-            v_ptrs = V + head + cols[:, None] * HEAD_DIM + offs_d[None, :]
+            v_ptrs = V + v_base + cols[:, None] * svs + offs_d[None, :]
             if MASKED:
                 v = tl.load(v_ptrs, mask=cols[:, None] < S, other=0.0)
             else:
@@ -193,7 +195,8 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, head, off_hz, offs_m, lo, hi, S, qk_
 
 
 @triton.jit
-def _attn_fwd_tile(Q, K, V, O, m_idx, off_hz, S, qk_scale,
+def _attn_fwd_tile(Q, K, V, O, m_idx, off_hz, S, H, GROUP, sqb, sqh, sqs, skb, skh, sks,
+                   svb, svh, svs, qk_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, CAUSAL_SPLIT: tl.constexpr, SCALE_NONNEG: tl.constexpr,
                    EXP2: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
@@ -202,12 +205,16 @@ def _attn_fwd_tile(Q, K, V, O, m_idx, off_hz, S, qk_scale,
     start_m = m_idx * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)                              # query indices
     offs_d = tl.arange(0, HEAD_DIM)
-    head = off_hz.to(tl.int64) * S * HEAD_DIM      # element offset of this (b, h) slice
+    b, h = off_hz // H, off_hz % H
+    h_kv = h // GROUP
+    b64, h64, hkv64 = b.to(tl.int64), h.to(tl.int64), h_kv.to(tl.int64)
+    q_base, o_base = b64 * sqb + h64 * sqh, off_hz.to(tl.int64) * S * HEAD_DIM  # O: contiguous
+    k_base, v_base = b64 * skb + hkv64 * skh, b64 * svb + hkv64 * svh
     # -- q: (BLOCK_M, HEAD_DIM); it stays in registers throughout. Rows past S read as zeros.
     if TMA:
-        q = Q.load([off_hz, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
+        q = Q.load([b, h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
     else:
-        q = tl.load(Q + head + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
+        q = tl.load(Q + q_base + offs_m[:, None] * sqs + offs_d[None, :],
                     mask=offs_m[:, None] < S, other=0.0)
     out_dtype = q.dtype
     if UPCAST:
@@ -226,20 +233,20 @@ def _attn_fwd_tile(Q, K, V, O, m_idx, off_hz, S, qk_scale,
     else:
         hi = S
         split = (S // BLOCK_N) * BLOCK_N          # only the last, partial block needs the mask
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, head, off_hz, offs_m, 0, split, S,
-                                    qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, SCALE_NONNEG,
-                                    EXP2, TMA, WARP_SPEC, DOT_PRECISION, UPCAST)
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, head, off_hz, offs_m, split, hi, S,
-                                    qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, SCALE_NONNEG,
-                                    EXP2, TMA, WARP_SPEC, DOT_PRECISION, UPCAST)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, k_base, v_base, sks, svs, b, h_kv,
+                                    offs_m, 0, split, S, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL,
+                                    SCALE_NONNEG, EXP2, TMA, WARP_SPEC, DOT_PRECISION, UPCAST)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, k_base, v_base, sks, svs, b, h_kv,
+                                    offs_m, split, hi, S, qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL,
+                                    SCALE_NONNEG, EXP2, TMA, WARP_SPEC, DOT_PRECISION, UPCAST)
     # -- epilogue: normalise once. Top-left causal never leaves a row without keys, but a
     # zero row sum must not become 0/0 = NaN.
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = (acc / l_i[:, None]).to(out_dtype)
     if TMA:
-        O.store([off_hz, start_m, 0], out.reshape(1, BLOCK_M, HEAD_DIM))  # clipped at S
+        O.store([b, h, start_m, 0], out.reshape(1, 1, BLOCK_M, HEAD_DIM))  # clipped at S
     else:
-        tl.store(O + head + offs_m[:, None] * HEAD_DIM + offs_d[None, :], out,
+        tl.store(O + o_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], out,
                  mask=offs_m[:, None] < S)
 
 
@@ -260,26 +267,28 @@ def _tile_coords(tile, num_m, BH, CAUSAL: tl.constexpr, HEAD_MAJOR: tl.constexpr
 
 # Sequence lengths are not specialised: one compiled kernel serves every S (a
 # candidate compiles 2-4 kernels, not one per divisibility class of S).
-@triton.jit(do_not_specialize=["S", "BH"])
-def _attn_fwd(Q, K, V, O, S, BH, qk_scale,
+@triton.jit(do_not_specialize=["S", "BH", "H", "GROUP"])
+def _attn_fwd(Q, K, V, O, qk_scale, S, BH, H, GROUP, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               CAUSAL: tl.constexpr, CAUSAL_SPLIT: tl.constexpr, SCALE_NONNEG: tl.constexpr,
               EXP2: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
               DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PERSISTENT: tl.constexpr,
               HEAD_MAJOR: tl.constexpr, HEAVY_FIRST: tl.constexpr):
-    """Q, K, V, O: contiguous (B, H, S, D) tensors, or (B*H, S, D) tensor descriptors if TMA."""
+    """Q, O: (B, H, S, D), K, V: (B, H // GROUP, S, D); strided pointers, or descriptors if TMA."""
     num_m = tl.cdiv(S, BLOCK_M)
     if PERSISTENT:
         num_tiles = num_m * BH
         for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0)):
             m_idx, off_hz = _tile_coords(tile, num_m, BH, CAUSAL, HEAD_MAJOR, HEAVY_FIRST)
-            _attn_fwd_tile(Q, K, V, O, m_idx, off_hz, S, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+            _attn_fwd_tile(Q, K, V, O, m_idx, off_hz, S, H, GROUP, sqb, sqh, sqs, skb, skh, sks,
+                           svb, svh, svs, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
                            CAUSAL, CAUSAL_SPLIT, SCALE_NONNEG, EXP2, TMA, WARP_SPEC,
                            DOT_PRECISION, UPCAST)
     else:
         m_idx, off_hz = _tile_coords(tl.program_id(0), num_m, BH, CAUSAL, HEAD_MAJOR,
                                      HEAVY_FIRST)
-        _attn_fwd_tile(Q, K, V, O, m_idx, off_hz, S, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+        _attn_fwd_tile(Q, K, V, O, m_idx, off_hz, S, H, GROUP, sqb, sqh, sqs, skb, skh, sks,
+                       svb, svh, svs, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
                        CAUSAL, CAUSAL_SPLIT, SCALE_NONNEG, EXP2, TMA, WARP_SPEC, DOT_PRECISION,
                        UPCAST)
 
@@ -311,9 +320,10 @@ def _launch_settings(head_dim: int, causal: bool, seq_len: int, bh: int,
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Raises ValueError unless q, k, v are (B, H, S, D) tensors of one shape, dtype and device."""
-    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
-        raise ValueError(f"expected q, k, v of one shape (B, H, S, D); got "
+    """Raises ValueError unless q is (B, H, S, D), k, v (B, Hkv, S, D), of one dtype and device."""
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or k.shape[1] < 1 or \
+            q.shape[1] % k.shape[1] or q[:, :k.shape[1]].shape != k.shape:
+        raise ValueError(f"expected q (B, H, S, D) and k, v (B, H / n, S, D); got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"expected q, k, v of one dtype among float16/bfloat16/float32; got "
@@ -334,24 +344,20 @@ class _Desc:
 
 
 class _Launch:
-    """One shape's launch, prepared by its first call: the compiled kernel, its grid and every
-    argument that does not change between calls of that shape."""
+    """One call key's launch, prepared by its first call: every argument but the tensors."""
 
-    __slots__ = ("run", "function", "packed", "grid", "view", "strides", "block_q",
-                 "block_kv", "constexprs")
+    __slots__ = ("run", "function", "packed", "grid", "out_shape", "descs", "ints",
+                 "constexprs")
 
-    def __init__(self, kernel, grid: int, view: list[int], block_q: int, block_kv: int,  # noqa: ANN001
-                 constexprs: tuple) -> None:
+    def __init__(self, kernel, grid: int, out_shape: torch.Size, descs: tuple | None,  # noqa: ANN001
+                 ints: tuple, constexprs: tuple) -> None:
         self.run, self.function, self.packed = kernel.run, kernel.function, kernel.packed_metadata
-        self.grid, self.view, self.strides = grid, view, [view[1] * view[2], view[2], 1]
-        self.block_q, self.block_kv = [1, block_q, view[2]], [1, block_kv, view[2]]
-        self.constexprs = constexprs
+        self.grid, self.out_shape, self.descs = grid, out_shape, descs
+        self.ints, self.constexprs = ints, constexprs
 
 
-# Launches prepared per (shape, dtype, device, causality, TMA, WS, sign of the scale): a call of
-# a known shape skips Triton's argument binding and cache lookup (tens of microseconds of host
-# time per call) and calls the compiled kernel's launcher directly. Triton's launch hooks, if
-# anyone set them, are honoured by taking the ordinary path.
+# Launches prepared per call key: a known key skips Triton's argument binding and cache lookup
+# (tens of µs of host time) for the compiled kernel's launcher. Launch hooks take the usual path.
 _LAUNCHES: dict[tuple, _Launch] = {}
 _MAX_LAUNCHES = 256
 
@@ -362,12 +368,11 @@ def _no_hook(hook) -> bool:  # noqa: ANN001
 
 
 def _fast_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether a call may use a prepared launch: a real GPU, no launch hooks, contiguous and
-    16-byte aligned inputs (the compiled kernel assumed both of the first call's inputs)."""
+    """Whether a call may use a prepared launch: a real GPU, no launch hooks, 16-byte aligned
+    inputs (the compiled kernel assumed the first call's alignment)."""
     return (FAST_LAUNCH and q.device.type == "cuda" and not _interpreting()
             and _no_hook(triton.knobs.runtime.launch_enter_hook)
             and _no_hook(triton.knobs.runtime.launch_exit_hook)
-            and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
             and (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0)
 
 
@@ -375,11 +380,12 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
              use_tma: bool, warp_specialize: bool) -> torch.Tensor:
     """Checks shapes and launches the kernel with the module's knobs (TMA and WS as given)."""
     fast = _fast_ok(q, k, v)
-    key = (q.shape, q.dtype, q.device, causal, use_tma, warp_specialize, scale >= 0)
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, causal,
+           use_tma, warp_specialize, scale >= 0)
     launch = _LAUNCHES.get(key) if fast else None
-    if launch is not None and k.shape == q.shape and v.shape == q.shape and \
-            k.dtype == q.dtype and v.dtype == q.dtype and k.device == v.device == q.device:
-        return _launch_prepared(launch, q, k, v, scale * LOG2E if USE_EXP2 else scale, use_tma)
+    if launch is not None and v.shape == k.shape and k.dtype == q.dtype and \
+            v.dtype == q.dtype and k.device == v.device == q.device:
+        return _launch_prepared(launch, q, k, v, scale * LOG2E if USE_EXP2 else scale)
     _check_inputs(q, k, v)
     if q.device.type != "cuda" and not _interpreting():
         raise RuntimeError("flash_triton needs a CUDA tensor, or TRITON_INTERPRET=1 for CPU tensors")
@@ -390,18 +396,20 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     num_sms = _num_sms(q.device)
     block_m, block_n, num_warps, num_stages = _launch_settings(D, causal, S, BH, num_sms)
     num_tiles = triton.cdiv(S, block_m) * BH
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()   # no-ops for contiguous inputs
-    # TMA needs 16-byte aligned bases: a view at an odd offset takes the pointer path.
-    use_tma = use_tma and (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0
-    out = torch.empty_like(q)                                  # (B, H, S, D), fresh
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (B, H, S, D), contiguous
+    use_tma = use_tma and not any(  # TMA needs 16-byte aligned bases and strides
+        t.data_ptr() % 16 or (t.stride(0) | t.stride(1) | t.stride(2)) * t.element_size() % 16
+        for t in (q, k, v))
+    descs = None
     if use_tma:
-        # 3-D views (B*H, S, D): each head is its own box range, so TMA zero-fills loads past
-        # S and clips stores at S per head. The descriptors need 16-byte aligned row strides.
-        def desc(t: torch.Tensor, rows: int) -> "TensorDescriptor":
-            return TensorDescriptor(t, [BH, S, D], [S * D, D, 1], [1, rows, D])
-        args = (desc(q, block_m), desc(k, block_n), desc(v, block_n), desc(out, block_m))
+        # 4-D (B, H, S, D) views: TMA zero-fills loads past S and clips stores at S per head.
+        descs = tuple((list(t.shape), list(t.stride()), [1, 1, rows, D])
+                      for t, rows in ((q, block_m), (k, block_n), (v, block_n), (out, block_m)))
+        args = tuple(TensorDescriptor(t, *d) for t, d in zip((q, k, v, out), descs))
     else:
         args = (q, k, v, out)
+    ints = (S, BH, H, H // k.shape[1], *q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
     grid = (min(num_tiles, PROGRAMS_PER_SM * num_sms) if PERSISTENT else num_tiles,)
     qk_scale = scale * LOG2E if USE_EXP2 else scale
     # Triton 3.6's interpreter multiplies bfloat16 tiles as their raw uint16 bits (garbage), so
@@ -416,7 +424,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
         UPCAST=upcast, PERSISTENT=PERSISTENT, HEAD_MAJOR=HEAD_MAJOR,
         HEAVY_FIRST=CAUSAL_HEAVY_FIRST)
     try:
-        kernel = _attn_fwd[grid](*args, S, BH, qk_scale, **constexprs,
+        kernel = _attn_fwd[grid](*args, qk_scale, *ints, **constexprs,
                                  num_warps=num_warps, num_stages=num_stages)
     except Exception as exc:
         if not warp_specialize:
@@ -428,24 +436,22 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     if fast and kernel is not None and hasattr(kernel, "packed_metadata"):
         if len(_LAUNCHES) >= _MAX_LAUNCHES:
             _LAUNCHES.clear()
-        _LAUNCHES[key] = _Launch(kernel, grid[0], [BH, S, D], block_m, block_n,
+        _LAUNCHES[key] = _Launch(kernel, grid[0], out.shape, descs, ints,
                                  tuple(constexprs.values()))
     return out
 
 
 def _launch_prepared(launch: _Launch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     qk_scale: float, use_tma: bool) -> torch.Tensor:
-    """Launches a prepared kernel on fresh inputs of its shape (see _LAUNCHES)."""
-    out = torch.empty_like(q)
-    if use_tma:
-        view, strides = launch.view, launch.strides
-        args = (_Desc(q, view, strides, launch.block_q), _Desc(k, view, strides, launch.block_kv),
-                _Desc(v, view, strides, launch.block_kv), _Desc(out, view, strides, launch.block_q))
+                     qk_scale: float) -> torch.Tensor:
+    """Launches a prepared kernel on fresh inputs of its key (see _LAUNCHES)."""
+    out = torch.empty(launch.out_shape, dtype=q.dtype, device=q.device)
+    if launch.descs is not None:
+        args = tuple(_Desc(t, *d) for t, d in zip((q, k, v, out), launch.descs))
     else:
         args = (q, k, v, out)
     stream = torch._C._cuda_getCurrentRawStream(q.device.index)
     launch.run(launch.grid, 1, 1, stream, launch.function, launch.packed, None, None, None,
-               *args, launch.view[1], launch.view[0], qk_scale, *launch.constexprs)
+               *args, qk_scale, *launch.ints, *launch.constexprs)
     return out
 
 

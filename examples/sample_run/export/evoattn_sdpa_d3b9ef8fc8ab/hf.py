@@ -12,8 +12,9 @@ else runs transformers' own SDPA path, counted as a fallback: an attention mask,
 key lengths that differ (decoding with a cache), dropout while training, output_attentions,
 softcap, a position bias, attention sinks, a paged cache.
 
-Per problem: `sdpa` and `gqa` take causal and non-causal prefill (`sdpa` repeats k, v for
-GQA; `gqa` passes them as they are); `sliding_window` takes the model's `sliding_window` (a
+Per problem: `sdpa` and `gqa` take causal and non-causal prefill, k and v passed as they are
+(the op gives them to a kernel that takes GQA and strides, and contiguous, repeated copies to
+one that does not); `sliding_window` takes the model's `sliding_window` (a
 plain causal call is a window as long as the sequence); `masked` serves unmasked causal calls
 through an explicit causal mask, and no padding mask (its contract excludes the fully masked
 rows that left padding makes); `strided` and user problems have no transformers mapping.
@@ -92,7 +93,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
 def _refusal(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
              attention_mask: Any, dropout: float, kwargs: dict[str, Any]) -> str | None:
-    if ops.SPEC is None or ops.SPEC.fallback is None:
+    if ops.SPEC is None or ops.SPEC.fallback_for is None:
         return f"problem {ops.META['problem']} has no transformers mapping"
     if attention_mask is not None:
         return "an attention mask (padding or a pattern)"
@@ -111,13 +112,11 @@ def _through_op(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: to
     """Returns the op's output (B, H, S, D) for this problem, or None if it does not apply."""
     problem = ops.META["problem"]
     causal = causal and q.shape[2] > 1
-    if problem == "gqa":
-        return ops.attention(q, k, v, causal=causal, scale=scale)
-    if problem not in ("sdpa", "sliding_window", "masked"):
+    if problem in ("sdpa", "gqa"):
+        return ops.attention(q, k, v, causal, scale)   # positional: the shortest call key
+    if problem not in ("sliding_window", "masked"):
         return None                                  # before repeating k and v for nothing
     k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
-    if problem == "sdpa":
-        return ops.attention(q, k, v, causal=causal, scale=scale)
     if problem == "sliding_window" and causal:
         return ops.attention(q, k, v, window=int(window or q.shape[2]), scale=scale)
     if problem == "masked" and causal:

@@ -1,9 +1,10 @@
 """The op's arguments per problem: its schema, shape rule, kernel call and SDPA fallback.
 
 Each built-in problem the kernel was evolved for calls its entry point its own way; this
-module says how, so ops.py can stay one generic function. Arguments travel as a dict
-{name: value} in schema order. A user-defined problem gets its schema from the kernel's
-entry signature (written into kernel.json by the exporter) and has no fallback.
+module says how, so ops.py can stay one generic function. Arguments are checked as a dict
+{name: value} (once per call key) and run as values in schema order (every call). A
+user-defined problem gets its schema from the kernel's entry signature (written into
+kernel.json by the exporter) and has no fallback.
 """
 from __future__ import annotations
 
@@ -34,18 +35,54 @@ class Param:
 
 @dataclasses.dataclass(frozen=True)
 class OpSpec:
-    """How the op of one problem is declared, checked, run on the kernel and on SDPA."""
+    """How the op of one problem is declared, checked, run on the kernel and on SDPA.
+
+    `call_kernel(fn, *values)` and the functions `fallback_for` returns take the op's arguments
+    in schema order (the fallback also by name, as a Python call of the op passes them)."""
 
     schema: str
     params: tuple[Param, ...]
     shape_refusal: Callable[[Args], str | None]   # why a call is outside the contract, or None
-    call_kernel: Callable[[Callable[..., Any], Args], torch.Tensor]
-    fallback: Callable[[Args], torch.Tensor] | None
+    call_kernel: Callable[..., torch.Tensor]
+    fallback_for: Callable[[Args], Callable[..., torch.Tensor]] | None   # SDPA for such a call
     flags: Callable[[Args], dict[str, Any]]       # values checked against the verified sets
+    repeats_kv: bool = False      # the kernel's contract has k, v with q's heads: GQA repeats
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.params)
+
+    def trim(self, values: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Returns the values without trailing defaults, as PyTorch's dispatcher hands them to
+        the op (so that a call and its dispatched form share one call key)."""
+        n = len(values)
+        while n and not self.params[n - 1].required and not isinstance(values[n - 1], torch.Tensor) \
+                and type(values[n - 1]) is type(self.params[n - 1].default) \
+                and values[n - 1] == self.params[n - 1].default:
+            n -= 1
+        return values[:n]
+
+    def layout_needs(self, args: Args) -> frozenset[str]:
+        """Returns what a call asks of the kernel beyond its contract's dense inputs: "strided"
+        (a tensor that is not contiguous), "gqa" (k, v with fewer heads than q, to repeat)."""
+        tensors = [args[p.name] for p in self.params if p.is_tensor and args[p.name] is not None]
+        needs = set()
+        if any(not t.is_contiguous() for t in tensors):
+            needs.add("strided")
+        if self.repeats_kv and args["k"].shape[1] != args["q"].shape[1]:
+            needs.add("gqa")
+        return frozenset(needs)
+
+    def dense(self, values: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Returns the arguments as the contract has them: contiguous, k and v repeated to q's
+        heads (each kv head serving H // Hkv consecutive query heads)."""
+        out = [v.contiguous() if isinstance(v, torch.Tensor) else v for v in values]
+        if self.repeats_kv:
+            q, k, v = out[:3]
+            if k.shape[1] != q.shape[1]:
+                group = q.shape[1] // k.shape[1]
+                out[1], out[2] = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        return tuple(out)
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Args:
         """Returns the arguments by name, defaults filled in (TypeError like a Python call)."""
@@ -87,10 +124,6 @@ def parse_schema(schema: str) -> tuple[Param, ...]:
 
 
 # ---- shared pieces --------------------------------------------------------------
-def _scale(a: Args) -> float:
-    return a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(a["q"].shape[-1])
-
-
 def _same_shape(a: Args) -> str | None:
     q, k, v = a["q"], a["k"], a["v"]
     if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
@@ -137,70 +170,78 @@ def _keep(S: int, device: torch.device, visible: Callable[[Any, Any], Any]) -> t
     return visible(i, j)
 
 
-def _sdpa_fallback(a: Args) -> torch.Tensor:
-    return F.scaled_dot_product_attention(a["q"], a["k"], a["v"], is_causal=a["causal"],
-                                          scale=a["scale"])
+# The fallbacks: PyTorch SDPA, with the op's own parameters (names and defaults).
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+          scale: float | None = None) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
 
 
-def _gqa_fallback(a: Args) -> torch.Tensor:
-    return F.scaled_dot_product_attention(a["q"], a["k"], a["v"], is_causal=a["causal"],
-                                          scale=a["scale"], enable_gqa=True)
+def _sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+              scale: float | None = None) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                          enable_gqa=True)
 
 
-def _window_fallback(a: Args) -> torch.Tensor:
-    w = a["window"]
-    keep = _keep(a["q"].shape[2], a["q"].device, lambda i, j: (j <= i) & (j > i - w))
-    return F.scaled_dot_product_attention(a["q"], a["k"], a["v"], attn_mask=keep,
-                                          scale=a["scale"])
+def _gqa_aware(a: Args) -> Callable[..., torch.Tensor]:
+    """SDPA, told about GQA only when k, v have fewer heads (the flag narrows its backends)."""
+    return _sdpa_gqa if a["k"].shape[1] != a["q"].shape[1] else _sdpa
 
 
-def _strided_fallback(a: Args) -> torch.Tensor:
-    s = a["stride"]
-    keep = _keep(a["q"].shape[2], a["q"].device, lambda i, j: (j <= i) & (j % s == 0))
-    return F.scaled_dot_product_attention(a["q"], a["k"], a["v"], attn_mask=keep,
-                                          scale=a["scale"])
+def _window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+            scale: float | None = None) -> torch.Tensor:
+    keep = _keep(q.shape[2], q.device, lambda i, j: (j <= i) & (j > i - window))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale)
 
 
-def _masked_fallback(a: Args) -> torch.Tensor:
-    return F.scaled_dot_product_attention(a["q"], a["k"], a["v"], attn_mask=a["mask"],
-                                          scale=a["scale"])
+def _strided(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stride: int,
+             scale: float | None = None) -> torch.Tensor:
+    keep = _keep(q.shape[2], q.device, lambda i, j: (j <= i) & (j % stride == 0))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale)
+
+
+def _masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+            scale: float | None = None) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def _scale_of(q: torch.Tensor, scale: float | None) -> float:
+    return scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
 
 _CAUSAL = "(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None) -> Tensor"
 
 
-def _causal_spec(shape_refusal: Callable[[Args], str | None],
-                 fallback: Callable[[Args], torch.Tensor]) -> OpSpec:
+def _causal_spec(repeats_kv: bool) -> OpSpec:
     return OpSpec(
-        schema=_CAUSAL, params=parse_schema(_CAUSAL), shape_refusal=shape_refusal,
-        call_kernel=lambda fn, a: fn(a["q"], a["k"], a["v"], causal=a["causal"],
-                                     scale=_scale(a)),
-        fallback=fallback, flags=lambda a: {"causal": bool(a["causal"])})
+        schema=_CAUSAL, params=parse_schema(_CAUSAL), shape_refusal=_gqa_shapes,
+        call_kernel=lambda fn, q, k, v, causal=False, scale=None: fn(
+            q, k, v, causal=causal, scale=_scale_of(q, scale)),
+        fallback_for=_gqa_aware, flags=lambda a: {"causal": bool(a["causal"])},
+        repeats_kv=repeats_kv)
 
 
-def _param_spec(param: str, fallback: Callable[[Args], torch.Tensor]) -> OpSpec:
+def _param_spec(param: str, fallback: Callable[..., torch.Tensor]) -> OpSpec:
     schema = f"(Tensor q, Tensor k, Tensor v, int {param}, float? scale=None) -> Tensor"
     return OpSpec(
         schema=schema, params=parse_schema(schema), shape_refusal=_window_shapes(param),
-        call_kernel=lambda fn, a: fn(a["q"], a["k"], a["v"], scale=_scale(a),
-                                     **{param: a[param]}),
-        fallback=fallback, flags=lambda a: {})
+        call_kernel=lambda fn, q, k, v, value, scale=None: fn(
+            q, k, v, scale=_scale_of(q, scale), **{param: value}),
+        fallback_for=lambda a: fallback, flags=lambda a: {})
 
 
 def _masked_spec() -> OpSpec:
     schema = "(Tensor q, Tensor k, Tensor v, Tensor mask, float? scale=None) -> Tensor"
     return OpSpec(
         schema=schema, params=parse_schema(schema), shape_refusal=_masked_shapes,
-        call_kernel=lambda fn, a: fn(a["q"], a["k"], a["v"], a["mask"], scale=_scale(a)),
-        fallback=_masked_fallback, flags=lambda a: {})
+        call_kernel=lambda fn, q, k, v, mask, scale=None: fn(q, k, v, mask,
+                                                             scale=_scale_of(q, scale)),
+        fallback_for=lambda a: _masked, flags=lambda a: {})
 
 
 def _user_spec(schema: str) -> OpSpec:
-    params = parse_schema(schema)
     return OpSpec(
-        schema=schema, params=params, shape_refusal=lambda a: None,
-        call_kernel=lambda fn, a: fn(*(a[p.name] for p in params)),
-        fallback=None, flags=lambda a: {})
+        schema=schema, params=parse_schema(schema), shape_refusal=lambda a: None,
+        call_kernel=lambda fn, *values: fn(*values), fallback_for=None, flags=lambda a: {})
 
 
 def spec_for(meta: dict[str, Any]) -> OpSpec | None:
@@ -208,14 +249,14 @@ def spec_for(meta: dict[str, Any]) -> OpSpec | None:
     problem = meta["problem"]
     if meta["user_problem"]:
         return _user_spec(meta["schema"]) if meta["schema"] else None
-    if problem == "sdpa":
-        return _causal_spec(_same_shape, _sdpa_fallback)
+    if problem == "sdpa":             # GQA calls too: repeated for a kernel that needs it
+        return _causal_spec(repeats_kv=True)
     if problem == "gqa":
-        return _causal_spec(_gqa_shapes, _gqa_fallback)
+        return _causal_spec(repeats_kv=False)
     if problem == "sliding_window":
-        return _param_spec("window", _window_fallback)
+        return _param_spec("window", _window)
     if problem == "strided":
-        return _param_spec("stride", _strided_fallback)
+        return _param_spec("stride", _strided)
     if problem == "masked":
         return _masked_spec()
     return None

@@ -1,16 +1,20 @@
-"""Compiles CUDA candidates into shared libraries, cached by content, and loads them.
+"""How a program's CUDA files are chosen, built, cached and loaded: one standard-library module.
 
-Two forms:
-  fast form   a plain .cu with an `extern "C"` entry (see the problem's `cuda_signature`),
-              built by nvcc into `lib.so` and called through ctypes;
-  extension   a .cu defining `torch::Tensor attention(...)`, wrapped with a PYBIND11_MODULE
-              and built by torch.utils.cpp_extension in a child process.
-
-Builds happen in a temporary directory inside the cache and are moved into
-`cache_dir/<key>/` with one `os.replace`, so a killed build never leaves a
-half-written entry. A candidate's bad source is a `BuildResult(ok=False)`,
-never an exception. Runs in the evaluator's child process; torch is imported
-lazily so this module imports on machines without CUDA or torch.
+The evaluator's child process and an exported package both run this file (the package ships it
+unchanged as `_runtime.py`), so a kernel is built with the same flags, cache key and companion
+rules wherever it runs. It holds:
+  conditions  the `when(...)` grammar that gates knobs and companion files;
+  arch        the nvcc target of a GPU and the flags of each build form;
+  companions  which files of a program a GPU builds (`.cu` companions whose conditions hold);
+  builds      fast form (a plain .cu with an `extern "C"` entry, built by nvcc into `lib.so`,
+              called through ctypes) and extension form (a .cu defining
+              `torch::Tensor attention(...)`, built by torch.utils.cpp_extension), both in a
+              child process, so no build changes this process's environment;
+  loading     a built library, a built extension, a Python main file with its libraries.
+Builds happen in a temporary directory inside the cache and are moved into `cache_dir/<key>/`
+with one `os.replace`, so a killed build never leaves a half-written entry. A candidate's bad
+source is a `BuildResult(ok=False)`, never an exception. torch is imported lazily (only to load
+an extension or to name its version), so this module imports without CUDA or torch.
 """
 from __future__ import annotations
 
@@ -27,11 +31,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Mapping
 
 LOG_LIMIT_CHARS = 4096
 _FAST_LIB = "lib.so"
 _EXT_PREFIX = "evoattn_ext_"
+LIBRARIES_GLOBAL = "EVOATTN_LIBRARIES"     # a Python main file's built companions, by name
+HEADER_SUFFIXES = (".cuh", ".h", ".hpp", ".inc")
 
 # argtypes of each fast-form entry point, keyed by symbol (see the problem's `cuda_signature`).
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -56,6 +62,47 @@ class LoadError(Exception):
     """A built library cannot be loaded or lacks its entry point (the worker's LOAD_ERROR)."""
 
 
+# ---- when(...) conditions ------------------------------------------------------
+#     when(PATH=a, PATH=b)              one group: any of its terms holds
+#     when(@target=sm90) when(X!=1)     several groups: all must hold
+# Terms are NAME=VALUE or NAME!=VALUE. A NAME starting with @ is a fact about the run that the
+# caller passes in (`@target`: "cpu", or "smXY" for the GPU's compute capability); any other
+# NAME is a knob of the program. A fact that was not given, or a knob the program does not
+# have, counts as holding: an unknown term never rules anything out.
+
+Term = tuple[str, str, str]            # (name, "=" or "!=", value)
+Group = tuple[Term, ...]               # alternatives
+Conditions = tuple[Group, ...]         # all must hold
+
+_WHEN = re.compile(r"\bwhen\((?P<conds>[^)]*)\)")
+_TERM = re.compile(r"^\s*(?P<name>@?\w+)\s*(?P<op>!=|=)\s*(?P<value>\S+?)\s*$")
+
+
+def parse_conditions(text: str) -> Conditions:
+    """Returns the when(...) groups found in text (malformed terms are ignored)."""
+    groups = []
+    for m in _WHEN.finditer(text):
+        terms = [t for t in (_TERM.match(c) for c in m.group("conds").split(",")) if t]
+        if terms:
+            groups.append(tuple((t["name"], t["op"], t["value"]) for t in terms))
+    return tuple(groups)
+
+
+def holds(conditions: Iterable[Iterable[Iterable[str]]], values: Mapping[str, str],
+          facts: Mapping[str, str] | None = None) -> bool:
+    """Returns whether every group has a term that holds for these knob values and facts
+    (terms as (name, op, value) tuples, or the lists a JSON file gives back)."""
+    facts = facts or {}
+
+    def term(name: str, op: str, value: str) -> bool:
+        have = facts.get(name[1:]) if name.startswith("@") else values.get(name)
+        if have is None:
+            return True
+        return (have == value) == (op == "=")
+
+    return all(any(term(*t) for t in group) for group in conditions)
+
+
 # ---- target and toolchain ------------------------------------------------------
 
 def detect_arch() -> str:
@@ -71,6 +118,11 @@ def arch_for(major: int, minor: int) -> str:
     if (major, minor) == (10, 0):
         return "sm_100a"
     return f"sm_{major}{minor}"
+
+
+def target_fact(arch: str) -> str:
+    """Returns the `@target` fact of an nvcc target: "sm_90a" -> "sm90"."""
+    return "sm" + "".join(c for c in arch.removeprefix("sm_") if c.isdigit())
 
 
 def gencode_flags(arch: str) -> list[str]:
@@ -110,6 +162,43 @@ def cache_key(source: bytes, kind: str, arch: str, flags: list[str], toolchain: 
     for part in (kind, arch, " ".join(flags), toolchain):
         h.update(b"\0" + part.encode())
     return h.hexdigest()[:24]
+
+
+# ---- a program's CUDA files ------------------------------------------------------
+
+def cuda_form(source: str) -> str:
+    """Returns 'cuda-ext' for a PyTorch-extension source, else 'cuda-fast'."""
+    if re.search(r"#\s*include\s*[<\"](torch/extension\.h|torch/torch\.h|ATen/)", source) or \
+            re.search(r"torch::Tensor\s+attention\s*\(", source):
+        return "cuda-ext"
+    return "cuda-fast"
+
+
+def cuda_companions(companions: Iterable[tuple[str, Any]], values: Mapping[str, str],
+                    facts: Mapping[str, str]) -> list[str]:
+    """Returns the `.cu` companions (name, conditions) to build for these knob values and facts:
+    those whose conditions hold."""
+    return [name for name, when in companions
+            if Path(name).suffix == ".cu" and holds(when, values, facts)]
+
+
+def header_files(directory: str | os.PathLike[str], names: Iterable[str]) -> dict[str, bytes]:
+    """Returns the header files among names (by name), read from directory where present:
+    they are written beside every `.cu` build and are part of its cache key."""
+    d = Path(directory)
+    return {n: (d / n).read_bytes() for n in names
+            if Path(n).suffix in HEADER_SUFFIXES and (d / n).is_file()}
+
+
+def find_nvcc() -> str:
+    """Returns the nvcc to run: on PATH, else under $CUDA_HOME (or /usr/local/cuda), else
+    "nvcc" (a build then reports that it is missing)."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    candidate = Path(home) / "bin" / "nvcc"
+    return str(candidate) if candidate.is_file() else "nvcc"
 
 
 # ---- fast form -----------------------------------------------------------------
@@ -249,6 +338,26 @@ def load_extension(path: str) -> Any:
         raise LoadError(f"cannot import {path}: {e}") from None
     if not hasattr(module, "attention"):
         raise LoadError(f"{path} defines no attention()")
+    return module
+
+
+def import_main(path: str | os.PathLike[str], name: str,
+                libraries: Mapping[str, str] | None = None) -> Any:
+    """Imports a Python main file by path as module `name` (registered in sys.modules, as
+    Triton and dataclasses look modules up by name), its built companions handed over first
+    as the module global EVOATTN_LIBRARIES; whatever the file raises propagates."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise LoadError(f"{Path(path).name}: cannot be imported as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    setattr(module, LIBRARIES_GLOBAL, dict(libraries or {}))
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
     return module
 
 

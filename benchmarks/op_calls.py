@@ -1,0 +1,101 @@
+"""An exported package's op as a user calls it, against SDPA, per default sdpa config (GPU only).
+
+    python benchmarks/op_calls.py --export DIR [--dtypes float16,bfloat16] [--layout bhsd|model]
+                                  [--fallback] [--json F]
+
+Imports the package from DIR (an `evoattn export` directory, or a run directory) and, per
+default config and dtype, prints: the host time of one call while
+the GPU is held busy (a sleep kernel queued first, so no call waits for the GPU), for
+`attention()` and for `F.scaled_dot_product_attention`; the per-call time of back-to-back eager
+calls on distinct inputs, for both; and how many calls ran the kernel. `--layout model` passes
+transformers' layout: (B, S, H, D) storage viewed as (B, H, S, D), k and v with H/4 heads
+(SDPA gets the same views, with enable_gqa). `--fallback` switches the kernel off (every call
+takes the package's fallback), which shows what the fallback costs over SDPA itself.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.hf_model import load_export  # noqa: E402
+from benchmarks.host_cost import eager_ms, host_us  # noqa: E402
+
+
+def inputs(cfg: dict, dtype, layout: str, n: int) -> list[tuple]:  # noqa: ANN001
+    """Returns n input sets (q, k, v) of a config in the layout asked for."""
+    import torch
+    B, H, S, D = cfg["B"], cfg["H"], cfg["S"], cfg["D"]
+    kv = max(1, H // 4) if layout == "model" else H
+
+    def one(heads: int) -> torch.Tensor:
+        if layout == "model":
+            return torch.randn(B, S, heads, D, device="cuda", dtype=dtype).transpose(1, 2)
+        return torch.randn(B, heads, S, D, device="cuda", dtype=dtype)
+
+    return [(one(H), one(kv), one(kv)) for _ in range(n)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--export", required=True, type=Path)
+    ap.add_argument("--dtypes", default="float16,bfloat16")
+    ap.add_argument("--layout", choices=("bhsd", "model"), default="bhsd")
+    ap.add_argument("--fallback", action="store_true")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    import torch
+    import torch.nn.functional as F
+
+    from evaluator.problems import get_problem
+    pkg = load_export(str(a.export))
+    if a.fallback:
+        importlib.import_module(f"{pkg.__name__}.guard").KERNEL_DEVICE_TYPES = ()
+    rows = []
+    for dtype_name in a.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        for cfg in get_problem("sdpa").default_configs:
+            causal = cfg["causal"]
+            size = 3 * cfg["B"] * cfg["H"] * cfg["S"] * cfg["D"] * 2
+            sets = inputs(cfg, dtype, a.layout, max(4, min(32, 2 ** 28 // size)))
+            q, k, v = sets[0]
+            gqa = k.shape[1] != q.shape[1]
+
+            def ours(s: tuple) -> torch.Tensor:
+                return pkg.attention(*s, causal=causal)
+
+            def sdpa(s: tuple) -> torch.Tensor:
+                return F.scaled_dot_product_attention(*s, is_causal=causal, enable_gqa=gqa)
+
+            pkg.reset_stats()
+            ours(sets[0])
+            torch.cuda.synchronize()
+            served = pkg.stats()
+            row = {"cfg": cfg, "dtype": dtype_name, "layout": a.layout, "fallback": a.fallback,
+                   "kernel_calls": served["kernel"], "reasons": served["fallback_reasons"],
+                   "host_us": host_us(lambda: ours((q, k, v))),
+                   "sdpa_host_us": host_us(lambda: sdpa((q, k, v))),
+                   "call_ms": eager_ms(ours, sets), "sdpa_call_ms": eager_ms(sdpa, sets)}
+            rows.append(row)
+            label = f"({cfg['B']},{cfg['H']},{cfg['S']},{cfg['D']}){' causal' if causal else ''}"
+            print(f"{dtype_name:8} {label:24} {'kernel' if row['kernel_calls'] else 'fallback'}"
+                  f"  host {row['host_us']:6.1f} us (SDPA {row['sdpa_host_us']:5.1f}, "
+                  f"+{row['host_us'] - row['sdpa_host_us']:5.1f})  call {row['call_ms']:.4f} ms "
+                  f"(SDPA {row['sdpa_call_ms']:.4f}, x{row['sdpa_call_ms'] / row['call_ms']:.3f})",
+                  flush=True)
+    speed = [r["sdpa_call_ms"] / r["call_ms"] for r in rows]
+    print(f"geomean speedup over SDPA (eager back-to-back): "
+          f"{statistics.geometric_mean(speed):.3f} over {len(rows)} rows")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"package": pkg.__name__, "rows": rows,
+                                            "device": torch.cuda.get_device_name(),
+                                            "torch": torch.__version__}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
