@@ -141,6 +141,8 @@ class EvalResult:
     fitness: float                     # geometric-mean speedup; 0 unless correct
     configs: tuple[ConfigResult, ...] = ()
     problem: str = "sdpa"
+    dtypes: tuple[str, ...] = ()       # checked in each (a pass is correct in every one); the
+                                       # configs' times are in the first
     timing: str = "call"               # the timing mode of ms, speedup and fitness
     baseline: str = "best"             # the fitness baseline: "best" (fastest per config) or a name
     candidate: str = ""
@@ -191,7 +193,7 @@ def _from_json(cls: type, d: dict[str, Any]) -> Any:
             value = None if value is None else Times.from_json(value)
         elif f.name == "baseline_times":
             value = {k: Times.from_json(v) for k, v in (value or {}).items()}
-        elif f.name == "flags":
+        elif f.name in ("flags", "dtypes"):
             value = tuple(value)
         elif isinstance(value, str) and value in ("nan", "inf", "-inf") and f.name != "reason":
             value = float(value)           # _clean wrote non-finite floats as strings

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from evaluator import program
-from evaluator.request import TIMING_MODES
+from evaluator.request import DTYPES, TIMING_MODES
 from evaluator.types import EXIT_USAGE, exit_code_for
 
 from . import report, settings
@@ -87,7 +87,9 @@ def main() -> None:
 @click.argument("path", type=click.Path(dir_okay=False))
 @click.option("--problem", default="sdpa", show_default=True, help="built-in name or problem .py")
 @click.option("--configs", help="'B,H,S,D[,causal|nc];...' (default: the problem's configs)")
-@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]))
+@click.option("--dtype", "dtypes", type=click.Choice(DTYPES), multiple=True,
+              help="check in this dtype; repeatable: correct only if correct in each, timed "
+                   "in the first (default: the problem's default dtype)")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto",
               show_default=True)
 @click.option("--timing", type=click.Choice(TIMING_MODES),
@@ -107,7 +109,7 @@ def main() -> None:
 @click.option("--timeout", type=float, help="run-stage limit in seconds (default 600)")
 @click.option("--set", "knob_sets", multiple=True, metavar="NAME=VALUE",
               help="evaluate with this knob (a `# evoattn: choice(...)` line) set; repeatable")
-def eval_cmd(path: str, problem: str, configs: str | None, dtype: str | None, device: str,
+def eval_cmd(path: str, problem: str, configs: str | None, dtypes: tuple[str, ...], device: str,
              timing: str | None, baseline: str | None, json_path: str | None,
              trials: int | None, reps: int | None, warmup: int | None, policy: str | None,
              max_abs: float | None, tolerance_factor: float | None,
@@ -130,7 +132,7 @@ def eval_cmd(path: str, problem: str, configs: str | None, dtype: str | None, de
         baseline=baseline)
     request = settings.eval_request(ref, prob, dev, settings.parse_configs(prob, configs,
                                                                            "--configs"),
-                                    dtype, ev)
+                                    dtypes, ev)
     if settings.cuda_on_cpu(p, dev):
         console.print("[yellow]no GPU[/yellow]: a .cu candidate is only compiled here, not run")
     elif dev == "cpu":
@@ -166,7 +168,7 @@ def _with_knobs(path: Path, source: str, knob_sets: tuple[str, ...]) -> str:
 @cli.command()
 @click.option("--problem", default="sdpa", show_default=True)
 @click.option("--configs", help="'B,H,S,D[,causal|nc];...'")
-@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]))
+@click.option("--dtype", type=click.Choice(DTYPES))
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))
 def baseline(problem: str, configs: str | None, dtype: str | None, device: str,

@@ -97,7 +97,7 @@ def plan_run(config_path: str | None, iterations: int | None, output: str | None
     except program.ProgramError as e:
         raise UsageError(str(e)) from None
     configs = settings.parse_configs(prob, cfg.configs, "configs")
-    request = settings.eval_request(ref, prob, dev, configs, cfg.dtype, cfg.evaluator)
+    request = settings.eval_request(ref, prob, dev, configs, cfg.dtypes, cfg.evaluator)
     if any(m.kind == "llm" for m in cfg.mutators):   # a key goes only where it is meant to
         from .mutators.keys import check_models
         check_models(cfg.llm.models, os.environ)
