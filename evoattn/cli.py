@@ -20,7 +20,7 @@ from rich.markup import escape
 
 from evaluator import program
 from evaluator.request import DTYPES, TIMING_MODES
-from evaluator.types import EXIT_USAGE, exit_code_for
+from evaluator.types import EXIT_OK, EXIT_USAGE, exit_code_for
 
 from . import report, settings
 from .errors import EvoattnError, Interrupted, RunDirError, UsageError
@@ -235,18 +235,27 @@ def llm() -> None:
 
 @llm.command("check")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False),
-              help="run YAML (default: configs/default.yaml)")
+              help="the run YAML whose llm: section names the models")
 def llm_check(config_path: str | None) -> None:
-    """Send one short request to each model: answer, latency, context length, price."""
+    """Send one short request to each model of a config's llm: section: answer, latency,
+    context length, price. Without a config or an llm: section there is nothing to check
+    (exit 0)."""
+    from .config import load_llm_section
     from .mutators.check import check, render
-    from .runner import DEFAULT_CONFIG, seed_prompt_chars
-    from .config import load_config
-    path = config_path or DEFAULT_CONFIG
-    cfg = load_config(path)
-    with console.status(f"asking {len(cfg.llm.models)} model(s) ..."):
-        checks = check(cfg.llm)
-    render(console, checks, seed_prompt_chars(path), cfg.llm)
-    sys.exit(0 if all(c.ok for c in checks) else 1)
+    from .runner import seed_prompt_chars
+    if config_path is None:
+        console.print("nothing to check: no --config given (`evoattn llm check --config C.yaml` "
+                      "asks each model of C's llm: section)")
+        sys.exit(EXIT_OK)
+    section = load_llm_section(config_path)
+    if section is None or not section.models:
+        console.print(f"nothing to check: {config_path} has "
+                      + ("no llm: section" if section is None else "no llm.models"))
+        sys.exit(EXIT_OK)
+    with console.status(f"asking {len(section.models)} model(s) ..."):
+        checks = check(section)
+    render(console, checks, seed_prompt_chars(config_path), section)
+    sys.exit(EXIT_OK if all(c.ok for c in checks) else 1)
 
 
 @cli.command()

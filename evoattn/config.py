@@ -134,9 +134,22 @@ _CHOICES = {
 
 def load_config(path: str | Path) -> RunConfig:
     """Returns the RunConfig in a YAML file; raises ConfigError naming file and key."""
+    p = Path(path)
+    cfg = _build(RunConfig, _one_dtype_key(_read_yaml(p), str(p)), str(p), "")
+    check_config(cfg, str(p))
+    return cfg
+
+
+def load_llm_section(path: str | Path) -> LlmConfig | None:
+    """Returns a config file's llm: section (the whole file checked), or None if it has none."""
+    cfg = load_config(path)
+    return cfg.llm if "llm" in _read_yaml(Path(path)) else None
+
+
+def _read_yaml(p: Path) -> dict[str, Any]:
+    """Returns a config file's top-level mapping; raises ConfigError naming the file."""
     import yaml
 
-    p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{p}: config file not found")
     try:
@@ -150,9 +163,7 @@ def load_config(path: str | Path) -> RunConfig:
                           "seed:; see configs/default.yaml)")
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: top level must be a mapping of keys, got {type(raw).__name__}")
-    cfg = _build(RunConfig, _one_dtype_key(raw, str(p)), str(p), "")
-    check_config(cfg, str(p))
-    return cfg
+    return raw
 
 
 def _one_dtype_key(raw: dict[str, Any], origin: str) -> dict[str, Any]:
