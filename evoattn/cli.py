@@ -30,7 +30,7 @@ err_console = Console(stderr=True, highlight=False)
 
 
 def _die(name: str, message: str, code: int) -> None:
-    # escape: a message is plain text ("evoattn[report]" is not a style tag)
+    # escape: a message is plain text ('".[report]"' is not a style tag)
     err_console.print(f"[red]{name}[/red]: {escape(message)}", soft_wrap=True)
     sys.exit(code)
 
@@ -288,7 +288,8 @@ def report_cmd(run_dir: str, out_dir: str | None) -> None:
     except ImportError as e:
         if (e.name or "").split(".")[0] != "matplotlib":
             raise
-        raise UsageError("the report needs matplotlib: pip install 'evoattn[report]'") from None
+        raise UsageError('the report needs matplotlib: pip install -e ".[report]" in the '
+                         "evoattn checkout (or pip install matplotlib)") from None
     page = write_report(run_dir, out_dir)
     console.print(f"report written: {page}")
 

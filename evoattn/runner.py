@@ -164,8 +164,9 @@ def _search(plan: RunPlan, store: Any, evaluator: Any, quiet: bool, console: Con
                       f"same command (or `evoattn run --resume {plan.run_dir}`) to continue it")
     if outcome.best is None:
         raise EvoattnError(f"no correct program, nothing exported ({outcome.stop_reason})")
-    export_run(store, plan.run_dir / "best")
-    console.print(f"best kernel exported to {plan.run_dir / 'best'} (re-check it with "
+    exported = export_run(store, plan.run_dir / "best")
+    console.print(f"best kernel exported to {plan.run_dir / 'best'}: `pip install "
+                  f"{plan.run_dir / 'best'}`, then `import {exported.package}` (re-check it with "
                   f"`evoattn eval {plan.run_dir / 'best'}/best{outcome.best.suffix}"
                   f"{_eval_flags(plan)}`)")
     return outcome.exit_code if outcome.exit_code else EXIT_OK
@@ -176,6 +177,7 @@ def _eval_flags(plan: RunPlan) -> str:
     extra = "" if plan.problem_ref == "sdpa" else f" --problem {plan.problem_ref}"
     extra += f" --device {plan.device}" if plan.device == "cpu" else ""
     extra += f" --timing {plan.request.timing}" if plan.request.timing != "call" else ""
+    extra += "".join(f" --dtype {d}" for d in plan.request.dtypes or ())
     if plan.configs:
         extra += " --configs '" + ";".join(_config_spec(c) for c in plan.configs) + "'"
     return extra

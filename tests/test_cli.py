@@ -154,6 +154,7 @@ def test_eval_checks_every_dtype_given_and_times_the_first(tmp_path: Path) -> No
     p = evoattn("eval", str(ROOT / "seeds/sdpa/naive_torch.py"), *FAST, "--dtype", "bfloat16",
                 "--dtype", "float16", "--json", str(out))
     assert p.returncode == 0, p.stdout + p.stderr
+    assert "Correctness: PASS in bfloat16, float16, timed in bfloat16" in p.stdout
     data = json.loads(out.read_text())
     assert data["dtypes"] == ["bfloat16", "float16"]
     assert {c["dtype"] for c in data["configs"]} == {"bfloat16"} and data["fitness"] > 0
