@@ -40,7 +40,8 @@ class Setup:
     req: EvalRequest
     problem: Problem
     dtype: Any
-    dtype_name: str
+    dtype_name: str                     # the timed dtype, the first of `dtypes`
+    dtypes: tuple[str, ...]             # every dtype the candidate is checked in
     configs: tuple[dict[str, Any], ...]
     domain: tuple[dict[str, Any], ...]
     tol: Tolerance
@@ -77,7 +78,10 @@ def evaluate(req: EvalRequest, stage: Stage) -> EvalResult:
         return s.fail(verdict, e.reason, build_log=e.log)
     stage("reference")
     rng = random.Random(int(req.secret_seed))
-    cases = _cases(s, rng)
+    cases = _cases(s, rng, s.dtype_name)
+    # Checked only, after the timed dtype passes; their references also exist before any
+    # candidate code runs.
+    others = {d: _cases(s, rng, d) for d in s.dtypes[1:]}
     stage("baselines")
     baselines = _warm_baselines(s, cases)
     stage("ceiling")
@@ -87,7 +91,7 @@ def evaluate(req: EvalRequest, stage: Stage) -> EvalResult:
     stage("timer")
     timer = GpuTimer(req.cache_dir or None) if req.on_gpu else CpuTimer()
     if req.on_gpu:
-        devinfo.poison_allocator([c.out_bytes for c in cases])
+        devinfo.poison_allocator([c.out_bytes for c in cases + sum(others.values(), [])])
     guard = _Guard.install(s)
     stage("load")
     rival = None
@@ -111,11 +115,14 @@ def evaluate(req: EvalRequest, stage: Stage) -> EvalResult:
     if bad:
         return s.fail(*bad)
     stage("check")
-    checked = check_all(cases, s.dtype_name, run, req.on_gpu, s.root,
-                        req.policy == "kernel-only", guard.violations, guard.integrity,
-                        req.screen)
-    if checked.failed:
-        return s.fail(*checked.failed, configs=checked.results[:len(s.configs)])
+    checked = _check(s, guard, run, s.dtype_name, cases)
+    bad = _check_failure(s, s.dtype_name, checked)
+    for dtype_name, dtype_cases in others.items():     # a candidate is correct in each or none
+        bad = bad or _check_failure(s, dtype_name,
+                                    _check(s, guard, run, dtype_name, dtype_cases))
+    if bad:
+        return bad
+    others.clear()                  # their inputs and references: memory the timing may need
     if rival is not None:
         rival_checked = check_all(cases, s.dtype_name, rival, req.on_gpu, s.root, False,
                                   guard.violations, guard.integrity, True)
@@ -140,7 +147,8 @@ def evaluate(req: EvalRequest, stage: Stage) -> EvalResult:
 def _setup(req: EvalRequest) -> Setup:
     import torch
     problem = get_problem(req.problem)
-    dtype_name = req.dtype or problem.default_dtype
+    dtypes = req.resolved_dtypes(problem.default_dtype)
+    dtype_name = dtypes[0]
     configs = tuple(dict(c) for c in (req.configs or (problem.default_configs if req.on_gpu
                                                       else problem.cpu_configs)))
     domain = tuple(dict(c) for c in (problem.domain_configs if req.on_gpu
@@ -151,12 +159,12 @@ def _setup(req: EvalRequest) -> Setup:
                     max_abs=own.max_abs if req.max_abs is None else req.max_abs)
     path = Path(req.candidate).resolve()
     info = devinfo.describe(req.device)
-    common = dict(problem=problem.name, timing=req.timing, baseline=req.baseline,
+    common = dict(problem=problem.name, dtypes=dtypes, timing=req.timing, baseline=req.baseline,
                   candidate=path.name, device=info["name"], timing_device=req.device,
                   versions=devinfo.versions(),
                   device_info={k: v for k, v in info.items() if k != "name"})
-    return Setup(req, problem, getattr(torch, dtype_name), dtype_name, configs, domain, tol,
-                 path.parent, info, common, _now())
+    return Setup(req, problem, getattr(torch, dtype_name), dtype_name, dtypes, configs, domain,
+                 tol, path.parent, info, common, _now())
 
 
 def _static_scan(s: Setup) -> EvalResult | None:
@@ -176,12 +184,31 @@ def _static_scan(s: Setup) -> EvalResult | None:
     return None
 
 
-def _cases(s: Setup, rng: random.Random) -> list[Case]:
+def _cases(s: Setup, rng: random.Random, dtype_name: str) -> list[Case]:
+    """Returns the benchmark configs, then the domain shapes, with inputs in one dtype."""
     import torch
     device = torch.device(s.req.device)
-    return [prepare_case(s.problem, cfg, i >= len(s.configs), s.dtype, device, rng,
+    dtype = getattr(torch, dtype_name)
+    return [prepare_case(s.problem, cfg, i >= len(s.configs), dtype, device, rng,
                          s.req.trials, s.tol)
             for i, cfg in enumerate(s.configs + s.domain)]
+
+
+def _check(s: Setup, guard: "_Guard", run: Callable[..., Any], dtype_name: str,
+           cases: list[Case]) -> Checked:
+    """Checks every case of one dtype."""
+    return check_all(cases, dtype_name, run, s.req.on_gpu, s.root, s.req.policy == "kernel-only",
+                     guard.violations, guard.integrity, s.req.screen)
+
+
+def _check_failure(s: Setup, dtype_name: str, checked: Checked) -> EvalResult | None:
+    """Returns the failure of one dtype's checks (naming the dtype when several are checked)."""
+    if not checked.failed:
+        return None
+    verdict, reason = checked.failed
+    if len(s.dtypes) > 1:
+        reason = f"{dtype_name}: {reason}"
+    return s.fail(verdict, reason, configs=checked.results[:len(s.configs)])
 
 
 def _warm_baselines(s: Setup, cases: list[Case]) -> dict[str, Callable[..., Any]]:

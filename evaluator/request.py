@@ -13,7 +13,7 @@ from typing import Any
 
 TIMING_MODES = ("call", "kernel", "graph")
 POLICIES = ("kernel-only", "allow-library")
-DTYPES = ("float16", "bfloat16", "float32")
+DTYPES = ("float16", "bfloat16", "float32")   # every dtype a config, a flag or a problem may name
 GPU_REPS, GPU_WARMUP = 30, 10      # the most rounds of the fitness mode (evaluator/timing.py)
                                    # and untimed calls per config, on a GPU
 CPU_REPS, CPU_WARMUP = 3, 1        # on the CPU (Triton's interpreter is slow): at most these
@@ -26,7 +26,9 @@ class EvalRequest:
     problem: str = "sdpa"                      # a built-in name or an absolute problem .py path
     device: str = "cuda"                       # "cuda" or "cpu"
     configs: tuple[dict[str, Any], ...] | None = None   # None: the problem's (CPU) configs
-    dtype: str | None = None                   # None: the problem's default dtype
+    # Checked in each (a candidate wrong in any one is incorrect); timed in the first. None:
+    # the problem's default dtype alone.
+    dtypes: tuple[str, ...] | None = None
     # checking
     trials: int = 3                            # fresh random inputs per config
     tolerance_factor: float | None = None      # None: the problem's own tolerance
@@ -67,8 +69,15 @@ class EvalRequest:
                              f"{self.timing!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtypes is not None:
+            if not self.dtypes:
+                raise ValueError("dtypes must name at least one dtype (or be None: the "
+                                 "problem's default)")
+            for d in self.dtypes:
+                if d not in DTYPES:
+                    raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {d!r}")
+            if len(set(self.dtypes)) != len(self.dtypes):
+                raise ValueError(f"dtypes name one dtype twice: {', '.join(self.dtypes)}")
         for name in ("trials", "warmup", "reps"):
             value = getattr(self, name)
             if value is not None and value < (1 if name == "trials" else 0):
@@ -80,6 +89,15 @@ class EvalRequest:
     @property
     def on_gpu(self) -> bool:
         return self.device == "cuda"
+
+    @property
+    def dtype(self) -> str | None:
+        """Returns the dtype timing uses (the first of `dtypes`; None: the problem's default)."""
+        return self.dtypes[0] if self.dtypes else None
+
+    def resolved_dtypes(self, default: str) -> tuple[str, ...]:
+        """Returns the dtypes to check, the timed one first, given the problem's default."""
+        return self.dtypes or (default,)
 
     def resolved_reps(self) -> int:
         """Returns the timed repetitions for this device."""
@@ -97,6 +115,7 @@ class EvalRequest:
         d = dataclasses.asdict(self)
         d["configs"] = None if self.configs is None else [dict(c) for c in self.configs]
         d["allowed_dirs"] = list(self.allowed_dirs)
+        d["dtypes"] = None if self.dtypes is None else list(self.dtypes)
         return d
 
     @classmethod
@@ -109,6 +128,8 @@ class EvalRequest:
         if kw.get("configs") is not None:
             kw["configs"] = tuple(dict(c) for c in kw["configs"])
         kw["allowed_dirs"] = tuple(kw.get("allowed_dirs", ()))
+        if kw.get("dtypes") is not None:
+            kw["dtypes"] = tuple(kw["dtypes"])
         return cls(**kw)
 
 

@@ -157,6 +157,8 @@ class EvalResult:
     configs: tuple[ConfigResult, ...] = ()
     fitness_ci: tuple[float, float] | None = None   # its 95% interval
     problem: str = "sdpa"
+    dtypes: tuple[str, ...] = ()       # checked in each (a pass is correct in every one); the
+                                       # configs' times are in the first
     timing: str = "call"               # the timing mode of ms, speedup and fitness
     baseline: str = "best"             # the fitness baseline: "best" (fastest per config) or a name
     candidate: str = ""
@@ -216,7 +218,7 @@ def _from_json(cls: type, d: dict[str, Any]) -> Any:
             value = None if value is None else (float(value[0]), float(value[1]))
         elif f.name == "baseline_times":
             value = {k: Times.from_json(v) for k, v in (value or {}).items()}
-        elif f.name == "flags":
+        elif f.name in ("flags", "dtypes"):
             value = tuple(value)
         elif isinstance(value, str) and value in ("nan", "inf", "-inf") and f.name != "reason":
             value = float(value)           # _clean wrote non-finite floats as strings

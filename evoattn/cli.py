@@ -19,8 +19,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from evaluator import program
-from evaluator.request import TIMING_MODES
-from evaluator.types import EXIT_USAGE, exit_code_for
+from evaluator.request import DTYPES, TIMING_MODES
+from evaluator.types import EXIT_OK, EXIT_USAGE, exit_code_for
 
 from . import report, settings
 from .errors import EvoattnError, Interrupted, RunDirError, UsageError
@@ -30,7 +30,7 @@ err_console = Console(stderr=True, highlight=False)
 
 
 def _die(name: str, message: str, code: int) -> None:
-    # escape: a message is plain text ("evoattn[report]" is not a style tag)
+    # escape: a message is plain text ('".[report]"' is not a style tag)
     err_console.print(f"[red]{name}[/red]: {escape(message)}", soft_wrap=True)
     sys.exit(code)
 
@@ -87,7 +87,9 @@ def main() -> None:
 @click.argument("path", type=click.Path(dir_okay=False))
 @click.option("--problem", default="sdpa", show_default=True, help="built-in name or problem .py")
 @click.option("--configs", help="'B,H,S,D[,causal|nc];...' (default: the problem's configs)")
-@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]))
+@click.option("--dtype", "dtypes", type=click.Choice(DTYPES), multiple=True,
+              help="check in this dtype; repeatable: correct only if correct in each, timed "
+                   "in the first (default: the problem's default dtype)")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto",
               show_default=True)
 @click.option("--timing", type=click.Choice(TIMING_MODES),
@@ -110,7 +112,7 @@ def main() -> None:
 @click.option("--rival", type=click.Path(dir_okay=False),
               help="another kernel file, checked and timed beside PATH in the same rounds: "
                    "prints both fitnesses and the gain with its 95% interval")
-def eval_cmd(path: str, problem: str, configs: str | None, dtype: str | None, device: str,
+def eval_cmd(path: str, problem: str, configs: str | None, dtypes: tuple[str, ...], device: str,
              timing: str | None, baseline: str | None, json_path: str | None,
              trials: int | None, reps: int | None, warmup: int | None, policy: str | None,
              max_abs: float | None, tolerance_factor: float | None,
@@ -133,7 +135,7 @@ def eval_cmd(path: str, problem: str, configs: str | None, dtype: str | None, de
         baseline=baseline)
     request = settings.eval_request(ref, prob, dev, settings.parse_configs(prob, configs,
                                                                            "--configs"),
-                                    dtype, ev)
+                                    dtypes, ev)
     if settings.cuda_on_cpu(p, dev):
         console.print("[yellow]no GPU[/yellow]: a .cu candidate is only compiled here, not run")
     elif dev == "cpu":
@@ -176,7 +178,7 @@ def _with_knobs(path: Path, source: str, knob_sets: tuple[str, ...]) -> str:
 @cli.command()
 @click.option("--problem", default="sdpa", show_default=True)
 @click.option("--configs", help="'B,H,S,D[,causal|nc];...'")
-@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]))
+@click.option("--dtype", type=click.Choice(DTYPES))
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))
 def baseline(problem: str, configs: str | None, dtype: str | None, device: str,
@@ -243,18 +245,27 @@ def llm() -> None:
 
 @llm.command("check")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False),
-              help="run YAML (default: configs/default.yaml)")
+              help="the run YAML whose llm: section names the models")
 def llm_check(config_path: str | None) -> None:
-    """Send one short request to each model: answer, latency, context length, price."""
+    """Send one short request to each model of a config's llm: section: answer, latency,
+    context length, price. Without a config or an llm: section there is nothing to check
+    (exit 0)."""
+    from .config import load_llm_section
     from .mutators.check import check, render
-    from .runner import DEFAULT_CONFIG, seed_prompt_chars
-    from .config import load_config
-    path = config_path or DEFAULT_CONFIG
-    cfg = load_config(path)
-    with console.status(f"asking {len(cfg.llm.models)} model(s) ..."):
-        checks = check(cfg.llm)
-    render(console, checks, seed_prompt_chars(path), cfg.llm)
-    sys.exit(0 if all(c.ok for c in checks) else 1)
+    from .runner import seed_prompt_chars
+    if config_path is None:
+        console.print("nothing to check: no --config given (`evoattn llm check --config C.yaml` "
+                      "asks each model of C's llm: section)")
+        sys.exit(EXIT_OK)
+    section = load_llm_section(config_path)
+    if section is None or not section.models:
+        console.print(f"nothing to check: {config_path} has "
+                      + ("no llm: section" if section is None else "no llm.models"))
+        sys.exit(EXIT_OK)
+    with console.status(f"asking {len(section.models)} model(s) ..."):
+        checks = check(section)
+    render(console, checks, seed_prompt_chars(config_path), section)
+    sys.exit(EXIT_OK if all(c.ok for c in checks) else 1)
 
 
 @cli.command()
@@ -287,7 +298,8 @@ def report_cmd(run_dir: str, out_dir: str | None) -> None:
     except ImportError as e:
         if (e.name or "").split(".")[0] != "matplotlib":
             raise
-        raise UsageError("the report needs matplotlib: pip install 'evoattn[report]'") from None
+        raise UsageError('the report needs matplotlib: pip install -e ".[report]" in the '
+                         "evoattn checkout (or pip install matplotlib)") from None
     page = write_report(run_dir, out_dir)
     console.print(f"report written: {page}")
 

@@ -13,7 +13,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from evaluator.request import DEFAULTS, TIMING_MODES
+from evaluator.request import DEFAULTS, DTYPES, TIMING_MODES
 
 from .errors import ConfigError
 
@@ -108,7 +108,9 @@ class RunConfig:
     problem: str = "sdpa"
     seed: str = "seeds/sdpa/flash_hybrid.py"
     configs: tuple[str, ...] | None = None  # "B,H,S,D[,causal|nc]" strings; None = defaults
-    dtype: str | None = None                # None = the problem's default
+    # Every candidate is checked in each, timed in the first; None = the problem's default.
+    # A file's `dtype: X` (one dtype, the older key) reads as `dtypes: [X]`.
+    dtypes: tuple[str, ...] | None = None
     device: str = "auto"                    # auto | cuda | cpu
     iterations: int = 100
     random_seed: int = 0
@@ -130,15 +132,27 @@ _CHOICES = {
     "evaluator.timing": TIMING_MODES,
     "evaluator.backend": ("local", "dask"),
     "llm.output_format": ("diff", "full"),
-    "dtype": ("float16", "bfloat16", "float32", None),
 }
 
 
 def load_config(path: str | Path) -> RunConfig:
     """Returns the RunConfig in a YAML file; raises ConfigError naming file and key."""
+    p = Path(path)
+    cfg = _build(RunConfig, _one_dtype_key(_read_yaml(p), str(p)), str(p), "")
+    check_config(cfg, str(p))
+    return cfg
+
+
+def load_llm_section(path: str | Path) -> LlmConfig | None:
+    """Returns a config file's llm: section (the whole file checked), or None if it has none."""
+    cfg = load_config(path)
+    return cfg.llm if "llm" in _read_yaml(Path(path)) else None
+
+
+def _read_yaml(p: Path) -> dict[str, Any]:
+    """Returns a config file's top-level mapping; raises ConfigError naming the file."""
     import yaml
 
-    p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{p}: config file not found")
     try:
@@ -152,9 +166,23 @@ def load_config(path: str | Path) -> RunConfig:
                           "seed:; see configs/default.yaml)")
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: top level must be a mapping of keys, got {type(raw).__name__}")
-    cfg = _build(RunConfig, raw, str(p), "")
-    check_config(cfg, str(p))
-    return cfg
+    return raw
+
+
+def _one_dtype_key(raw: dict[str, Any], origin: str) -> dict[str, Any]:
+    """Returns the raw config with a `dtype: X` key read as `dtypes: [X]` (null: left out)."""
+    if "dtype" not in raw:
+        return raw
+    if "dtypes" in raw:
+        raise ConfigError(f"{origin}: keys 'dtype' and 'dtypes' are both set; keep 'dtypes' "
+                          "(a list, e.g. [float16, bfloat16])")
+    out = {k: v for k, v in raw.items() if k != "dtype"}
+    if raw["dtype"] is not None:
+        if not isinstance(raw["dtype"], str):
+            raise ConfigError(f"{origin}: key 'dtype' must be a string, got "
+                              f"{_tname(raw['dtype'])}")
+        out["dtypes"] = [raw["dtype"]]
+    return out
 
 
 def config_to_dict(cfg: Any) -> Any:
@@ -168,7 +196,7 @@ def config_to_dict(cfg: Any) -> Any:
 
 def config_from_dict(raw: dict[str, Any], origin: str = "<stored config>") -> RunConfig:
     """Returns a RunConfig from a dict (as saved in a run directory)."""
-    cfg = _build(RunConfig, raw, origin, "")
+    cfg = _build(RunConfig, _one_dtype_key(raw, origin), origin, "")
     check_config(cfg, origin)
     return cfg
 
@@ -230,8 +258,7 @@ def check_config(cfg: RunConfig, origin: str) -> None:
 
     if cfg.device not in _CHOICES["device"]:
         raise bad("device", f"must be one of {_CHOICES['device']}, got {cfg.device!r}")
-    if cfg.dtype not in _CHOICES["dtype"]:
-        raise bad("dtype", f"must be float16, bfloat16 or float32, got {cfg.dtype!r}")
+    _check_dtypes(cfg.dtypes, bad)
     if cfg.evaluator.policy not in _CHOICES["evaluator.policy"]:
         raise bad("evaluator.policy", f"must be one of {_CHOICES['evaluator.policy']}")
     if cfg.llm.output_format not in _CHOICES["llm.output_format"]:
@@ -270,6 +297,19 @@ def check_config(cfg: RunConfig, origin: str) -> None:
     if any(m.kind == "llm" for m in cfg.mutators) and not cfg.llm.models:
         raise bad("llm.models", "must list at least one model when an llm mutator is used")
     _check_llm(cfg.llm, bad)
+
+
+def _check_dtypes(dtypes: tuple[str, ...] | None, bad: Any) -> None:
+    if dtypes is None:
+        return
+    if not dtypes:
+        raise bad("dtypes", f"must list at least one of {', '.join(DTYPES)} (or be left out: "
+                  "the problem's default)")
+    for i, d in enumerate(dtypes):
+        if d not in DTYPES:
+            raise bad(f"dtypes[{i}]", f"must be one of {', '.join(DTYPES)}, got {d!r}")
+        if d in dtypes[:i]:
+            raise bad(f"dtypes[{i}]", f"names {d} a second time")
 
 
 def _check_llm(llm: LlmConfig, bad: Any) -> None:

@@ -93,10 +93,12 @@ def verified_set(result: EvalResult | None) -> dict[str, Any]:
         return {"device_type": "none", "capabilities": [], "device_name": "", "dtypes": [],
                 "head_dims": [], "causal": None}
     passed = [c for c in result.configs if c.verdict is Verdict.PASS]
+    # A correct result passed every config in each dtype it names (only the first is timed).
+    dtypes = {c.dtype for c in passed} | (set(result.dtypes) if result.correct else set())
     cap = result.device_info.get("capability")
     causal = sorted({bool(c.params["causal"]) for c in passed if "causal" in c.params})
     return {"device_type": result.timing_device, "capabilities": [cap] if cap else [],
-            "device_name": result.device, "dtypes": sorted({c.dtype for c in passed}),
+            "device_name": result.device, "dtypes": sorted(dtypes),
             "head_dims": sorted({int(c.params["D"]) for c in passed if "D" in c.params}),
             "causal": causal or None}
 

@@ -172,7 +172,9 @@ def print_eval(console: Console, result: EvalResult,
         console.print(f"Compiled: {result.reason}")
     else:
         console.print(f"Correctness: {'[green]PASS[/green]' if ok else '[red]FAIL[/red]'}"
-                      + ("" if ok else f" ({result.verdict.value}: {result.reason})"))
+                      + ("" if ok else f" ({result.verdict.value}: {result.reason})")
+                      + (f" in {', '.join(result.dtypes)}, timed in {result.dtypes[0]}"
+                         if ok and len(result.dtypes) > 1 else ""))
     timed = [c.speedup for c in result.configs if c.speedup]
     if ok and timed:
         console.print(f"Speedup: {headline(result)} (geometric mean over {len(timed)} configs)")
@@ -184,7 +186,7 @@ def print_eval(console: Console, result: EvalResult,
 
 
 def baseline_table(rows: list[dict[str, Any]], device: str) -> Table:
-    """Returns the table of every baseline and backend per config: TFLOP/s in each mode."""
+    """Returns the table of every baseline and backend per config: ms in each mode, host µs."""
     names = list(dict.fromkeys(n for r in rows for n in r["times"]))
     t = Table(title=f"PyTorch on {device}: ms in kernel / call / graph time; host µs")
     t.add_column("config")

@@ -97,7 +97,7 @@ def plan_run(config_path: str | None, iterations: int | None, output: str | None
     except program.ProgramError as e:
         raise UsageError(str(e)) from None
     configs = settings.parse_configs(prob, cfg.configs, "configs")
-    request = settings.eval_request(ref, prob, dev, configs, cfg.dtype, cfg.evaluator)
+    request = settings.eval_request(ref, prob, dev, configs, cfg.dtypes, cfg.evaluator)
     if any(m.kind == "llm" for m in cfg.mutators):   # a key goes only where it is meant to
         from .mutators.keys import check_models
         check_models(cfg.llm.models, os.environ)
@@ -169,8 +169,9 @@ def _search(plan: RunPlan, store: Any, evaluator: Any, quiet: bool, console: Con
                       f"same command (or `evoattn run --resume {plan.run_dir}`) to continue it")
     if outcome.best is None:
         raise EvoattnError(f"no correct program, nothing exported ({outcome.stop_reason})")
-    export_run(store, plan.run_dir / "best")
-    console.print(f"best kernel exported to {plan.run_dir / 'best'} (re-check it with "
+    exported = export_run(store, plan.run_dir / "best")
+    console.print(f"best kernel exported to {plan.run_dir / 'best'}: `pip install "
+                  f"{plan.run_dir / 'best'}`, then `import {exported.package}` (re-check it with "
                   f"`evoattn eval {plan.run_dir / 'best'}/best{outcome.best.suffix}"
                   f"{_eval_flags(plan)}`)")
     return outcome.exit_code if outcome.exit_code else EXIT_OK
@@ -181,6 +182,7 @@ def _eval_flags(plan: RunPlan) -> str:
     extra = "" if plan.problem_ref == "sdpa" else f" --problem {plan.problem_ref}"
     extra += f" --device {plan.device}" if plan.device == "cpu" else ""
     extra += f" --timing {plan.request.timing}" if plan.request.timing != "call" else ""
+    extra += "".join(f" --dtype {d}" for d in plan.request.dtypes or ())
     if plan.configs:
         extra += " --configs '" + ";".join(_config_spec(c) for c in plan.configs) + "'"
     return extra

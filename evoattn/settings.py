@@ -95,16 +95,21 @@ def cpu_notice(console: Console) -> None:
 
 
 def eval_request(ref: str, prob: Any, device: str, configs: tuple[dict[str, Any], ...] | None,
-                 dtype: str | None, ev: EvaluatorConfig) -> EvalRequest:
-    """Returns the request every candidate of a run (or one `evoattn eval`) is evaluated with."""
+                 dtypes: Sequence[str] | None, ev: EvaluatorConfig) -> EvalRequest:
+    """Returns the request every candidate of a run (or one `evoattn eval`) is evaluated with:
+    checked in every one of `dtypes`, timed in the first (None or empty: the problem's
+    default dtype)."""
     if ev.baseline != "best" and ev.baseline not in prob.baseline_names:
         raise UsageError(f"baseline {ev.baseline!r}: problem {prob.name} has the baselines "
                          f"{', '.join(prob.baseline_names)} (or 'best', the fastest)")
     if device == "cpu" and ev.timing == "graph":
         raise UsageError("timing graph: CUDA graphs need a GPU; on the CPU use call or kernel")
-    if dtype is not None and dtype not in prob.dtypes:
-        raise UsageError(f"dtype {dtype}: problem {prob.name} supports {', '.join(prob.dtypes)}")
-    req = EvalRequest(problem=ref, device=device, configs=configs, dtype=dtype, trials=ev.trials,
+    for dtype in dtypes or ():
+        if dtype not in prob.dtypes:
+            raise UsageError(f"dtype {dtype}: problem {prob.name} supports "
+                             f"{', '.join(prob.dtypes)}")
+    req = EvalRequest(problem=ref, device=device, configs=configs,
+                      dtypes=tuple(dtypes) if dtypes else None, trials=ev.trials,
                       tolerance_factor=ev.tolerance_factor, tolerance_floor=ev.tolerance_floor,
                       max_abs=ev.max_abs, policy=ev.policy, screen=ev.screen, timing=ev.timing,
                       baseline=ev.baseline, all_backends=ev.all_backends, warmup=ev.warmup,

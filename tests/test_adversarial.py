@@ -145,7 +145,7 @@ def test_cheat_is_caught_with_its_cause(cpu_eval: SubprocessEvaluator, name: str
 
 
 def test_float32_problem_computed_in_bfloat16_is_incorrect(cache_dir: str) -> None:
-    ev = sandboxed(device="cpu", cache_dir=cache_dir, dtype="float32")
+    ev = sandboxed(device="cpu", cache_dir=cache_dir, dtypes=("float32",))
     result = evaluate(ev, ADV / "precision_bf16.py")
     assert_verdict(result, Verdict.INCORRECT, r"max abs error .* > tolerance")
     assert result.configs[0].dtype == "float32"

@@ -147,3 +147,22 @@ def test_no_screen_reports_every_failing_config(tmp_path: Path) -> None:
     assert p.returncode == 1
     verdicts = [c["verdict"] for c in json.loads(out.read_text())["configs"]]
     assert verdicts == ["incorrect", "incorrect"]          # screened, the second is "skipped"
+
+
+def test_eval_checks_every_dtype_given_and_times_the_first(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    p = evoattn("eval", str(ROOT / "seeds/sdpa/naive_torch.py"), *FAST, "--dtype", "bfloat16",
+                "--dtype", "float16", "--json", str(out))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "Correctness: PASS in bfloat16, float16, timed in bfloat16" in p.stdout
+    data = json.loads(out.read_text())
+    assert data["dtypes"] == ["bfloat16", "float16"]
+    assert {c["dtype"] for c in data["configs"]} == {"bfloat16"} and data["fitness"] > 0
+    p = evoattn("eval", str(CANDS / "bf16_as_fp16_bits.py"), *FAST, "--dtype", "float16",
+                "--dtype", "bfloat16", "--json", str(out))
+    assert p.returncode == 1, p.stdout + p.stderr
+    data = json.loads(out.read_text())
+    assert data["verdict"] == "incorrect" and data["reason"].startswith("bfloat16: ")
+    assert data["configs"][0]["dtype"] == "bfloat16" and data["fitness"] == 0.0
+    p = evoattn("eval", str(CANDS / "bf16_as_fp16_bits.py"), *FAST, "--dtype", "float16")
+    assert p.returncode == 0, p.stdout + p.stderr

@@ -48,6 +48,14 @@ def test_defaults_fill_missing_keys(tmp_path: Path) -> None:
      "key 'llm.models[0].base_url' must be an http:// or https:// URL"),
     ("llm:\n  max_consecutive_failures: 0\n", "key 'llm.max_consecutive_failures' must be >= 1"),
     ("llm:\n  feedback_wait_s: -1\n", "key 'llm.feedback_wait_s' must be >= 0"),
+    ("dtypes: [float16, fp8]\n",
+     "key 'dtypes[1]' must be one of float16, bfloat16, float32, got 'fp8'"),
+    ("dtypes: float16\n", "key 'dtypes' must be a list"),
+    ("dtypes: []\n", "key 'dtypes' must list at least one of float16, bfloat16, float32"),
+    ("dtypes: [bfloat16, bfloat16]\n", "key 'dtypes[1]' names bfloat16 a second time"),
+    ("dtypes: [float16, 16]\n", "key 'dtypes[1]' must be a string"),
+    ("dtype: half\n", "key 'dtypes[0]' must be one of float16, bfloat16, float32"),
+    ("dtype: float16\ndtypes: [float16]\n", "keys 'dtype' and 'dtypes' are both set"),
 ])
 def test_mistakes_name_the_file_and_key(tmp_path: Path, text: str, needle: str) -> None:
     p = _write(tmp_path, text)
@@ -70,5 +78,21 @@ def test_missing_file_is_an_error(tmp_path: Path) -> None:
 
 
 def test_round_trips_through_a_dict() -> None:
-    cfg = RunConfig(configs=("1,8,512,64",), iterations=3)
+    cfg = RunConfig(configs=("1,8,512,64",), iterations=3, dtypes=("bfloat16", "float16"))
     assert config_from_dict(config_to_dict(cfg)) == cfg
+
+
+def test_dtypes_keep_their_order_and_one_dtype_reads_as_a_list(tmp_path: Path) -> None:
+    assert load_config(_write(tmp_path, "dtypes: [bfloat16, float16]\n")).dtypes == (
+        "bfloat16", "float16")
+    assert load_config(_write(tmp_path, "dtype: float32\n")).dtypes == ("float32",)
+    assert load_config(_write(tmp_path, "dtype: null\n")).dtypes is None
+    assert load_config(_write(tmp_path, "iterations: 1\n")).dtypes is None
+    # a run directory stored before `dtypes` existed still resumes
+    old = {**config_to_dict(RunConfig()), "dtype": "bfloat16"}
+    del old["dtypes"]
+    assert config_from_dict(old).dtypes == ("bfloat16",)
+
+
+def test_the_default_config_checks_float16_and_bfloat16(repo_root: Path) -> None:
+    assert load_config(repo_root / "configs/default.yaml").dtypes == ("float16", "bfloat16")

@@ -374,3 +374,15 @@ def test_a_multi_file_kernel_loads_with_its_companions(tmp_path):
     """, cwd=tmp_path / "out")
     libs, built = got.strip().splitlines()[-2:]
     assert libs == "{} 2.0" and built == "[['fast.cu'], [], []]"
+
+
+def test_the_export_serves_every_dtype_a_correct_result_was_checked_in() -> None:
+    from evoattn.export_package import verified_set
+    cfg = ConfigResult(params={"B": 1, "H": 2, "S": 64, "D": 64, "causal": True},
+                       dtype="float16", verdict=Verdict.PASS)
+    both = EvalResult(Verdict.PASS, "", 1.0, (cfg,), dtypes=("float16", "bfloat16"))
+    assert verified_set(both)["dtypes"] == ["bfloat16", "float16"]
+    assert verified_set(EvalResult(Verdict.PASS, "", 1.0, (cfg,)))["dtypes"] == ["float16"]
+    wrong = EvalResult(Verdict.INCORRECT, "bfloat16: ...", 0.0, (cfg,),
+                       dtypes=("float16", "bfloat16"))
+    assert verified_set(wrong)["dtypes"] == ["float16"]

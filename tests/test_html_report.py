@@ -292,7 +292,9 @@ def test_cli_exits_4_naming_the_extra_when_matplotlib_is_missing(finished_run: P
     result = _cli("report", str(finished_run),
                   prelude="import sys; sys.modules['matplotlib'] = None; ")
     assert result.returncode == 4
-    assert "evoattn[report]" in result.stderr and result.stderr.strip().count("\n") == 0
+    hint = 'pip install -e ".[report]"'       # the README's words for the same install
+    assert hint in result.stderr and result.stderr.strip().count("\n") == 0
+    assert hint in (Path(__file__).resolve().parent.parent / "README.md").read_text()
 
 
 def _program(pid: str, parent: str | None, iteration: int, fitness: float,

@@ -204,3 +204,14 @@ def test_on_the_cpu_the_prompt_says_the_interpreter_runs_it_with_versions() -> N
     assert "faster where it runs (the CPU, through Triton's interpreter)" in user
     assert "1 in the code shown, 1 of them take effect here" in user
     assert "A separate knob mutator already tunes their values" in user
+
+
+def test_the_prompt_says_every_dtype_a_program_must_be_correct_in() -> None:
+    import dataclasses
+
+    from evoattn.mutators.sections import PromptLimits, results
+    two = dataclasses.replace(_result(1.0), dtypes=("float16", "bfloat16"))
+    text = results(two, PromptLimits())
+    assert "Checked in float16, bfloat16: a program must be correct in each" in text
+    assert "Checked in" not in results(dataclasses.replace(two, dtypes=("float16",)),
+                                       PromptLimits())

@@ -199,3 +199,36 @@ def test_llm_check_reports_each_model_and_fails_when_one_is_down(tmp_path: Path)
     assert p.returncode == 1
     assert "failed model other at" in p.stdout and "cannot connect" in p.stdout
     assert "8192 (config)" in p.stdout
+
+
+def test_llm_check_without_models_to_ask_says_so_and_sends_nothing(tmp_path: Path) -> None:
+    with LlmServer() as srv:
+        p = _cli("llm", "check")
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert p.stdout.strip() == ("nothing to check: no --config given (`evoattn llm check "
+                                    "--config C.yaml` asks each model of C's llm: section)")
+        cfg = _config(tmp_path, srv.base_url)
+        raw = yaml.safe_load(cfg.read_text())
+        del raw["llm"]
+        raw["mutators"] = [{"kind": "knobs"}]
+        cfg.write_text(yaml.safe_dump(raw))
+        p = _cli("llm", "check", "--config", str(cfg),
+                 env={"OPENAI_API_KEY": ""})   # the default model would fail on its key
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert p.stdout.strip() == f"nothing to check: {cfg} has no llm: section"
+        assert "gpt-4o-mini" not in p.stdout + p.stderr
+        p = _cli("llm", "check", "--config", str(ROOT / "configs/default.yaml"))
+        assert p.returncode == 0 and "has no llm: section" in p.stdout
+        raw["llm"] = {"models": []}
+        cfg.write_text(yaml.safe_dump(raw))
+        p = _cli("llm", "check", "--config", str(cfg))
+        assert p.returncode == 0 and p.stdout.strip() == f"nothing to check: {cfg} has no llm.models"
+        assert srv.requests == [] and srv.gets == []
+
+
+def test_llm_check_with_a_bad_config_is_one_line_and_exit_4(tmp_path: Path) -> None:
+    bad = tmp_path / "c.yaml"
+    bad.write_text("llm:\n  modles: []\n")
+    p = _cli("llm", "check", "--config", str(bad))
+    assert p.returncode == 4 and "unknown key 'llm.modles'" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1

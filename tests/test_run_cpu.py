@@ -40,10 +40,13 @@ def _evoattn(*args: str, env: dict | None = None, timeout: int = 900
 
 
 def test_knob_search_runs_exports_and_the_export_gets_the_same_verdict(tmp_path: Path) -> None:
-    cfg = _config(tmp_path)
+    cfg = _config(tmp_path, dtypes=["float16", "float32"])      # checked in both, timed in float16
     p = _evoattn("run", "--config", str(cfg), "--quiet")
     assert p.returncode == 0, p.stdout + p.stderr
     assert "CPU" in p.stdout and "stopped after iteration 3: iterations" in p.stdout
+    said = " ".join(p.stdout.split())                           # lines wrap at 200 columns
+    assert "--dtype float16 --dtype float32 " in said           # the re-check command
+    assert re.search(r"then `import evoattn_sdpa_[0-9a-f]+`", said), said
     assert re.search(r"evaluations: [1-4], \d+\.\d s each on average \(\w+ \d", p.stdout), p.stdout
     run = tmp_path / "run"
     rows = query(run / "run.sqlite", "SELECT iteration, verdict, mutator FROM programs")
@@ -57,6 +60,9 @@ def test_knob_search_runs_exports_and_the_export_gets_the_same_verdict(tmp_path:
     out = tmp_path / "exported"
     assert _evoattn("export", str(run), "--out", str(out)).returncode == 0
     stored = json.loads((out / "best_eval.json").read_text())
+    assert stored["dtypes"] == ["float16", "float32"]
+    verified = json.loads(next(out.glob("evoattn_sdpa_*/kernel.json")).read_text())["verified"]
+    assert verified["dtypes"] == ["float16", "float32"]
     again = _evoattn("eval", str(out / "best.py"), "--device", "cpu", "--configs", "1,2,64,64,nc",
                      "--trials", "1", "--json", str(tmp_path / "again.json"))
     assert again.returncode == 0, again.stdout

@@ -167,3 +167,48 @@ def test_the_target_fact_comes_from_nvidia_smi(tmp_path, monkeypatch, output, wa
 def test_without_nvidia_smi_there_is_no_target_fact(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setenv("PATH", str(tmp_path))
     assert detect_target("cuda") is None
+
+
+def test_a_request_round_trips_through_json_with_its_dtypes() -> None:
+    from evaluator.request import EvalRequest
+    req = EvalRequest(device="cpu", configs=({"B": 1, "H": 2, "S": 64, "D": 64, "causal": True},),
+                      dtypes=("bfloat16", "float16"), allowed_dirs=("/a",), facts={"t": "cpu"})
+    back = EvalRequest.from_json(json.loads(json.dumps(req.to_json())))
+    assert back == req and back.dtypes == ("bfloat16", "float16")
+    assert back.dtype == "bfloat16"                              # the timed one: the first
+    assert back.resolved_dtypes("float16") == ("bfloat16", "float16")
+    plain = EvalRequest.from_json(json.loads(json.dumps(EvalRequest().to_json())))
+    assert plain.dtypes is None and plain.dtype is None
+    assert plain.resolved_dtypes("float32") == ("float32",)
+
+
+@pytest.mark.parametrize("dtypes, message", [
+    (("float16", "fp8"), "dtype must be one of float16, bfloat16, float32, got 'fp8'"),
+    ((), "dtypes must name at least one dtype"),
+    (("float16", "float16"), "dtypes name one dtype twice"),
+])
+def test_a_request_with_bad_dtypes_is_refused(dtypes: tuple, message: str) -> None:
+    from evaluator.request import EvalRequest
+    with pytest.raises(ValueError, match=message):
+        EvalRequest(dtypes=dtypes).validate()
+
+
+def test_a_candidate_wrong_in_one_of_its_dtypes_is_incorrect_naming_it(tmp_path) -> None:  # noqa: ANN001
+    from pathlib import Path
+    src = (Path(__file__).parent / "candidates" / "bf16_as_fp16_bits.py").read_text()
+    cfg = ({"B": 1, "H": 2, "S": 64, "D": 64, "causal": False},)
+    both = sandboxed(device="cpu", cache_dir=str(tmp_path), configs=cfg, trials=1,
+                     dtypes=("float16", "bfloat16"), check_only=True)
+    half = sandboxed(device="cpu", cache_dir=str(tmp_path), configs=cfg, trials=1,
+                     dtypes=("float16",), check_only=True)
+    try:
+        wrong = both.evaluate(src, ".py")
+        right = half.evaluate(src, ".py")
+    finally:
+        both.close()
+        half.close()
+    assert wrong.verdict is Verdict.INCORRECT
+    assert wrong.reason.startswith("bfloat16: (1,2,64,64): max abs error"), wrong.reason
+    assert wrong.configs[0].dtype == "bfloat16" and wrong.dtypes == ("float16", "bfloat16")
+    assert right.verdict is Verdict.PASS, right.reason
+    assert right.dtypes == ("float16",) and right.configs[0].dtype == "float16"

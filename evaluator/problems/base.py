@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from ..request import DTYPES
+
 Config = dict[str, Any]
 
 
@@ -37,7 +39,7 @@ class Problem:
     cuda_symbol: str | None = None     # the extern "C" symbol of the fast .cu form
     cuda_signature: str = ""
     ext_signature: str = ""
-    dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32")
+    dtypes: tuple[str, ...] = DTYPES  # the dtypes the problem's reference and baselines take
     default_dtype: str = "float16"
     default_configs: tuple[Config, ...] = ()
     cpu_configs: tuple[Config, ...] = ()

@@ -42,9 +42,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from ..request import DTYPES
 from .base import Config, Problem, Tolerance
 
-_DTYPE_NAMES = ("float16", "bfloat16", "float32")
 _REQUIRED_FUNCS = ("make_inputs", "reference", "baseline", "call", "flops")
 _TOL_KEYS = {"factor", "floor", "max_abs"}
 
@@ -64,10 +64,10 @@ class UserProblem(Problem):
         self.domain_configs = _configs(mod, path, "DOMAIN_CONFIGS")
         self.cpu_domain_configs = _configs(mod, path, "CPU_DOMAIN_CONFIGS")
         self.tolerance = _tolerance(mod, path)
-        dtypes = tuple(_get(mod, path, "DTYPES", (list, tuple), default=_DTYPE_NAMES))
-        bad = [d for d in dtypes if d not in _DTYPE_NAMES]
+        dtypes = tuple(_get(mod, path, "DTYPES", (list, tuple), default=DTYPES))
+        bad = [d for d in dtypes if d not in DTYPES]
         if not dtypes or bad:
-            raise ValueError(f"{path}: DTYPES must list some of {', '.join(_DTYPE_NAMES)}"
+            raise ValueError(f"{path}: DTYPES must list some of {', '.join(DTYPES)}"
                              + (f" (not {', '.join(map(str, bad))})" if bad else ""))
         self.dtypes = dtypes
         self.default_dtype = _get(mod, path, "DEFAULT_DTYPE", str,

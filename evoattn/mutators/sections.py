@@ -84,6 +84,9 @@ def results(result: EvalResult | None, limits: PromptLimits) -> str:
              "(geometric-mean speedup over the baseline; 0 unless every config passes)."]
     if result.reason:
         lines.append(f"Reason: {excerpt(result.reason, limits.reason_chars)}")
+    if len(result.dtypes) > 1:
+        lines.append(f"Checked in {', '.join(result.dtypes)}: a program must be correct in each "
+                     f"(the times are {result.dtypes[0]}'s).")
     if result.configs:
         lines += ["", "| config | dtype | verdict | max_abs_err | tolerance | ms | baseline ms | speedup |",
                   "|---|---|---|---|---|---|---|---|"]
