@@ -48,6 +48,12 @@ def start_run(*, config_path: str | None, iterations: int | None, output: str | 
     from .pool import make_evaluator
     from .store import RunStore
     plan = plan_run(config_path, iterations, output, random_seed, device, resume_dir, max_wall_s)
+    skipped = [d for d in (plan.cfg.dtypes or ()) if d not in (plan.request.dtypes or ())]
+    if skipped:
+        console.print(f"[yellow]CPU mode[/yellow]: {', '.join(skipped)} is checked on a GPU only "
+                      "(PyTorch's CPU attention keeps P in float32 there, so its error, which "
+                      "sets the tolerance, is no fair bound for a kernel); this run checks "
+                      f"{', '.join(plan.request.dtypes or ())}")
     # Before the run directory: a cluster that cannot be reached leaves nothing behind.
     from .mutators.keys import key_env
     evaluator = make_evaluator(plan.cfg, plan.request,
@@ -97,7 +103,8 @@ def plan_run(config_path: str | None, iterations: int | None, output: str | None
     except program.ProgramError as e:
         raise UsageError(str(e)) from None
     configs = settings.parse_configs(prob, cfg.configs, "configs")
-    request = settings.eval_request(ref, prob, dev, configs, cfg.dtypes, cfg.evaluator)
+    dtypes = settings.run_dtypes(cfg.dtypes, dev)
+    request = settings.eval_request(ref, prob, dev, configs, dtypes, cfg.evaluator)
     if any(m.kind == "llm" for m in cfg.mutators):   # a key goes only where it is meant to
         from .mutators.keys import check_models
         check_models(cfg.llm.models, os.environ)

@@ -94,6 +94,15 @@ def cpu_notice(console: Console) -> None:
                   "GPU performance.")
 
 
+def run_dtypes(dtypes: Sequence[str] | None, device: str) -> tuple[str, ...] | None:
+    """Returns the dtypes a run checks on this device: on the CPU, a config's bfloat16 is left
+    to GPU runs when another dtype is listed (PyTorch's CPU attention keeps P in float32 in
+    bfloat16, so the tolerance it sets is tighter than any kernel that rounds P can meet)."""
+    if not dtypes or device != "cpu" or len(dtypes) < 2:
+        return tuple(dtypes) if dtypes else None
+    return tuple(d for d in dtypes if d != "bfloat16") or tuple(dtypes)
+
+
 def eval_request(ref: str, prob: Any, device: str, configs: tuple[dict[str, Any], ...] | None,
                  dtypes: Sequence[str] | None, ev: EvaluatorConfig) -> EvalRequest:
     """Returns the request every candidate of a run (or one `evoattn eval`) is evaluated with:

@@ -96,3 +96,11 @@ def test_dtypes_keep_their_order_and_one_dtype_reads_as_a_list(tmp_path: Path) -
 
 def test_the_default_config_checks_float16_and_bfloat16(repo_root: Path) -> None:
     assert load_config(repo_root / "configs/default.yaml").dtypes == ("float16", "bfloat16")
+
+
+def test_a_cpu_run_leaves_bfloat16_to_gpu_runs_when_another_dtype_is_listed() -> None:
+    from evoattn.settings import run_dtypes
+    assert run_dtypes(("float16", "bfloat16"), "cpu") == ("float16",)
+    assert run_dtypes(("float16", "bfloat16"), "cuda") == ("float16", "bfloat16")
+    assert run_dtypes(("bfloat16",), "cpu") == ("bfloat16",)      # asked for alone: kept
+    assert run_dtypes(None, "cpu") is None
