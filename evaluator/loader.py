@@ -7,6 +7,7 @@ PyTorch-extension CUDA file (built with torch.utils.cpp_extension).
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
