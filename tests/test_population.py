@@ -74,7 +74,7 @@ def test_unresolved_integrity_flag_never_enters_but_resolved_one_does():
     resolved = make("resolved", 4.0, flags=("implausible",))   # re-verified: verdict PASS
     assert not p.add(flagged)
     assert p.add(resolved)
-    assert p.best().id == "resolved"
+    assert p.top().id == "resolved"
 
 
 def test_same_id_twice_is_ignored():
@@ -107,11 +107,25 @@ def test_migration_with_one_island_does_nothing():
     assert p.migrate() == 0
 
 
-def test_best_is_the_fittest_over_all_islands():
+def test_top_is_the_fittest_over_all_islands():
     p = pop(islands=2)
     p.add(make("a", 2.0, island=0))
     p.add(make("b", 7.0, island=1))
+    assert p.top().id == "b"
+
+
+def test_the_best_is_the_champion_until_a_challenger_is_crowned_and_survives_resume():
+    p = pop(islands=2)
+    p.add(make("b", 7.0, island=1))
+    assert p.best().id == "seed"                 # read higher once: not yet the best
+    p.crown(make("bad", 9.0, verdict=Verdict.INCORRECT))
+    assert p.best().id == "seed"                 # an incorrect program is never crowned
+    b = next(e for e in p.elites(1) if e.id == "b")
+    p.crown(b)
     assert p.best().id == "b"
+    programs = {e.id: e for i in range(2) for e in p.elites(i)}
+    again = Population.restore(p.snapshot(), programs, p.cfg)
+    assert again.best().id == "b" and again.snapshot() == p.snapshot()
 
 
 def test_island_of_next_is_round_robin():
