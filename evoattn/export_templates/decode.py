@@ -24,10 +24,6 @@ SCHEMA = "(Tensor q, Tensor k, Tensor v, Tensor cache_seqlens, float? scale=None
 MAX_SQ = 16
 
 
-def _scale(a: Args) -> float:
-    return a["scale"] if a["scale"] is not None else a["q"].shape[-1] ** -0.5
-
-
 def shape_refusal(a: Args) -> str | None:
     """Returns why a call is outside the decode contract, or None."""
     q, k, v, lens = a["q"], a["k"], a["v"], a["cache_seqlens"]
@@ -51,12 +47,12 @@ def visible(q: torch.Tensor, k: torch.Tensor, lens: torch.Tensor) -> torch.Tenso
     return (j <= last)[:, None]
 
 
-def fallback(a: Args) -> torch.Tensor:
+def fallback(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_seqlens: torch.Tensor,
+             scale: float | None = None) -> torch.Tensor:
     """Decode attention by SDPA with the lengths' mask; rows with no key are zeros."""
-    q = a["q"]
-    keep = visible(q, a["k"], a["cache_seqlens"])
-    out = F.scaled_dot_product_attention(q, a["k"], a["v"], attn_mask=keep, scale=_scale(a),
-                                         enable_gqa=a["k"].shape[1] != q.shape[1])
+    keep = visible(q, k, cache_seqlens)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale,
+                                         enable_gqa=k.shape[1] != q.shape[1])
     return torch.where(keep.any(-1, keepdim=True), out, torch.zeros_like(out))
 
 
@@ -64,9 +60,9 @@ def spec() -> OpSpec:
     """Returns the decode op's spec."""
     return OpSpec(
         schema=SCHEMA, params=parse_schema(SCHEMA), shape_refusal=shape_refusal,
-        call_kernel=lambda fn, a: fn(a["q"], a["k"], a["v"], a["cache_seqlens"],
-                                     scale=_scale(a)),
-        fallback=fallback, flags=lambda a: {})
+        call_kernel=lambda fn, q, k, v, lens, scale=None: fn(
+            q, k, v, lens, scale=scale if scale is not None else q.shape[-1] ** -0.5),
+        fallback_for=lambda a: fallback, flags=lambda a: {})
 
 
 def hf_call(attention: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor,
