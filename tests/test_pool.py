@@ -95,9 +95,10 @@ class _Shuffled(FakeEvaluator):
         super().__init__()
         self.finished, self.lock = finished, lock
 
-    def evaluate(self, source: str, suffix: str, label: str = "") -> EvalResult:
+    def evaluate(self, source: str, suffix: str, label: str = "",
+                 rival: str | None = None) -> EvalResult:
         time.sleep(hashlib.sha256(source.encode()).digest()[0] / 255 * 0.06)
-        result = super().evaluate(source, suffix, label)
+        result = super().evaluate(source, suffix, label, rival)
         with self.lock:
             self.finished.append(label)
         return result
@@ -114,7 +115,8 @@ def _search(tmp: Path, slots: int, window: int | None) -> tuple[list[tuple], lis
     pool = LocalPool([str(i) for i in range(slots)], lambda d: _Shuffled(finished, lock))
     submitted: list[str] = []
     submit = pool.submit
-    pool.submit = lambda s, x, label: (submitted.append(label), submit(s, x, label))[1]  # type: ignore
+    pool.submit = lambda s, x, label, rival=None: (  # type: ignore
+        submitted.append(label), submit(s, x, label, rival))[1]
     store = RunStore.open(tmp, config_to_dict(cfg), create=True)
     holder: dict[str, Search] = {}
     knobs = KnobMutator(0.2, is_known=lambda pid: pid in holder["s"].programs)
