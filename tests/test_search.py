@@ -160,7 +160,7 @@ def test_ctrl_c_stops_cleanly_and_keeps_committed_iterations(tmp_path: Path) -> 
                      rival: str | None = None) -> EvalResult:
             if len(self.calls) == 4:
                 raise KeyboardInterrupt
-            return super().evaluate(source, suffix, label)
+            return super().evaluate(source, suffix, label, rival)
     _, out = _run(tmp_path, _cfg(iterations=20), Interrupting())
     assert out.stop_reason.startswith("interrupted")
     with RunStore.open_readonly(tmp_path) as st:
