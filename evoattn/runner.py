@@ -212,6 +212,10 @@ def _summary(console: Console, outcome: Any, search: Any, plan: RunPlan,
             before = by_cfg.get(str(c.params))
             console.print(f"  {label(c.params)}: {before or 0:.3f}x -> {c.speedup or 0:.3f}x "
                           f"vs {c.baseline_name or best.result.baseline}")
+    held, won = search.challenges
+    if held:
+        console.print(f"champion challenges: {held} children re-measured beside the best, "
+                      f"{won} faster beyond noise")
     if final is not None:
         for line in side_by_side_lines(final, seed.id, best.id if best else ""):
             console.print(line)

@@ -349,6 +349,11 @@ class Search:
                 f"{_interval(duel.gain_ci)}: {'new best' if won else 'not beyond noise'}")
         return duel, won, note
 
+    @property
+    def challenges(self) -> tuple[int, int]:
+        """Returns (duels held, duels won) this session."""
+        return self._stats["challenges"], self._stats["crowned"]
+
     def remeasure(self, best: Program, seed: Program) -> EvalResult | None:
         """Returns the best re-measured beside the seed (a duel in one process), or None when
         there is nothing to compare (the best is the seed, or either is not correct)."""
