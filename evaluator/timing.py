@@ -131,11 +131,6 @@ def adapt(mode: str, names: list[str], plan: Plan, converged: Converged | None,
     return samples
 
 
-def summarise(samples: Samples) -> dict[str, tuple[float, tuple[float, float] | None, int]]:
-    """Returns name -> (median, 95% interval, rounds)."""
-    return {n: (statistics.median(v), stats.median_ci(v), len(v)) for n, v in samples.items()}
-
-
 @dataclasses.dataclass(frozen=True)
 class Kept:
     """A timed output kept for re-checking, with the inputs it was computed from."""
