@@ -8,6 +8,7 @@ unless every config has one.
 from __future__ import annotations
 
 import dataclasses
+from statistics import median as _median
 from typing import Any
 
 from . import stats
@@ -70,11 +71,6 @@ def converged_rule(policy: str, width: float, given: bool, mode: str) -> Any:
                 return False
         return True
     return rule
-
-
-def _median(v: list[float]) -> float:
-    import statistics
-    return statistics.median(v)
 
 
 def score(checked: ConfigResult, cand: Times, baselines: dict[str, Times],
