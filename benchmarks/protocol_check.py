@@ -95,8 +95,7 @@ def main() -> None:
                    "evaluator_call_us": t.call_ms * 1e3, "evaluator_kernel_us": t.kernel_ms * 1e3,
                    "evaluator_graph_us": (t.graph_ms or 0) * 1e3, "host_us": t.host_us,
                    "sets": len(sets.sets)}
-            if hasattr(t, "call_ci"):
-                row["call_ci"] = t.call_ci
+            row["call_ci"] = t.call_ci
             rows.append(row)
             print(f"{tag:6} {row['label']:22} eager {eager:7.1f}  rot {rot:7.1f}  "
                   f"burst8 {burst:7.1f}  eager400 {long:7.1f}  "

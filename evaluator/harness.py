@@ -124,8 +124,7 @@ def evaluate(req: EvalRequest, stage: Stage) -> EvalResult:
         return bad
     others.clear()                  # their inputs and references: memory the timing may need
     if rival is not None:
-        rival_checked = check_all(cases, s.dtype_name, rival, req.on_gpu, s.root, False,
-                                  guard.violations, guard.integrity, True)
+        rival_checked = _check(s, guard, rival, s.dtype_name, cases)
         if rival_checked.failed:
             return s.fail(Verdict.EVALUATOR_FAULT, "the rival is not correct on these inputs: "
                           f"{rival_checked.failed[1]}")

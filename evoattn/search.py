@@ -362,7 +362,7 @@ class Search:
         try:
             return self.evaluator.submit(best.source, self.suffix, f"{best.id} vs seed",
                                          rival=seed.source).result()
-        except Exception:  # noqa: BLE001 - the summary then says it could not re-measure
+        except Exception:  # noqa: BLE001 - the summary then shows the run's own figures only
             return None
 
     def _count(self, result: EvalResult) -> None:
