@@ -202,16 +202,30 @@ def _summary(console: Console, outcome: Any, search: Any, plan: RunPlan,
     whole = (f"; the whole run so far {outcome.run_elapsed_s:.0f} s"
              if outcome.run_elapsed_s > outcome.elapsed_s + 1 else "")
     mode = best.result.timing if best and best.result else ""
-    console.print(f"seed fitness {seed.fitness:.4f} -> best fitness "
-                  f"{best.fitness if best else 0.0:.4f} ({best.id if best else '-'}"
-                  f"{', ' + mode + ' time' if mode else ''}) in {outcome.elapsed_s:.0f} s "
-                  f"(this session{whole})")
-    if best and best.result and seed.result:
-        by_cfg = {str(c.params): c.speedup for c in seed.result.configs}
-        for c in best.result.configs:
-            before = by_cfg.get(str(c.params))
-            console.print(f"  {label(c.params)}: {before or 0:.3f}x -> {c.speedup or 0:.3f}x "
-                          f"vs {c.baseline_name or best.result.baseline}")
+    mode_text = f", {mode} time" if mode else ""
+    duel = final if final is not None and final.correct and final.rival_fitness else None
+    if duel is not None:
+        # The figures to believe: both re-measured side by side, after the search.
+        console.print(f"seed fitness {duel.rival_fitness:.4f} -> best fitness {duel.fitness:.4f} "
+                      f"({best.id}{mode_text}, re-measured side by side) in "
+                      f"{outcome.elapsed_s:.0f} s (this session{whole}); during the search "
+                      f"{seed.fitness:.4f} -> {best.fitness:.4f}")
+        for c in duel.configs:
+            base = c.baseline_ms
+            rival_ms = c.rival_times.in_mode(duel.timing) if c.rival_times else None
+            before = base / rival_ms if base and rival_ms else 0.0
+            console.print(f"  {label(c.params)}: {before:.3f}x -> {c.speedup or 0:.3f}x "
+                          f"vs {c.baseline_name or duel.baseline}")
+    else:
+        console.print(f"seed fitness {seed.fitness:.4f} -> best fitness "
+                      f"{best.fitness if best else 0.0:.4f} ({best.id if best else '-'}"
+                      f"{mode_text}) in {outcome.elapsed_s:.0f} s (this session{whole})")
+        if best and best.result and seed.result:
+            by_cfg = {str(c.params): c.speedup for c in seed.result.configs}
+            for c in best.result.configs:
+                before = by_cfg.get(str(c.params))
+                console.print(f"  {label(c.params)}: {before or 0:.3f}x -> "
+                              f"{c.speedup or 0:.3f}x vs {c.baseline_name or best.result.baseline}")
     held, won = search.challenges
     if held:
         console.print(f"champion challenges: {held} children re-measured beside the best, "

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from evaluator.types import ConfigResult, EvalResult, Verdict
+from evaluator.types import ConfigResult, EvalResult, Times, Verdict
 from evoattn.mutators.knobs import find_knobs
 from evoattn.sandbox import SandboxSettings, SubprocessEvaluator
 
@@ -58,7 +58,8 @@ def duel_result(score: float, rival_score: float, rel_noise: float) -> EvalResul
     ci = (gain * (1 - rel_noise), gain * (1 + rel_noise))
     cfg = ConfigResult({"B": 1, "H": 1, "S": 64, "D": 64, "causal": False}, "float16",
                        Verdict.PASS, "", 0.0, 1e-3, ms=1.0 / score, baseline_ms=1.0,
-                       baseline_name="baseline", speedup=score, gain=gain, gain_ci=ci)
+                       baseline_name="baseline", speedup=score, gain=gain, gain_ci=ci,
+                       rival_times=Times(kernel_ms=1.0 / rival_score, call_ms=1.0 / rival_score))
     return EvalResult(Verdict.PASS, "ok", score, (cfg,), device="fake", rival="rival.py",
                       rival_fitness=rival_score, gain=gain, gain_ci=ci,
                       fitness_ci=(score * (1 - rel_noise), score * (1 + rel_noise)))

@@ -168,6 +168,33 @@ def test_the_end_of_run_summary_says_when_there_is_no_gain_beyond_noise() -> Non
     assert any("the best is faster" in line for line in faster)
 
 
+def test_the_summary_headline_is_the_side_by_side_re_measurement() -> None:
+    """The run's own figures (the seed measured once, the best measured at its best) are
+    printed as "during the search"; the headline and per-config lines are the duel's."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from evoattn.runner import _summary
+    seed = SimpleNamespace(id="seed1", fitness=0.8282, result=None)
+    best = SimpleNamespace(id="best1", fitness=0.9040, result=duel_result(0.9040, 0.8282, 0.01))
+    outcome = SimpleNamespace(seed=seed, best=best, iterations_done=32, stop_reason="wall time",
+                              elapsed_s=480.0, run_elapsed_s=480.0)
+    search = SimpleNamespace(challenges=(2, 2), programs={}, evaluated_this_session=0,
+                             llm_totals=dict)
+    console = Console(record=True, width=200)
+    _summary(console, outcome, search, SimpleNamespace(device="cuda"),
+             duel_result(0.8853, 0.8238, 0.01))
+    text = console.export_text()
+    assert "seed fitness 0.8238 -> best fitness 0.8853 (best1, call time, re-measured side by " \
+           "side)" in text
+    assert "during the search 0.8282 -> 0.9040" in text
+    assert "0.824x -> 0.885x vs baseline" in text          # the duel's per-config speedups
+    alone = Console(record=True, width=200)
+    _summary(alone, outcome, search, SimpleNamespace(device="cuda"), None)
+    assert "seed fitness 0.8282 -> best fitness 0.9040 (best1, call time)" in alone.export_text()
+
+
 # ---- a busy GPU --------------------------------------------------------------------------------
 class _BusyTimer:
     """Reports event times that the host clock contradicts: for the candidate only (hidden
