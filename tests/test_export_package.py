@@ -81,7 +81,8 @@ def test_export_writes_a_package_with_the_kernel_and_its_evidence(exported):
     readme = (out / "README.md").read_text()
     for text in (f"from {s.package} import attention", f"torch.ops.{s.namespace}.attention",
                  'hf.register("evoattn")', 'attn_implementation="evoattn"', "fullgraph=True",
-                 "### kernel", "### call", "### graph", "class SelfAttention"):
+                 "### kernel", "### call", "### graph", "class SelfAttention",
+                 f"{s.package}.use_kernel(False)"):
         assert text in readme, text
 
 
@@ -142,6 +143,43 @@ def test_the_op_decides_once_per_call_key(exported):
     assert r["stats"]["fallback"] == 12 and r["stats"]["kernel"] == 0
     assert r["stats"]["fallback_reasons"] == {
         "verified on cpu only (the kernel runs on CUDA GPUs)": 12}
+
+
+def test_the_kernel_switch_sends_every_call_to_the_fallback_and_back(exported):
+    """With the guard told the CPU may run the kernel, calls count as kernel calls; switched
+    off, the same call keys (eager, through torch.ops, in a compiled graph) fall back for that
+    reason; switched on again, they reach the kernel again: no decision outlived the switch."""
+    s = exported["summary"]
+    got = _py(f"""
+        import json, torch
+        import {s.package} as pkg
+        from {s.package} import guard
+        guard.KERNEL_DEVICE_TYPES = ("cpu",)
+        op = getattr(torch.ops, pkg.NAMESPACE).attention
+        q, k, v = (torch.randn(1, 2, 24, 64).half() for _ in range(3))
+        block = torch.compile(lambda q, k, v: pkg.attention(q, k, v, causal=True) + 1,
+                              fullgraph=True)
+        def calls():
+            pkg.reset_stats()
+            pkg.attention(q, k, v, causal=True)
+            op(q, k, v, True)
+            block(q, k, v)
+            return pkg.stats()
+        r = {{"on": calls()}}
+        pkg.use_kernel(False)
+        r["off"], r["off_flag"] = calls(), pkg.kernel_enabled()
+        pkg.use_kernel(True)
+        r["on_again"] = calls()
+        with pkg.kernel_off():
+            r["context"] = calls()
+        r["after_context"] = calls()
+        print(json.dumps(r))
+    """, cwd=exported["out"])
+    r = json.loads(got.splitlines()[-1])
+    on = {"kernel": 3, "fallback": 0, "fallback_reasons": {}}
+    off = {"kernel": 0, "fallback": 3, "fallback_reasons": {"kernel switched off": 3}}
+    assert r["on"] == on and r["on_again"] == on and r["after_context"] == on, r
+    assert r["off"] == off and r["context"] == off and r["off_flag"] is False, r
 
 
 def test_package_imports_in_a_fresh_process_and_registers_the_op(exported):
