@@ -79,12 +79,12 @@ seed)
   cp /tmp/run-default/best/best_eval.json "$R/seed_best_eval.json" 2>/dev/null
   ;;
 hf)
-  for d in ${HF_DIMS:-128 64}; do
-    log "hf model D=$d"
+  for h in ${HF_HIDDEN:-4096 2048}; do
+    log "hf model hidden=$h"
     timeout "${HF_S:-300}" python benchmarks/hf_model.py --export /tmp/run-default/best \
-      --device cuda --head-dims $d --seqs "${HF_SEQS:-512,2048,8192}" --compile --dynamic \
-      --runs 5 --warmup 2 --json "$R/hf_d$d.json" > "$R/hf_d$d.txt" 2>&1
-    echo "exit $?" >> "$R/hf_d$d.txt"; grep -v Warning "$R/hf_d$d.txt" | tail -12
+      --device cuda --hidden $h --seqs "${HF_SEQS:-1000,3000,6000}" --compile --dynamic \
+      --runs 5 --warmup 2 --json "$R/hf_h$h.json" > "$R/hf_h$h.txt" 2>&1
+    echo "exit $?" >> "$R/hf_h$h.txt"; grep -v Warning "$R/hf_h$h.txt" | tail -16
   done
   ;;
 op)

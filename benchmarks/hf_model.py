@@ -1,30 +1,49 @@
-"""An exported kernel inside a Hugging Face Llama model: logits agreement and prefill latency.
+"""An exported kernel inside a Hugging Face Llama model: what the kernel gains, what the
+integration gains, logits agreement.
 
-    python benchmarks/hf_model.py --export RUN_DIR/best --device cuda \\
-        --seqs 512,1024,2048,4096,8192 --head-dims 64,128 --compile --json hf_model.json
+    python benchmarks/hf_model.py --export RUN_DIR/best --device cuda --compile \\
+        --hidden 2048,4096 --seqs 1000,3000,6000 --dtypes float16,bfloat16 --json hf_model.json
     python benchmarks/hf_model.py --export RUN_DIR/best --device cpu --tiny   # the CPU check
 
-Builds a Llama-architecture model from a config with random weights (no download), sized like
-a 1B model (hidden 2048, 16 layers, MLP 8192, GQA 4:1; head dim 64 gives 32 heads, 128 gives
-16), registers the export with transformers' AttentionInterface, and per head dim and
-sequence length:
-  agreement  logits of one float16 forward with attn_implementation="sdpa" and "evoattn", each
-             against a float32 reference of the same weights: evoattn passes when its max abs
-             difference is within 2x SDPA's own and its top-1 agreement is at least SDPA's own
-             (random weights make near ties, so an absolute top-1 figure means little)
-  calls      how many attention calls of one forward reached the kernel and how many fell back
-             (the package's counter; eager, and compiled when --compile)
-  latency    one prefill forward, as generation runs it (use_cache=True: a fresh DynamicCache
-             each call; the same call as the agreement check, so a compiled model needs one
-             graph per implementation), timed both ways: median of --runs after --warmup,
-             CUDA events on a GPU; eager, and under torch.compile(fullgraph=True) with
-             --compile. --no-cache times the training-style forward (use_cache=False) instead:
-             under torch.compile, transformers then builds an explicit mask for every
-             implementation (it cannot rule out packed sequences in position_ids while
-             tracing), so evoattn falls back to SDPA there, uncounted (see the package's
-             stats())
---tiny is a 2-layer model with 4 heads of each head dim (hidden 64 at the default head dim 16)
-for the CPU, where every call runs the SDPA fallback.
+Builds a Llama-architecture model from a config with random weights (no download) per
+--hidden: 32 query heads and 8 kv heads (GQA 4:1), so hidden 2048 has head dim 64 and 4096 has
+128; MLP as Llama 3.2 1B (8192) and Llama 3.1 8B (14336), 4x hidden otherwise; vocab 32000;
+--layers decoder layers (default 4). Registers the export with transformers'
+AttentionInterface and, per hidden size, dtype and sequence length (batch 1), times three rows
+of one prefill forward as generation runs it (use_cache=True: a fresh DynamicCache each call):
+  a  attn_implementation="sdpa", transformers' own
+  b  "evoattn" with the kernel switched off (PACKAGE.use_kernel(False)): the package's
+     fallback (PyTorch SDPA) behind its own integration and mask function
+  c  "evoattn" as shipped: the kernel
+and reports
+  kernel gain       time(b) / time(c): what the kernel alone gains the forward (the same
+                    integration around it)
+  integration gain  time(a) / time(b): the package's integration against transformers' own
+                    (speedup, time(a) / time(c), is their product)
+  latency           median of --runs forwards after --warmup (each run's time is kept), CUDA
+                    events on a GPU; eager, and under torch.compile(fullgraph=True) with
+                    --compile (rows b and c share one graph: the op decides when it runs)
+  attention share   of one extra untimed eager forward: the time inside the attention function
+                    (each call between two CUDA events, or perf_counter on the CPU; the events
+                    themselves cost a little) over that forward's time
+  calls             how many attention calls of one forward reached the kernel and how many fell
+                    back, with the reasons (the package's counter; under compile, calls the
+                    integration refuses are not counted). Every prefill call of row c should
+                    reach the kernel: a WARNING line on stderr names any that fell back
+  agreement         logits of each row against a float32 reference of the same weights: b and c
+                    pass when their max abs difference is within 2x a's and their top-1
+                    agreement at least a's (random weights make near ties, so an absolute top-1
+                    figure means little)
+The kernel and integration gains are per-layer properties, so fewer layers than the real model
+are fine: only the LM head and the embedding, a cost fixed per forward, dilute them a little
+more the fewer the layers. The attention share is not: it moves with --layers. The default 4
+keeps a run of every row short; --compile adds one graph per dtype, implementation and (without
+--dynamic) shape. --no-cache times the training-style forward (use_cache=False): under
+torch.compile, transformers then builds an explicit mask for every implementation (it cannot
+rule out packed sequences in position_ids while tracing), so evoattn falls back to SDPA there,
+uncounted.
+--tiny is a 2-layer model with 4 heads and 2 kv heads (hidden 64: head dim 16) for the CPU,
+where the kernel never runs: rows b and c both time the fallback (the output says so).
 """
 from __future__ import annotations
 
@@ -37,9 +56,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
+
+# (label, attn_implementation, kernel switched on) of the three rows
+ROWS = (("a", "sdpa", True), ("b", "evoattn", False), ("c", "evoattn", True))
+MLP = {2048: 8192, 4096: 14336}        # Llama 3.2 1B, Llama 3.1 8B; 4x hidden otherwise
 
 
 def load_export(path: str) -> Any:
@@ -61,14 +84,13 @@ def load_export(path: str) -> Any:
     return module
 
 
-def model_config(head_dim: int, a: argparse.Namespace) -> Any:
-    """Returns the LlamaConfig of one head dim (sized by the flags)."""
+def model_config(hidden: int, a: argparse.Namespace) -> Any:
+    """Returns the LlamaConfig of one hidden size (heads, layers and vocab from the flags)."""
     from transformers import LlamaConfig
-    hidden = a.tiny_heads * head_dim if a.tiny else a.hidden
-    heads = hidden // head_dim
-    return LlamaConfig(hidden_size=hidden, intermediate_size=a.mlp_ratio * hidden, num_hidden_layers=a.layers,
-                       num_attention_heads=heads, num_key_value_heads=max(1, heads // a.kv_ratio),
-                       head_dim=head_dim, vocab_size=a.vocab, tie_word_embeddings=True,
+    mlp = 2 * hidden if a.tiny else MLP.get(hidden, 4 * hidden)
+    return LlamaConfig(hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=a.layers,
+                       num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                       head_dim=hidden // a.heads, vocab_size=a.vocab, tie_word_embeddings=True,
                        max_position_embeddings=max(a.seqs))
 
 
@@ -89,29 +111,51 @@ def use(model: Any, name: str) -> None:
 
 
 class Clock:
-    """Times one call: CUDA events on a GPU, perf_counter on the CPU (milliseconds)."""
+    """Marks points in time: CUDA events on a GPU, perf_counter on the CPU (milliseconds)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
 
-    def ms(self, fn: Any) -> float:
+    def mark(self) -> Any:
+        """Returns a point in time (on a GPU, an event recorded on the current stream)."""
         if not self.cuda:
-            t0 = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t0) * 1e3
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def between(self, start: Any, end: Any) -> float:
+        """Returns the milliseconds from one mark to a later one (waiting for the GPU)."""
+        if not self.cuda:
+            return (end - start) * 1e3
+        end.synchronize()
         return start.elapsed_time(end)
 
-
-def median_ms(fn: Any, clock: Clock, warmup: int, runs: int) -> float:
-    """Returns the median time of `runs` calls after `warmup` untimed ones."""
-    for _ in range(warmup):
+    def ms(self, fn: Callable[[], Any]) -> float:
+        """Returns the milliseconds one call of fn takes."""
+        start = self.mark()
         fn()
-    return statistics.median(clock.ms(fn) for _ in range(runs))
+        return self.between(start, self.mark())
+
+
+def attention_time(forward: Callable[[], Any], impl: str, clock: Clock) -> tuple[float, float]:
+    """Returns (ms inside the attention function, ms of the forward) of one forward, with the
+    implementation's entry in transformers' AttentionInterface wrapped in clock marks."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as functions
+    inner, spans = functions[impl], []
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = clock.mark()
+        out = inner(*args, **kwargs)
+        spans.append((start, clock.mark()))
+        return out
+
+    functions[impl] = timed
+    try:
+        forward_ms = clock.ms(forward)
+    finally:
+        functions[impl] = inner
+    return sum(clock.between(s, e) for s, e in spans), forward_ms
 
 
 def agreement(logits: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
@@ -126,94 +170,128 @@ def judge(sdpa: dict[str, float], evo: dict[str, float]) -> bool:
     return evo["max_abs"] <= 2 * sdpa["max_abs"] and evo["top1"] >= sdpa["top1"]
 
 
+def measure(pkg: Any, model: Any, impl: str, kernel: bool, ids: torch.Tensor,
+            ref: torch.Tensor, clock: Clock, a: argparse.Namespace,
+            share: bool) -> dict[str, Any]:
+    """Measures one row: agreement, the package's call counts, latency and (share=True, eager
+    only) the attention share."""
+    use(model, impl)
+    pkg.use_kernel(kernel)
+
+    def forward() -> Any:
+        return model(ids, use_cache=a.cache)
+
+    pkg.reset_stats()
+    r: dict[str, Any] = {"impl": impl, "kernel_on": kernel,
+                         **agreement(forward().logits, ref), "calls": pkg.stats()}
+    for _ in range(a.warmup):
+        forward()
+    r["runs_ms"] = [clock.ms(forward) for _ in range(a.runs)]
+    r["ms"] = statistics.median(r["runs_ms"])
+    if share:
+        r["attention_ms"], r["forward_ms"] = attention_time(forward, impl, clock)
+        r["attention_share"] = r["attention_ms"] / r["forward_ms"]
+    return r
+
+
 def run_seq(pkg: Any, models: dict[str, Any], ref_model: Any, seq: int,
             a: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    """Measures one sequence length: agreement, call counts and latency, both ways."""
+    """Measures one sequence length: rows a, b and c and their gains, eager (and compiled)."""
     gen = torch.Generator().manual_seed(seq)
     ids = torch.randint(0, a.vocab, (a.batch, seq), generator=gen).to(device)
     clock = Clock(device)
+    row: dict[str, Any] = {"seq": seq, "batch": a.batch}
     with torch.inference_mode():
         ref = ref_model(ids, use_cache=a.cache).logits.float()
-        row: dict[str, Any] = {"seq": seq, "batch": a.batch}
-        for mode, model in models.items():
-            got: dict[str, Any] = {}
-            for impl in ("sdpa", "evoattn"):
-                say(f"S={seq} {mode} {impl}")
-                use(model, impl)
-                pkg.reset_stats()
-                got[impl] = agreement(model(ids, use_cache=a.cache).logits, ref)
-                got[impl]["calls"] = pkg.stats()
-                got[impl]["ms"] = median_ms(lambda: model(ids, use_cache=a.cache), clock,
-                                            a.warmup, a.runs)
-            row[mode] = {"sdpa_ms": got["sdpa"]["ms"], "evoattn_ms": got["evoattn"]["ms"],
-                         "speedup": got["sdpa"]["ms"] / got["evoattn"]["ms"],
-                         "sdpa": got["sdpa"], "evoattn": got["evoattn"],
-                         "agrees": judge(got["sdpa"], got["evoattn"]),
-                         "kernel_calls": got["evoattn"]["calls"]["kernel"],
-                         "fallback_calls": got["evoattn"]["calls"]["fallback"]}
+        try:
+            for mode, model in models.items():
+                got: dict[str, Any] = {}
+                for label, impl, kernel in ROWS:
+                    say(f"S={seq} {mode} row {label} ({impl}, kernel {'on' if kernel else 'off'})")
+                    got[label] = measure(pkg, model, impl, kernel, ids, ref, clock, a,
+                                         share=mode == "eager")
+                row[mode] = {**got, "kernel_gain": got["b"]["ms"] / got["c"]["ms"],
+                             "integration_gain": got["a"]["ms"] / got["b"]["ms"],
+                             "speedup": got["a"]["ms"] / got["c"]["ms"],
+                             "agrees": judge(got["a"], got["b"]) and judge(got["a"], got["c"])}
+        finally:
+            pkg.use_kernel(True)
         del ref
     return row
 
 
-def run_head_dim(pkg: Any, head_dim: int, a: argparse.Namespace,
-                 device: torch.device) -> list[dict[str, Any]]:
-    """Builds the model of one head dim and measures every sequence length."""
+def run_hidden(pkg: Any, hidden: int, a: argparse.Namespace,
+               device: torch.device) -> list[dict[str, Any]]:
+    """Builds the model of one hidden size and measures every dtype and sequence length."""
     from transformers import LlamaForCausalLM
     torch.manual_seed(0)
-    config = model_config(head_dim, a)
+    config = model_config(hidden, a)
     config._attn_implementation = "sdpa"
-    say(f"building the head-dim-{head_dim} model")
+    say(f"building the hidden-{hidden} model")
     with torch.device(device):
         ref_model = LlamaForCausalLM(config).eval()
-    model = copy.deepcopy(ref_model).to(getattr(torch, a.dtype))
-    models: dict[str, Any] = {"eager": model}
-    if a.compile:
-        models["compile"] = torch.compile(model, fullgraph=True, dynamic=a.dynamic or None)
     rows = []
-    for seq in a.seqs:
-        row = run_seq(pkg, models, ref_model, seq, a, device)
-        row.update(head_dim=head_dim, heads=config.num_attention_heads,
-                   kv_heads=config.num_key_value_heads, layers=config.num_hidden_layers)
-        rows.append(row)
-        print(line(row), flush=True)
-    del models, model, ref_model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    for dtype in a.dtypes:
+        model = copy.deepcopy(ref_model).to(getattr(torch, dtype))
+        models: dict[str, Any] = {"eager": model}
+        if a.compile:
+            models["compile"] = torch.compile(model, fullgraph=True, dynamic=a.dynamic or None)
+        for seq in a.seqs:
+            row = {"hidden": hidden, "head_dim": config.head_dim,
+                   "heads": config.num_attention_heads, "kv_heads": config.num_key_value_heads,
+                   "layers": config.num_hidden_layers, "dtype": dtype,
+                   **run_seq(pkg, models, ref_model, seq, a, device)}
+            rows.append(row)
+            for mode in models:
+                print(line(row, mode), flush=True)
+                warn_fallbacks(row, mode)
+        del models, model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    del ref_model
     return rows
 
 
-def line(row: dict[str, Any]) -> str:
-    """Returns one markdown table row of results."""
-    cells = [str(row["head_dim"]), f"{row['heads']}/{row['kv_heads']}", str(row["batch"]),
-             str(row["seq"])]
-    for mode in ("eager", "compile"):
-        r = row.get(mode)
-        if r is None:
-            cells += ["—"] * 4
-            continue
-        cells += [f"{r['sdpa_ms']:.2f}", f"{r['evoattn_ms']:.2f}", f"{r['speedup']:.3f}×",
-                  f"{r['kernel_calls']}/{r['fallback_calls']}"]
-    e = row["eager"]
-    cells += [f"{e['evoattn']['max_abs']:.3g} vs {e['sdpa']['max_abs']:.3g}",
-              f"{e['evoattn']['top1']:.4f} vs {e['sdpa']['top1']:.4f}",
-              "yes" if all(row[m]["agrees"] for m in ("eager", "compile") if m in row) else "NO"]
+def warn_fallbacks(row: dict[str, Any], mode: str) -> None:
+    """Prints a WARNING line on stderr when any of row c's attention calls fell back."""
+    calls = row[mode]["c"]["calls"]
+    if calls["fallback"]:
+        reasons = "; ".join(f"{n}x {why}" for why, n in calls["fallback_reasons"].items())
+        print(f"WARNING: hidden {row['hidden']} {row['dtype']} S={row['seq']} {mode}: row c ran "
+              f"the kernel in {calls['kernel']} attention calls and fell back in "
+              f"{calls['fallback']}: {reasons}", file=sys.stderr, flush=True)
+
+
+def line(row: dict[str, Any], mode: str) -> str:
+    """Returns one markdown table row of one mode's results."""
+    r = row[mode]
+    share = "/".join(f"{r[x]['attention_share']:.0%}" for x in "abc") \
+        if "attention_share" in r["a"] else "—"
+    calls = r["c"]["calls"]
+    cells = [str(row["hidden"]), str(row["head_dim"]), f"{row['heads']}/{row['kv_heads']}",
+             row["dtype"], str(row["seq"]), mode,
+             *(f"{r[x]['ms']:.2f}" for x in "abc"), f"{r['kernel_gain']:.3f}×",
+             f"{r['integration_gain']:.3f}×", share, f"{calls['kernel']}/{calls['fallback']}",
+             f"{r['c']['max_abs']:.3g} vs {r['a']['max_abs']:.3g}",
+             "yes" if r["agrees"] else "NO"]
     return "| " + " | ".join(cells) + " |"
 
 
-HEADER = ("| D | heads/kv | B | S | eager sdpa ms | eager evoattn ms | eager speedup | "
-          "eager kernel/fallback | compiled sdpa ms | compiled evoattn ms | compiled speedup | "
-          "compiled kernel/fallback | max abs (evoattn vs sdpa) | top-1 (evoattn vs sdpa) | "
-          "agrees |\n" + "|---" * 15 + "|")
+HEADER = ("| hidden | D | heads/kv | dtype | S | mode | a sdpa ms | b fallback ms | c kernel ms | "
+          "kernel gain b/c | integration gain a/b | attention share a/b/c | c kernel/fallback | "
+          "max abs c vs a | agrees |\n" + "|---" * 15 + "|")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--export", required=True, help="an export directory, or a run directory")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--seqs", default=None, help="comma-separated sequence lengths")
-    ap.add_argument("--head-dims", default=None, help="comma-separated (default 64,128)")
+    ap.add_argument("--seqs", default=None, help="comma-separated (default 1000,3000,6000)")
+    ap.add_argument("--hidden", default=None,
+                    help="comma-separated hidden sizes, 32 heads each (default 2048,4096)")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 4)")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    ap.add_argument("--dtypes", default="float16,bfloat16", help="comma-separated")
     ap.add_argument("--compile", action="store_true", help="also time torch.compile(fullgraph=True)")
     ap.add_argument("--dynamic", action="store_true", help="compile with dynamic shapes")
     ap.add_argument("--no-cache", dest="cache", action="store_false",
@@ -223,14 +301,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", dest="json_path", help="write the results here")
     a = ap.parse_args(argv)
-    # --tiny: 4 heads of each head dim (hidden 64 at head dim 16), 2 layers, GQA 2:1.
-    size = dict(hidden=None, tiny_heads=4, mlp_ratio=2, layers=2, kv_ratio=2, vocab=128) \
-        if a.tiny else dict(hidden=2048, mlp_ratio=4, layers=16, kv_ratio=4, vocab=32000)
-    for k, v in size.items():
-        setattr(a, k, v)
-    a.seqs = [int(s) for s in (a.seqs or ("16,33" if a.tiny else "512,1024,2048,4096,8192"))
-              .split(",")]
-    a.head_dims = [int(d) for d in (a.head_dims or ("16" if a.tiny else "64,128")).split(",")]
+    size = dict(heads=4, kv_heads=2, layers=2, vocab=128, hidden="64", seqs="16,33") if a.tiny \
+        else dict(heads=32, kv_heads=8, layers=4, vocab=32000, hidden="2048,4096",
+                  seqs="1000,3000,6000")
+    a.layers = a.layers or size["layers"]
+    a.heads, a.kv_heads, a.vocab = size["heads"], size["kv_heads"], size["vocab"]
+    a.hidden = [int(h) for h in (a.hidden or size["hidden"]).split(",")]
+    a.seqs = [int(s) for s in (a.seqs or size["seqs"]).split(",")]
+    a.dtypes = a.dtypes.split(",")
+    for name in a.dtypes:
+        if name not in ("float16", "bfloat16"):
+            ap.error(f"--dtypes: {name} (float16, bfloat16)")
+    for hidden in a.hidden:
+        if hidden % a.heads:
+            ap.error(f"--hidden: {hidden} is not a multiple of {a.heads} heads")
     return a
 
 
@@ -239,22 +323,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import transformers
     device = torch.device(a.device)
     pkg = load_export(a.export)
+    if not hasattr(pkg, "use_kernel"):
+        raise SystemExit(f"{pkg.__name__} has no kernel switch (use_kernel): export it again")
     importlib.import_module(f"{pkg.__name__}.hf").register("evoattn")
     for limit in ("recompile_limit", "cache_size_limit"):   # one graph per impl and shape
         if hasattr(torch._dynamo.config, limit):
             setattr(torch._dynamo.config, limit, max(64, getattr(torch._dynamo.config, limit)))
+    note = None if device.type == "cuda" else \
+        "On the CPU the kernel does not run (the guard serves CUDA only): rows b and c both " \
+        "time the package's fallback."
+    if note:
+        print(note, flush=True)
     print(HEADER, flush=True)
-    rows = [r for d in a.head_dims for r in run_head_dim(pkg, d, a, device)]
-    result = {"package": pkg.__name__, "program_id": pkg.PROGRAM_ID, "problem": pkg.PROBLEM,
+    rows = [r for h in a.hidden for r in run_hidden(pkg, h, a, device)]
+    modes = ("eager", "compile") if a.compile else ("eager",)
+    result = {"note": note, "package": pkg.__name__, "program_id": pkg.PROGRAM_ID,
+              "problem": pkg.PROBLEM,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-              "model": {k: getattr(a, k) for k in ("hidden", "mlp_ratio", "layers", "kv_ratio",
-                                                   "vocab", "batch", "dtype")},
-              "compile": a.compile, "dynamic": a.dynamic, "use_cache": a.cache,
-              "runs": a.runs, "warmup": a.warmup,
+              "model": {"hidden": a.hidden, "heads": a.heads, "kv_heads": a.kv_heads,
+                        "layers": a.layers, "vocab": a.vocab, "batch": a.batch},
+              "dtypes": a.dtypes, "seqs": a.seqs, "compile": a.compile, "dynamic": a.dynamic,
+              "use_cache": a.cache, "runs": a.runs, "warmup": a.warmup,
               "verified": pkg.VERIFIED, "rows": rows,
-              "all_agree": all(r[m]["agrees"] for r in rows for m in ("eager", "compile")
-                               if m in r)}
+              "all_agree": all(r[m]["agrees"] for r in rows for m in modes),
+              "all_on_kernel": all(r[m]["c"]["calls"]["fallback"] == 0 for r in rows
+                                   for m in modes)}
     if a.json_path:
         Path(a.json_path).write_text(json.dumps(result, indent=2) + "\n")
     return result

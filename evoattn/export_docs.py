@@ -229,7 +229,15 @@ def _guard(info: KernelInfo) -> list[str]:
               "a repeated call looks its decision up",
               "- autograd: inputs that require grad take SDPA (the kernel is forward-only)",
               "", "A kernel that cannot be built or imported on a machine (no nvcc, say) is "
-              "reported once as a warning, and every call runs SDPA.", ""]
+              "reported once as a warning, and every call runs SDPA.", "",
+              f"`{info.names.package}.use_kernel(False)` (or `with {info.names.package}"
+              ".kernel_off():`) switches the kernel off: every call then runs the fallback (or "
+              "raises NotImplementedError where the problem has none), "
+              "counted with the reason \"kernel switched off\", while everything else (the op, "
+              "the Hugging Face integration and its mask function) stays as it is, so a model "
+              "timed both ways shows what the kernel itself gains. Changing the switch forgets "
+              "every call key's decision; compiled graphs follow it, CUDA graphs captured "
+              "before replay what they captured.", ""]
     if v["device_type"] != "cuda":
         lines += ["This kernel was verified on the CPU only, so the op always falls back.", ""]
     return lines

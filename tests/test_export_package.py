@@ -81,7 +81,8 @@ def test_export_writes_a_package_with_the_kernel_and_its_evidence(exported):
     readme = (out / "README.md").read_text()
     for text in (f"from {s.package} import attention", f"torch.ops.{s.namespace}.attention",
                  'hf.register("evoattn")', 'attn_implementation="evoattn"', "fullgraph=True",
-                 "### kernel", "### call", "### graph", "class SelfAttention"):
+                 "### kernel", "### call", "### graph", "class SelfAttention",
+                 f"{s.package}.use_kernel(False)"):
         assert text in readme, text
 
 
@@ -142,6 +143,43 @@ def test_the_op_decides_once_per_call_key(exported):
     assert r["stats"]["fallback"] == 12 and r["stats"]["kernel"] == 0
     assert r["stats"]["fallback_reasons"] == {
         "verified on cpu only (the kernel runs on CUDA GPUs)": 12}
+
+
+def test_the_kernel_switch_sends_every_call_to_the_fallback_and_back(exported):
+    """With the guard told the CPU may run the kernel, calls count as kernel calls; switched
+    off, the same call keys (eager, through torch.ops, in a compiled graph) fall back for that
+    reason; switched on again, they reach the kernel again: no decision outlived the switch."""
+    s = exported["summary"]
+    got = _py(f"""
+        import json, torch
+        import {s.package} as pkg
+        from {s.package} import guard
+        guard.KERNEL_DEVICE_TYPES = ("cpu",)
+        op = getattr(torch.ops, pkg.NAMESPACE).attention
+        q, k, v = (torch.randn(1, 2, 24, 64).half() for _ in range(3))
+        block = torch.compile(lambda q, k, v: pkg.attention(q, k, v, causal=True) + 1,
+                              fullgraph=True)
+        def calls():
+            pkg.reset_stats()
+            pkg.attention(q, k, v, causal=True)
+            op(q, k, v, True)
+            block(q, k, v)
+            return pkg.stats()
+        r = {{"on": calls()}}
+        pkg.use_kernel(False)
+        r["off"], r["off_flag"] = calls(), pkg.kernel_enabled()
+        pkg.use_kernel(True)
+        r["on_again"] = calls()
+        with pkg.kernel_off():
+            r["context"] = calls()
+        r["after_context"] = calls()
+        print(json.dumps(r))
+    """, cwd=exported["out"])
+    r = json.loads(got.splitlines()[-1])
+    on = {"kernel": 3, "fallback": 0, "fallback_reasons": {}}
+    off = {"kernel": 0, "fallback": 3, "fallback_reasons": {"kernel switched off": 3}}
+    assert r["on"] == on and r["on_again"] == on and r["after_context"] == on, r
+    assert r["off"] == off and r["context"] == off and r["off_flag"] is False, r
 
 
 def test_package_imports_in_a_fresh_process_and_registers_the_op(exported):
@@ -282,21 +320,69 @@ def test_tiny_llama_through_the_hf_interface_matches_sdpa(exported):
 
 
 def test_model_benchmark_runs_on_cpu_with_a_tiny_config(exported):
+    """Rows a, b, c with both gains per dtype and mode, the eager attention share, and the
+    CPU's fallback in row c said as a warning."""
     out = exported["tmp"] / "hf_model.json"
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hf_model.py"), "--export",
                         str(exported["out"]), "--device", "cpu", "--tiny", "--compile",
-                        "--seqs", "24", "--runs", "2", "--warmup", "2", "--json", str(out)],
+                        "--dtypes", "float16,bfloat16", "--seqs", "24", "--runs", "2",
+                        "--warmup", "1", "--json", str(out)],
                        capture_output=True, text=True, timeout=900, cwd=exported["tmp"])
     assert p.returncode == 0, p.stdout + p.stderr
     r = json.loads(out.read_text())
     assert r["all_agree"] and r["program_id"] == exported["summary"].best_id
-    (row,) = r["rows"]
-    assert row["seq"] == 24 and row["layers"] == 2 and (row["heads"], row["kv_heads"]) == (4, 2)
-    for mode in ("eager", "compile"):
-        assert row[mode]["kernel_calls"] == 0 and row[mode]["fallback_calls"] == 2
-        assert row[mode]["evoattn"]["max_abs"] <= 2 * row[mode]["sdpa"]["max_abs"]
-        assert row[mode]["sdpa_ms"] > 0 and row[mode]["evoattn_ms"] > 0
-    assert "| 16 | 4/2 | 1 | 24 |" in p.stdout
+    assert r["note"] and not r["all_on_kernel"] and r["dtypes"] == ["float16", "bfloat16"]
+    assert [row["dtype"] for row in r["rows"]] == ["float16", "bfloat16"]
+    for row in r["rows"]:
+        assert row["seq"] == 24 and row["layers"] == 2 and row["hidden"] == 64
+        assert (row["heads"], row["kv_heads"], row["head_dim"]) == (4, 2, 16)
+        for mode in ("eager", "compile"):
+            got = row[mode]
+            a, b, c = (got[x]["ms"] for x in "abc")
+            assert min(a, b, c) > 0 and len(got["c"]["runs_ms"]) == 2
+            assert got["kernel_gain"] == pytest.approx(b / c)
+            assert got["integration_gain"] == pytest.approx(a / b)
+            assert got["a"]["calls"]["kernel"] == got["a"]["calls"]["fallback"] == 0
+            assert got["b"]["calls"]["fallback_reasons"] == {"kernel switched off": 2}
+            assert got["c"]["calls"]["kernel"] == 0 and got["c"]["calls"]["fallback"] == 2
+            assert got["c"]["max_abs"] <= 2 * got["a"]["max_abs"]
+        for x in "abc":
+            share = row["eager"][x]
+            assert 0 < share["attention_ms"] < share["forward_ms"]
+            assert share["attention_share"] == pytest.approx(
+                share["attention_ms"] / share["forward_ms"])
+            assert "attention_share" not in row["compile"][x]
+    assert "| 64 | 16 | 4/2 | float16 | 24 | eager |" in p.stdout
+    assert "| 64 | 16 | 4/2 | bfloat16 | 24 | compile |" in p.stdout
+    assert "WARNING: hidden 64 float16 S=24 eager: row c ran the kernel in 0" in p.stderr
+
+
+def test_model_benchmark_row_c_runs_the_kernel_and_row_b_does_not(exported):
+    """With the guard told the CPU may run the kernel (verified in float16 at head dim 64), row
+    c's calls reach it, row b's fall back as switched off, and bfloat16 falls back, said."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("hf_model_bench",
+                                                  ROOT / "benchmarks" / "hf_model.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    pkg = bench.load_export(str(exported["out"]))
+    guard = sys.modules[f"{pkg.__name__}.guard"]
+    guard.KERNEL_DEVICE_TYPES = ("cpu",)
+    try:
+        r = bench.main(["--export", str(exported["out"]), "--device", "cpu", "--tiny",
+                        "--hidden", "256", "--layers", "3", "--dtypes", "float16,bfloat16",
+                        "--seqs", "24", "--runs", "1", "--warmup", "0"])
+    finally:
+        guard.KERNEL_DEVICE_TYPES = ("cuda",)
+    f16, bf16 = (row["eager"] for row in r["rows"])
+    assert r["rows"][0]["head_dim"] == 64 and r["rows"][0]["layers"] == 3
+    assert f16["c"]["calls"] == {"kernel": 3, "fallback": 0, "fallback_reasons": {}}
+    assert f16["b"]["calls"] == {"kernel": 0, "fallback": 3,
+                                 "fallback_reasons": {"kernel switched off": 3}}
+    assert f16["c"]["max_abs"] <= 2 * f16["a"]["max_abs"] and pkg.kernel_enabled()
+    assert bf16["c"]["calls"]["fallback_reasons"] == {
+        "dtype bfloat16 (verified: float16, all inputs alike)": 3}
+    assert not r["all_on_kernel"] and "compile" not in r["rows"][0]
 
 
 # ---- user problems: the op's schema from the entry signature --------------------------

@@ -147,17 +147,22 @@ def test_llama_model_runs_the_kernel_in_every_layer(tmp_path):
     s = _evaluated_export(tmp_path, "seeds/sdpa/flash_triton.py")
     out = tmp_path / "out"
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hf_model.py"), "--export",
-                        str(out), "--device", "cuda", "--seqs", "512", "--head-dims", "64,128",
-                        "--compile", "--runs", "3", "--warmup", "2", "--json",
-                        str(tmp_path / "hf.json")],
+                        str(out), "--device", "cuda", "--seqs", "512", "--hidden", "2048,4096",
+                        "--layers", "2", "--dtypes", "float16", "--compile", "--runs", "3",
+                        "--warmup", "2", "--json", str(tmp_path / "hf.json")],
                        capture_output=True, text=True, timeout=900, cwd=tmp_path)
     # exit 1 says a row's top-1 agreement fell below SDPA's: a near tie of random weights can
     # do that at one length; the logits' max abs difference is the firm check here
     assert p.returncode in (0, 1) and (tmp_path / "hf.json").is_file(), p.stdout + p.stderr
     r = json.loads((tmp_path / "hf.json").read_text())
-    assert r["package"] == s.package
+    assert r["package"] == s.package and r["all_on_kernel"]
+    assert [row["head_dim"] for row in r["rows"]] == [64, 128]
     for row in r["rows"]:
         for mode in ("eager", "compile"):
             got = row[mode]
-            assert got["kernel_calls"] == row["layers"] and got["fallback_calls"] == 0, got
-            assert got["evoattn"]["max_abs"] <= 2 * got["sdpa"]["max_abs"], got
+            assert got["c"]["calls"]["kernel"] == row["layers"], got["c"]
+            assert got["c"]["calls"]["fallback"] == 0, got["c"]
+            assert got["b"]["calls"]["fallback_reasons"] == {
+                "kernel switched off": row["layers"]}, got["b"]
+            assert got["c"]["max_abs"] <= 2 * got["a"]["max_abs"], got
+        assert 0 < row["eager"]["c"]["attention_share"] < 1

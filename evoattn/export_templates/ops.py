@@ -15,13 +15,19 @@ call on plain tensors with no dispatch or function mode active runs what the op 
 torch.compile, and under such modes, it goes through the op, which decides per call at run
 time. `stats()` counts both kinds of call; a CUDA graph replay runs no Python, so replays are
 not counted.
+
+`use_kernel(False)` (or `with kernel_off():`) makes every call fall back, counted with the
+reason "kernel switched off", so that a model can be timed with everything but the kernel
+unchanged; changing the switch forgets every decision. Compiled graphs follow it (the op
+decides when it runs); a CUDA graph replays what it captured.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
@@ -32,6 +38,9 @@ NAMESPACE: str = META["namespace"]
 SPEC = problems.spec_for(META)
 log = logging.getLogger(META["package"])
 MAX_DECISIONS = 4096                   # per table; a full table starts again empty
+KERNEL_OFF = "kernel switched off"
+
+_kernel_enabled = True
 
 _counts = {"kernel": 0, "fallback": 0}
 _reasons: dict[str, int] = {}
@@ -85,6 +94,31 @@ def _log_once(reason: str, warning: bool = False) -> None:
             log.debug("%s: falling back to PyTorch SDPA: %s", NAMESPACE, reason)
 
 
+def use_kernel(enabled: bool) -> None:
+    """Turns the kernel on or off (off: every call runs the fallback, counted as KERNEL_OFF);
+    forgets every decision, so that none made under the other setting is reused."""
+    global _kernel_enabled
+    _kernel_enabled = bool(enabled)
+    _decisions.clear()
+    _entries.clear()
+
+
+def kernel_enabled() -> bool:
+    """Returns whether the kernel may run (see use_kernel)."""
+    return _kernel_enabled
+
+
+@contextlib.contextmanager
+def kernel_off() -> Iterator[None]:
+    """Runs the block with the kernel switched off; restores the previous setting after."""
+    was = _kernel_enabled
+    use_kernel(False)
+    try:
+        yield
+    finally:
+        use_kernel(was)
+
+
 def _meta(value: Any) -> Any:
     """Returns what a call key keeps of one argument."""
     if isinstance(value, torch.Tensor):
@@ -115,7 +149,7 @@ def _decide(values: tuple[Any, ...], key: tuple) -> Decision:
     and remembers it."""
     assert SPEC is not None
     args = SPEC.bind(values, {})              # the dispatcher leaves trailing defaults out
-    reason = guard.refusal(META["verified"], SPEC, args)
+    reason = guard.refusal(META["verified"], SPEC, args) if _kernel_enabled else KERNEL_OFF
     kernel = None
     if reason is None:
         try:
