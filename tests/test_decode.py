@@ -77,6 +77,8 @@ def test_default_configs_cover_the_issue_grid_within_memory() -> None:
     assert {s.ctx for s in shapes} == {1024, 8192, 32768}
     assert {(s.Hq, s.Hkv) for s in shapes} == {(32, 8), (8, 1)}
     assert {s.Sq for s in shapes} == {1, 4} and {s.D for s in shapes} == {64, 128}
+    # unpadded generation steps (what transformers hands the package) as well as padded ones
+    assert {s.lens for s in shapes} == {"ragged", "full"}
     caches = [4 * s.B * s.Hkv * s.ctx * s.D for s in shapes]     # k and v, in 16-bit
     assert max(caches) <= 2 ** 30 and 3 * sum(caches) < 16 * 2 ** 30  # 3 trials held at once
 
@@ -382,6 +384,33 @@ def test_seed_never_synchronises_and_replays_from_a_cuda_graph() -> None:
     ref = p.reference(inp, c)
     bound = 2 * (p.torch_in_dtype(inp, c).float() - ref).abs().max().item() + 1e-5
     assert (out.float() - ref).abs().max().item() <= bound
+
+
+@pytest.mark.gpu
+def test_a_growing_cache_reuses_one_prepared_launch_and_stays_right() -> None:
+    """A generation's cache grows by one token a call: the seed prepares its launch once per
+    call shape (not per length), switches between its one-split and split kernels as the length
+    demands, and every call matches brute force (lengths 1 to 700, some 16-aligned, some not)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("decode_seed_grow", SEED)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 1, 64, device="cuda", dtype=torch.float16)
+    full = torch.randn(2, 2, 2, 704, 64, device="cuda", dtype=torch.float16)
+    worst = 0.0
+    for n in list(range(1, 40)) + list(range(250, 270)) + [511, 512, 513, 700]:
+        k, v = full[0, :, :, :n].contiguous(), full[1, :, :, :n].contiguous()
+        lens = torch.full((2,), n, dtype=torch.int32, device="cuda")
+        out = mod.attention(q, k, v, lens)
+        want = brute_force({"q": q.cpu(), "k": k.cpu(), "v": v.cpu(),
+                            "cache_seqlens": lens.cpu(), "scale": 64 ** -0.5})
+        worst = max(worst, (out.cpu().double() - want).abs().max().item())
+    assert len(mod._LAUNCHES) == 1
+    launch = next(iter(mod._LAUNCHES.values()))
+    assert set(launch.kernels) == {True, False}        # both kernels met, each prepared once
+    assert worst < 2e-3
+
 
 if __name__ == "__main__":
     child(sys.argv[1], sys.argv[2])

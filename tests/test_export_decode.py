@@ -69,6 +69,51 @@ def test_decode_op_falls_back_to_sdpa_over_the_lengths_on_cpu(exported) -> None:
         "verified on cpu only (the kernel runs on CUDA GPUs)": 1}
 
 
+@pytest.mark.slow
+def test_a_growing_cache_is_decided_once_per_doubling_of_its_length(exported) -> None:
+    """A generation's cache grows by a token a call: with the guard told the CPU may run the
+    kernel (Triton's interpreter), lengths 5 to 40 take four decisions (5-7, 8-15, 16-31,
+    32-40), every call reaches the kernel and agrees with the fallback; a cache that is not
+    contiguous is keyed by its exact shape and strides. A decision must hold for every length
+    its key covers: a cache of 1.97e9 elements whose key reaches 3.2e9 is past 2**31."""
+    s = exported["summary"]
+    got = _py(f"""
+        import json, torch
+        import {s.package} as pkg
+        from {s.package} import decode, guard, ops
+        guard.KERNEL_DEVICE_TYPES = ("cpu",)
+        made = []
+        decide = ops._decide
+        ops._decide = lambda values, key: made.append(values[1].shape[2]) or decide(values, key)
+        torch.manual_seed(0)
+        q = torch.randn(2, 4, 1, 64).half()
+        full_k, full_v = torch.randn(2, 2, 48, 64).half(), torch.randn(2, 2, 48, 64).half()
+        err = 0.0
+        for n in range(5, 41):
+            k, v = full_k[:, :, :n].contiguous(), full_v[:, :, :n].contiguous()
+            lens = torch.full((2,), n, dtype=torch.int32)
+            out = pkg.attention(q, k, v, lens)
+            want = decode.fallback(q.float(), k.float(), v.float(), lens)
+            err = max(err, (out.float() - want).abs().max().item())
+        contiguous = list(made)
+        for n in (20, 21):                       # views of the full cache: strided, exact keys
+            pkg.attention(q, full_k[:, :, :n], full_v[:, :, :n],
+                          torch.full((2,), n, dtype=torch.int32))
+        big, small = (torch.empty(*shape, device="meta")
+                      for shape in ((96, 8, 20000, 128), (1, 8, 4097, 128)))
+        print(json.dumps({{"made": contiguous, "strided": made[len(contiguous):],
+                          "err": err, "stats": pkg.stats(),
+                          "too_far": [ops._grown_too_far({{"k": t, "v": t}})
+                                      for t in (big, small)]}}))
+    """, cwd=exported["out"], env={"TRITON_INTERPRET": "1"})
+    r = json.loads(got.splitlines()[-1])
+    assert r["made"] == [5, 8, 16, 32]
+    assert r["strided"] == [20, 21]
+    assert r["stats"]["kernel"] == 36 + 2 and r["stats"]["fallback"] == 0
+    assert r["err"] < 2e-3
+    assert r["too_far"] == [True, False]
+
+
 GENERATE = """
         import json, torch
         from transformers import LlamaConfig, LlamaForCausalLM

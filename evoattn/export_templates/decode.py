@@ -62,7 +62,7 @@ def spec() -> OpSpec:
         schema=SCHEMA, params=parse_schema(SCHEMA), shape_refusal=shape_refusal,
         call_kernel=lambda fn, q, k, v, lens, scale=None: fn(
             q, k, v, lens, scale=scale if scale is not None else q.shape[-1] ** -0.5),
-        fallback_for=lambda a: fallback, flags=lambda a: {})
+        fallback_for=lambda a: fallback, flags=lambda a: {}, growing=("k", "v"))
 
 
 def hf_call(attention: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor,
@@ -74,5 +74,22 @@ def hf_call(attention: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Te
     short_prompt = causal and Sq == kv_len <= MAX_SQ
     if mask is not None or not (one_step or short_prompt):
         return None
-    lens = torch.full((q.shape[0],), kv_len, dtype=torch.int32, device=q.device)
-    return attention(q, k, v, lens, scale=scale)
+    return attention(q, k, v, _lengths(q.shape[0], kv_len, q.device), scale=scale)
+
+
+_LENGTHS: dict[tuple, torch.Tensor] = {}
+
+
+def _lengths(batch: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """Returns cache_seqlens of `batch` sequences of kv_len: in eager calls one tensor per step
+    for every layer (nothing writes it), made anew while compiling or capturing a graph."""
+    if torch.compiler.is_compiling() or (
+            device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return torch.full((batch,), kv_len, dtype=torch.int32, device=device)
+    key = (batch, kv_len, device)
+    lens = _LENGTHS.get(key)
+    if lens is None:
+        if len(_LENGTHS) >= 8:
+            _LENGTHS.clear()
+        lens = _LENGTHS[key] = torch.full((batch,), kv_len, dtype=torch.int32, device=device)
+    return lens

@@ -3,7 +3,8 @@
 Dynamo and CUDA graphs see one opaque op whose output is a new contiguous tensor shaped like
 q. What a call runs is decided once per call key (each tensor's shape, strides, dtype, device
 and requires_grad; the other arguments' values) and kept, so a repeated call costs a dict
-lookup: the evolved kernel on what the guard says it was verified on, PyTorch SDPA elsewhere
+lookup (a problem's growing tensors, decode's cache, are keyed by their length's power of two
+while contiguous, so a generation decides once per doubling, not once per token): the evolved kernel on what the guard says it was verified on, PyTorch SDPA elsewhere
 (logged once per reason at debug level on this package's logger). A kernel whose module takes
 a layout (its INPUT_LAYOUTS: "strided", any strides; "gqa", k and v with fewer heads) gets
 such inputs as they lie once it has given, on the first call of that key, what it gives on
@@ -127,6 +128,44 @@ def _meta(value: Any) -> Any:
     return value
 
 
+def _grown(value: Any) -> Any:
+    """_meta of a growing tensor: a contiguous one by its length's bit length (the rest of
+    its shape exact), so that every length up to the next power of two shares one key."""
+    if isinstance(value, torch.Tensor) and value.dim() == 4 and value.is_contiguous():
+        B, H, S, D = value.shape
+        return (type(value), B, H, S.bit_length(), D, value.dtype, value.device,
+                value.requires_grad)
+    return _meta(value)
+
+
+_GROWING = frozenset(i for i, p in enumerate(SPEC.params) if p.name in SPEC.growing) \
+    if SPEC is not None else frozenset()
+
+
+def _key(values: tuple[Any, ...]) -> tuple:
+    """Returns the call key of the op's values (or a Python call's positional arguments)."""
+    if not _GROWING:
+        return tuple(map(_meta, values))
+    return tuple(_grown(v) if i in _GROWING else _meta(v) for i, v in enumerate(values))
+
+
+def _named_key(kwargs: dict[str, Any]) -> tuple:
+    return tuple((n, _grown(v) if SPEC is not None and n in SPEC.growing else _meta(v))
+                 for n, v in kwargs.items())
+
+
+def _grown_too_far(args: problems.Args) -> bool:
+    """Whether a growing tensor would pass 2**31 elements before its key changes (a decision
+    must hold for every length its key covers)."""
+    for name in SPEC.growing if SPEC is not None else ():
+        t = args.get(name)
+        if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[2]:
+            top = 2 ** t.shape[2].bit_length() - 1
+            if t.numel() // t.shape[2] * top >= guard.INT32_ELEMENTS:
+                return True
+    return False
+
+
 def _remember(table: dict, key: tuple, value: Any) -> Any:
     if len(table) >= MAX_DECISIONS:
         table.clear()
@@ -137,7 +176,7 @@ def _remember(table: dict, key: tuple, value: Any) -> Any:
 # ---- the op: what it runs per call key ---------------------------------------------
 def _run(*values: Any) -> torch.Tensor:
     """The op's implementation: runs one call as its key's decision says."""
-    key = tuple(map(_meta, values))
+    key = _key(values)
     decision = _decisions.get(key)
     if decision is None:
         decision = _decide(values, key)
@@ -247,8 +286,7 @@ def attention(*args: Any, **kwargs: Any) -> torch.Tensor:
     forward-only)."""
     if torch.compiler.is_compiling():
         return _traced(args, kwargs)
-    key = (tuple(map(_meta, args)), tuple((n, _meta(v)) for n, v in kwargs.items()),
-           torch.is_grad_enabled())
+    key = (_key(args), _named_key(kwargs) if kwargs else (), torch.is_grad_enabled())
     entry = _entries.get(key)
     if entry is None:
         entry = _entry_for(args, kwargs, key)
@@ -269,7 +307,7 @@ def _entry_for(args: tuple[Any, ...], kwargs: dict[str, Any],
         _log_once(reason)
         return _remember(_entries, entry_key, _counted(reason, SPEC.fallback_for(bound), False))
     values = SPEC.trim(tuple(bound.values()))   # as the op will get them: the same key
-    key = tuple(map(_meta, values))
+    key = _key(values)
     decision = _decisions.get(key) or _decide(values, key)
     if key not in _decisions:                   # decided for this call only (see _decide)
         return _dispatch

@@ -47,6 +47,9 @@ class OpSpec:
     fallback_for: Callable[[Args], Callable[..., torch.Tensor]] | None   # SDPA for such a call
     flags: Callable[[Args], dict[str, Any]]       # values checked against the verified sets
     repeats_kv: bool = False      # the kernel's contract has k, v with q's heads: GQA repeats
+    # Tensors whose dim 2 grows call after call (a generation's cache): one decision serves
+    # every length up to the next power of two while they stay contiguous (see ops.py).
+    growing: tuple[str, ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:

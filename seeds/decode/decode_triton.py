@@ -114,7 +114,7 @@ def _fold(acc, l_i, m_i, q, K, V, kv_base, lo, hi, lim, L, qk_scale,
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SMAX", "SPLIT", "NUM_SPLITS"])   # they change every step
 def _split_kv(Q, K, V, Lens, O, OPart, LsePart, SMAX, HKV, ROWS, SQ, SPLIT, NUM_SPLITS,
               qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               DIRECT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -161,7 +161,7 @@ def _split_kv(Q, K, V, Lens, O, OPart, LsePart, SMAX, HKV, ROWS, SQ, SPLIT, NUM_
         tl.store(LsePart + part, lse, mask=rows < ROWS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SPLIT", "NUM_SPLITS"])
 def _merge(OPart, LsePart, Lens, O, HKV, ROWS, SPLIT, NUM_SPLITS,
            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
     """Combines the splits holding keys of one (batch, key/value head) and row block."""
@@ -226,23 +226,20 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor
 
 
 class _Launch:
-    """One shape's launches, prepared by its first call: the compiled kernels, their grids and
-    every argument that does not change between calls of that shape."""
+    """One call shape's compiled kernels, prepared by its first calls: everything but the
+    cache length (Smax grows by one every generation step; the split count follows it)."""
 
-    __slots__ = ("split", "grid", "ints", "constexprs", "merge", "merge_grid", "merge_ints",
-                 "merge_constexprs", "part_shape")
+    __slots__ = ("programs", "block_n", "grid0", "row_blocks", "ints", "kernels")
 
-    def __init__(self, split, grid: tuple, ints: tuple, constexprs: tuple,  # noqa: ANN001
-                 merge, merge_grid: tuple, merge_ints: tuple,  # noqa: ANN001
-                 merge_constexprs: tuple, part_shape: tuple | None) -> None:
-        self.split, self.grid, self.ints, self.constexprs = split, grid, ints, constexprs
-        self.merge, self.merge_grid = merge, merge_grid
-        self.merge_ints, self.merge_constexprs = merge_ints, merge_constexprs
-        self.part_shape = part_shape                        # None: one split, no merge
+    def __init__(self, programs: int, block_n: int, grid0: int, row_blocks: int,
+                 ints: tuple) -> None:
+        self.programs, self.block_n = programs, block_n      # as _splits takes them
+        self.grid0, self.row_blocks, self.ints = grid0, row_blocks, ints   # ints: HKV, ROWS, SQ
+        self.kernels: dict[bool, tuple] = {}    # one split? -> (split, constexprs, merge, ...)
 
 
-# Launches prepared per (q shape, cache shape, dtype, device). Triton's launch hooks, if anyone
-# set them, are honoured by taking the ordinary path.
+# Launches prepared per (q shape, cache shape but its length, dtype, device). Triton's launch
+# hooks, if anyone set them, are honoured by taking the ordinary path.
 _LAUNCHES: dict[tuple, _Launch] = {}
 _MAX_LAUNCHES = 256
 
@@ -266,22 +263,34 @@ def _fast_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tens
 
 
 def _launch_prepared(launch: _Launch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     lens: torch.Tensor, qk_scale: float) -> torch.Tensor:
-    """Launches a prepared shape's kernels on fresh inputs (see _LAUNCHES)."""
+                     lens: torch.Tensor, qk_scale: float) -> torch.Tensor | None:
+    """Launches a prepared shape's kernels on fresh inputs (see _LAUNCHES), or returns None
+    when this cache length needs kernels not prepared yet (one split where there were
+    several, or the reverse)."""
+    smax = k.shape[2]
+    num_splits, split = _splits(launch.programs, smax, launch.block_n, q.device)
+    prepared = launch.kernels.get(num_splits == 1)
+    if prepared is None:
+        return None
+    s, constexprs, m, merge_constexprs = prepared
     out = torch.empty_like(q)
-    if launch.part_shape is None:
+    hkv, rows, sq = launch.ints
+    d = q.shape[3]
+    if m is None:
         o_part = lse_part = out
-    else:
-        o_part = torch.empty(launch.part_shape, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(launch.part_shape[:-1], dtype=torch.float32, device=q.device)
+    else:   # one float32 buffer: the partial outputs, then their log-sum-exps
+        parts = launch.grid0 * num_splits * rows
+        work = torch.empty(parts * (d + 1), dtype=torch.float32, device=q.device)
+        o_part = work.data_ptr()
+        lse_part = o_part + parts * d * 4
     stream = torch._C._cuda_getCurrentRawStream(q.device.index)
-    s = launch.split
-    s.run(*launch.grid, stream, s.function, s.packed_metadata, None, None, None,
-          q, k, v, lens, out, o_part, lse_part, *launch.ints, qk_scale, *launch.constexprs)
-    if launch.merge is not None:
-        m = launch.merge
-        m.run(*launch.merge_grid, stream, m.function, m.packed_metadata, None, None, None,
-              o_part, lse_part, lens, out, *launch.merge_ints, *launch.merge_constexprs)
+    s.run(launch.grid0, num_splits, launch.row_blocks, stream, s.function, s.packed_metadata,
+          None, None, None, q, k, v, lens, out, o_part, lse_part, smax, hkv, rows, sq, split,
+          num_splits, qk_scale, *constexprs)
+    if m is not None:
+        m.run(launch.grid0, launch.row_blocks, 1, stream, m.function, m.packed_metadata,
+              None, None, None, o_part, lse_part, lens, out, hkv, rows, split, num_splits,
+              *merge_constexprs)
     return out
 
 
@@ -291,12 +300,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_seqlens: 
     (B, Hkv, Smax, D) of per-sequence lengths cache_seqlens (int32, (B,))."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     fast = _fast_ok(q, k, v, cache_seqlens)
-    key = (q.shape, k.shape, q.dtype, q.device)
+    key = (q.shape, k.shape[0], k.shape[1], k.shape[3], q.dtype, q.device)
     launch = _LAUNCHES.get(key) if fast else None
     if launch is not None and v.shape == k.shape and k.dtype == q.dtype == v.dtype and \
             cache_seqlens.dtype == torch.int32 and cache_seqlens.shape == q.shape[:1] and \
-            k.device == v.device == cache_seqlens.device == q.device:
-        return _launch_prepared(launch, q, k, v, cache_seqlens, scale * LOG2E)
+            k.device == v.device == cache_seqlens.device == q.device and k.shape[2] > 0:
+        out = _launch_prepared(launch, q, k, v, cache_seqlens, scale * LOG2E)
+        if out is not None:
+            return out
     _check(q, k, v, cache_seqlens)
     return _forward(q, k, v, cache_seqlens, scale, key if fast else None)
 
@@ -339,10 +350,12 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_seqlens: t
                                           **merge_constexprs, num_warps=MERGE_WARPS)
     if key is not None and hasattr(split_kernel, "packed_metadata") and \
             (direct or hasattr(merge_kernel, "packed_metadata")):
-        if len(_LAUNCHES) >= _MAX_LAUNCHES:
-            _LAUNCHES.clear()
-        _LAUNCHES[key] = _Launch(split_kernel, grid, ints, tuple(constexprs.values()),
-                                 merge_kernel, merge_grid, merge_ints,
-                                 tuple(merge_constexprs.values()),
-                                 None if direct else tuple(o_part.shape))
+        launch = _LAUNCHES.get(key)
+        if launch is None:
+            if len(_LAUNCHES) >= _MAX_LAUNCHES:
+                _LAUNCHES.clear()
+            launch = _LAUNCHES[key] = _Launch(B * HKV * row_blocks, block_n, B * HKV,
+                                              row_blocks, (HKV, rows, SQ))
+        launch.kernels[direct] = (split_kernel, tuple(constexprs.values()), merge_kernel,
+                                  tuple(merge_constexprs.values()))
     return out.to(q.dtype) if upcast else out
