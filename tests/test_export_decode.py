@@ -74,7 +74,8 @@ def test_a_growing_cache_is_decided_once_per_doubling_of_its_length(exported) ->
     """A generation's cache grows by a token a call: with the guard told the CPU may run the
     kernel (Triton's interpreter), lengths 5 to 40 take four decisions (5-7, 8-15, 16-31,
     32-40), every call reaches the kernel and agrees with the fallback; a cache that is not
-    contiguous is keyed by its exact shape and strides. A decision must hold for every length
+    contiguous is keyed by its exact shape and strides, and k and v of different lengths are
+    decided apart from equal ones. A decision must hold for every length
     its key covers: a cache of 1.97e9 elements whose key reaches 3.2e9 is past 2**31."""
     s = exported["summary"]
     got = _py(f"""
@@ -99,16 +100,26 @@ def test_a_growing_cache_is_decided_once_per_doubling_of_its_length(exported) ->
         for n in (20, 21):                       # views of the full cache: strided, exact keys
             pkg.attention(q, full_k[:, :, :n], full_v[:, :, :n],
                           torch.full((2,), n, dtype=torch.int32))
+        strided, stats = made[len(contiguous):], pkg.stats()
+        before = len(made)                       # k and v of different lengths, one key's range
+        try:
+            pkg.attention(q, full_k[:, :, :9].contiguous(), full_v[:, :, :10].contiguous(),
+                          torch.full((2,), 9, dtype=torch.int32))
+        except Exception:
+            pass
+        mismatch_decided = len(made) == before + 1
         big, small = (torch.empty(*shape, device="meta")
                       for shape in ((96, 8, 20000, 128), (1, 8, 4097, 128)))
-        print(json.dumps({{"made": contiguous, "strided": made[len(contiguous):],
-                          "err": err, "stats": pkg.stats(),
+        print(json.dumps({{"made": contiguous, "strided": strided,
+                          "mismatch_decided": mismatch_decided,
+                          "err": err, "stats": stats,
                           "too_far": [ops._grown_too_far({{"k": t, "v": t}})
                                       for t in (big, small)]}}))
     """, cwd=exported["out"], env={"TRITON_INTERPRET": "1"})
     r = json.loads(got.splitlines()[-1])
     assert r["made"] == [5, 8, 16, 32]
     assert r["strided"] == [20, 21]
+    assert r["mismatch_decided"]          # not served by the decision for equal lengths
     assert r["stats"]["kernel"] == 36 + 2 and r["stats"]["fallback"] == 0
     assert r["err"] < 2e-3
     assert r["too_far"] == [True, False]

@@ -146,7 +146,10 @@ def _key(values: tuple[Any, ...]) -> tuple:
     """Returns the call key of the op's values (or a Python call's positional arguments)."""
     if not _GROWING:
         return tuple(map(_meta, values))
-    return tuple(_grown(v) if i in _GROWING else _meta(v) for i, v in enumerate(values))
+    lengths = {v.shape[2] for i, v in enumerate(values)
+               if i in _GROWING and isinstance(v, torch.Tensor) and v.dim() == 4}
+    return tuple(_grown(v) if i in _GROWING else _meta(v) for i, v in enumerate(values)) + \
+        (len(lengths) <= 1,)                    # k and v of one length: the contract's case
 
 
 def _named_key(kwargs: dict[str, Any]) -> tuple:
