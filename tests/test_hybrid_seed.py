@@ -21,6 +21,7 @@ HYBRID = SEEDS / "flash_hybrid.py"
 TRITON_SEED = SEEDS / "flash_triton.py"
 CUDA_SEED = SEEDS / "wgmma_flash.cu"
 ROUTING = {"CUDA_D64", "CUDA_D64_CAUSAL", "CUDA_D128", "CUDA_D128_CAUSAL"}
+ROUTING_KNOBS = ROUTING | {"CUDA_D64_SMALL"}
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 
 # A stand-in for the wgmma source: the same entry point, returning B + 6 without touching CUDA.
@@ -57,7 +58,7 @@ def test_the_hybrid_carries_both_seeds_knobs_and_its_routing_knobs():
     cuda = {k.name for k in find_knobs(CUDA_SEED.read_text())}
     shared = triton & cuda                        # e.g. BLOCK_N_D64: qualified by their file
     assert shared
-    assert keys == (ROUTING | {n if n not in shared else f"flash_triton.py:{n}" for n in triton}
+    assert keys == (ROUTING_KNOBS | {n if n not in shared else f"flash_triton.py:{n}" for n in triton}
                     | {n if n not in shared else f"wgmma_flash.cu:{n}" for n in cuda})
 
 
@@ -77,12 +78,16 @@ def test_the_mutator_leaves_the_knobs_of_kernels_that_run_no_call():
     assert dead(source, "sm90") == triton_d128 | cuda_d64
     # elsewhere every call runs Triton: every CUDA and routing knob is dead; on the CPU also
     # the Triton knobs whose code only a GPU runs (TMA, warp specialisation, the fast launch)
-    assert dead(source, "sm80") == in_cuda | ROUTING
+    assert dead(source, "sm80") == in_cuda | ROUTING_KNOBS
     gpu_only = {"USE_TMA", "WARP_SPECIALIZE", "FAST_LAUNCH"}
-    assert dead(source, "cpu") == in_cuda | ROUTING | gpu_only
+    assert dead(source, "cpu") == in_cuda | ROUTING_KNOBS | gpu_only
     # routing D=64 to CUDA too: every Triton knob goes dead on an H100/H200
     all_cuda = set_knobs(source, {"CUDA_D64": "True", "CUDA_D64_CAUSAL": "True"})
     assert dead(all_cuda, "sm90") == in_triton
+    # the small head-dim-64 calls to CUDA, the large ones still on Triton: both kernels' D=64
+    # knobs are live
+    small_cuda = set_knobs(source, {"CUDA_D64_SMALL": "4194304"})
+    assert dead(small_cuda, "sm90") == triton_d128
 
 
 def test_routing_sends_only_sm90_half_precision_calls_whose_knob_is_set(hybrid, monkeypatch):
@@ -97,6 +102,8 @@ def test_routing_sends_only_sm90_half_precision_calls_whose_knob_is_set(hybrid, 
         assert [hybrid._cuda_wanted(cuda, f16, 64, False), hybrid._cuda_wanted(cuda, f16, 64, True),
                 hybrid._cuda_wanted(cuda, f16, 128, False),
                 hybrid._cuda_wanted(cuda, f16, 128, True)] == [d64, d64c, d128, d128c]
+    assert hybrid._cuda_wanted(cuda, f16, 64, False, small=True)         # CUDA_D64_SMALL
+    assert not hybrid._cuda_wanted(cuda, f16, 128, True, small=True)    # head dim 64 only
     monkeypatch.setattr(hybrid, "CUDA_D64", True)
     assert hybrid._cuda_wanted(cuda, torch.bfloat16, 64, False)
     assert not hybrid._cuda_wanted(cuda, torch.float32, 64, False)        # float32: Triton
@@ -192,3 +199,17 @@ def test_the_real_cuda_companion_builds_with_the_header_it_includes(tmp_path):
     libs, log, _, _ = build_companions(main, main.read_text(), tmp_path / "cache", 600,
                                        "sm_90a", "sm90")
     assert set(libs) == {"wgmma_flash.cu"} and Path(libs["wgmma_flash.cu"]).is_file(), log
+
+
+def test_the_small_call_route_counts_a_calls_work(hybrid, monkeypatch):
+    """CUDA_D64_SMALL compares B·H·Sq·Sk with its threshold (decided once per route key)."""
+    import torch
+    seen = []
+    monkeypatch.setattr(hybrid, "_cuda_wanted",
+                        lambda device, dtype, d, causal, small=False: seen.append(small) or False)
+    monkeypatch.setattr(hybrid._triton, "attention", lambda *args: None)
+    monkeypatch.setattr(hybrid, "CUDA_D64_SMALL", 8 * 512 * 512)
+    for B in (1, 2):
+        x = torch.empty(B, 8, 512, 64)
+        hybrid.attention(x, x, x)
+    assert seen == [True, False]

@@ -9,12 +9,12 @@
                     nvcc and hands the library over in EVOATTN_LIBRARIES. Without it (no nvcc, a
                     GPU other than sm_90, or this file imported by hand) every call runs Triton.
 The defaults send head dim 128 to CUDA and keep 64 on Triton, which measured faster there
-(BENCHMARKS.md). Both companions' knobs are the program's knobs: a knob whose code no call runs
+(BENCHMARKS.md); CUDA_D64_SMALL can send the launch-bound head-dim-64 calls to CUDA as well. Both companions' knobs are the program's knobs: a knob whose code no call runs
 at these routing values and this GPU (its when(...) conditions) is left alone by the mutator.
 """
 # evoattn: companion flash_triton.py
-# evoattn: companion wgmma_flash.cu when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True)
-# evoattn: companion cuda_core_flash.cuh when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True)
+# evoattn: companion wgmma_flash.cu when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0)
+# evoattn: companion cuda_core_flash.cuh when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0)
 from __future__ import annotations
 
 import ctypes
@@ -31,6 +31,10 @@ CUDA_D64 = False  # evoattn: choice(True, False) when(@target=sm90)
 CUDA_D64_CAUSAL = False  # evoattn: choice(True, False) when(@target=sm90)
 CUDA_D128 = True  # evoattn: choice(True, False) when(@target=sm90)
 CUDA_D128_CAUSAL = True  # evoattn: choice(True, False) when(@target=sm90)
+# ... and head-dim-64 calls of at most this much work (B·H·Sq·Sk) take CUDA whatever CUDA_D64*
+# say: launch-bound shapes, where the ctypes call costs 15-40 µs less host time than Triton's
+# launcher (BENCHMARKS.md). 0: none.
+CUDA_D64_SMALL = 0  # evoattn: choice(0, 4194304, 16777216, 67108864) when(@target=sm90)
 
 _CUDA_DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 # The codes the CUDA entry returns itself, named in errors (others are raised by number).
@@ -76,12 +80,14 @@ def _cuda_entry():  # noqa: ANN202
     return fn
 
 
-def _cuda_wanted(device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool) -> bool:
-    """Returns True when such a call goes to the CUDA kernel (its knob is set and it can run)."""
+def _cuda_wanted(device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool,
+                 small: bool = False) -> bool:
+    """Returns True when such a call goes to the CUDA kernel (its knob is set and it can run);
+    `small`: the call's work is within CUDA_D64_SMALL."""
     if device.type != "cuda" or _triton._interpreting() or dtype not in _CUDA_DTYPES:
         return False
     if head_dim == 64:
-        wanted = CUDA_D64_CAUSAL if causal else CUDA_D64
+        wanted = small or (CUDA_D64_CAUSAL if causal else CUDA_D64)
     elif head_dim == 128:
         wanted = CUDA_D128_CAUSAL if causal else CUDA_D128
     else:
@@ -89,7 +95,7 @@ def _cuda_wanted(device: torch.device, dtype: torch.dtype, head_dim: int, causal
     return wanted and _is_sm90(device) and _cuda_entry() is not None
 
 
-_ROUTES: dict[tuple, bool] = {}   # (device, dtype, head dim, causal) -> CUDA?, decided once
+_ROUTES: dict[tuple, bool] = {}   # (device, dtype, head dim, causal, small) -> CUDA?, decided once
 
 
 def _cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -124,10 +130,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     causal = bool(causal)
-    key = (q.device, q.dtype, q.shape[-1], causal)
+    small = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] <= CUDA_D64_SMALL
+    key = (q.device, q.dtype, q.shape[-1], causal, small)
     route = _ROUTES.get(key)
     if route is None:
-        route = _ROUTES[key] = _cuda_wanted(q.device, q.dtype, q.shape[-1], causal)
+        route = _ROUTES[key] = _cuda_wanted(q.device, q.dtype, q.shape[-1], causal, small)
     if route:
         return _cuda_attention(q, k, v, causal, float(scale))
     return _triton.attention(q, k, v, causal, scale)

@@ -111,22 +111,22 @@
 // evoattn: companion cuda_core_flash.cuh
 #include "cuda_core_flash.cuh"  // the CUDA-core fallback (float32, misaligned pointers)
 
-#define NUM_WARPGROUPS 2  // evoattn: choice(1, 2) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True)
-#define BLOCK_N_D64 64  // evoattn: choice(64, 128) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True)
+#define NUM_WARPGROUPS 2  // evoattn: choice(1, 2) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0)
+#define BLOCK_N_D64 64  // evoattn: choice(64, 128) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0)
 #define BLOCK_N_D128 128  // evoattn: choice(64, 128) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
-#define OVERLAP_D64 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True)
+#define OVERLAP_D64 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0)
 #define OVERLAP_D128 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
-#define WARP_SPECIALIZE_D64 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True)
+#define WARP_SPECIALIZE_D64 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0)
 #define WARP_SPECIALIZE_D128 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
-#define WS_STAGES 2  // evoattn: choice(2, 3, 4) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True)
-#define SETMAXNREG 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True)
-#define PINGPONG 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True)
-#define HEAD_MAJOR_D64 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True)
+#define WS_STAGES 2  // evoattn: choice(2, 3, 4) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0)
+#define SETMAXNREG 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0)
+#define PINGPONG 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0)
+#define HEAD_MAJOR_D64 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0)
 #define HEAD_MAJOR_D128 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
-#define PERSISTENT_D64 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True)
+#define PERSISTENT_D64 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0)
 #define PERSISTENT_D128 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
-#define PERSISTENT_DYNAMIC 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64_CAUSAL=True, CUDA_D128_CAUSAL=True)
-#define TMA_STORE_MAX_S 1024  // evoattn: choice(0, 1024, 2048, 4096, 65536) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True)
+#define PERSISTENT_DYNAMIC 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64_CAUSAL=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0)
+#define TMA_STORE_MAX_S 1024  // evoattn: choice(0, 1024, 2048, 4096, 65536) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0)
 
 #define FB_BLOCK_M 32    // fallback tiles; fixed, not knobs
 #define FB_BLOCK_N 32
