@@ -1,16 +1,14 @@
 """Seed for `sdpa`: the Triton kernel and, on an H100/H200, the wgmma CUDA kernel, behind one
-`attention`, chosen per head dim and causality by the CUDA_* knobs.
+`attention`, chosen per call by the CUDA_* knobs.
 
-  flash_triton.py   the FlashAttention-2/3-style Triton kernel, with its own knobs: every call
-                    on other GPUs, in float32 and in Triton's CPU interpreter, and the calls the
-                    CUDA_* knobs keep off CUDA
-  wgmma_flash.cu    the FlashAttention-3-style wgmma kernel for sm_90a, with its own knobs;
-                    whoever loads this file (the evaluator, an exported package) builds it with
-                    nvcc and hands the library over in EVOATTN_LIBRARIES. Without it (no nvcc, a
-                    GPU other than sm_90, or this file imported by hand) every call runs Triton.
-The defaults send head dim 128 to CUDA and keep 64 on Triton, which measured faster there
-(BENCHMARKS.md); CUDA_D64_SMALL can send the launch-bound head-dim-64 calls to CUDA as well. Both companions' knobs are the program's knobs: a knob whose code no call runs
-at these routing values and this GPU (its when(...) conditions) is left alone by the mutator.
+  flash_triton.py   the FlashAttention-2/3-style Triton kernel (its own knobs): every call on
+                    other GPUs, in float32, in Triton's CPU interpreter, and those CUDA_* keep
+  wgmma_flash.cu    the FlashAttention-3-style wgmma kernel for sm_90a (its own knobs), built
+                    with nvcc by whoever loads this file (the evaluator, an exported package)
+                    and handed over in EVOATTN_LIBRARIES; without it every call runs Triton.
+The defaults send head dim 128 to CUDA and keep 64 on Triton, which measured faster there. A
+knob whose code no call runs at these routing values and this GPU (its when(...) conditions)
+is left alone by the mutator.
 """
 # evoattn: companion flash_triton.py
 # evoattn: companion wgmma_flash.cu when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0)
@@ -31,16 +29,13 @@ CUDA_D64 = False  # evoattn: choice(True, False) when(@target=sm90)
 CUDA_D64_CAUSAL = False  # evoattn: choice(True, False) when(@target=sm90)
 CUDA_D128 = True  # evoattn: choice(True, False) when(@target=sm90)
 CUDA_D128_CAUSAL = True  # evoattn: choice(True, False) when(@target=sm90)
-# ... and head-dim-64 calls of at most this much work (B·H·Sq·Sk) take CUDA whatever CUDA_D64*
-# say: launch-bound shapes, where the ctypes call costs 15-40 µs less host time than Triton's
-# launcher (BENCHMARKS.md). 0: none.
+# ... and D=64 calls of at most this work (B*H*Sq*Sk): a cheaper host launch
 CUDA_D64_SMALL = 0  # evoattn: choice(0, 4194304, 16777216, 67108864) when(@target=sm90)
 
 _CUDA_DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 # The codes the CUDA entry returns itself, named in errors (others are raised by number).
-_CUDA_ERRORS = {1: "cudaErrorInvalidValue: a shape, or more shared memory than a block can "
-                   "have (WS_STAGES too deep for the tile; at D=128 only 2 stages fit beside "
-                   "TMA_STORE_MAX_S's output tile)",
+_CUDA_ERRORS = {1: "cudaErrorInvalidValue: a shape, or too much shared memory (WS_STAGES too "
+                   "deep: at D=128 only 2 fit beside TMA_STORE_MAX_S's tile)",
                 9: "cudaErrorInvalidConfiguration: too many work items for one grid",
                 98: "cudaErrorInvalidDeviceFunction: built without sm_90a code",
                 801: "cudaErrorNotSupported: the driver has no cuTensorMapEncodeTiled"}
@@ -49,7 +44,7 @@ INPUT_LAYOUTS = ("strided", "gqa")  # see flash_triton.py (CUDA calls copy)
 
 
 def _sibling(name: str):  # noqa: ANN202
-    """Loads a companion .py file beside this one as a module of its own."""
+    """Imports a companion .py file beside this one."""
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
     spec = importlib.util.spec_from_file_location(f"{__name__}_{name[:-3]}", path)
     module = importlib.util.module_from_spec(spec)
@@ -67,12 +62,12 @@ def _is_sm90(device: torch.device) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _cuda_entry():  # noqa: ANN202
-    """The CUDA kernel's entry point, or None (with one warning) when no library was handed over."""
+    """The CUDA entry point, or None (warned once) when no library was handed over."""
     path = _LIBRARIES.get("wgmma_flash.cu")
     if path is None:
-        warnings.warn("flash_hybrid: no built wgmma_flash.cu library (evaluate or export this "
-                      "program with evoattn to build it with nvcc), so the calls the CUDA_* "
-                      "knobs send to CUDA run the Triton kernel", RuntimeWarning, stacklevel=4)
+        warnings.warn("flash_hybrid: wgmma_flash.cu is not built (evoattn builds it when it "
+                      "evaluates or exports this program): CUDA_* calls run Triton",
+                      RuntimeWarning, stacklevel=4)
         return None
     fn = ctypes.CDLL(path).evoattn_sdpa
     fn.restype = ctypes.c_int
@@ -82,8 +77,7 @@ def _cuda_entry():  # noqa: ANN202
 
 def _cuda_wanted(device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool,
                  small: bool = False) -> bool:
-    """Returns True when such a call goes to the CUDA kernel (its knob is set and it can run);
-    `small`: the call's work is within CUDA_D64_SMALL."""
+    """Returns True when such a call goes to the CUDA kernel (its knob is set and it can run)."""
     if device.type != "cuda" or _triton._interpreting() or dtype not in _CUDA_DTYPES:
         return False
     if head_dim == 64:
@@ -95,7 +89,7 @@ def _cuda_wanted(device: torch.device, dtype: torch.dtype, head_dim: int, causal
     return wanted and _is_sm90(device) and _cuda_entry() is not None
 
 
-_ROUTES: dict[tuple, bool] = {}   # (device, dtype, head dim, causal, small) -> CUDA?, decided once
+_ROUTES: dict[tuple, bool] = {}   # (device, dtype, D, causal, small) -> CUDA?
 
 
 def _cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -117,7 +111,7 @@ def _cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         with torch.cuda.device(index):
             rc = _cuda_entry()(*args, torch._C._cuda_getCurrentRawStream(index))
     if rc != 0:
-        raise RuntimeError(f"flash_hybrid: the CUDA kernel returned CUDA error {rc} "
+        raise RuntimeError(f"flash_hybrid: CUDA error {rc} "
                            f"({_CUDA_ERRORS.get(rc, 'see cudaGetErrorString')}) for "
                            f"{tuple(q.shape)} {q.dtype} causal={causal}")
     return out
