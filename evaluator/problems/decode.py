@@ -155,8 +155,9 @@ class Decode(Problem):
     # B x ctx x (Hq/Hkv, D) x Sq: batch 1 needs split-KV to fill the GPU; B >= 8 at 8k and
     # more are the bandwidth-bound cases. Ragged lengths are a padded batch (transformers
     # passes SDPA a mask); "full" ones an unpadded generation step, the call the exported
-    # package serves in transformers (SDPA takes no mask there: its fastest path). No cache (k and v) is over 1 GiB: the evaluator
-    # holds every config's inputs for its trials at once (about 14 GiB in all, 3 trials).
+    # package serves in transformers (SDPA takes no mask there: its fastest path). No cache
+    # (k and v) is over 1 GiB: the evaluator holds every config's inputs for its trials at
+    # once (about 15 GiB in all, 3 trials).
     default_configs = (
         _cfg(1, 32, 8, 1, 1 * K, 64),
         _cfg(1, 32, 8, 1, 8 * K, 64),
