@@ -204,6 +204,7 @@ def _summary(console: Console, outcome: Any, search: Any, plan: RunPlan,
     mode = best.result.timing if best and best.result else ""
     mode_text = f", {mode} time" if mode else ""
     duel = final if final is not None and final.correct and final.rival_fitness else None
+    rows: list[tuple[Any, float | None, float | None, str]] = []   # config, before, after, vs
     if duel is not None:
         # The figures to believe: both re-measured side by side, after the search.
         console.print(f"seed fitness {duel.rival_fitness:.4f} -> best fitness {duel.fitness:.4f} "
@@ -211,21 +212,19 @@ def _summary(console: Console, outcome: Any, search: Any, plan: RunPlan,
                       f"{outcome.elapsed_s:.0f} s (this session{whole}); during the search "
                       f"{seed.fitness:.4f} -> {best.fitness:.4f}")
         for c in duel.configs:
-            base = c.baseline_ms
             rival_ms = c.rival_times.in_mode(duel.timing) if c.rival_times else None
-            before = base / rival_ms if base and rival_ms else 0.0
-            console.print(f"  {label(c.params)}: {before:.3f}x -> {c.speedup or 0:.3f}x "
-                          f"vs {c.baseline_name or duel.baseline}")
+            before = c.baseline_ms / rival_ms if c.baseline_ms and rival_ms else None
+            rows.append((c.params, before, c.speedup, c.baseline_name or duel.baseline))
     else:
         console.print(f"seed fitness {seed.fitness:.4f} -> best fitness "
                       f"{best.fitness if best else 0.0:.4f} ({best.id if best else '-'}"
                       f"{mode_text}) in {outcome.elapsed_s:.0f} s (this session{whole})")
         if best and best.result and seed.result:
             by_cfg = {str(c.params): c.speedup for c in seed.result.configs}
-            for c in best.result.configs:
-                before = by_cfg.get(str(c.params))
-                console.print(f"  {label(c.params)}: {before or 0:.3f}x -> "
-                              f"{c.speedup or 0:.3f}x vs {c.baseline_name or best.result.baseline}")
+            rows = [(c.params, by_cfg.get(str(c.params)), c.speedup,
+                     c.baseline_name or best.result.baseline) for c in best.result.configs]
+    for params, before, after, versus in rows:
+        console.print(f"  {label(params)}: {before or 0:.3f}x -> {after or 0:.3f}x vs {versus}")
     held, won = search.challenges
     if held:
         console.print(f"champion challenges: {held} children re-measured beside the best, "
