@@ -409,6 +409,9 @@ def test_a_growing_cache_reuses_one_prepared_launch_and_stays_right() -> None:
     assert len(mod._LAUNCHES) == 1
     launch = next(iter(mod._LAUNCHES.values()))
     assert set(launch.kernels) == {True, False}        # both kernels met, each prepared once
+    import triton
+    if triton.__version__.startswith("3.6"):        # launched beneath Triton's Python wrapper
+        assert launch.kernels[True][0][1] is not None and launch.kernels[False][2][1] is not None
     assert worst < 2e-3
 
 

@@ -28,7 +28,8 @@ largest tiles with the deepest pipelines may not fit in shared memory: the launc
   MIN_SPLIT_KEYS              ... but gives no split fewer keys than this
   MERGE_WARPS                 the merge kernel's warps
   FAST_LAUNCH                 calls of a shape seen before launch the compiled kernels directly
-                              (Triton's argument binding and cache lookup skipped: tens of
+                              through Triton's C launcher, with plain addresses (its argument
+                              binding, cache lookup and Python wrapper skipped: tens of
                               microseconds of host time per call, what a decode step pays)
 
 Rows with no visible key (L = 0, or L < Sq) output zeros. Loads never go past a sequence's
@@ -262,6 +263,18 @@ def _fast_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tens
             and (q.data_ptr() | k.data_ptr() | v.data_ptr() | lens.data_ptr()) % 16 == 0)
 
 
+def _raw_launcher(kernel) -> tuple | None:  # noqa: ANN001
+    """(Triton's C launcher, cooperative, pdl): the launch beneath its Python wrapper, which
+    takes plain addresses without asking the driver about each; None where this Triton is not
+    laid out as 3.4-3.6 are, or the kernel needs scratch memory."""
+    run = kernel.run
+    launch = getattr(run, "launch", None)
+    if launch is None or hasattr(launch, "__code__") or \
+            getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return None
+    return launch, run.launch_cooperative_grid, run.launch_pdl
+
+
 def _launch_prepared(launch: _Launch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      lens: torch.Tensor, qk_scale: float) -> torch.Tensor | None:
     """Launches a prepared shape's kernels on fresh inputs (see _LAUNCHES), or returns None
@@ -275,22 +288,25 @@ def _launch_prepared(launch: _Launch, q: torch.Tensor, k: torch.Tensor, v: torch
     s, constexprs, m, merge_constexprs = prepared
     out = torch.empty_like(q)
     hkv, rows, sq = launch.ints
-    d = q.shape[3]
+    o = out.data_ptr()
     if m is None:
-        o_part = lse_part = out
+        o_part = lse_part = o
     else:   # one float32 buffer: the partial outputs, then their log-sum-exps
         parts = launch.grid0 * num_splits * rows
-        work = torch.empty(parts * (d + 1), dtype=torch.float32, device=q.device)
+        work = q.new_empty(parts * (q.shape[3] + 1), dtype=torch.float32)
         o_part = work.data_ptr()
-        lse_part = o_part + parts * d * 4
+        lse_part = o_part + parts * q.shape[3] * 4
     stream = torch._C._cuda_getCurrentRawStream(q.device.index)
-    s.run(launch.grid0, num_splits, launch.row_blocks, stream, s.function, s.packed_metadata,
-          None, None, None, q, k, v, lens, out, o_part, lse_part, smax, hkv, rows, sq, split,
-          num_splits, qk_scale, *constexprs)
+    lens_ptr = lens.data_ptr()
+    raw, cooperative, pdl = s[1]
+    raw(launch.grid0, num_splits, launch.row_blocks, stream, s[0], cooperative, pdl, None, None,
+        s[2], None, None, None, q.data_ptr(), k.data_ptr(), v.data_ptr(), lens_ptr, o, o_part,
+        lse_part, smax, hkv, rows, sq, split, num_splits, qk_scale, *constexprs)
     if m is not None:
-        m.run(launch.grid0, launch.row_blocks, 1, stream, m.function, m.packed_metadata,
-              None, None, None, o_part, lse_part, lens, out, hkv, rows, split, num_splits,
-              *merge_constexprs)
+        raw, cooperative, pdl = m[1]
+        raw(launch.grid0, launch.row_blocks, 1, stream, m[0], cooperative, pdl, None, None,
+            m[2], None, None, None, o_part, lse_part, lens_ptr, o, hkv, rows, split, num_splits,
+            *merge_constexprs)
     return out
 
 
@@ -348,14 +364,18 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_seqlens: t
     if not direct:
         merge_kernel = _merge[merge_grid](o_part, lse_part, lens, out, *merge_ints,
                                           **merge_constexprs, num_warps=MERGE_WARPS)
-    if key is not None and hasattr(split_kernel, "packed_metadata") and \
-            (direct or hasattr(merge_kernel, "packed_metadata")):
+    prepared = [(kernel.function, _raw_launcher(kernel), kernel.packed_metadata)
+                for kernel in (split_kernel, merge_kernel)
+                if kernel is not None and hasattr(kernel, "packed_metadata")]
+    if key is not None and len(prepared) == 2 - direct and \
+            all(raw is not None for _, raw, _ in prepared):
         launch = _LAUNCHES.get(key)
         if launch is None:
             if len(_LAUNCHES) >= _MAX_LAUNCHES:
                 _LAUNCHES.clear()
             launch = _LAUNCHES[key] = _Launch(B * HKV * row_blocks, block_n, B * HKV,
                                               row_blocks, (HKV, rows, SQ))
-        launch.kernels[direct] = (split_kernel, tuple(constexprs.values()), merge_kernel,
+        launch.kernels[direct] = (prepared[0], tuple(constexprs.values()),
+                                  None if direct else prepared[1],
                                   tuple(merge_constexprs.values()))
     return out.to(q.dtype) if upcast else out

@@ -106,8 +106,12 @@ def _interpreting() -> bool:
 
 def _hopper_or_newer(device: torch.device) -> bool:
     """Returns True on a real (not interpreted) CUDA device of capability >= 9."""
-    return (device.type == "cuda" and not _interpreting()
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+    return device.type == "cuda" and not _interpreting() and _major(device) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _major(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
 
 
 def _supports_tma(device: torch.device) -> bool:
@@ -347,13 +351,32 @@ class _Launch:
     """One call key's launch, prepared by its first call: every argument but the tensors."""
 
     __slots__ = ("run", "function", "packed", "grid", "out_shape", "descs", "ints",
-                 "constexprs")
+                 "constexprs", "raw", "maps")
 
     def __init__(self, kernel, grid: int, out_shape: torch.Size, descs: tuple | None,  # noqa: ANN001
                  ints: tuple, constexprs: tuple) -> None:
         self.run, self.function, self.packed = kernel.run, kernel.function, kernel.packed_metadata
         self.grid, self.out_shape, self.descs = grid, out_shape, descs
         self.ints, self.constexprs = ints, constexprs
+        self.raw = _raw_launcher(kernel) if descs is not None else None
+        self.maps: dict[tuple, tuple] = {}   # (operand, address) -> its encoded descriptor
+
+
+def _raw_launcher(kernel) -> tuple | None:  # noqa: ANN001
+    """Triton's C launcher beneath its Python wrapper (which re-encodes every TMA descriptor,
+    a few µs each), with what it needs: (launcher, cooperative, pdl, encode, layouts); None
+    where this Triton is not laid out as 3.4-3.6 are, or the kernel needs scratch memory."""
+    try:
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+        run, metas = kernel.run, kernel.metadata.tensordesc_meta
+        cells = dict(zip(run.launch.__code__.co_freevars, run.launch.__closure__))
+        if run.global_scratch_size or run.profile_scratch_size or len(metas) != 4 or \
+                None in metas:
+            return None
+        return (cells["launcher"].cell_contents, run.launch_cooperative_grid, run.launch_pdl,
+                make_tensordesc_arg, tuple(metas))
+    except (ImportError, AttributeError, KeyError, TypeError):
+        return None
 
 
 # Launches prepared per call key: a known key skips Triton's argument binding and cache lookup
@@ -367,25 +390,27 @@ def _no_hook(hook) -> bool:  # noqa: ANN001
     return hook is None or (hasattr(hook, "calls") and not hook.calls)
 
 
-def _fast_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def _fast_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, device: torch.device) -> bool:
     """Whether a call may use a prepared launch: a real GPU, no launch hooks, 16-byte aligned
     inputs (the compiled kernel assumed the first call's alignment)."""
-    return (FAST_LAUNCH and q.device.type == "cuda" and not _interpreting()
+    return (FAST_LAUNCH and device.type == "cuda" and not _interpreting()
             and _no_hook(triton.knobs.runtime.launch_enter_hook)
             and _no_hook(triton.knobs.runtime.launch_exit_hook)
             and (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0)
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-             use_tma: bool, warp_specialize: bool) -> torch.Tensor:
+             use_tma: bool, warp_specialize: bool, device: torch.device | None = None
+             ) -> torch.Tensor:
     """Checks shapes and launches the kernel with the module's knobs (TMA and WS as given)."""
-    fast = _fast_ok(q, k, v)
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, causal,
+    device = q.device if device is None else device
+    fast = _fast_ok(q, k, v, device)
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, device, causal,
            use_tma, warp_specialize, scale >= 0)
     launch = _LAUNCHES.get(key) if fast else None
     if launch is not None and v.shape == k.shape and k.dtype == q.dtype and \
-            v.dtype == q.dtype and k.device == v.device == q.device:
-        return _launch_prepared(launch, q, k, v, scale * LOG2E if USE_EXP2 else scale)
+            v.dtype == q.dtype and k.device == v.device == device:
+        return _launch_prepared(launch, q, k, v, scale * LOG2E if USE_EXP2 else scale, device)
     _check_inputs(q, k, v)
     if q.device.type != "cuda" and not _interpreting():
         raise RuntimeError("flash_triton needs a CUDA tensor, or TRITON_INTERPRET=1 for CPU tensors")
@@ -442,14 +467,29 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
 
 
 def _launch_prepared(launch: _Launch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     qk_scale: float) -> torch.Tensor:
-    """Launches a prepared kernel on fresh inputs of its key (see _LAUNCHES)."""
-    out = torch.empty(launch.out_shape, dtype=q.dtype, device=q.device)
+                     qk_scale: float, device: torch.device) -> torch.Tensor:
+    """Launches a prepared kernel on fresh inputs of its key (see _LAUNCHES). A descriptor
+    depends only on its operand's address once the key is fixed: each is encoded once."""
+    out = torch.empty_like(q) if q.is_contiguous() else q.new_empty(launch.out_shape)
+    stream = torch._C._cuda_getCurrentRawStream(device.index)
+    if launch.raw is not None:
+        raw, cooperative, pdl, encode, metas = launch.raw
+        maps, args = launch.maps, []
+        for i, t in enumerate((q, k, v, out)):
+            encoded = maps.get((i, t.data_ptr()))
+            if encoded is None:
+                if len(maps) >= 1024:
+                    maps.clear()
+                encoded = maps[i, t.data_ptr()] = tuple(encode(_Desc(t, *launch.descs[i]),
+                                                               metas[i]))
+            args += encoded
+        raw(launch.grid, 1, 1, stream, launch.function, cooperative, pdl, None, None,
+            launch.packed, None, None, None, *args, qk_scale, *launch.ints, *launch.constexprs)
+        return out
     if launch.descs is not None:
         args = tuple(_Desc(t, *d) for t, d in zip((q, k, v, out), launch.descs))
     else:
         args = (q, k, v, out)
-    stream = torch._C._cuda_getCurrentRawStream(q.device.index)
     launch.run(launch.grid, 1, 1, stream, launch.function, launch.packed, None, None, None,
                *args, qk_scale, *launch.ints, *launch.constexprs)
     return out
@@ -463,7 +503,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     device = q.device
     return _forward(q, k, v, bool(causal), float(scale),
                     use_tma=USE_TMA and _supports_tma(device),
-                    warp_specialize=WARP_SPECIALIZE and _hopper_or_newer(device))
+                    warp_specialize=WARP_SPECIALIZE and _hopper_or_newer(device), device=device)
 
 
 # Notes. WARP_SPECIALIZE=True failed in Triton 3.6's NVGPUWarpSpecialization pass for the D=64
