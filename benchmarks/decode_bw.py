@@ -15,6 +15,8 @@ element size, plus q and the output (the problem's `bytes_moved`). Per config an
              eager decode loop pays, launch overhead included
   graph      the eager loop's calls captured in one CUDA graph and replayed (a static cache
              under CUDA graphs: no launch overhead); the capture error when a call cannot be
+  host       the host time of one call while the GPU is held busy (GPU only): what a call
+             costs the CPU, which an eager decode step pays when its kernels are short
   GB/s       bytes / time, and its fraction of the GPU's datasheet HBM bandwidth (H100 SXM
              3.35 TB/s, H200 4.8 TB/s; --peak-tbps overrides)
 Then the seed's speedup over SDPA-as-transformers-calls-it (`sdpa_hf`) and over FlexAttention
@@ -41,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 from evaluator import device as devinfo  # noqa: E402
 from evaluator.problems import get_problem  # noqa: E402
 from evaluator.problems.decode import lengths  # noqa: E402
+from benchmarks.host_cost import host_us  # noqa: E402
 
 EAGER_SET_BYTES = 256 * 2 ** 20      # the eager loop's input copies fill at least this ...
 EAGER_MAX_COPIES = 16                # ... with at most this many copies
@@ -172,6 +175,8 @@ def bench_config(problem: Any, cfg: dict[str, Any], fns: dict[str, Callable[...,
         bound_fn = (lambda f: lambda s: f(s, cfg))(fn)
         res["do_bench_us"] = do_bench_us(lambda: bound_fn(inputs), on_gpu, args.rep_ms)
         res["eager_us"] = eager_us(bound_fn, sets, args.rounds)
+        if on_gpu:
+            res["host_us"] = host_us(lambda: bound_fn(inputs))
         if on_gpu and not args.no_graph:
             res["graph_us"], why = graph_us(bound_fn, sets, args.rounds)
             if why:
@@ -211,6 +216,8 @@ def print_row(row: dict[str, Any]) -> None:
             frac = r.get(f"{mode}_frac_hbm")
             cells.append(f"{mode} {us:9.1f} us {r[f'{mode}_gbps']:7.0f} GB/s"
                          + (f" ({100 * frac:4.1f}% HBM)" if frac is not None else ""))
+        if r.get("host_us") is not None:
+            cells.append(f"host {r['host_us']:5.1f} us")
         print(f"  {name:14s} " + " | ".join(cells))
     ratios = [f"{k.replace('speedup_vs_', 'x ')}: {v:.2f}" for k, v in row.items()
               if k.startswith("speedup_vs_")]

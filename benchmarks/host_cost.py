@@ -94,11 +94,12 @@ def breakdown(mod) -> dict:  # noqa: ANN001
                "empty kernel (x.zero_())": host_us(lambda: q[0, 0, 0].zero_())}
         if name.startswith("triton"):
             row["triton.attention"] = host_us(lambda: tri.attention(q, k, v, causal))
+            row["_fast_ok"] = host_us(lambda: tri._fast_ok(q, k, v, q.device))
             launch = next(iter(tri._LAUNCHES.values()), None)
             if launch is not None:
                 o = torch.empty_like(q)
                 row["_launch_prepared"] = host_us(
-                    lambda: tri._launch_prepared(launch, q, k, v, scale))
+                    lambda: tri._launch_prepared(launch, q, k, v, scale, q.device))
                 if launch.descs is not None:
                     row["4 descriptors"] = host_us(lambda: tuple(
                         tri._Desc(t, *d) for t, d in zip((q, k, v, o), launch.descs)))
