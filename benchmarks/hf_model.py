@@ -21,7 +21,8 @@ and reports
   integration gain  time(a) / time(b): the package's integration against transformers' own
                     (speedup, time(a) / time(c), is their product)
   latency           median of --runs forwards after --warmup (each run's time is kept), CUDA
-                    events on a GPU; eager, and under torch.compile(fullgraph=True) with
+                    events on a GPU, rows a, b and c timed in interleaved rounds (one forward
+                    of each per round, the order reversed every round); eager, and under torch.compile(fullgraph=True) with
                     --compile (rows b and c share one graph: the op decides when it runs)
   attention share   of one extra untimed eager forward: the time inside the attention function
                     (each call between two CUDA events, or perf_counter on the CPU; the events
@@ -170,28 +171,51 @@ def judge(sdpa: dict[str, float], evo: dict[str, float]) -> bool:
     return evo["max_abs"] <= 2 * sdpa["max_abs"] and evo["top1"] >= sdpa["top1"]
 
 
-def measure(pkg: Any, model: Any, impl: str, kernel: bool, ids: torch.Tensor,
-            ref: torch.Tensor, clock: Clock, a: argparse.Namespace,
-            share: bool) -> dict[str, Any]:
-    """Measures one row: agreement, the package's call counts, latency and (share=True, eager
-    only) the attention share."""
+def switch(pkg: Any, model: Any, impl: str, kernel: bool) -> None:
+    """Makes a model run one row: its attention implementation, the package's kernel on/off."""
     use(model, impl)
     pkg.use_kernel(kernel)
 
+
+def prepare(pkg: Any, model: Any, impl: str, kernel: bool, forward: Callable[[], Any],
+            ref: torch.Tensor, a: argparse.Namespace) -> dict[str, Any]:
+    """Checks one row (agreement, the package's call counts) and warms it up."""
+    switch(pkg, model, impl, kernel)
+    pkg.reset_stats()
+    r: dict[str, Any] = {"impl": impl, "kernel_on": kernel,
+                         **agreement(forward().logits, ref), "calls": pkg.stats(),
+                         "runs_ms": []}
+    for _ in range(a.warmup):
+        forward()
+    return r
+
+
+def measure_rows(pkg: Any, model: Any, ids: torch.Tensor, ref: torch.Tensor, clock: Clock,
+                 a: argparse.Namespace, share: bool, say_row: Callable[[str], None]
+                 ) -> dict[str, dict[str, Any]]:
+    """Measures rows a, b and c of one model: each checked and warmed up, then timed in
+    interleaved rounds (one forward of each row per round, the order reversed every round),
+    so a drift in the GPU's clock or the host's speed falls on every row alike; with
+    share=True (eager only), the attention share of each row."""
     def forward() -> Any:
         return model(ids, use_cache=a.cache)
 
-    pkg.reset_stats()
-    r: dict[str, Any] = {"impl": impl, "kernel_on": kernel,
-                         **agreement(forward().logits, ref), "calls": pkg.stats()}
-    for _ in range(a.warmup):
-        forward()
-    r["runs_ms"] = [clock.ms(forward) for _ in range(a.runs)]
-    r["ms"] = statistics.median(r["runs_ms"])
-    if share:
-        r["attention_ms"], r["forward_ms"] = attention_time(forward, impl, clock)
-        r["attention_share"] = r["attention_ms"] / r["forward_ms"]
-    return r
+    got: dict[str, dict[str, Any]] = {}
+    for label, impl, kernel in ROWS:
+        say_row(f"row {label} ({impl}, kernel {'on' if kernel else 'off'})")
+        got[label] = prepare(pkg, model, impl, kernel, forward, ref, a)
+    for n in range(a.runs):
+        for label, impl, kernel in (ROWS if n % 2 == 0 else ROWS[::-1]):
+            switch(pkg, model, impl, kernel)
+            got[label]["runs_ms"].append(clock.ms(forward))
+    for label, impl, kernel in ROWS:
+        r = got[label]
+        r["ms"] = statistics.median(r["runs_ms"])
+        if share:
+            switch(pkg, model, impl, kernel)
+            r["attention_ms"], r["forward_ms"] = attention_time(forward, impl, clock)
+            r["attention_share"] = r["attention_ms"] / r["forward_ms"]
+    return got
 
 
 def run_seq(pkg: Any, models: dict[str, Any], ref_model: Any, seq: int,
@@ -205,11 +229,8 @@ def run_seq(pkg: Any, models: dict[str, Any], ref_model: Any, seq: int,
         ref = ref_model(ids, use_cache=a.cache).logits.float()
         try:
             for mode, model in models.items():
-                got: dict[str, Any] = {}
-                for label, impl, kernel in ROWS:
-                    say(f"S={seq} {mode} row {label} ({impl}, kernel {'on' if kernel else 'off'})")
-                    got[label] = measure(pkg, model, impl, kernel, ids, ref, clock, a,
-                                         share=mode == "eager")
+                got = measure_rows(pkg, model, ids, ref, clock, a, share=mode == "eager",
+                                   say_row=lambda what: say(f"S={seq} {mode} {what}"))
                 row[mode] = {**got, "kernel_gain": got["b"]["ms"] / got["c"]["ms"],
                              "integration_gain": got["a"]["ms"] / got["b"]["ms"],
                              "speedup": got["a"]["ms"] / got["c"]["ms"],

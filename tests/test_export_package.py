@@ -385,6 +385,53 @@ def test_model_benchmark_row_c_runs_the_kernel_and_row_b_does_not(exported):
     assert not r["all_on_kernel"] and "compile" not in r["rows"][0]
 
 
+def test_model_benchmark_times_its_rows_in_interleaved_rounds():
+    """Rows a, b and c are each checked and warmed up, then timed one forward each per round,
+    the order reversed every round, each forward run as its own row (implementation and kernel
+    switch): a drift over the run falls on every row alike."""
+    import argparse
+    import importlib.util
+    import torch
+    spec = importlib.util.spec_from_file_location("hf_model_bench",
+                                                  ROOT / "benchmarks" / "hf_model.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    state, timed = {}, []
+
+    class Pkg:
+        def use_kernel(self, on):
+            state["kernel"] = on
+
+        def reset_stats(self):
+            pass
+
+        def stats(self):
+            return {}
+
+    class Model:
+        def set_attn_implementation(self, name):
+            state["impl"] = name
+
+        def __call__(self, ids, use_cache):
+            return argparse.Namespace(logits=torch.zeros(1, 2, 3))
+
+    class Clock:
+        def ms(self, fn):
+            fn()
+            timed.append((state["impl"], state["kernel"]))
+            return float(len(timed))
+
+    a = argparse.Namespace(runs=3, warmup=1, cache=True)
+    got = bench.measure_rows(Pkg(), Model(), None, torch.zeros(1, 2, 3), Clock(), a,
+                             share=False, say_row=lambda _: None)
+    row = {label: (impl, kernel) for label, impl, kernel in bench.ROWS}
+    order = [row[x] for x in "abc"]
+    assert timed == order + order[::-1] + order
+    assert [got[x]["runs_ms"] for x in "abc"] == [[1.0, 6.0, 7.0], [2.0, 5.0, 8.0],
+                                                  [3.0, 4.0, 9.0]]
+    assert got["b"]["ms"] == 5.0 and not got["b"]["kernel_on"] and got["c"]["kernel_on"]
+
+
 # ---- user problems: the op's schema from the entry signature --------------------------
 def test_user_schema_reads_the_entry_signature():
     src = ("import torch\n"
