@@ -235,9 +235,9 @@ def _guard(info: KernelInfo) -> list[str]:
               "raises NotImplementedError where the problem has none), "
               "counted with the reason \"kernel switched off\", while everything else (the op, "
               "the Hugging Face integration and its mask function) stays as it is, so a model "
-              "timed both ways shows what the kernel itself gains. Changing the switch forgets "
-              "every call key's decision; compiled graphs follow it, CUDA graphs captured "
-              "before replay what they captured.", ""]
+              "timed both ways shows what the kernel itself gains. Each setting keeps its own "
+              "decisions (switching back and forth decides nothing twice); compiled graphs "
+              "follow it, CUDA graphs captured before replay what they captured.", ""]
     if v["device_type"] != "cuda":
         lines += ["This kernel was verified on the CPU only, so the op always falls back.", ""]
     return lines

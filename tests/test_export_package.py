@@ -148,13 +148,19 @@ def test_the_op_decides_once_per_call_key(exported):
 def test_the_kernel_switch_sends_every_call_to_the_fallback_and_back(exported):
     """With the guard told the CPU may run the kernel, calls count as kernel calls; switched
     off, the same call keys (eager, through torch.ops, in a compiled graph) fall back for that
-    reason; switched on again, they reach the kernel again: no decision outlived the switch."""
+    reason; switched on again, they reach the kernel again: no decision crossed the switch.
+    Each setting keeps its own decisions: switching back and forth decides nothing twice."""
     s = exported["summary"]
     got = _py(f"""
         import json, torch
         import {s.package} as pkg
-        from {s.package} import guard
+        from {s.package} import guard, ops
         guard.KERNEL_DEVICE_TYPES = ("cpu",)
+        decided, decide = [], ops._decide
+        def counted(values, key):
+            decided.append(ops.kernel_enabled())
+            return decide(values, key)
+        ops._decide = counted
         op = getattr(torch.ops, pkg.NAMESPACE).attention
         q, k, v = (torch.randn(1, 2, 24, 64).half() for _ in range(3))
         block = torch.compile(lambda q, k, v: pkg.attention(q, k, v, causal=True) + 1,
@@ -173,9 +179,11 @@ def test_the_kernel_switch_sends_every_call_to_the_fallback_and_back(exported):
         with pkg.kernel_off():
             r["context"] = calls()
         r["after_context"] = calls()
+        r["decided"] = decided
         print(json.dumps(r))
     """, cwd=exported["out"])
     r = json.loads(got.splitlines()[-1])
+    assert r["decided"] == [True, False], r["decided"]     # one key, decided once per setting
     on = {"kernel": 3, "fallback": 0, "fallback_reasons": {}}
     off = {"kernel": 0, "fallback": 3, "fallback_reasons": {"kernel switched off": 3}}
     assert r["on"] == on and r["on_again"] == on and r["after_context"] == on, r

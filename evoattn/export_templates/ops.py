@@ -20,7 +20,8 @@ not counted.
 
 `use_kernel(False)` (or `with kernel_off():`) makes every call fall back, counted with the
 reason "kernel switched off", so that a model can be timed with everything but the kernel
-unchanged; changing the switch forgets every decision. Compiled graphs follow it (the op
+unchanged; each setting keeps its own decisions, so switching back and forth (a benchmark's
+interleaved rounds) decides nothing twice. Compiled graphs follow it (the op
 decides when it runs); a CUDA graph replays what it captured.
 """
 from __future__ import annotations
@@ -57,8 +58,10 @@ class Decision(NamedTuple):
     reason: str | None                               # why it falls back
 
 
-_decisions: dict[tuple, Decision] = {}                    # the op's, by call key
-_entries: dict[tuple, Callable[..., torch.Tensor]] = {}   # attention()'s, by its call key
+# Per kernel setting (see use_kernel): the op's decisions and attention()'s entries, by call key.
+_TABLES: dict[bool, tuple[dict, dict]] = {True: ({}, {}), False: ({}, {})}
+_decisions: dict[tuple, Decision] = _TABLES[True][0]
+_entries: dict[tuple, Callable[..., torch.Tensor]] = _TABLES[True][1]
 
 
 def stats() -> dict[str, Any]:
@@ -97,12 +100,11 @@ def _log_once(reason: str, warning: bool = False) -> None:
 
 
 def use_kernel(enabled: bool) -> None:
-    """Turns the kernel on or off (off: every call runs the fallback, counted as KERNEL_OFF);
-    forgets every decision, so that none made under the other setting is reused."""
-    global _kernel_enabled
+    """Turns the kernel on or off (off: every call runs the fallback, counted as KERNEL_OFF).
+    Each setting has its own decisions: none made under one is used under the other."""
+    global _kernel_enabled, _decisions, _entries
     _kernel_enabled = bool(enabled)
-    _decisions.clear()
-    _entries.clear()
+    _decisions, _entries = _TABLES[_kernel_enabled]
 
 
 def kernel_enabled() -> bool:
