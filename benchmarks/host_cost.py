@@ -5,7 +5,8 @@
 For trusted files only (the seeds): the program is loaded in this process, its CUDA companions
 built as the evaluator builds them. Per default sdpa config it prints the host time of one call
 while the GPU is held busy (a sleep kernel queued first, so no call waits for the GPU), for the
-program and for SDPA, and the per-call time of back-to-back eager calls on distinct inputs.
+program and for SDPA, and the per-call time of back-to-back eager calls on distinct inputs,
+each the median of 5 rounds in which program and SDPA take turns.
 --breakdown (the default seed only) adds, for one Triton-routed and one CUDA-routed config, the
 host time of each piece of a call: Triton's prepared launcher alone, the descriptors, the
 output allocation, the stream lookup, the ctypes call, and an empty kernel launch for scale.
@@ -60,6 +61,16 @@ def host_us(fn, n: int = 40) -> float:  # noqa: ANN001
         times.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
     return statistics.median(times) * 1e6
+
+
+def interleaved(fns: dict, measure, rounds: int = 5) -> dict:  # noqa: ANN001
+    """The median of `rounds` measurements of each function, taken in interleaved rounds (the
+    order reversed every round), so a drift in the host's or the GPU's speed falls on all."""
+    samples: dict = {name: [] for name in fns}
+    for r in range(rounds):
+        for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+            samples[name].append(measure(fns[name]))
+    return {name: statistics.median(x) for name, x in samples.items()}
 
 
 def eager_ms(fn_on, sets, rounds: int = 7) -> float:  # noqa: ANN001
@@ -142,13 +153,14 @@ def main() -> None:
                           for _ in range(3)) for _ in range(max(4, min(32, 2 ** 28 // (
                               3 * B * H * S * D * 2))))]
             q, k, v = sets[0]
-            row = {"cfg": cfg,
-                   "host_us": host_us(lambda: mod.attention(q, k, v, causal)),
-                   "sdpa_host_us": host_us(lambda: F.scaled_dot_product_attention(
-                       q, k, v, is_causal=causal)),
-                   "call_ms": eager_ms(lambda s: mod.attention(*s, causal), sets),
-                   "sdpa_call_ms": eager_ms(lambda s: F.scaled_dot_product_attention(
-                       *s, is_causal=causal), sets)}
+            host = interleaved({"ours": lambda: mod.attention(q, k, v, causal),
+                                "sdpa": lambda: F.scaled_dot_product_attention(
+                                    q, k, v, is_causal=causal)}, host_us)
+            call = interleaved({"ours": lambda s: mod.attention(*s, causal),
+                                "sdpa": lambda s: F.scaled_dot_product_attention(
+                                    *s, is_causal=causal)}, lambda f: eager_ms(f, sets, 3))
+            row = {"cfg": cfg, "host_us": host["ours"], "sdpa_host_us": host["sdpa"],
+                   "call_ms": call["ours"], "sdpa_call_ms": call["sdpa"]}
             rows.append(row)
             print(f"({B},{H},{S},{D}){' causal' if causal else '':7}  host {row['host_us']:6.1f} us"
                   f" (SDPA {row['sdpa_host_us']:5.1f}, x{row['host_us'] / row['sdpa_host_us']:.2f})"

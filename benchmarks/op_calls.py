@@ -7,7 +7,7 @@ Imports the package from DIR (an `evoattn export` directory, or a run directory)
 default config and dtype, prints: the host time of one call while
 the GPU is held busy (a sleep kernel queued first, so no call waits for the GPU), for
 `attention()` and for `F.scaled_dot_product_attention`; the per-call time of back-to-back eager
-calls on distinct inputs, for both; and how many calls ran the kernel. `--layout model` passes
+calls on distinct inputs, for both (each the median of 5 rounds in which the two take turns); and how many calls ran the kernel. `--layout model` passes
 transformers' layout: (B, S, H, D) storage viewed as (B, H, S, D), k and v with H/4 heads
 (SDPA gets the same views, with enable_gqa). `--fallback` switches the kernel off (every call
 takes the package's fallback), which shows what the fallback costs over SDPA itself.
@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.hf_model import load_export  # noqa: E402
-from benchmarks.host_cost import eager_ms, host_us  # noqa: E402
+from benchmarks.host_cost import eager_ms, host_us, interleaved  # noqa: E402
 
 
 def inputs(cfg: dict, dtype, layout: str, n: int) -> list[tuple]:  # noqa: ANN001
@@ -76,11 +76,13 @@ def main() -> None:
             ours(sets[0])
             torch.cuda.synchronize()
             served = pkg.stats()
+            host = interleaved({"ours": lambda: ours((q, k, v)), "sdpa": lambda: sdpa((q, k, v))},
+                               host_us)
+            call = interleaved({"ours": ours, "sdpa": sdpa}, lambda f: eager_ms(f, sets, 3))
             row = {"cfg": cfg, "dtype": dtype_name, "layout": a.layout, "fallback": a.fallback,
                    "kernel_calls": served["kernel"], "reasons": served["fallback_reasons"],
-                   "host_us": host_us(lambda: ours((q, k, v))),
-                   "sdpa_host_us": host_us(lambda: sdpa((q, k, v))),
-                   "call_ms": eager_ms(ours, sets), "sdpa_call_ms": eager_ms(sdpa, sets)}
+                   "host_us": host["ours"], "sdpa_host_us": host["sdpa"],
+                   "call_ms": call["ours"], "sdpa_call_ms": call["sdpa"]}
             rows.append(row)
             label = f"({cfg['B']},{cfg['H']},{cfg['S']},{cfg['D']}){' causal' if causal else ''}"
             print(f"{dtype_name:8} {label:24} {'kernel' if row['kernel_calls'] else 'fallback'}"
