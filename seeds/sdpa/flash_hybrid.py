@@ -2,7 +2,8 @@
 `attention`, chosen per call by the CUDA_* knobs.
 
   flash_triton.py   the FlashAttention-2/3-style Triton kernel (its own knobs): every call on
-                    other GPUs, in float32, in Triton's CPU interpreter, and those CUDA_* keep
+                    other GPUs, in float32, in Triton's CPU interpreter, on views or GQA
+                    inputs (no copies), and those CUDA_* keep
   wgmma_flash.cu    the FlashAttention-3-style wgmma kernel for sm_90a (its own knobs), built
                     with nvcc by whoever loads this file (the evaluator, an exported package)
                     and handed over in EVOATTN_LIBRARIES; without it every call runs Triton.
@@ -40,7 +41,8 @@ _CUDA_ERRORS = {1: "cudaErrorInvalidValue: a shape, or too much shared memory (W
                 98: "cudaErrorInvalidDeviceFunction: built without sm_90a code",
                 801: "cudaErrorNotSupported: the driver has no cuTensorMapEncodeTiled"}
 _LIBRARIES: dict = globals().get("EVOATTN_LIBRARIES", {})   # set by the loader, see above
-INPUT_LAYOUTS = ("strided", "gqa")  # see flash_triton.py (CUDA calls copy)
+INPUT_LAYOUTS = ("strided", "gqa")  # see flash_triton.py: the CUDA kernel takes dense inputs,
+# so calls on views or on k, v with fewer heads run Triton, which reads them where they lie
 
 
 def _sibling(name: str):  # noqa: ANN202
@@ -94,12 +96,7 @@ _ROUTES: dict[tuple, bool] = {}   # (device, dtype, D, causal, small) -> CUDA?
 
 def _cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                     scale: float) -> torch.Tensor:
-    """Runs the CUDA kernel on the current stream of q's device."""
-    if not (q.shape == k.shape == v.shape and q.dtype == k.dtype == v.dtype
-            and q.device == k.device == v.device):
-        _triton._check_inputs(q, k, v)             # raises unless GQA, which CUDA does not take
-        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], 1) for t in (k, v))
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()   # it takes no strides either
+    """Runs the CUDA kernel on the current stream of q's device (dense inputs: see _dense)."""
     out = torch.empty_like(q)
     B, H, S, D = q.shape
     index = q.device.index
@@ -129,6 +126,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     route = _ROUTES.get(key)
     if route is None:
         route = _ROUTES[key] = _cuda_wanted(q.device, q.dtype, q.shape[-1], causal, small)
-    if route:
+    if route and _dense(q, k, v):
         return _cuda_attention(q, k, v, causal, float(scale))
     return _triton.attention(q, k, v, causal, scale)
+
+
+def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the CUDA kernel takes these inputs: contiguous, of one shape, dtype and device."""
+    return (q.shape == k.shape == v.shape and q.dtype == k.dtype == v.dtype
+            and q.device == k.device == v.device
+            and q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
