@@ -30,7 +30,8 @@ largest tiles with the deepest pipelines may not fit in shared memory: the launc
   FAST_LAUNCH                 calls of a shape seen before launch the compiled kernels directly
                               through Triton's C launcher, with plain addresses (its argument
                               binding, cache lookup and Python wrapper skipped: tens of
-                              microseconds of host time per call, what a decode step pays)
+                              microseconds of host time per call, what a decode step pays);
+                              on Triton 3.6 only (RAW_LAUNCH_TRITON), Triton's launch elsewhere
 
 Rows with no visible key (L = 0, or L < Sq) output zeros. Loads never go past a sequence's
 length: the last block's rows past it are masked (read as zeros, scored -inf).
@@ -263,10 +264,17 @@ def _fast_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tens
             and (q.data_ptr() | k.data_ptr() | v.data_ptr() | lens.data_ptr()) % 16 == 0)
 
 
+# Triton versions whose C launcher takes the argument layout _launch_prepared passes (a private
+# API: Triton 3.9's launcher takes another); any other version takes the Python launch path.
+RAW_LAUNCH_TRITON = ((3, 6),)
+
+
 def _raw_launcher(kernel) -> tuple | None:  # noqa: ANN001
     """(Triton's C launcher, cooperative, pdl): the launch beneath its Python wrapper, which
-    takes plain addresses without asking the driver about each; None where this Triton is not
-    laid out as 3.4-3.6 are, or the kernel needs scratch memory."""
+    takes plain addresses without asking the driver about each; None on a Triton not in
+    RAW_LAUNCH_TRITON or not laid out as expected, or where the kernel needs scratch memory."""
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) not in RAW_LAUNCH_TRITON:
+        return None
     run = kernel.run
     launch = getattr(run, "launch", None)
     if launch is None or hasattr(launch, "__code__") or \

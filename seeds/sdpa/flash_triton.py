@@ -362,10 +362,18 @@ class _Launch:
         self.maps: dict[tuple, tuple] = {}   # (operand, address) -> its encoded descriptor
 
 
+# Triton versions whose C launcher takes the argument layout _launch_prepared passes (a private
+# API: Triton 3.9's launcher takes another); any other version takes the Python launch path.
+RAW_LAUNCH_TRITON = ((3, 6),)
+
+
 def _raw_launcher(kernel) -> tuple | None:  # noqa: ANN001
     """Triton's C launcher beneath its Python wrapper (which re-encodes every TMA descriptor,
     a few µs each), with what it needs: (launcher, cooperative, pdl, encode, layouts); None
-    where this Triton is not laid out as 3.4-3.6 are, or the kernel needs scratch memory."""
+    on a Triton not in RAW_LAUNCH_TRITON or not laid out as expected, or where the kernel
+    needs scratch memory."""
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) not in RAW_LAUNCH_TRITON:
+        return None
     try:
         from triton.backends.nvidia.driver import make_tensordesc_arg
         run, metas = kernel.run, kernel.metadata.tensordesc_meta
