@@ -2,21 +2,29 @@
 
     python benchmarks/decode_generate.py --export RUN_DIR/best --out gen.json
     python benchmarks/decode_generate.py --export RUN_DIR/best --dtypes bfloat16 --out g.json
+    python benchmarks/decode_generate.py --export RUN_DIR/best --cache static --out gs.json
     python benchmarks/decode_generate.py --export RUN_DIR/best --device cpu --tiny --out g.json
 
 A Llama-shaped model with random weights, no download (hidden 2048, 16 layers, MLP 8192, 32
 query heads of 64 and 8 key/value heads: GQA 4:1, vocabulary 32000), --batch prompts of
 --prompt random tokens (no padding), --new tokens generated greedily (min_new_tokens =
-max_new_tokens: every run takes the same steps), eager, per dtype:
+max_new_tokens: every run takes the same steps), per dtype, over --cache:
+  dynamic    transformers' default cache, grown by one token a step (eager)
+  static     a cache allocated for the whole generation, its steps compiled as generate
+             compiles them on a GPU (torch.compile, CUDA graphs; --eager: not compiled); SDPA
+             gets a mask over the whole cache, the kernel the cache's lengths
+and:
   tokens     the evoattn generation's tokens equal SDPA's
   time       the prefill alone (max_new_tokens=1) and the whole generation, medians of --runs
              after a warm-up; the decode steps take the difference; tokens/s = batch * (new - 1)
              / that
   attention  the share of the decode steps spent in attention: CUDA events around every
              one-token attention call of one more generation, summed, over its decode time
-             (the events cost a little: this run is not the timed one)
+             (the events cost a little: this run is not the timed one; not taken for
+             compiled steps, whose attention calls run inside CUDA graphs)
   calls      the package's kernel and fallback counts in the evoattn generation (the prefill
-             falls back: a decode kernel serves the one-token steps)
+             falls back: a decode kernel serves the one-token steps; replays of compiled steps
+             run no Python and are not counted)
 --tiny: 2 layers, hidden 256, 4/2 heads of 64, a 32-token prompt, 8 new tokens (the CPU check).
 """
 from __future__ import annotations
@@ -52,13 +60,20 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def timed_generate(model: Any, ids: torch.Tensor, new: int,
-                   device: torch.device) -> tuple[Any, float]:
+def cache_kwargs(a: argparse.Namespace) -> dict[str, Any]:
+    """generate's keyword arguments for --cache and --eager."""
+    if a.cache == "dynamic":
+        return {}
+    return {"cache_implementation": "static", "disable_compile": a.eager}
+
+
+def timed_generate(model: Any, ids: torch.Tensor, new: int, device: torch.device,
+                   **kwargs: Any) -> tuple[Any, float]:
     """Returns (tokens, seconds) of one greedy generation of exactly `new` tokens."""
     sync(device)
     t0 = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                         min_new_tokens=new, do_sample=False, pad_token_id=0)
+                         min_new_tokens=new, do_sample=False, pad_token_id=0, **kwargs)
     sync(device)
     return out, time.perf_counter() - t0
 
@@ -105,38 +120,47 @@ def run_dtype(pkg: Any, clocks: dict[str, AttentionClock], model: Any, dtype: st
     cfg = model.config
     gen = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.randint(1, cfg.vocab_size, (a.batch, a.prompt), generator=gen).to(device)
-    row: dict[str, Any] = {"dtype": dtype, "batch": a.batch, "prompt": a.prompt, "new": a.new}
+    row: dict[str, Any] = {"dtype": dtype, "batch": a.batch, "prompt": a.prompt, "new": a.new,
+                           "cache": a.cache,   # generate compiles a static cache's steps on GPUs only
+                           "compiled": a.cache == "static" and not a.eager
+                           and device.type == "cuda"}
+    kw = cache_kwargs(a)
     tokens = {}
     with torch.no_grad():
         for impl in ("sdpa", "evoattn"):
             model.set_attn_implementation(impl)
-            timed_generate(model, ids, a.new, device)                  # warm-up
-            prefill = statistics.median(timed_generate(model, ids, 1, device)[1]
+            timed_generate(model, ids, a.new, device, **kw)            # warm-up (compiles)
+            prefill = statistics.median(timed_generate(model, ids, 1, device, **kw)[1]
                                         for _ in range(a.runs))
             pkg.reset_stats()
-            runs = [timed_generate(model, ids, a.new, device) for _ in range(a.runs)]
+            runs = [timed_generate(model, ids, a.new, device, **kw) for _ in range(a.runs)]
             stats = pkg.stats()
             tokens[impl] = runs[0][0]
             total = statistics.median(t for _, t in runs)
-            decode_s = max(total - prefill, 1e-9)
+            decode_s = total - prefill       # <= 0: the steps were lost in the prefill's noise
             r = {"prefill_s": prefill, "total_s": total, "decode_s": decode_s,
-                 "tokens_per_s": a.batch * (a.new - 1) / decode_s,
+                 "tokens_per_s": a.batch * (a.new - 1) / decode_s if decode_s > 0 else None,
                  "calls": stats if impl == "evoattn" else None}       # over the --runs
-            if device.type == "cuda":
+            if device.type == "cuda" and not row["compiled"]:
                 model.set_attn_implementation(f"{impl}_clock")
                 clock = clocks[impl]
                 clock.events.clear()
-                timed_generate(model, ids, a.new, device)
-                r["attention_share"] = clock.seconds() / decode_s
+                timed_generate(model, ids, a.new, device, **kw)
+                r["attention_share"] = clock.seconds() / decode_s if decode_s > 0 else None
             row[impl] = r
     row["same_tokens"] = bool(torch.equal(tokens["sdpa"], tokens["evoattn"]))
     row["first_difference"] = None if row["same_tokens"] else int(
         (tokens["sdpa"] != tokens["evoattn"]).any(0).nonzero()[0])
-    row["speedup_tokens_per_s"] = row["evoattn"]["tokens_per_s"] / row["sdpa"]["tokens_per_s"]
+    speeds = row["evoattn"]["tokens_per_s"], row["sdpa"]["tokens_per_s"]
+    row["speedup_tokens_per_s"] = speeds[0] / speeds[1] if None not in speeds else None
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
 
 
 def main() -> None:
@@ -150,6 +174,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--cache", default="dynamic", choices=("dynamic", "static"))
+    ap.add_argument("--eager", action="store_true",
+                    help="with --cache static: do not compile the steps")
     a = ap.parse_args()
     if a.device == "cpu" and not a.tiny:
         raise SystemExit("the full-size model needs a GPU: use --tiny on the CPU")
@@ -172,10 +199,12 @@ def main() -> None:
         row = run_dtype(pkg, clocks, model, dtype, a, device)
         rows.append(row)
         s, e = row["sdpa"], row["evoattn"]
-        print(f"{dtype}: same tokens {row['same_tokens']}; tokens/s SDPA {s['tokens_per_s']:.0f}, "
-              f"evoattn {e['tokens_per_s']:.0f} ({row['speedup_tokens_per_s']:.3f}x); "
-              f"attention share SDPA {s.get('attention_share', float('nan')):.2f}, "
-              f"evoattn {e.get('attention_share', float('nan')):.2f}; "
+        print(f"{dtype}, {a.cache} cache{' (compiled)' if row['compiled'] else ''}: "
+              f"same tokens {row['same_tokens']}; tokens/s SDPA {_fmt(s['tokens_per_s'], '.0f')}, "
+              f"evoattn {_fmt(e['tokens_per_s'], '.0f')} "
+              f"({_fmt(row['speedup_tokens_per_s'], '.3f')}x); attention share SDPA "
+              f"{_fmt(s.get('attention_share'), '.2f')}, evoattn "
+              f"{_fmt(e.get('attention_share'), '.2f')}; "
               f"calls in {a.runs} runs {e['calls']}", flush=True)
     result = {"package": pkg.__name__, "device": torch.cuda.get_device_name(device)
               if device.type == "cuda" else "cpu", "config": config.to_dict(), "rows": rows}

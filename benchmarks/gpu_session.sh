@@ -10,6 +10,12 @@
 # hf     the exported best inside a Hugging Face Llama model (benchmarks/hf_model.py)
 # op     the exported best's op against SDPA per default config (benchmarks/op_calls.py)
 # dask   a short search through a Dask scheduler and one GPU worker on this machine
+# noise  the default seed evaluated stand-alone and as a candidate in runs (benchmarks/noise.py)
+# protocol  SDPA in the evaluator against a plain eager loop and do_bench (protocol_check.py)
+# contention  an honest candidate while other processes use the GPU (contention.py)
+# decode the decode seed exported by a one-iteration run; its bandwidth against the baselines
+#        (decode_bw.py) and greedy generation over the dynamic and the static cache
+#        (decode_generate.py), both dtypes
 # Results land in $OUT/results.tgz. Unpack it into benchmarks/results/ (git ignores it), then
 #   python benchmarks/make_page.py collect benchmarks/results && python benchmarks/make_page.py page
 # writes benchmarks/current.json and BENCHMARKS.md's tables from it.
@@ -96,6 +102,37 @@ op)
     timeout "${OP_S:-300}" python benchmarks/op_calls.py --export /tmp/run-default/best $how \
       --json "$R/op_$name.json" > "$R/op_$name.txt" 2>&1
     echo "exit $?" >> "$R/op_$name.txt"; tail -3 "$R/op_$name.txt"
+  done
+  ;;
+noise)
+  log "noise"
+  timeout "${NOISE_S:-900}" python benchmarks/noise.py seeds/sdpa/flash_hybrid.py --standalone 5 \
+    --in-run 5 --out "$R/noise.json" > "$R/noise.txt" 2>&1
+  echo "exit $?" >> "$R/noise.txt"; tail -20 "$R/noise.txt"
+  ;;
+protocol|contention)
+  script=protocol_check; [ "$step" = contention ] && script=contention
+  log "$script"
+  timeout "${PROTO_S:-600}" python "benchmarks/$script.py" --out "$R/$script.json" \
+    > "$R/$script.txt" 2>&1
+  echo "exit $?" >> "$R/$script.txt"; tail -20 "$R/$script.txt"
+  ;;
+decode)
+  log "decode seed export"
+  timeout "${SEED_S:-300}" python -m evoattn.cli run --config configs/decode.yaml --iterations 1 \
+    --quiet --output /tmp/run-decode > "$R/decode_seed.txt" 2>&1
+  echo "exit $?" >> "$R/decode_seed.txt"; tail -8 "$R/decode_seed.txt"
+  for dt in float16 bfloat16; do
+    log "decode_bw $dt"
+    timeout "${DECODE_S:-600}" python benchmarks/decode_bw.py --dtype $dt \
+      --out "$R/decode_bw_$dt.json" > "$R/decode_bw_$dt.txt" 2>&1
+    echo "exit $?" >> "$R/decode_bw_$dt.txt"; tail -4 "$R/decode_bw_$dt.txt"
+  done
+  for cache in dynamic static; do
+    log "decode_generate $cache"
+    timeout "${DECODE_S:-600}" python benchmarks/decode_generate.py --export /tmp/run-decode/best \
+      --cache $cache --out "$R/decode_gen_$cache.json" > "$R/decode_gen_$cache.txt" 2>&1
+    echo "exit $?" >> "$R/decode_gen_$cache.txt"; grep -v Warning "$R/decode_gen_$cache.txt" | tail -4
   done
   ;;
 dask)
