@@ -185,14 +185,16 @@ def _usage(info: KernelInfo) -> list[str]:
               "`hf.attention_forward(module, query, key, value, attention_mask, scaling=None, "
               "dropout=0.0, sliding_window=None, is_causal=None, **kwargs)` takes transformers' "
               "(B, H, S, D) inputs (GQA-shaped k, v too) and returns (B, S, H, D). Calls the "
-              "kernel does not cover (" + ("a padding mask, a static cache, the prefill of a "
-                                           "prompt over 16 tokens" if info.problem == "decode"
+              "kernel does not cover (" + ("a padding mask, the prefill of a prompt over 16 "
+                                           "tokens" if info.problem == "decode"
                                            else "a padding mask, decoding with a cache")
               + ", dropout while training) run transformers' SDPA path; `hf.py` lists them.",
               ""]
     if info.problem == "decode":
-        lines += ["The kernel serves `generate`'s one-token steps over the dynamic cache of a "
-                  "batch without padding (`decode.py` in this package says which calls).", ""]
+        lines += ["The kernel serves `generate`'s steps (and up to 16 new tokens at once) over "
+                  "the dynamic or the static cache of a batch without padding, also compiled "
+                  "(`generate(..., cache_implementation=\"static\")`); `decode.py` in this "
+                  "package says which calls.", ""]
     return lines
 
 

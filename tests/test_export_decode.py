@@ -126,53 +126,138 @@ def test_a_growing_cache_is_decided_once_per_doubling_of_its_length(exported) ->
 
 
 GENERATE = """
-        import json, torch
+        import json, torch, torch._dynamo
         from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers.generation.configuration_utils import CompileConfig
         import {package} as pkg
-        from {package} import hf
+        from {package} import guard, hf
+        if {on_kernel}:
+            guard.KERNEL_DEVICE_TYPES = ("cpu",)       # Triton's interpreter runs the kernel
         hf.register()
         cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, vocab_size=97)
         torch.manual_seed(0)
         model = LlamaForCausalLM(cfg).eval().to("{device}", torch.{dtype})
         out = {{}}
-        for name, prompt in (("long", 21), ("short", 5)):
+        for name, prompt, cache, pad, compiled in {cases}:
             ids = torch.randint(1, 97, (2, prompt), device="{device}")
-            kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0,
-                      attention_mask=torch.ones_like(ids))            # no padding
+            mask = torch.ones_like(ids)
+            ids[0, :pad], mask[0, :pad] = 0, 0                   # left padding
+            kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, attention_mask=mask)
+            if cache:
+                kw["cache_implementation"] = cache
+            if compiled:                   # generate compiles its steps over a static cache
+                kw["compile_config"] = CompileConfig(fullgraph=True, backend=compiled,
+                                                     mode={mode})
+                kw["compile_config"]._compile_all_devices = True
             with torch.no_grad():
                 model.set_attn_implementation("sdpa")
                 ref = model.generate(ids, **kw)
                 model.set_attn_implementation("evoattn")
+                torch._dynamo.reset()
                 pkg.reset_stats()
                 got = model.generate(ids, **kw)
             out[name] = {{"same": bool(torch.equal(ref, got)), "stats": pkg.stats()}}
         print(json.dumps(out))
 """     # head dim 64: a verified one
 
+# (name, prompt length, cache_implementation, left padding of sequence 0, compile backend)
+CASES = [("long", 21, None, 0, None), ("short", 5, None, 0, None),
+         ("static_long", 21, "static", 0, None), ("static_short", 5, "static", 0, None),
+         ("padded", 21, None, 3, None), ("static_padded", 21, "static", 3, None)]
+CPU = "verified on cpu only (the kernel runs on CUDA GPUs)"
+PATTERN = "decode: this call's pattern is not the kernel's"
+PADDED = "an attention mask (padding or a pattern)"
+
+
+def _generate(package: str, cwd: Path, device: str, dtype: str, cases: list,
+              on_kernel: bool = False, mode: str | None = None) -> dict:
+    got = _py(GENERATE.format(package=package, device=device, dtype=dtype, cases=cases,
+                              on_kernel=on_kernel, mode=repr(mode)),
+              cwd=cwd, env={"TRITON_INTERPRET": "1"} if on_kernel else None)
+    return json.loads(got.splitlines()[-1])
+
 
 @pytest.mark.slow
 def test_tiny_llama_generates_through_the_decode_op(exported) -> None:
+    """8 new tokens: a prefill and 7 one-token steps, 2 layers each. The steps reach the op over
+    the dynamic and the static cache (whose lengths come from the device), so does a prompt of
+    at most 16 tokens; a 21-token prompt and a padded batch run transformers' SDPA path."""
     s = exported["summary"]
-    got = _py(GENERATE.format(package=s.package, device="cpu", dtype="float32"),
-              cwd=exported["out"])
+    r = _generate(s.package, exported["out"], "cpu", "float32", CASES)
+    assert all(case["same"] for case in r.values()), r
+    for name in ("long", "static_long"):
+        assert r[name]["stats"]["fallback_reasons"] == {CPU: 14, PATTERN: 2}, name
+    for name in ("short", "static_short"):
+        assert r[name]["stats"]["fallback_reasons"] == {CPU: 16}, name
+    for name in ("padded", "static_padded"):
+        assert r[name]["stats"]["fallback_reasons"] == {PADDED: 16}, name
+
+
+@pytest.mark.slow
+def test_static_cache_steps_run_the_kernel_eager_and_compiled(exported) -> None:
+    """With the guard told the CPU may run the kernel (Triton's interpreter): over a static
+    cache, eager and under torch.compile(fullgraph=True) as generate compiles its steps, every
+    step runs the kernel and the greedy tokens are SDPA's (float16)."""
+    s = exported["summary"]
+    r = _generate(s.package, exported["out"], "cpu", "float16",
+                  [("static", 21, "static", 0, None), ("compiled", 5, "static", 0, "aot_eager")],
+                  on_kernel=True)
+    assert r["static"]["same"] and r["compiled"]["same"], r
+    assert r["static"]["stats"]["kernel"] == 14
+    assert r["static"]["stats"]["fallback_reasons"] == {PATTERN: 2}
+    assert r["compiled"]["stats"]["kernel"] == 16 and r["compiled"]["stats"]["fallback"] == 0
+
+
+@pytest.mark.slow
+def test_new_tokens_against_a_longer_cache_reach_the_op(exported) -> None:
+    """4 new tokens (a draft model's proposals, verified in one forward) after 12 cached ones:
+    the op serves them, causal among themselves, with the logits of transformers' SDPA."""
+    s = exported["summary"]
+    got = _py(f"""
+        import json, torch
+        from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+        import {s.package} as pkg
+        from {s.package} import hf
+        hf.register()
+        cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=97)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg).eval()
+        ids = torch.randint(1, 97, (2, 16))
+        logits = {{}}
+        for impl in ("sdpa", "evoattn"):
+            model.set_attn_implementation(impl)
+            cache = DynamicCache(config=cfg)
+            with torch.no_grad():
+                model(ids[:, :12], past_key_values=cache, use_cache=True)
+                pkg.reset_stats()
+                logits[impl] = model(ids[:, 12:], past_key_values=cache, use_cache=True).logits
+        print(json.dumps({{"err": (logits["sdpa"] - logits["evoattn"]).abs().max().item(),
+                          "scale": logits["sdpa"].abs().max().item(), "stats": pkg.stats()}}))
+    """, cwd=exported["out"])
     r = json.loads(got.splitlines()[-1])
-    cpu = "verified on cpu only (the kernel runs on CUDA GPUs)"
-    # 8 new tokens: a prefill and 7 one-token steps, 2 layers each
-    assert r["long"]["same"] and r["short"]["same"]
-    assert r["long"]["stats"]["fallback_reasons"] == {
-        cpu: 14, "decode: this call's pattern is not the kernel's": 2}    # a 21-token prompt
-    assert r["short"]["stats"]["fallback_reasons"] == {cpu: 16}           # 5 tokens: causal
+    assert r["stats"]["fallback_reasons"] == {CPU: 2}          # both layers reached the op
+    assert r["err"] < 1e-4 * max(1.0, r["scale"])
 
 
 @pytest.mark.gpu
 def test_tiny_llama_generation_steps_run_the_kernel_on_gpu(tmp_path) -> None:
+    """float16 on the GPU: the dynamic and the static cache, eager, and the static cache's
+    steps compiled as generate compiles them (CUDA graphs), all on the kernel."""
     ex = _export(tmp_path, "cuda")
-    got = _py(GENERATE.format(package=ex["summary"].package, device="cuda", dtype="float16"),
-              cwd=ex["out"])
-    r = json.loads(got.splitlines()[-1])
-    assert r["long"]["same"] and r["short"]["same"], r
-    assert r["long"]["stats"]["kernel"] == 14 and r["long"]["stats"]["fallback_reasons"] == {
-        "decode: this call's pattern is not the kernel's": 2}
-    assert r["short"]["stats"]["kernel"] == 16 and r["short"]["stats"]["fallback"] == 0
+    r = _generate(ex["summary"].package, ex["out"], "cuda", "float16",
+                  CASES + [("compiled", 21, "static", 0, "inductor")], mode="reduce-overhead")
+    assert all(case["same"] for case in r.values()), r
+    # replays of a CUDA graph run no Python, so the compiled steps are counted only as traced
+    assert r["compiled"]["stats"]["kernel"] > 0
+    assert set(r["compiled"]["stats"]["fallback_reasons"]) <= {PATTERN}, r["compiled"]
+    for name in ("long", "static_long"):
+        assert r[name]["stats"]["kernel"] == 14, (name, r[name])
+        assert r[name]["stats"]["fallback_reasons"] == {PATTERN: 2}, (name, r[name])
+    for name in ("short", "static_short"):
+        assert r[name]["stats"]["kernel"] == 16 and r[name]["stats"]["fallback"] == 0, name
+    for name in ("padded", "static_padded"):
+        assert r[name]["stats"]["fallback_reasons"] == {PADDED: 16}, name
+
 

@@ -17,8 +17,10 @@ Per problem: `sdpa` and `gqa` take causal and non-causal prefill, k and v passed
 one that does not); `sliding_window` takes the model's `sliding_window` (a
 plain causal call is a window as long as the sequence); `masked` serves unmasked causal calls
 through an explicit causal mask, and no padding mask (its contract excludes the fully masked
-rows that left padding makes); `decode` serves generation steps over the dynamic cache with
-no padding (decode.py says which); `strided` and user problems have no transformers mapping.
+rows that left padding makes); `decode` serves 1 to 16 new tokens over the dynamic or the
+static cache of a batch with no padding, its mask function handing the layers the cache's
+lengths instead of a mask (decode.py says which); `strided` and user problems have no
+transformers mapping.
 """
 from __future__ import annotations
 
@@ -50,13 +52,29 @@ def _mask_function() -> Any:
     builder always materialises the mask (its skip reads values a graph cannot); for the
     sliding_window problem, also None for a plain unpadded sliding window the kernel computes.
     The rule is transformers' eager one: no padding mask, no mask pattern beyond causality,
-    and as many keys as queries starting at key 0 (the same positions, so top-left causal)."""
-    from transformers.masking_utils import sdpa_mask
+    and as many keys as queries starting at key 0 (the same positions, so top-left causal).
+    For the decode problem, a causal mask its kernel computes becomes the cache's lengths
+    (decode.mask_lengths), which the attention layers take in its place."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
     window = ops.META["problem"] == "sliding_window"
+    lengths = ops.META["problem"] == "decode"
 
     def mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0,
              kv_offset: int = 0, attention_mask: Any = None, local_size: Any = None,
              allow_is_causal_skip: bool = True, **kwargs: Any) -> Any:
+        if lengths:
+            if decode.is_lengths(attention_mask):   # made before a compiled forward by generate
+                return attention_mask
+            # a static cache's steps ask for a mask always (allow_is_causal_skip=False), so that
+            # a compiled step sees one kind of mask; cache_seqlens is always one kind
+            lens = decode.mask_lengths(
+                batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask,
+                (allow_is_causal_skip or isinstance(q_offset, torch.Tensor))
+                and local_size is None
+                and kwargs.get("mask_function", causal_mask_function) is causal_mask_function,
+                kwargs.get("device"))
+            if lens is not None:
+                return lens
         plain = (allow_is_causal_skip and attention_mask is None
                  and (local_size is None or window)
                  and isinstance(kv_offset, int) and kv_offset == 0 and q_length == kv_length)
@@ -86,6 +104,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             return out.transpose(1, 2).contiguous(), None
         reason = f"{ops.META['problem']}: this call's pattern is not the kernel's"
     ops.note_fallback(reason)
+    if decode.is_lengths(attention_mask):            # the mask the lengths stand for
+        attention_mask = decode.visible(query, key, attention_mask)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, is_causal=is_causal,
@@ -96,7 +116,7 @@ def _refusal(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
              attention_mask: Any, dropout: float, kwargs: dict[str, Any]) -> str | None:
     if ops.SPEC is None or ops.SPEC.fallback_for is None:
         return f"problem {ops.META['problem']} has no transformers mapping"
-    if attention_mask is not None:
+    if attention_mask is not None and not decode.is_lengths(attention_mask):
         return "an attention mask (padding or a pattern)"
     if dropout and module.training:
         return "dropout while training"
