@@ -3,6 +3,8 @@
     python benchmarks/decode_generate.py --export RUN_DIR/best --out gen.json
     python benchmarks/decode_generate.py --export RUN_DIR/best --dtypes bfloat16 --out g.json
     python benchmarks/decode_generate.py --export RUN_DIR/best --cache static --out gs.json
+    python benchmarks/decode_generate.py --export RUN_DIR/best --prefill-export SDPA_RUN/best \
+        --out g.json          # the prompt through an exported prefill kernel as well
     python benchmarks/decode_generate.py --export RUN_DIR/best --device cpu --tiny --out g.json
 
 A Llama-shaped model with random weights, no download (hidden 2048, 16 layers, MLP 8192, 32
@@ -24,7 +26,8 @@ and:
              compiled steps, whose attention calls run inside CUDA graphs)
   calls      the package's kernel and fallback counts in the evoattn generation (the prefill
              falls back: a decode kernel serves the one-token steps; replays of compiled steps
-             run no Python and are not counted)
+             run no Python and are not counted); with --prefill-export, the prefill package's
+             counts too (the prompt's calls)
 --tiny: 2 layers, hidden 256, 4/2 heads of 64, a 32-token prompt, 8 new tokens (the CPU check).
 """
 from __future__ import annotations
@@ -114,7 +117,8 @@ def register_clocks(hf: Any) -> dict[str, AttentionClock]:
 
 
 def run_dtype(pkg: Any, clocks: dict[str, AttentionClock], model: Any, dtype: str,
-              a: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+              a: argparse.Namespace, device: torch.device,
+              prefill_pkg: Any = None) -> dict[str, Any]:
     """Generates with both implementations in one dtype; returns the row."""
     model = copy.deepcopy(model).to(getattr(torch, dtype))     # from the float32 weights
     cfg = model.config
@@ -132,9 +136,13 @@ def run_dtype(pkg: Any, clocks: dict[str, AttentionClock], model: Any, dtype: st
             timed_generate(model, ids, a.new, device, **kw)            # warm-up (compiles)
             prefill = statistics.median(timed_generate(model, ids, 1, device, **kw)[1]
                                         for _ in range(a.runs))
-            pkg.reset_stats()
+            for p in (pkg, prefill_pkg):
+                if p is not None:
+                    p.reset_stats()
             runs = [timed_generate(model, ids, a.new, device, **kw) for _ in range(a.runs)]
             stats = pkg.stats()
+            if prefill_pkg is not None:
+                stats = {"decode": stats, "prefill": prefill_pkg.stats()}
             tokens[impl] = runs[0][0]
             total = statistics.median(t for _, t in runs)
             decode_s = total - prefill       # <= 0: the steps were lost in the prefill's noise
@@ -175,6 +183,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--cache", default="dynamic", choices=("dynamic", "static"))
+    ap.add_argument("--prefill-export", default="",
+                    help="an sdpa or gqa export whose kernel takes the prompt")
     ap.add_argument("--eager", action="store_true",
                     help="with --cache static: do not compile the steps")
     a = ap.parse_args()
@@ -187,7 +197,11 @@ def main() -> None:
     if pkg.PROBLEM != "decode":
         raise SystemExit(f"{a.export}: a {pkg.PROBLEM} kernel; this benchmark needs a decode one")
     hf = importlib.import_module(f"{pkg.__name__}.hf")
-    hf.register("evoattn")
+    prefill_pkg = load_export(a.prefill_export) if a.prefill_export else None
+    try:
+        hf.register("evoattn", prefill=prefill_pkg)
+    except ValueError as e:
+        raise SystemExit(f"{a.prefill_export}: {e}") from None
     clocks = register_clocks(hf)
     from transformers import LlamaForCausalLM
     torch.manual_seed(0)
@@ -196,7 +210,7 @@ def main() -> None:
         model = LlamaForCausalLM(config).eval()
     rows = []
     for dtype in a.dtypes.split(","):
-        row = run_dtype(pkg, clocks, model, dtype, a, device)
+        row = run_dtype(pkg, clocks, model, dtype, a, device, prefill_pkg)
         rows.append(row)
         s, e = row["sdpa"], row["evoattn"]
         print(f"{dtype}, {a.cache} cache{' (compiled)' if row['compiled'] else ''}: "

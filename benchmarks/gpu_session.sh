@@ -15,7 +15,8 @@
 # contention  an honest candidate while other processes use the GPU (contention.py)
 # decode the decode seed exported by a one-iteration run; its bandwidth against the baselines
 #        (decode_bw.py) and greedy generation over the dynamic and the static cache
-#        (decode_generate.py), both dtypes
+#        (decode_generate.py), both dtypes; after `seed` or `run`, the prompt through that
+#        export's kernel
 # Results land in $OUT/results.tgz. Unpack it into benchmarks/results/ (git ignores it), then
 #   python benchmarks/make_page.py collect benchmarks/results && python benchmarks/make_page.py page
 # writes benchmarks/current.json and BENCHMARKS.md's tables from it.
@@ -128,10 +129,12 @@ decode)
       --out "$R/decode_bw_$dt.json" > "$R/decode_bw_$dt.txt" 2>&1
     echo "exit $?" >> "$R/decode_bw_$dt.txt"; tail -4 "$R/decode_bw_$dt.txt"
   done
+  pre=""     # after `seed` or `run`: the prompt through the sdpa export's kernel
+  [ -f /tmp/run-default/best/export.json ] && pre="--prefill-export /tmp/run-default/best"
   for cache in dynamic static; do
     log "decode_generate $cache"
     timeout "${DECODE_S:-600}" python benchmarks/decode_generate.py --export /tmp/run-decode/best \
-      --cache $cache --out "$R/decode_gen_$cache.json" > "$R/decode_gen_$cache.txt" 2>&1
+      $pre --cache $cache --out "$R/decode_gen_$cache.json" > "$R/decode_gen_$cache.txt" 2>&1
     echo "exit $?" >> "$R/decode_gen_$cache.txt"; grep -v Warning "$R/decode_gen_$cache.txt" | tail -4
   done
   ;;

@@ -194,7 +194,10 @@ def _usage(info: KernelInfo) -> list[str]:
         lines += ["The kernel serves `generate`'s steps (and up to 16 new tokens at once) over "
                   "the dynamic or the static cache of a batch without padding, also compiled "
                   "(`generate(..., cache_implementation=\"static\")`); `decode.py` in this "
-                  "package says which calls.", ""]
+                  "package says which calls. A prompt longer than 16 tokens runs SDPA, or an "
+                  "exported prefill kernel: `hf.register(prefill=sdpa_package)` hands that "
+                  "package the calls this kernel does not take (they count in its `stats()`).",
+                  ""]
     return lines
 
 

@@ -13,7 +13,7 @@ from evaluator.types import Verdict
 from evoattn import settings
 from evoattn.export import export_run
 from evoattn.sandbox import SubprocessEvaluator
-from test_export_package import _py, _store_run
+from test_export_package import _py, _store_run, export_naive
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = ROOT / "seeds" / "decode" / "decode_triton.py"
@@ -239,6 +239,52 @@ def test_new_tokens_against_a_longer_cache_reach_the_op(exported) -> None:
     r = json.loads(got.splitlines()[-1])
     assert r["stats"]["fallback_reasons"] == {CPU: 2}          # both layers reached the op
     assert r["err"] < 1e-4 * max(1.0, r["scale"])
+
+
+@pytest.mark.slow
+def test_prompts_go_to_a_prefill_package_when_one_is_given(exported, tmp_path) -> None:
+    """register(prefill=an sdpa package): the prompt's calls, which the decode kernel does not
+    take, reach that package's op (its kernel told the CPU may run it) instead of SDPA; the
+    steps stay on the decode op; the tokens are SDPA's. A package of another problem, or the
+    package itself, is refused with the reason."""
+    dec, pre = exported["summary"].package, export_naive(tmp_path)
+    got = _py(f"""
+        import json, torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+        import {dec} as dec, {pre["summary"].package} as pre
+        from {dec} import hf
+        from {pre["summary"].package} import guard, hf as pre_hf
+        guard.KERNEL_DEVICE_TYPES = ("cpu",)
+        refused = []
+        for register, other in ((hf.register, dec), (hf.register, "{dec}"),
+                                (pre_hf.register, dec)):
+            try:
+                register("x", prefill=other)
+            except ValueError as e:
+                refused.append(str(e))
+        assert hf.register(prefill=pre) == "evoattn"
+        cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=97)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg).eval().half()     # the naive kernel's verified dtype
+        ids = torch.randint(1, 97, (2, 21))
+        kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0,
+                  attention_mask=torch.ones_like(ids))
+        with torch.no_grad():
+            model.set_attn_implementation("sdpa")
+            ref = model.generate(ids, **kw)
+            model.set_attn_implementation("evoattn")
+            got = model.generate(ids, **kw)
+        print(json.dumps({{"same": bool(torch.equal(ref, got)), "refused": refused,
+                          "decode": dec.stats(), "prefill": pre.stats()}}))
+    """, cwd=exported["out"], env={"PYTHONPATH": str(pre["out"])})
+    r = json.loads(got.splitlines()[-1])
+    assert r["same"], r
+    assert r["decode"]["fallback_reasons"] == {CPU: 14}, r              # the 7 steps, 2 layers
+    assert r["prefill"]["kernel"] == 2 and r["prefill"]["fallback"] == 0, r   # the prompt
+    assert len(r["refused"]) == 3, r["refused"]
+    assert all("cannot take its own" in m for m in r["refused"][:2])
+    assert "is a decode kernel; prompts need an sdpa or gqa one" in r["refused"][2]
 
 
 @pytest.mark.gpu

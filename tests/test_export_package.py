@@ -47,8 +47,11 @@ def _py(code: str, cwd: Path, python: str = sys.executable, env: dict | None = N
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> dict:
+    return export_naive(tmp_path_factory.mktemp("pkg"))
+
+
+def export_naive(tmp: Path) -> dict:
     """A run of the naive seed evaluated by the real CPU evaluator, exported."""
-    tmp = tmp_path_factory.mktemp("pkg")
     prob = settings.problem("sdpa")
     request = settings.eval_request("sdpa", prob, "cpu", settings.parse_configs(
         prob, "1,2,64,64", "--configs"), None, settings.evaluator_config(trials=1))

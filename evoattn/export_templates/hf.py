@@ -4,6 +4,8 @@
     hf.register()                 # AttentionInterface.register("evoattn", hf.attention_forward)
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="evoattn")
 
+    decode_pkg.hf.register(prefill=sdpa_pkg)   # a decode kernel's prompts: a prefill kernel's
+
 transformers passes q, k, v as (B, H, S, D) (k, v with fewer heads under GQA) and wants
 (B, S, H, D) back. `register` also registers the mask builder, so that a call with nothing
 to mask but causality gets no mask (as SDPA does) and a padded batch gets its mask. A call
@@ -24,6 +26,8 @@ transformers mapping.
 """
 from __future__ import annotations
 
+import functools
+import importlib
 from typing import Any
 
 import torch
@@ -34,16 +38,38 @@ NAME = "evoattn"
 _UNSUPPORTED_KWARGS = ("output_attentions", "softcap", "position_bias", "cache", "s_aux", "sinks")
 
 
-def register(name: str = NAME) -> str:
-    """Registers the attention function (and its mask function) with transformers; returns name."""
+def register(name: str = NAME, prefill: Any = None) -> str:
+    """Registers the attention function (and its mask function) with transformers; returns name.
+
+    prefill: another exported package of the sdpa or gqa problem (the package, its name or
+    its hf module), whose attention function takes the calls this kernel does not, instead of
+    transformers' SDPA: a decode package's prompts go to a prefill kernel. That package
+    counts those calls (its stats()); they are not this package's fallbacks."""
     from transformers import AttentionInterface
-    AttentionInterface.register(name, attention_forward)
+    forward = attention_forward
+    if prefill is not None:
+        forward = functools.partial(_attention, then=_prefill_forward(prefill))
+        functools.update_wrapper(forward, attention_forward)
+    AttentionInterface.register(name, forward)
     try:
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError:       # transformers before 4.53: masks follow the sdpa path already
         return name
     AttentionMaskInterface.register(name, _mask_function())
     return name
+
+
+def _prefill_forward(prefill: Any) -> Any:
+    """Returns the attention function of `prefill` (a package or its hf module), checked."""
+    hf = prefill if hasattr(prefill, "attention_forward") else \
+        importlib.import_module(f"{getattr(prefill, '__name__', prefill)}.hf")
+    problem = hf.ops.META["problem"]
+    if hf.ops is ops:
+        raise ValueError("register(prefill=...): a package cannot take its own calls")
+    if problem not in ("sdpa", "gqa"):
+        raise ValueError(f"register(prefill=...): {hf.ops.NAMESPACE} is a {problem} kernel; "
+                         "prompts need an sdpa or gqa one")
+    return hf.attention_forward
 
 
 def _mask_function() -> Any:
@@ -94,6 +120,17 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       sliding_window: int | None = None, is_causal: bool | None = None,
                       **kwargs: Any) -> tuple[torch.Tensor, None]:
     """Returns (attention output (B, S, H, D), None), as transformers' attention functions do."""
+    return _attention(module, query, key, value, attention_mask, scaling, dropout,
+                      sliding_window, is_causal, **kwargs)
+
+
+def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, attention_mask: Any, scaling: float | None = None,
+               dropout: float = 0.0, sliding_window: int | None = None,
+               is_causal: bool | None = None, then: Any = None,
+               **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """attention_forward; a call the kernel does not take goes to `then` (another package's
+    attention function) if given, else to transformers' SDPA path, counted."""
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     reason = _refusal(module, query, key, attention_mask, dropout, kwargs)
@@ -103,9 +140,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if out is not None:
             return out.transpose(1, 2).contiguous(), None
         reason = f"{ops.META['problem']}: this call's pattern is not the kernel's"
-    ops.note_fallback(reason)
     if decode.is_lengths(attention_mask):            # the mask the lengths stand for
         attention_mask = decode.visible(query, key, attention_mask)
+    if then is not None:
+        return then(module, query, key, value, attention_mask, scaling=scaling,
+                    dropout=dropout, sliding_window=sliding_window, is_causal=is_causal,
+                    **kwargs)
+    ops.note_fallback(reason)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, is_causal=is_causal,
