@@ -201,7 +201,7 @@ def test_static_cache_steps_run_the_kernel_eager_and_compiled(exported) -> None:
     step runs the kernel and the greedy tokens are SDPA's (float16)."""
     s = exported["summary"]
     r = _generate(s.package, exported["out"], "cpu", "float16",
-                  [("static", 21, "static", 0, None), ("compiled", 5, "static", 0, "aot_eager")],
+                  [("static", 21, "static", 0, None), ("compiled", 5, "static", 0, "inductor")],
                   on_kernel=True)
     assert r["static"]["same"] and r["compiled"]["same"], r
     assert r["static"]["stats"]["kernel"] == 14
