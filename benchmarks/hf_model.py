@@ -33,8 +33,8 @@ and reports
                     reach the kernel: a WARNING line on stderr names any that fell back
   agreement         logits of each row against a float32 reference of the same weights: b and c
                     pass when their max abs difference is within 2x a's and their top-1
-                    agreement at least a's (random weights make near ties, so an absolute top-1
-                    figure means little)
+                    agreement at most 1 point below a's (random weights make near ties, which
+                    two correct roundings flip either way: an absolute top-1 figure means little)
 The kernel and integration gains are per-layer properties, so fewer layers than the real model
 are fine: only the LM head and the embedding, a cost fixed per forward, dilute them a little
 more the fewer the layers. The attention share is not: it moves with --layers. The default 4
@@ -166,9 +166,15 @@ def agreement(logits: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     return {"max_abs": diff, "top1": top1}
 
 
+# Random weights make near ties: two correct kernels' roundings flip a few of them either way,
+# so a top-1 agreement this far below SDPA's is still as close as SDPA's.
+TOP1_SLACK = 0.01
+
+
 def judge(sdpa: dict[str, float], evo: dict[str, float]) -> bool:
-    """Returns whether evoattn agrees with the reference as closely as SDPA does."""
-    return evo["max_abs"] <= 2 * sdpa["max_abs"] and evo["top1"] >= sdpa["top1"]
+    """Returns whether evoattn agrees with the reference as closely as SDPA does: a max abs
+    difference within 2x SDPA's, a top-1 agreement at most TOP1_SLACK below SDPA's."""
+    return evo["max_abs"] <= 2 * sdpa["max_abs"] and evo["top1"] >= sdpa["top1"] - TOP1_SLACK
 
 
 def switch(pkg: Any, model: Any, impl: str, kernel: bool) -> None:
