@@ -13,10 +13,13 @@
 # noise  the default seed evaluated stand-alone and as a candidate in runs (benchmarks/noise.py)
 # protocol  SDPA in the evaluator against a plain eager loop and do_bench (protocol_check.py)
 # contention  an honest candidate while other processes use the GPU (contention.py)
-# decode the decode seed exported by a one-iteration run; its bandwidth against the baselines
-#        (decode_bw.py) and greedy generation over the dynamic and the static cache
-#        (decode_generate.py), both dtypes; after `seed` or `run`, the prompt through that
-#        export's kernel
+# decode the decode seed's bandwidth against the baselines (decode_bw.py), both dtypes
+# decode_gen  greedy generation through the exported decode seed over the dynamic and the
+#        static cache (decode_generate.py; GEN_CACHES, GEN_DTYPES pick); after `seed` or `run`,
+#        the prompt through that export's kernel. Both decode steps export the decode seed by a
+#        one-iteration run first, where this machine has no export yet
+# A device call runs at most 10 minutes: give a call the steps that fit (each step's timeouts
+# say how long it may take), e.g. STEPS="noise", then STEPS="decode", then STEPS="decode_gen".
 # Results land in $OUT/results.tgz. Unpack it into benchmarks/results/ (git ignores it), then
 #   python benchmarks/make_page.py collect benchmarks/results && python benchmarks/make_page.py page
 # writes benchmarks/current.json and BENCHMARKS.md's tables from it.
@@ -107,36 +110,44 @@ op)
   ;;
 noise)
   log "noise"
-  timeout "${NOISE_S:-900}" python benchmarks/noise.py seeds/sdpa/flash_hybrid.py --standalone 5 \
+  timeout "${NOISE_S:-540}" python benchmarks/noise.py seeds/sdpa/flash_hybrid.py --standalone 5 \
     --in-run 5 --out "$R/noise.json" > "$R/noise.txt" 2>&1
   echo "exit $?" >> "$R/noise.txt"; tail -20 "$R/noise.txt"
   ;;
 protocol|contention)
   script=protocol_check; [ "$step" = contention ] && script=contention
   log "$script"
-  timeout "${PROTO_S:-600}" python "benchmarks/$script.py" --out "$R/$script.json" \
+  timeout "${PROTO_S:-540}" python "benchmarks/$script.py" --out "$R/$script.json" \
     > "$R/$script.txt" 2>&1
   echo "exit $?" >> "$R/$script.txt"; tail -20 "$R/$script.txt"
   ;;
-decode)
-  log "decode seed export"
-  timeout "${SEED_S:-300}" python -m evoattn.cli run --config configs/decode.yaml --iterations 1 \
-    --quiet --output /tmp/run-decode > "$R/decode_seed.txt" 2>&1
-  echo "exit $?" >> "$R/decode_seed.txt"; tail -8 "$R/decode_seed.txt"
-  for dt in float16 bfloat16; do
-    log "decode_bw $dt"
-    timeout "${DECODE_S:-600}" python benchmarks/decode_bw.py --dtype $dt \
-      --out "$R/decode_bw_$dt.json" > "$R/decode_bw_$dt.txt" 2>&1
-    echo "exit $?" >> "$R/decode_bw_$dt.txt"; tail -4 "$R/decode_bw_$dt.txt"
-  done
-  pre=""     # after `seed` or `run`: the prompt through the sdpa export's kernel
-  [ -f /tmp/run-default/best/export.json ] && pre="--prefill-export /tmp/run-default/best"
-  for cache in dynamic static; do
-    log "decode_generate $cache"
-    timeout "${DECODE_S:-600}" python benchmarks/decode_generate.py --export /tmp/run-decode/best \
-      $pre --cache $cache --out "$R/decode_gen_$cache.json" > "$R/decode_gen_$cache.txt" 2>&1
-    echo "exit $?" >> "$R/decode_gen_$cache.txt"; grep -v Warning "$R/decode_gen_$cache.txt" | tail -4
-  done
+decode|decode_gen)
+  if [ ! -f /tmp/run-decode/best/export.json ]; then
+    log "decode seed export"
+    timeout "${SEED_S:-300}" python -m evoattn.cli run --config configs/decode.yaml \
+      --iterations 1 --quiet --output /tmp/run-decode > "$R/decode_seed.txt" 2>&1
+    echo "exit $?" >> "$R/decode_seed.txt"; tail -8 "$R/decode_seed.txt"
+  fi
+  if [ "$step" = decode ]; then
+    for dt in ${DECODE_DTYPES:-float16 bfloat16}; do
+      log "decode_bw $dt"
+      timeout "${DECODE_S:-280}" python benchmarks/decode_bw.py --dtype $dt \
+        --out "$R/decode_bw_$dt.json" > "$R/decode_bw_$dt.txt" 2>&1
+      echo "exit $?" >> "$R/decode_bw_$dt.txt"; tail -4 "$R/decode_bw_$dt.txt"
+    done
+  else
+    pre=""     # after `seed` or `run`: the prompt through the sdpa export's kernel
+    [ -f /tmp/run-default/best/export.json ] && pre="--prefill-export /tmp/run-default/best"
+    for cache in ${GEN_CACHES:-dynamic static}; do
+      log "decode_generate $cache"
+      timeout "${GEN_S:-280}" python benchmarks/decode_generate.py \
+        --export /tmp/run-decode/best $pre --cache $cache \
+        --dtypes "${GEN_DTYPES:-float16,bfloat16}" --out "$R/decode_gen_$cache.json" \
+        > "$R/decode_gen_$cache.txt" 2>&1
+      echo "exit $?" >> "$R/decode_gen_$cache.txt"
+      grep -v Warning "$R/decode_gen_$cache.txt" | tail -4
+    done
+  fi
   ;;
 dask)
   log "dask"
