@@ -209,6 +209,57 @@ def test_static_cache_steps_run_the_kernel_eager_and_compiled(exported) -> None:
     assert r["compiled"]["stats"]["kernel"] == 16 and r["compiled"]["stats"]["fallback"] == 0
 
 
+def test_the_mask_becomes_lengths_only_where_the_kernel_computes_it(exported) -> None:
+    """decode.mask_lengths, the rule behind the route: lengths for 1-16 causal new tokens over
+    the dynamic cache (an int offset) or the static one (a tensor offset, read on the device,
+    never past the cache), with no padding; None (transformers' mask) for padding anywhere, a
+    window or pattern, an offset key range, more than 16 tokens, and for a 2D mask while
+    torch.compile traces (reading it would break the graph)."""
+    s = exported["summary"]
+    got = _py(f"""
+        import json, torch
+        from {s.package}.decode import mask_lengths
+        ones, holed = torch.ones(2, 12, dtype=torch.bool), torch.ones(2, 12, dtype=torch.bool)
+        holed[1, 5] = False
+        left = torch.ones(2, 12, dtype=torch.bool)
+        left[0, :3] = False
+        def lens(*args, **kw):
+            out = mask_lengths(*args, **kw)
+            return None if out is None else [out.dtype == torch.int32, out.tolist()]
+        static = torch.tensor(11)
+        r = {{
+            "step": lens(2, 1, 12, 11, 0, None, True, "cpu"),
+            "step_ones": lens(2, 1, 12, 11, 0, ones, True, "cpu"),
+            "four": lens(2, 4, 12, 8, 0, ones, True, "cpu"),
+            "static": lens(2, 1, 40, static, 0, ones, True, "cpu"),
+            "static_clamped": lens(2, 1, 8, static, 0, None, True, "cpu"),
+            "holed": lens(2, 1, 12, 11, 0, holed, True, "cpu"),
+            "left_padded": lens(2, 1, 12, 11, 0, left, True, "cpu"),
+            "short_mask": lens(2, 1, 13, 12, 0, ones, True, "cpu"),
+            "pattern": lens(2, 1, 12, 11, 0, None, False, "cpu"),
+            "kv_offset": lens(2, 1, 12, 11, 3, None, True, "cpu"),
+            "seventeen": lens(2, 17, 17, 0, 0, None, True, "cpu"),
+            "past_cache": lens(2, 1, 11, 11, 0, None, True, "cpu"),
+        }}
+        traced = []
+        @torch.compile(fullgraph=True, backend="eager")
+        def under_compile(mask, q):
+            traced.append(mask_lengths(2, 1, 12, 11, 0, mask, True, "cpu"))
+            return q + 1
+        under_compile(ones, torch.zeros(1))
+        r["compiling_with_mask"] = traced[0] is None
+        print(json.dumps(r))
+    """, cwd=exported["out"])
+    r = json.loads(got.splitlines()[-1])
+    assert r["step"] == r["step_ones"] == [True, [12, 12]]
+    assert r["four"] == [True, [12, 12]]
+    assert r["static"] == [True, [12, 12]] and r["static_clamped"] == [True, [8, 8]]
+    for name in ("holed", "left_padded", "short_mask", "pattern", "kv_offset", "seventeen",
+                 "past_cache"):
+        assert r[name] is None, name
+    assert r["compiling_with_mask"]
+
+
 @pytest.mark.slow
 def test_new_tokens_against_a_longer_cache_reach_the_op(exported) -> None:
     """4 new tokens (a draft model's proposals, verified in one forward) after 12 cached ones:
