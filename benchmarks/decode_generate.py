@@ -124,9 +124,9 @@ def run_dtype(pkg: Any, clocks: dict[str, AttentionClock], model: Any, dtype: st
     cfg = model.config
     gen = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.randint(1, cfg.vocab_size, (a.batch, a.prompt), generator=gen).to(device)
+    # generate compiles a static cache's steps on GPUs only
     row: dict[str, Any] = {"dtype": dtype, "batch": a.batch, "prompt": a.prompt, "new": a.new,
-                           "cache": a.cache,   # generate compiles a static cache's steps on GPUs only
-                           "compiled": a.cache == "static" and not a.eager
+                           "cache": a.cache, "compiled": a.cache == "static" and not a.eager
                            and device.type == "cuda"}
     kw = cache_kwargs(a)
     tokens = {}

@@ -85,9 +85,10 @@ def mask_lengths(batch: int, q_length: int, kv_length: int, q_offset: Any, kv_of
 
     plain: the mask is causality alone (no window, no pattern, its caller allows a mask to be
     left out). q_offset is an int (the dynamic cache) or a 0-d tensor on the device (the
-    static cache), read only through tensor operations. padding: transformers' 2D mask of
-    the tokens seen so far, or None; every position of the L = q_offset + q_length must be
-    kept, which is read here, once per forward, except while torch.compile traces."""
+    static cache), which becomes the lengths through tensor operations. padding:
+    transformers' 2D mask of the tokens seen so far, or None; every position of the
+    L = q_offset + q_length must be kept, which is read here (L and the mask), once per
+    forward, except while torch.compile traces."""
     if not plain or not 1 <= q_length <= MAX_SQ or not isinstance(kv_offset, int) or kv_offset:
         return None
     static = isinstance(q_offset, torch.Tensor)
