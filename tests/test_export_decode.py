@@ -125,6 +125,10 @@ def test_a_growing_cache_is_decided_once_per_doubling_of_its_length(exported) ->
     assert r["too_far"] == [True, False]
 
 
+# A Llama of 2 layers, 4 query and 2 key/value heads of 64 (a verified head dim)
+TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=97)
+
 GENERATE = """
         import json, torch, torch._dynamo
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -134,8 +138,7 @@ GENERATE = """
         if {on_kernel}:
             guard.KERNEL_DEVICE_TYPES = ("cpu",)       # Triton's interpreter runs the kernel
         hf.register()
-        cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, vocab_size=97)
+        cfg = LlamaConfig(**{tiny})
         torch.manual_seed(0)
         model = LlamaForCausalLM(cfg).eval().to("{device}", torch.{dtype})
         out = {{}}
@@ -159,7 +162,7 @@ GENERATE = """
                 got = model.generate(ids, **kw)
             out[name] = {{"same": bool(torch.equal(ref, got)), "stats": pkg.stats()}}
         print(json.dumps(out))
-"""     # head dim 64: a verified one
+"""
 
 # (name, prompt length, cache_implementation, left padding of sequence 0, compile backend)
 CASES = [("long", 21, None, 0, None), ("short", 5, None, 0, None),
@@ -173,7 +176,7 @@ PADDED = "an attention mask (padding or a pattern)"
 def _generate(package: str, cwd: Path, device: str, dtype: str, cases: list,
               on_kernel: bool = False, mode: str | None = None) -> dict:
     got = _py(GENERATE.format(package=package, device=device, dtype=dtype, cases=cases,
-                              on_kernel=on_kernel, mode=repr(mode)),
+                              on_kernel=on_kernel, mode=repr(mode), tiny=TINY),
               cwd=cwd, env={"TRITON_INTERPRET": "1"} if on_kernel else None)
     return json.loads(got.splitlines()[-1])
 
@@ -271,8 +274,7 @@ def test_new_tokens_against_a_longer_cache_reach_the_op(exported) -> None:
         import {s.package} as pkg
         from {s.package} import hf
         hf.register()
-        cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, vocab_size=97)
+        cfg = LlamaConfig(**{TINY})
         torch.manual_seed(0)
         model = LlamaForCausalLM(cfg).eval()
         ids = torch.randint(1, 97, (2, 16))
@@ -314,8 +316,7 @@ def test_prompts_go_to_a_prefill_package_when_one_is_given(exported, tmp_path) -
             except ValueError as e:
                 refused.append(str(e))
         assert hf.register(prefill=pre) == "evoattn"
-        cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, vocab_size=97)
+        cfg = LlamaConfig(**{TINY})
         torch.manual_seed(0)
         model = LlamaForCausalLM(cfg).eval().half()     # the naive kernel's verified dtype
         ids = torch.randint(1, 97, (2, 21))
