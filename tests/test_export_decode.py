@@ -149,7 +149,9 @@ GENERATE = """
             kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, attention_mask=mask)
             if cache:
                 kw["cache_implementation"] = cache
-            if compiled:                   # generate compiles its steps over a static cache
+            if cache and not compiled:     # on a GPU generate compiles a static cache's
+                kw["disable_compile"] = True   # steps unless told not to
+            if compiled:
                 kw["compile_config"] = CompileConfig(fullgraph=True, backend=compiled,
                                                      mode={mode})
                 kw["compile_config"]._compile_all_devices = True
