@@ -16,15 +16,18 @@ max_new_tokens: every run takes the same steps), per dtype, over --cache:
              compiles them on a GPU (torch.compile, CUDA graphs; --eager: not compiled); SDPA
              gets a mask over the whole cache, the kernel the cache's lengths
 and:
-  tokens     the evoattn generation's tokens equal SDPA's
-  time       the prefill alone (max_new_tokens=1) and the whole generation, medians of --runs
-             after a warm-up; the decode steps take the difference; tokens/s = batch * (new - 1)
-             / that
+  tokens     the evoattn generation's tokens equal SDPA's (else the first new token that
+             differs, counting from 0: new token 0 comes from the prompt's forward)
+  time       after a warm-up of each (which compiles), --runs rounds of, per implementation,
+             the prefill alone (max_new_tokens=1) and the whole generation, the order of the
+             two implementations reversed every round; a round's decode steps take the
+             difference; tokens/s = batch * (new - 1) / the median of those; the speedup is
+             the median of the rounds' ratios, printed with their range
   attention  the share of the decode steps spent in attention: CUDA events around every
              one-token attention call of one more generation, summed, over its decode time
              (the events cost a little: this run is not the timed one; not taken for
              compiled steps, whose attention calls run inside CUDA graphs)
-  calls      the package's kernel and fallback counts in the evoattn generation (the prefill
+  calls      the package's kernel and fallback counts over the rounds' evoattn runs (the prefill
              falls back: a decode kernel serves the one-token steps; replays of compiled steps
              run no Python and are not counted); with --prefill-export, the prefill package's
              counts too (the prompt's calls)
@@ -116,6 +119,52 @@ def register_clocks(hf: Any) -> dict[str, AttentionClock]:
     return clocks
 
 
+IMPLS = ("sdpa", "evoattn")
+
+
+def timed_rounds(model: Any, ids: torch.Tensor, a: argparse.Namespace, device: torch.device,
+                 kw: dict[str, Any], pkgs: list[Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Each implementation's warm-up generation first (it compiles), then --runs rounds: per
+    round and implementation the prefill alone (max_new_tokens=1) and the whole generation,
+    the order of the implementations reversed every round, so that a drift in the host's or
+    the GPU's speed falls on both alike. Returns ({impl: {"prefill_s": [...], "total_s":
+    [...]}}, {impl: the first round's tokens}); the packages' counts start after the warm-ups."""
+    for impl in IMPLS:
+        model.set_attn_implementation(impl)
+        timed_generate(model, ids, a.new, device, **kw)
+    for p in pkgs:
+        p.reset_stats()
+    times: dict[str, Any] = {impl: {"prefill_s": [], "total_s": []} for impl in IMPLS}
+    tokens: dict[str, Any] = {}
+    for n in range(a.runs):
+        for impl in (IMPLS if n % 2 == 0 else IMPLS[::-1]):
+            model.set_attn_implementation(impl)
+            times[impl]["prefill_s"].append(timed_generate(model, ids, 1, device, **kw)[1])
+            out, total = timed_generate(model, ids, a.new, device, **kw)
+            times[impl]["total_s"].append(total)
+            tokens.setdefault(impl, out)
+    return times, tokens
+
+
+def summarise(times: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
+    """Per implementation: medians, the decode steps' seconds per round (the whole generation
+    less that round's prefill) and tokens/s; the speedup as the median of the rounds' ratios
+    with their range (each round times both implementations back to back)."""
+    out: dict[str, Any] = {}
+    for impl, t in times.items():
+        decode = [tot - pre for pre, tot in zip(t["prefill_s"], t["total_s"])]
+        d = statistics.median(decode)     # <= 0: the steps were lost in the prefill's noise
+        out[impl] = {"prefill_s_runs": t["prefill_s"], "total_s_runs": t["total_s"],
+                     "decode_s_runs": decode, "prefill_s": statistics.median(t["prefill_s"]),
+                     "total_s": statistics.median(t["total_s"]), "decode_s": d,
+                     "tokens_per_s": a.batch * (a.new - 1) / d if d > 0 else None}
+    ratios = [s / e for s, e in zip(out["sdpa"]["decode_s_runs"], out["evoattn"]["decode_s_runs"])
+              if s > 0 and e > 0]
+    out["speedup_tokens_per_s"] = statistics.median(ratios) if ratios else None
+    out["speedup_range"] = [min(ratios), max(ratios)] if ratios else None
+    return out
+
+
 def run_dtype(pkg: Any, clocks: dict[str, AttentionClock], model: Any, dtype: str,
               a: argparse.Namespace, device: torch.device,
               prefill_pkg: Any = None) -> dict[str, Any]:
@@ -129,38 +178,24 @@ def run_dtype(pkg: Any, clocks: dict[str, AttentionClock], model: Any, dtype: st
                            "cache": a.cache, "compiled": a.cache == "static" and not a.eager
                            and device.type == "cuda"}
     kw = cache_kwargs(a)
-    tokens = {}
+    pkgs = [p for p in (pkg, prefill_pkg) if p is not None]
     with torch.no_grad():
-        for impl in ("sdpa", "evoattn"):
-            model.set_attn_implementation(impl)
-            timed_generate(model, ids, a.new, device, **kw)            # warm-up (compiles)
-            prefill = statistics.median(timed_generate(model, ids, 1, device, **kw)[1]
-                                        for _ in range(a.runs))
-            for p in (pkg, prefill_pkg):
-                if p is not None:
-                    p.reset_stats()
-            runs = [timed_generate(model, ids, a.new, device, **kw) for _ in range(a.runs)]
-            stats = pkg.stats()
-            if prefill_pkg is not None:
-                stats = {"decode": stats, "prefill": prefill_pkg.stats()}
-            tokens[impl] = runs[0][0]
-            total = statistics.median(t for _, t in runs)
-            decode_s = total - prefill       # <= 0: the steps were lost in the prefill's noise
-            r = {"prefill_s": prefill, "total_s": total, "decode_s": decode_s,
-                 "tokens_per_s": a.batch * (a.new - 1) / decode_s if decode_s > 0 else None,
-                 "calls": stats if impl == "evoattn" else None}       # over the --runs
-            if device.type == "cuda" and not row["compiled"]:
+        times, tokens = timed_rounds(model, ids, a, device, kw, pkgs)
+        row.update(summarise(times, a))
+        stats = pkg.stats()                               # over the rounds' evoattn runs
+        row["evoattn"]["calls"] = (stats if prefill_pkg is None
+                                   else {"decode": stats, "prefill": prefill_pkg.stats()})
+        if device.type == "cuda" and not row["compiled"]:
+            for impl in IMPLS:
                 model.set_attn_implementation(f"{impl}_clock")
                 clock = clocks[impl]
                 clock.events.clear()
                 timed_generate(model, ids, a.new, device, **kw)
-                r["attention_share"] = clock.seconds() / decode_s if decode_s > 0 else None
-            row[impl] = r
+                d = row[impl]["decode_s"]
+                row[impl]["attention_share"] = clock.seconds() / d if d > 0 else None
     row["same_tokens"] = bool(torch.equal(tokens["sdpa"], tokens["evoattn"]))
     row["first_difference"] = None if row["same_tokens"] else int(
-        (tokens["sdpa"] != tokens["evoattn"]).any(0).nonzero()[0])
-    speeds = row["evoattn"]["tokens_per_s"], row["sdpa"]["tokens_per_s"]
-    row["speedup_tokens_per_s"] = speeds[0] / speeds[1] if None not in speeds else None
+        (tokens["sdpa"] != tokens["evoattn"]).any(0).nonzero()[0]) - a.prompt
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -171,7 +206,12 @@ def _fmt(x: float | None, spec: str) -> str:
     return "n/a" if x is None else format(x, spec)
 
 
-def main() -> None:
+def _range(row: dict[str, Any]) -> str:
+    r = row["speedup_range"]
+    return "n/a" if r is None else f"{r[0]:.3f}-{r[1]:.3f}x"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--export", required=True, help="an export directory or a run's best/")
     ap.add_argument("--out", required=True, help="the JSON file to write")
@@ -187,7 +227,7 @@ def main() -> None:
                     help="an sdpa or gqa export whose kernel takes the prompt")
     ap.add_argument("--eager", action="store_true",
                     help="with --cache static: do not compile the steps")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.device == "cpu" and not a.tiny:
         raise SystemExit("the full-size model needs a GPU: use --tiny on the CPU")
     if a.tiny:
@@ -216,14 +256,17 @@ def main() -> None:
         print(f"{dtype}, {a.cache} cache{' (compiled)' if row['compiled'] else ''}: "
               f"same tokens {row['same_tokens']}; tokens/s SDPA {_fmt(s['tokens_per_s'], '.0f')}, "
               f"evoattn {_fmt(e['tokens_per_s'], '.0f')} "
-              f"({_fmt(row['speedup_tokens_per_s'], '.3f')}x); attention share SDPA "
+              f"({_fmt(row['speedup_tokens_per_s'], '.3f')}x, rounds {_range(row)}); "
+              f"attention share SDPA "
               f"{_fmt(s.get('attention_share'), '.2f')}, evoattn "
               f"{_fmt(e.get('attention_share'), '.2f')}; "
-              f"calls in {a.runs} runs {e['calls']}", flush=True)
+              f"first different new token {row['first_difference']}; "
+              f"calls over the rounds {e['calls']}", flush=True)
     result = {"package": pkg.__name__, "device": torch.cuda.get_device_name(device)
               if device.type == "cuda" else "cpu", "config": config.to_dict(), "rows": rows}
     Path(a.out).write_text(json.dumps(result, indent=1, default=str))
     print(f"wrote {a.out}")
+    return result
 
 
 if __name__ == "__main__":

@@ -14,12 +14,14 @@
 # protocol  SDPA in the evaluator against a plain eager loop and do_bench (protocol_check.py)
 # contention  an honest candidate while other processes use the GPU (contention.py)
 # decode the decode seed's bandwidth against the baselines (decode_bw.py), both dtypes
-# decode_gen  greedy generation through the exported decode seed over the dynamic and the
-#        static cache (decode_generate.py; GEN_CACHES, GEN_DTYPES pick); after `seed` or `run`,
+# decode_gen  greedy generation through the exported decode seed over the dynamic cache, the
+#        static cache eager and compiled (decode_generate.py; GEN_CACHES from dynamic,
+#        static_eager, static; GEN_DTYPES pick; about 160 s each); after `seed` or `run`,
 #        the prompt through that export's kernel. Both decode steps export the decode seed by a
 #        one-iteration run first, where this machine has no export yet
 # A device call runs at most 10 minutes: give a call the steps that fit (each step's timeouts
-# say how long it may take), e.g. STEPS="noise", then STEPS="decode", then STEPS="decode_gen".
+# say how long it may take), e.g. STEPS="noise", then STEPS="decode", then STEPS="decode_gen"
+# GEN_CACHES="dynamic static_eager", then STEPS=decode_gen GEN_CACHES=static.
 # Results land in $OUT/results.tgz. Unpack it into benchmarks/results/ (git ignores it), then
 #   python benchmarks/make_page.py collect benchmarks/results && python benchmarks/make_page.py page
 # writes benchmarks/current.json and BENCHMARKS.md's tables from it.
@@ -125,7 +127,7 @@ decode|decode_gen)
   if [ ! -f /tmp/run-decode/best/export.json ]; then
     log "decode seed export"
     timeout "${SEED_S:-300}" python -m evoattn.cli run --config configs/decode.yaml \
-      --iterations 1 --quiet --output /tmp/run-decode > "$R/decode_seed.txt" 2>&1
+      --iterations 0 --quiet --output /tmp/run-decode > "$R/decode_seed.txt" 2>&1
     echo "exit $?" >> "$R/decode_seed.txt"; tail -8 "$R/decode_seed.txt"
   fi
   if [ "$step" = decode ]; then
@@ -138,10 +140,11 @@ decode|decode_gen)
   else
     pre=""     # after `seed` or `run`: the prompt through the sdpa export's kernel
     [ -f /tmp/run-default/best/export.json ] && pre="--prefill-export /tmp/run-default/best"
-    for cache in ${GEN_CACHES:-dynamic static}; do
+    for cache in ${GEN_CACHES:-dynamic static_eager}; do
       log "decode_generate $cache"
+      how="--cache ${cache%_eager}"; [ "$cache" = static_eager ] && how="$how --eager"
       timeout "${GEN_S:-280}" python benchmarks/decode_generate.py \
-        --export /tmp/run-decode/best $pre --cache $cache \
+        --export /tmp/run-decode/best $pre $how \
         --dtypes "${GEN_DTYPES:-float16,bfloat16}" --out "$R/decode_gen_$cache.json" \
         > "$R/decode_gen_$cache.txt" 2>&1
       echo "exit $?" >> "$R/decode_gen_$cache.txt"

@@ -361,3 +361,84 @@ def test_tiny_llama_generation_steps_run_the_kernel_on_gpu(tmp_path) -> None:
         assert r[name]["stats"]["fallback_reasons"] == {PADDED: 16}, name
 
 
+
+
+def _gen_bench():
+    """benchmarks/decode_generate.py, imported as a module."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("decode_generate_bench",
+                                                  ROOT / "benchmarks" / "decode_generate.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_generation_benchmark_times_both_implementations_in_interleaved_rounds(monkeypatch):
+    """Warm-ups first, then per round each implementation's prefill and whole generation, the
+    order reversed every round; the counts start after the warm-ups; the speedup is the median
+    of the rounds' decode-time ratios, with their range."""
+    import argparse
+    import torch
+    bench = _gen_bench()
+    state, calls = {}, []
+    # (prefill, whole generation) seconds per implementation and round: decode 2, 4, 3 s for
+    # SDPA and 1, 1, 2 s for evoattn
+    script = {"sdpa": [(1.0, 3.0), (1.0, 5.0), (1.0, 4.0)],
+              "evoattn": [(1.0, 2.0), (1.0, 2.0), (1.0, 3.0)]}
+
+    class Model:
+        def set_attn_implementation(self, name):
+            state["impl"] = name
+
+    class Pkg:
+        resets = 0
+
+        def reset_stats(self):
+            Pkg.resets += 1
+            state["reset_at"] = len(calls)
+
+    def fake_generate(model, ids, new, device, **kw):
+        impl = state["impl"]
+        rounds_done = sum(1 for i, n in calls[2:] if i == impl and n > 1)
+        calls.append((impl, new))
+        if len(calls) <= 2:                                            # the warm-ups
+            return torch.tensor([0]), 99.0
+        pre, tot = script[impl][rounds_done]
+        return torch.tensor([len(calls)]), (tot if new > 1 else pre)
+
+    monkeypatch.setattr(bench, "timed_generate", fake_generate)
+    a = argparse.Namespace(runs=3, new=9, batch=2)
+    times, tokens = bench.timed_rounds(Model(), None, a, None, {}, [Pkg()])
+    s, e = ("sdpa", 9), ("evoattn", 9)
+    assert calls == [s, e, ("sdpa", 1), s, ("evoattn", 1), e,
+                     ("evoattn", 1), e, ("sdpa", 1), s, ("sdpa", 1), s, ("evoattn", 1), e]
+    assert Pkg.resets == 1 and state["reset_at"] == 2
+    assert times["sdpa"]["total_s"] == [3.0, 5.0, 4.0]
+    assert times["evoattn"]["prefill_s"] == [1.0, 1.0, 1.0]
+    assert int(tokens["sdpa"]) == 4 and int(tokens["evoattn"]) == 6    # the first round's
+    got = bench.summarise(times, a)
+    assert got["sdpa"]["decode_s_runs"] == [2.0, 4.0, 3.0] and got["sdpa"]["decode_s"] == 3.0
+    assert got["evoattn"]["tokens_per_s"] == 2 * 8 / 1.0
+    assert got["speedup_tokens_per_s"] == 2.0 and got["speedup_range"] == [1.5, 4.0]
+
+
+@pytest.mark.slow
+def test_generation_benchmark_runs_the_tiny_model_on_cpu(exported, tmp_path) -> None:
+    """`decode_generate.py --tiny` on the CPU end to end: the same tokens, every implementation
+    timed once per round, and the package's counts over the rounds only (each round: the
+    prompt alone and the whole generation; on the CPU the steps fall back)."""
+    import subprocess
+    import sys
+    out = tmp_path / "g.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_generate.py"),
+                    "--export", str(exported["out"]), "--device", "cpu", "--tiny",
+                    "--dtypes", "float32", "--runs", "2", "--out", str(out)],
+                   check=True, capture_output=True, text=True, timeout=600)
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["same_tokens"] and row["first_difference"] is None
+    for impl in ("sdpa", "evoattn"):
+        assert len(row[impl]["total_s_runs"]) == len(row[impl]["decode_s_runs"]) == 2
+    # 2 rounds x (the prompt alone + the prompt and 7 steps) x 2 layers
+    assert row["evoattn"]["calls"]["fallback_reasons"] == {PATTERN: 8, CPU: 28}, row
+    lo, hi = row["speedup_range"]
+    assert lo <= row["speedup_tokens_per_s"] <= hi
