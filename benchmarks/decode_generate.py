@@ -27,6 +27,11 @@ and:
              one-token attention call of one more generation, summed, over its decode time
              (the events cost a little: this run is not the timed one; not taken for
              compiled steps, whose attention calls run inside CUDA graphs)
+  forced     teacher-forced agreement (eager, a dynamic cache): a float32 copy of the model
+             on SDPA and each implementation take SDPA's greedy tokens, and every decode step's
+             logits are compared with the float32 ones (largest abs difference, top-1
+             agreement); the kernel agrees when it is as close as SDPA (hf_model's rule).
+             Random weights make near ties, where identical tokens are luck
   calls      the package's kernel and fallback counts over the rounds' evoattn runs (the prefill
              falls back: a decode kernel serves the one-token steps; replays of compiled steps
              run no Python and are not counted); with --prefill-export, the prefill package's
@@ -38,6 +43,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib
+import inspect
 import json
 import statistics
 import sys
@@ -48,7 +54,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_model import load_export  # noqa: E402
+from hf_model import judge, load_export  # noqa: E402
 
 
 def model_config(a: argparse.Namespace) -> Any:
@@ -165,11 +171,53 @@ def summarise(times: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def run_dtype(pkg: Any, clocks: dict[str, AttentionClock], model: Any, dtype: str,
+def forced_steps(model: Any, ids: torch.Tensor, forced: torch.Tensor,
+                 each: Any) -> None:
+    """The prompt's forward, then one-token forwards over a dynamic cache feeding `forced`
+    (B, n) new tokens instead of the model's own: each(t, logits (B, V) float32) gets the
+    logits that predict forced[:, t + 1], for t < n - 1 (every step a decode call)."""
+    cache = model(ids, use_cache=True, logits_to_keep=1).past_key_values
+    # transformers renames forward's past_key_values to cache (5.24 warns, 5.40 drops it)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else \
+        "past_key_values"
+    for t in range(forced.shape[1] - 1):
+        out = model(forced[:, t:t + 1], use_cache=True, **{name: cache})
+        each(t, out.logits[:, -1].float())
+
+
+def forced_agreement(model: Any, ref_model: Any, ids: torch.Tensor,
+                     forced: torch.Tensor) -> dict[str, Any]:
+    """Teacher-forced agreement with a float32 reference: the reference model (float32 weights,
+    SDPA) and each implementation in the model's dtype take the same tokens (SDPA's greedy
+    ones), and every decode step's logits are compared: largest abs difference and top-1
+    agreement over all steps and sequences. Where random weights make near ties, identical
+    greedy tokens are luck; this says whether the kernel's steps are as close to exact as
+    SDPA's (hf_model.judge)."""
+    refs: list[torch.Tensor] = []
+    ref_model.set_attn_implementation("sdpa")
+    forced_steps(ref_model, ids, forced, lambda t, logits: refs.append(logits))
+    got: dict[str, Any] = {"steps": len(refs)}
+    for impl in IMPLS:
+        model.set_attn_implementation(impl)
+        acc = {"max_abs": 0.0, "hits": 0, "n": 0}
+
+        def each(t: int, logits: torch.Tensor) -> None:
+            acc["max_abs"] = max(acc["max_abs"], (logits - refs[t]).abs().max().item())
+            acc["hits"] += int((logits.argmax(-1) == refs[t].argmax(-1)).sum())
+            acc["n"] += logits.shape[0]
+
+        forced_steps(model, ids, forced, each)
+        got[impl] = {"max_abs": acc["max_abs"], "top1": acc["hits"] / max(acc["n"], 1)}
+    got["agrees"] = judge(got["sdpa"], got["evoattn"])
+    return got
+
+
+def run_dtype(pkg: Any, clocks: dict[str, AttentionClock], ref_model: Any, dtype: str,
               a: argparse.Namespace, device: torch.device,
               prefill_pkg: Any = None) -> dict[str, Any]:
-    """Generates with both implementations in one dtype; returns the row."""
-    model = copy.deepcopy(model).to(getattr(torch, dtype))     # from the float32 weights
+    """Generates with both implementations in one dtype; returns the row. ref_model: the
+    float32 model, the reference of the teacher-forced agreement."""
+    model = copy.deepcopy(ref_model).to(getattr(torch, dtype))
     cfg = model.config
     gen = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.randint(1, cfg.vocab_size, (a.batch, a.prompt), generator=gen).to(device)
@@ -193,6 +241,7 @@ def run_dtype(pkg: Any, clocks: dict[str, AttentionClock], model: Any, dtype: st
                 timed_generate(model, ids, a.new, device, **kw)
                 d = row[impl]["decode_s"]
                 row[impl]["attention_share"] = clock.seconds() / d if d > 0 else None
+        row["forced"] = forced_agreement(model, ref_model, ids, tokens["sdpa"][:, a.prompt:])
     row["same_tokens"] = bool(torch.equal(tokens["sdpa"], tokens["evoattn"]))
     row["first_difference"] = None if row["same_tokens"] else int(
         (tokens["sdpa"] != tokens["evoattn"]).any(0).nonzero()[0]) - a.prompt
@@ -252,7 +301,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for dtype in a.dtypes.split(","):
         row = run_dtype(pkg, clocks, model, dtype, a, device, prefill_pkg)
         rows.append(row)
-        s, e = row["sdpa"], row["evoattn"]
+        s, e, f = row["sdpa"], row["evoattn"], row["forced"]
         print(f"{dtype}, {a.cache} cache{' (compiled)' if row['compiled'] else ''}: "
               f"same tokens {row['same_tokens']}; tokens/s SDPA {_fmt(s['tokens_per_s'], '.0f')}, "
               f"evoattn {_fmt(e['tokens_per_s'], '.0f')} "
@@ -260,7 +309,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"attention share SDPA "
               f"{_fmt(s.get('attention_share'), '.2f')}, evoattn "
               f"{_fmt(e.get('attention_share'), '.2f')}; "
-              f"first different new token {row['first_difference']}; "
+              f"first different new token {row['first_difference']}; teacher-forced top-1 "
+              f"against float32 SDPA {f['sdpa']['top1']:.4f}, evoattn {f['evoattn']['top1']:.4f}"
+              f" (max abs {f['sdpa']['max_abs']:.3g}, {f['evoattn']['max_abs']:.3g}): "
+              f"{'agrees' if f['agrees'] else 'DISAGREES'}; "
               f"calls over the rounds {e['calls']}", flush=True)
     result = {"package": pkg.__name__, "device": torch.cuda.get_device_name(device)
               if device.type == "cuda" else "cpu", "config": config.to_dict(), "rows": rows}

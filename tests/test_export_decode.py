@@ -440,5 +440,33 @@ def test_generation_benchmark_runs_the_tiny_model_on_cpu(exported, tmp_path) -> 
         assert len(row[impl]["total_s_runs"]) == len(row[impl]["decode_s_runs"]) == 2
     # 2 rounds x (the prompt alone + the prompt and 7 steps) x 2 layers
     assert row["evoattn"]["calls"]["fallback_reasons"] == {PATTERN: 8, CPU: 28}, row
+    assert row["forced"]["steps"] == 7 and row["forced"]["agrees"], row["forced"]
     lo, hi = row["speedup_range"]
     assert lo <= row["speedup_tokens_per_s"] <= hi
+
+
+def test_teacher_forced_agreement_tells_a_wrong_attention_from_sdpa(monkeypatch) -> None:
+    """Against a float32 reference over SDPA's own tokens: SDPA in float32 agrees exactly, an
+    implementation that drops the cache (each step sees only its own token) does not."""
+    import torch
+    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    bench = _gen_bench()
+
+    def no_cache(module, query, key, value, attention_mask, **kw):
+        return sdpa_attention_forward(module, query, key[:, :, -query.shape[2]:],
+                                      value[:, :, -query.shape[2]:], None, **kw)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "evoattn", no_cache)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY, initializer_range=0.5)).eval()
+    ids = torch.randint(1, 97, (2, 12))
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        tokens = model.generate(ids, max_new_tokens=9, min_new_tokens=9, do_sample=False,
+                                pad_token_id=0)[:, 12:]
+        got = bench.forced_agreement(model, model, ids, tokens)
+    assert got["steps"] == 8
+    assert got["sdpa"] == {"max_abs": 0.0, "top1": 1.0}
+    assert got["evoattn"]["max_abs"] > 0.1 and got["evoattn"]["top1"] < 0.9
+    assert not got["agrees"]
