@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_model import judge, load_export  # noqa: E402
+from hf_model import Clock, attention_time, judge, load_export  # noqa: E402
 
 
 def model_config(a: argparse.Namespace) -> Any:
@@ -88,41 +88,6 @@ def timed_generate(model: Any, ids: torch.Tensor, new: int, device: torch.device
                          min_new_tokens=new, do_sample=False, pad_token_id=0, **kwargs)
     sync(device)
     return out, time.perf_counter() - t0
-
-
-class AttentionClock:
-    """Wraps an attention function: CUDA events around its one-token calls."""
-
-    def __init__(self, fn: Any) -> None:
-        self.fn, self.events = fn, []
-
-    def __call__(self, module: Any, query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if query.shape[2] != 1 or not query.is_cuda:
-            return self.fn(module, query, *args, **kwargs)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = self.fn(module, query, *args, **kwargs)
-        end.record()
-        self.events.append((start, end))
-        return out
-
-    def seconds(self) -> float:
-        torch.cuda.synchronize()
-        return sum(s.elapsed_time(e) for s, e in self.events) / 1e3
-
-
-def register_clocks(hf: Any) -> dict[str, AttentionClock]:
-    """Registers 'sdpa_clock' and 'evoattn_clock': the two implementations, timed."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    clocks = {"sdpa": AttentionClock(sdpa_attention_forward),
-              "evoattn": AttentionClock(hf.attention_forward)}
-    hf.register("evoattn_clock")                       # its mask function under that name
-    AttentionInterface.register("evoattn_clock", clocks["evoattn"])
-    AttentionInterface.register("sdpa_clock", clocks["sdpa"])
-    AttentionMaskInterface.register("sdpa_clock", sdpa_mask)
-    return clocks
 
 
 IMPLS = ("sdpa", "evoattn")
@@ -212,7 +177,7 @@ def forced_agreement(model: Any, ref_model: Any, ids: torch.Tensor,
     return got
 
 
-def run_dtype(pkg: Any, clocks: dict[str, AttentionClock], ref_model: Any, dtype: str,
+def run_dtype(pkg: Any, ref_model: Any, dtype: str,
               a: argparse.Namespace, device: torch.device,
               prefill_pkg: Any = None) -> dict[str, Any]:
     """Generates with both implementations in one dtype; returns the row. ref_model: the
@@ -234,13 +199,12 @@ def run_dtype(pkg: Any, clocks: dict[str, AttentionClock], ref_model: Any, dtype
         row["evoattn"]["calls"] = (stats if prefill_pkg is None
                                    else {"decode": stats, "prefill": prefill_pkg.stats()})
         if device.type == "cuda" and not row["compiled"]:
-            for impl in IMPLS:
-                model.set_attn_implementation(f"{impl}_clock")
-                clock = clocks[impl]
-                clock.events.clear()
-                timed_generate(model, ids, a.new, device, **kw)
+            for impl in IMPLS:               # the one-token calls of one more generation
+                model.set_attn_implementation(impl)
+                ms, _ = attention_time(lambda: timed_generate(model, ids, a.new, device, **kw),
+                                       impl, Clock(device), only=lambda q: q.shape[2] == 1)
                 d = row[impl]["decode_s"]
-                row[impl]["attention_share"] = clock.seconds() / d if d > 0 else None
+                row[impl]["attention_share"] = ms / 1e3 / d if d > 0 else None
         row["forced"] = forced_agreement(model, ref_model, ids, tokens["sdpa"][:, a.prompt:])
     row["same_tokens"] = bool(torch.equal(tokens["sdpa"], tokens["evoattn"]))
     row["first_difference"] = None if row["same_tokens"] else int(
@@ -291,7 +255,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         hf.register("evoattn", prefill=prefill_pkg)
     except ValueError as e:
         raise SystemExit(f"{a.prefill_export}: {e}") from None
-    clocks = register_clocks(hf)
     from transformers import LlamaForCausalLM
     torch.manual_seed(0)
     config = model_config(a)
@@ -299,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model = LlamaForCausalLM(config).eval()
     rows = []
     for dtype in a.dtypes.split(","):
-        row = run_dtype(pkg, clocks, model, dtype, a, device, prefill_pkg)
+        row = run_dtype(pkg, model, dtype, a, device, prefill_pkg)
         rows.append(row)
         s, e, f = row["sdpa"], row["evoattn"], row["forced"]
         print(f"{dtype}, {a.cache} cache{' (compiled)' if row['compiled'] else ''}: "

@@ -139,13 +139,17 @@ class Clock:
         return self.between(start, self.mark())
 
 
-def attention_time(forward: Callable[[], Any], impl: str, clock: Clock) -> tuple[float, float]:
+def attention_time(forward: Callable[[], Any], impl: str, clock: Clock,
+                   only: Callable[[torch.Tensor], bool] | None = None) -> tuple[float, float]:
     """Returns (ms inside the attention function, ms of the forward) of one forward, with the
-    implementation's entry in transformers' AttentionInterface wrapped in clock marks."""
+    implementation's entry in transformers' AttentionInterface wrapped in clock marks; with
+    `only`, just the calls whose query it accepts are timed."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as functions
     inner, spans = functions[impl], []
 
     def timed(*args: Any, **kwargs: Any) -> Any:
+        if only is not None and not only(args[1]):              # (module, query, key, ...)
+            return inner(*args, **kwargs)
         start = clock.mark()
         out = inner(*args, **kwargs)
         spans.append((start, clock.mark()))
