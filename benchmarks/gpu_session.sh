@@ -2,7 +2,7 @@
 # Everything BENCHMARKS.md reports, measured on one GPU machine, in steps:
 #   OUT=dir STEPS="evals tests" bash benchmarks/gpu_session.sh      (or "run hf dask")
 # evals  `evoattn eval` of every shipped seed (every timing mode, every baseline), JSON each
-# tests  the gpu-marked tests
+# tests  the gpu-marked tests (GPU_TEST_FILES picks; the decode ones take about 100 s)
 # run    the default search (call time) for RUN_S seconds, then the best re-evaluated by
 #        `evoattn eval`, its export and its report
 # seed   the default seed alone: a one-iteration run of configs/default.yaml, exported
@@ -67,8 +67,8 @@ masked_evals)   # the masked, sparse and biased problems only
   ;;
 tests)
   log "gpu tests"
-  timeout "${TESTS_S:-300}" python -m pytest -q -m gpu -p no:cacheprovider \
-    ${GPU_TEST_FILES:-tests/test_adversarial.py tests/test_seeds_gpu.py tests/test_export_package_gpu.py} \
+  timeout "${TESTS_S:-540}" python -m pytest -q -m gpu -p no:cacheprovider \
+    ${GPU_TEST_FILES:-tests/test_adversarial.py tests/test_seeds_gpu.py tests/test_export_package_gpu.py tests/test_decode.py tests/test_export_decode.py} \
     > "$R/gpu_tests.txt" 2>&1
   echo "exit $?" >> "$R/gpu_tests.txt"; tail -6 "$R/gpu_tests.txt"
   ;;
