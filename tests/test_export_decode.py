@@ -13,7 +13,7 @@ from evaluator.types import Verdict
 from evoattn import settings
 from evoattn.export import export_run
 from evoattn.sandbox import SubprocessEvaluator
-from test_export_package import _py, _store_run, export_naive
+from test_export_package import _py, _store_run, bench_module, export_naive
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = ROOT / "seeds" / "decode" / "decode_triton.py"
@@ -364,13 +364,7 @@ def test_tiny_llama_generation_steps_run_the_kernel_on_gpu(tmp_path) -> None:
 
 
 def _gen_bench():
-    """benchmarks/decode_generate.py, imported as a module."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("decode_generate_bench",
-                                                  ROOT / "benchmarks" / "decode_generate.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return bench_module("decode_generate")
 
 
 def test_generation_benchmark_times_both_implementations_in_interleaved_rounds(monkeypatch):

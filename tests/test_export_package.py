@@ -50,14 +50,18 @@ def exported(tmp_path_factory) -> dict:
     return export_naive(tmp_path_factory.mktemp("pkg"))
 
 
-def _hf_bench():
-    """benchmarks/hf_model.py, imported as a module."""
+def bench_module(script: str):
+    """benchmarks/<script>.py, imported as a module."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("hf_model_bench",
-                                                  ROOT / "benchmarks" / "hf_model.py")
+    spec = importlib.util.spec_from_file_location(f"{script}_bench",
+                                                  ROOT / "benchmarks" / f"{script}.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     return bench
+
+
+def _hf_bench():
+    return bench_module("hf_model")
 
 
 def export_naive(tmp: Path) -> dict:
