@@ -361,8 +361,6 @@ def test_tiny_llama_generation_steps_run_the_kernel_on_gpu(tmp_path) -> None:
         assert r[name]["stats"]["fallback_reasons"] == {PADDED: 16}, name
 
 
-
-
 def _gen_bench():
     return bench_module("decode_generate")
 
