@@ -361,17 +361,13 @@ def test_tiny_llama_generation_steps_run_the_kernel_on_gpu(tmp_path) -> None:
         assert r[name]["stats"]["fallback_reasons"] == {PADDED: 16}, name
 
 
-def _gen_bench():
-    return bench_module("decode_generate")
-
-
 def test_generation_benchmark_times_both_implementations_in_interleaved_rounds(monkeypatch):
     """Warm-ups first, then per round each implementation's prefill and whole generation, the
     order reversed every round; the counts start after the warm-ups; the speedup is the median
     of the rounds' decode-time ratios, with their range."""
     import argparse
     import torch
-    bench = _gen_bench()
+    bench = bench_module("decode_generate")
     state, calls = {}, []
     # (prefill, whole generation) seconds per implementation and round: decode 2, 4, 3 s for
     # SDPA and 1, 1, 2 s for evoattn
@@ -433,8 +429,10 @@ def test_generation_benchmark_runs_the_tiny_model_on_cpu(exported, tmp_path) -> 
     # 2 rounds x (the prompt alone + the prompt and 7 steps) x 2 layers
     assert row["evoattn"]["calls"]["fallback_reasons"] == {PATTERN: 8, CPU: 28}, row
     assert row["forced"]["steps"] == 7 and row["forced"]["agrees"], row["forced"]
-    lo, hi = row["speedup_range"]
-    assert lo <= row["speedup_tokens_per_s"] <= hi
+    ratios = sorted(s / e for s, e in zip(row["sdpa"]["decode_s_runs"],
+                                          row["evoattn"]["decode_s_runs"]))
+    assert row["speedup_range"] == [ratios[0], ratios[-1]]
+    assert row["speedup_tokens_per_s"] == pytest.approx(sum(ratios) / 2)    # median of 2
 
 
 def test_teacher_forced_agreement_tells_a_wrong_attention_from_sdpa(monkeypatch) -> None:
@@ -443,7 +441,7 @@ def test_teacher_forced_agreement_tells_a_wrong_attention_from_sdpa(monkeypatch)
     import torch
     from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    bench = _gen_bench()
+    bench = bench_module("decode_generate")
 
     def no_cache(module, query, key, value, attention_mask, **kw):
         return sdpa_attention_forward(module, query, key[:, :, -query.shape[2]:],

@@ -60,10 +60,6 @@ def bench_module(script: str):
     return bench
 
 
-def _hf_bench():
-    return bench_module("hf_model")
-
-
 def export_naive(tmp: Path) -> dict:
     """A run of the naive seed evaluated by the real CPU evaluator, exported."""
     prob = settings.problem("sdpa")
@@ -385,7 +381,7 @@ def test_model_benchmark_runs_on_cpu_with_a_tiny_config(exported):
 def test_model_benchmark_row_c_runs_the_kernel_and_row_b_does_not(exported):
     """With the guard told the CPU may run the kernel (verified in float16 at head dim 64), row
     c's calls reach it, row b's fall back as switched off, and bfloat16 falls back, said."""
-    bench = _hf_bench()
+    bench = bench_module("hf_model")
     pkg = bench.load_export(str(exported["out"]))
     guard = sys.modules[f"{pkg.__name__}.guard"]
     guard.KERNEL_DEVICE_TYPES = ("cpu",)
@@ -412,7 +408,7 @@ def test_model_benchmark_times_its_rows_in_interleaved_rounds():
     switch): a drift over the run falls on every row alike."""
     import argparse
     import torch
-    bench = _hf_bench()
+    bench = bench_module("hf_model")
     state, timed = {}, []
 
     class Pkg:
@@ -541,7 +537,7 @@ def test_the_export_serves_every_dtype_a_correct_result_was_checked_in() -> None
 def test_model_benchmark_judges_agreement_against_sdpa_with_a_slack_for_near_ties():
     """A row agrees when its logits are as close to the float32 reference as SDPA's: a few
     near ties flipped the other way pass, a real loss of accuracy does not."""
-    bench = _hf_bench()
+    bench = bench_module("hf_model")
     sdpa = {"max_abs": 0.02, "top1": 0.995}
     assert bench.judge(sdpa, {"max_abs": 0.03, "top1": 0.99})       # 5 in 1000 ties flipped
     assert not bench.judge(sdpa, {"max_abs": 0.03, "top1": 0.97})   # accuracy lost
