@@ -18,7 +18,7 @@
 #        static cache eager and compiled (decode_generate.py; GEN_CACHES from dynamic,
 #        static_eager, static; GEN_DTYPES pick; about 160 s each); after `seed` or `run`,
 #        the prompt through that export's kernel. Both decode steps export the decode seed by a
-#        one-iteration run first, where this machine has no export yet
+#        0-iteration run first (the seed checked and exported), where this machine has none yet
 # A device call runs at most 10 minutes: give a call the steps that fit (each step's timeouts
 # say how long it may take), e.g. STEPS="noise", then STEPS="decode", then STEPS="decode_gen"
 # GEN_CACHES="dynamic static_eager", then STEPS=decode_gen GEN_CACHES=static.
