@@ -260,16 +260,18 @@ def test_compile_fullgraph_runs_the_op_with_no_graph_break(exported):
         from torch._dynamo.utils import counters
         import {s.package} as pkg
 
-        def block(q, k, v):
-            return pkg.attention(q, k, v, causal=True).relu() + 1
+        def block(q, k, v):      # as a transformers layer: (B, S, H, D) views in and out
+            o = pkg.attention(q, k, v, causal=True).transpose(1, 2)
+            return o.reshape(o.shape[0], o.shape[1], -1).relu() + 1
 
-        q, k, v = (torch.randn(1, 2, 40, 64) for _ in range(3))
+        q, k, v = (torch.randn(1, 40, 2, 64).transpose(1, 2) for _ in range(3))
         fast = torch.compile(block, fullgraph=True)
         fast(q, k, v)
         pkg.reset_stats()
         for _ in range(3):
             out = fast(q, k, v)
-        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True).relu() + 1
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        ref = ref.reshape(1, 40, -1).relu() + 1
         print((out - ref).abs().max().item(), sum(counters["graph_break"].values()),
               pkg.stats()["fallback"])
     """, cwd=exported["out"])

@@ -165,10 +165,12 @@ _SERVE_ON_CPU = """
     launched = []
     real_fwd = mod._attn_fwd
 
+    written = []                              # and where it writes its output
     class Recorder:                           # the Triton launch: records q, k, v pointers
         def __getitem__(self, grid):
             def run(*args, **kw):
                 launched.append([getattr(a, "base", a).data_ptr() for a in args[:3]])
+                written.append(getattr(args[3], "base", args[3]).data_ptr())
                 return real_fwd[grid](*args, **kw)
             return run
     mod._attn_fwd = Recorder()
@@ -209,7 +211,10 @@ def test_each_verified_dtype_is_served_and_others_fall_back(tmp_path):
 
 def test_model_layouts_and_gqa_reach_the_kernel_without_a_copy(tmp_path):
     """transformers' (B, S, H, D) views and k, v with fewer heads go through the op to the
-    Triton launch as they lie (after the op's one check of that call key), and match float32."""
+    Triton launch as they lie (after the op's one check of that call key), and match float32;
+    the kernel writes the output laid out as q, and that tensor is what an eager caller gets
+    (no copy on the way out either, and none when transformers transposes it back); the op
+    (what torch.compile calls) returns it contiguous, as its fake says."""
     out, s = export_problem(tmp_path, "sdpa", ("float16", "bfloat16"), device="cpu")
     r = _serve(out, s.package, """
         r = {}
@@ -219,16 +224,23 @@ def test_model_layouts_and_gqa_reach_the_kernel_without_a_copy(tmp_path):
             pkg.attention(q, k, v, causal=True)                          # decides (checks)
             pkg.reset_stats()
             launched.clear()
+            written.clear()
             got = pkg.attention(q, k, v, causal=True)
+            stats = pkg.stats()
+            op = getattr(torch.ops, pkg.ops.NAMESPACE).attention(q, k, v, True)
+            back = got.transpose(1, 2).contiguous()            # what transformers does
             r[str(dtype)] = {"launched": list(launched), "given": [t.data_ptr() for t in (q, k, v)],
                              "err": (got.float() - ref(q, k, v, True)).abs().max().item(),
-                             "stats": pkg.stats(), "contiguous": got.is_contiguous()}
+                             "stats": stats, "q_layout": got.stride() == q.stride(),
+                             "op_layout": op.is_contiguous(),
+                             "written": written[0] == got.data_ptr() == back.data_ptr()}
         print(json.dumps(r))
     """)
     for dtype, tol in (("torch.float16", 4e-3), ("torch.bfloat16", 3e-2)):
         got = r[dtype]
-        assert got["launched"] == [got["given"]], got          # one launch, on the inputs
-        assert got["err"] < tol and got["contiguous"] and got["stats"]["kernel"] == 1, got
+        assert got["launched"][0] == got["given"], got          # on the inputs as they lie
+        assert got["q_layout"] and got["op_layout"] and got["written"], got
+        assert got["err"] < tol and got["stats"]["kernel"] == 1, got
 
 
 def test_a_kernel_that_ignores_strides_gets_contiguous_copies(tmp_path):

@@ -6,8 +6,9 @@
 
     decode_pkg.hf.register(prefill=sdpa_pkg)   # a decode kernel's prompts: a prefill kernel's
 
-transformers passes q, k, v as (B, H, S, D) (k, v with fewer heads under GQA) and wants
-(B, S, H, D) back. `register` also registers the mask builder, so that a call with nothing
+transformers passes q, k, v as (B, H, S, D) views of (B, S, H, D) projections (k, v with fewer
+heads under GQA) and wants (B, S, H, D) back: the op's output comes laid out as q, so that
+transposing it back copies nothing, as with SDPA's. `register` also registers the mask builder, so that a call with nothing
 to mask but causality gets no mask (as SDPA does) and a padded batch gets its mask. A call
 the kernel's problem covers goes through the op (whose guard may still fall back); anything
 else runs transformers' own SDPA path, counted as a fallback: an attention mask, query and

@@ -1,7 +1,8 @@
 """The kernel as a PyTorch custom op: `torch.ops.<namespace>.attention`, with a fake for compile.
 
 Dynamo and CUDA graphs see one opaque op whose output is a new contiguous tensor shaped like
-q. What a call runs is decided once per call key (each tensor's shape, strides, dtype, device
+q (an eager `attention()` call returns the kernel's output as the kernel lays it out: see
+_kernel_run). What a call runs is decided once per call key (each tensor's shape, strides, dtype, device
 and requires_grad; the other arguments' values) and kept, so a repeated call costs a dict
 lookup: the evolved kernel on what the guard says it was verified on, PyTorch SDPA elsewhere
 (logged once per reason at debug level on this package's logger). A problem's growing
@@ -56,6 +57,8 @@ class Decision(NamedTuple):
     run: Callable[..., torch.Tensor]                 # takes the op's values in schema order
     fallback: Callable[..., torch.Tensor] | None     # SDPA, when the call falls back
     reason: str | None                               # why it falls back
+    eager: Callable[..., torch.Tensor] | None = None   # the kernel for attention(): see
+    #                                                    _kernel_run
 
 
 # Per kernel setting (see use_kernel): the op's decisions and attention()'s entries, by call key.
@@ -211,7 +214,8 @@ def _decide(values: tuple[Any, ...], key: tuple) -> Decision:
         return _remember(_decisions, key, Decision(_counted(str(reason), fallback, True),
                                                    fallback, reason))
     direct = _takes_as_given(kernel, args, values)
-    decision = Decision(_kernel_run(kernel.fn, direct is True), None, None)
+    run, eager = _kernel_run(kernel.fn, direct is True)
+    decision = Decision(run, None, None, eager)
     return decision if direct is None else _remember(_decisions, key, decision)
 
 
@@ -236,20 +240,32 @@ def _takes_as_given(kernel: _loader.Kernel, args: problems.Args,
         given.float(), dense.float(), rtol=tol, atol=tol, equal_nan=True)
 
 
-def _kernel_run(fn: Callable[..., Any], direct: bool) -> Callable[..., torch.Tensor]:
+def _kernel_run(fn: Callable[..., Any], direct: bool
+                ) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
     """Returns what runs the kernel: on the inputs as they are, or on dense copies (tensors
-    come positionally; other arguments may come by name, as a Python call passes them)."""
+    come positionally; other arguments may come by name, as a Python call passes them), for
+    the op (its output contiguous, as the fake says) and for attention()'s eager calls (the
+    kernel's output as it comes: the default seed lays it out as q, as SDPA does, so that
+    transformers transposes its (B, S, H, D) views back without a copy)."""
     call, dense = SPEC.call_kernel, SPEC.dense
 
     if direct:
         def run(*values: Any, **named: Any) -> torch.Tensor:
             _counts["kernel"] += 1
             return call(fn, *values, **named).contiguous()
+
+        def eager(*values: Any, **named: Any) -> torch.Tensor:
+            _counts["kernel"] += 1
+            return call(fn, *values, **named)
     else:
         def run(*values: Any, **named: Any) -> torch.Tensor:
             _counts["kernel"] += 1
             return call(fn, *dense(values), **named).contiguous()
-    return run
+
+        def eager(*values: Any, **named: Any) -> torch.Tensor:
+            _counts["kernel"] += 1
+            return call(fn, *dense(values), **named)
+    return run, eager
 
 
 def _counted(reason: str, fallback: Callable[..., torch.Tensor],
@@ -325,7 +341,7 @@ def _entry_for(args: tuple[Any, ...], kwargs: dict[str, Any],
     if decision.reason is not None or not tensors_positional or \
             any(type(v) is not torch.Tensor for v in values if isinstance(v, torch.Tensor)):
         return _remember(_entries, entry_key, _dispatch)
-    run = decision.run
+    run = decision.eager or decision.run
     modes, function_modes = torch._C._len_torch_dispatch_stack, \
         torch._C._is_torch_function_mode_enabled
 
@@ -349,4 +365,7 @@ def _traced(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
     if SPEC.fallback_for is not None and _needs_grad(bound):
         note_fallback("inputs require grad (the kernel is forward-only)")
         return SPEC.fallback_for(bound)(*bound.values())
-    return _dispatch(*bound.values())
+    # trailing defaults left out, as an eager call's key has them: inductor (torch 2.13) laid
+    # the op's output out as q's (B, S, H, D) views instead of as the fake says when a None
+    # scale was passed, and the compiled graph failed its stride check
+    return _dispatch(*SPEC.trim(tuple(bound.values())))

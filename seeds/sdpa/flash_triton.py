@@ -200,7 +200,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, k_base, v_base, sks, svs, b, h_kv, o
 
 @triton.jit
 def _attn_fwd_tile(Q, K, V, O, m_idx, off_hz, S, H, GROUP, sqb, sqh, sqs, skb, skh, sks,
-                   svb, svh, svs, qk_scale,
+                   svb, svh, svs, sob, soh, sos, qk_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, CAUSAL_SPLIT: tl.constexpr, SCALE_NONNEG: tl.constexpr,
                    EXP2: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
@@ -212,7 +212,7 @@ def _attn_fwd_tile(Q, K, V, O, m_idx, off_hz, S, H, GROUP, sqb, sqh, sqs, skb, s
     b, h = off_hz // H, off_hz % H
     h_kv = h // GROUP
     b64, h64, hkv64 = b.to(tl.int64), h.to(tl.int64), h_kv.to(tl.int64)
-    q_base, o_base = b64 * sqb + h64 * sqh, off_hz.to(tl.int64) * S * HEAD_DIM  # O: contiguous
+    q_base, o_base = b64 * sqb + h64 * sqh, b64 * sob + h64 * soh
     k_base, v_base = b64 * skb + hkv64 * skh, b64 * svb + hkv64 * svh
     # -- q: (BLOCK_M, HEAD_DIM); it stays in registers throughout. Rows past S read as zeros.
     if TMA:
@@ -250,7 +250,7 @@ def _attn_fwd_tile(Q, K, V, O, m_idx, off_hz, S, H, GROUP, sqb, sqh, sqs, skb, s
     if TMA:
         O.store([b, h, start_m, 0], out.reshape(1, 1, BLOCK_M, HEAD_DIM))  # clipped at S
     else:
-        tl.store(O + o_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], out,
+        tl.store(O + o_base + offs_m[:, None] * sos + offs_d[None, :], out,
                  mask=offs_m[:, None] < S)
 
 
@@ -273,26 +273,29 @@ def _tile_coords(tile, num_m, BH, CAUSAL: tl.constexpr, HEAD_MAJOR: tl.constexpr
 # candidate compiles 2-4 kernels, not one per divisibility class of S).
 @triton.jit(do_not_specialize=["S", "BH", "H", "GROUP"])
 def _attn_fwd(Q, K, V, O, qk_scale, S, BH, H, GROUP, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
+              sob, soh, sos,
               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               CAUSAL: tl.constexpr, CAUSAL_SPLIT: tl.constexpr, SCALE_NONNEG: tl.constexpr,
               EXP2: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
               DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PERSISTENT: tl.constexpr,
               HEAD_MAJOR: tl.constexpr, HEAVY_FIRST: tl.constexpr):
-    """Q, O: (B, H, S, D), K, V: (B, H // GROUP, S, D); strided pointers, or descriptors if TMA."""
+    """Q, O: (B, H, S, D), K, V: (B, H // GROUP, S, D); strided pointers, or descriptors if TMA.
+    O is laid out as torch.empty_like(Q): Q's own strides where Q is dense (transformers'
+    (B, S, H, D) views give a (B, S, H, D) output, which it transposes back without a copy)."""
     num_m = tl.cdiv(S, BLOCK_M)
     if PERSISTENT:
         num_tiles = num_m * BH
         for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0)):
             m_idx, off_hz = _tile_coords(tile, num_m, BH, CAUSAL, HEAD_MAJOR, HEAVY_FIRST)
             _attn_fwd_tile(Q, K, V, O, m_idx, off_hz, S, H, GROUP, sqb, sqh, sqs, skb, skh, sks,
-                           svb, svh, svs, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                           svb, svh, svs, sob, soh, sos, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
                            CAUSAL, CAUSAL_SPLIT, SCALE_NONNEG, EXP2, TMA, WARP_SPEC,
                            DOT_PRECISION, UPCAST)
     else:
         m_idx, off_hz = _tile_coords(tl.program_id(0), num_m, BH, CAUSAL, HEAD_MAJOR,
                                      HEAVY_FIRST)
         _attn_fwd_tile(Q, K, V, O, m_idx, off_hz, S, H, GROUP, sqb, sqh, sqs, skb, skh, sks,
-                       svb, svh, svs, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                       svb, svh, svs, sob, soh, sos, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
                        CAUSAL, CAUSAL_SPLIT, SCALE_NONNEG, EXP2, TMA, WARP_SPEC, DOT_PRECISION,
                        UPCAST)
 
@@ -350,13 +353,13 @@ class _Desc:
 class _Launch:
     """One call key's launch, prepared by its first call: every argument but the tensors."""
 
-    __slots__ = ("run", "function", "packed", "grid", "out_shape", "descs", "ints",
-                 "constexprs", "raw", "maps")
+    __slots__ = ("run", "function", "packed", "grid", "descs", "ints", "constexprs", "raw",
+                 "maps")
 
-    def __init__(self, kernel, grid: int, out_shape: torch.Size, descs: tuple | None,  # noqa: ANN001
+    def __init__(self, kernel, grid: int, descs: tuple | None,  # noqa: ANN001
                  ints: tuple, constexprs: tuple) -> None:
         self.run, self.function, self.packed = kernel.run, kernel.function, kernel.packed_metadata
-        self.grid, self.out_shape, self.descs = grid, out_shape, descs
+        self.grid, self.descs = grid, descs
         self.ints, self.constexprs = ints, constexprs
         self.raw = _raw_launcher(kernel) if descs is not None else None
         self.maps: dict[tuple, tuple] = {}   # (operand, address) -> its encoded descriptor
@@ -412,7 +415,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
              ) -> torch.Tensor:
     """Checks shapes and launches the kernel with the module's knobs (TMA and WS as given)."""
     device = q.device if device is None else device
-    fast = _fast_ok(q, k, v, device)
+    # a launch is prepared only for inputs passed as they lie (not the copies made below)
+    fast = _fast_ok(q, k, v, device) and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, device, causal,
            use_tma, warp_specialize, scale >= 0)
     launch = _LAUNCHES.get(key) if fast else None
@@ -430,10 +434,10 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     block_m, block_n, num_warps, num_stages = _launch_settings(D, causal, S, BH, num_sms)
     num_tiles = triton.cdiv(S, block_m) * BH
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (B, H, S, D), contiguous
+    out = torch.empty_like(q)         # q's layout where q is dense, as SDPA's output
     use_tma = use_tma and not any(  # TMA needs 16-byte aligned bases and strides
         t.data_ptr() % 16 or (t.stride(0) | t.stride(1) | t.stride(2)) * t.element_size() % 16
-        for t in (q, k, v))
+        for t in (q, k, v, out))
     descs = None
     if use_tma:
         # 4-D (B, H, S, D) views: TMA zero-fills loads past S and clips stores at S per head.
@@ -442,7 +446,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
         args = tuple(TensorDescriptor(t, *d) for t, d in zip((q, k, v, out), descs))
     else:
         args = (q, k, v, out)
-    ints = (S, BH, H, H // k.shape[1], *q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
+    ints = (S, BH, H, H // k.shape[1], *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+            *out.stride()[:3])
     grid = (min(num_tiles, PROGRAMS_PER_SM * num_sms) if PERSISTENT else num_tiles,)
     qk_scale = scale * LOG2E if USE_EXP2 else scale
     # Triton 3.6's interpreter multiplies bfloat16 tiles as their raw uint16 bits (garbage), so
@@ -469,7 +474,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     if fast and kernel is not None and hasattr(kernel, "packed_metadata"):
         if len(_LAUNCHES) >= _MAX_LAUNCHES:
             _LAUNCHES.clear()
-        _LAUNCHES[key] = _Launch(kernel, grid[0], out.shape, descs, ints,
+        _LAUNCHES[key] = _Launch(kernel, grid[0], descs, ints,
                                  tuple(constexprs.values()))
     return out
 
@@ -478,7 +483,7 @@ def _launch_prepared(launch: _Launch, q: torch.Tensor, k: torch.Tensor, v: torch
                      qk_scale: float, device: torch.device) -> torch.Tensor:
     """Launches a prepared kernel on fresh inputs of its key (see _LAUNCHES). A descriptor
     depends only on its operand's address once the key is fixed: each is encoded once."""
-    out = torch.empty_like(q) if q.is_contiguous() else q.new_empty(launch.out_shape)
+    out = torch.empty_like(q)        # the strides the key's first call gave its output
     stream = torch._C._cuda_getCurrentRawStream(device.index)
     if launch.raw is not None:
         raw, cooperative, pdl, encode, metas = launch.raw
