@@ -5,9 +5,10 @@
 # tests  the gpu-marked tests (GPU_TEST_FILES picks; the decode ones take about 100 s)
 # run    the default search (call time) for RUN_S seconds, then the best re-evaluated by
 #        `evoattn eval`, its export and its report
-# seed   the default seed alone: a one-iteration run of configs/default.yaml, exported
-#        (what `hf` needs, without a search)
-# hf     the exported best inside a Hugging Face Llama model (benchmarks/hf_model.py)
+# seed   the default seed alone: a 0-iteration run of configs/default.yaml (the seed checked
+#        and exported: what `hf` and `op` need, without a search)
+# hf     the exported best inside a Hugging Face Llama model (benchmarks/hf_model.py), eager
+#        and compiled (HF_COMPILE="" for eager only), the kernel gain cross-checked by do_bench
 # op     the exported best's op against SDPA per default config (benchmarks/op_calls.py)
 # dask   a short search through a Dask scheduler and one GPU worker on this machine
 # noise  the default seed evaluated stand-alone and as a candidate in runs (benchmarks/noise.py)
@@ -17,7 +18,10 @@
 # decode_gen  greedy generation through the exported decode seed over the dynamic cache, the
 #        static cache eager and compiled (decode_generate.py; GEN_CACHES from dynamic,
 #        static_eager, static; GEN_DTYPES pick; about 160 s each); after `seed` or `run`,
-#        the prompt through that export's kernel. Both decode steps export the decode seed by a
+#        the prompt through that export's kernel
+# decode_step  one decode step over a static cache, eager and compiled by us, timed by do_bench
+#        and a plain loop (decode_step.py): the cross-check of decode_gen's static rows.
+#        The decode steps export the decode seed by a
 #        0-iteration run first (the seed checked and exported), where this machine has none yet
 # A device call runs at most 10 minutes: give a call the steps that fit (each step's timeouts
 # say how long it may take), e.g. STEPS="noise", then STEPS="decode", then STEPS="decode_gen"
@@ -85,7 +89,7 @@ run)
   ;;
 seed)
   log "seed export"
-  timeout "${SEED_S:-300}" python -m evoattn.cli run --config configs/default.yaml --iterations 1 \
+  timeout "${SEED_S:-300}" python -m evoattn.cli run --config configs/default.yaml --iterations 0 \
     --quiet --output /tmp/run-default > "$R/seed.txt" 2>&1
   echo "exit $?" >> "$R/seed.txt"; tail -8 "$R/seed.txt"
   cp /tmp/run-default/best/best_eval.json "$R/seed_best_eval.json" 2>/dev/null
@@ -94,8 +98,9 @@ hf)
   for h in ${HF_HIDDEN:-4096 2048}; do
     log "hf model hidden=$h"
     timeout "${HF_S:-300}" python benchmarks/hf_model.py --export /tmp/run-default/best \
-      --device cuda --hidden $h --seqs "${HF_SEQS:-1000,3000,6000}" --compile --dynamic \
-      --runs 5 --warmup 2 --json "$R/hf_h$h.json" > "$R/hf_h$h.txt" 2>&1
+      --device cuda --hidden $h --seqs "${HF_SEQS:-1000,3000,6000}" ${HF_COMPILE---compile --dynamic} \
+      --runs ${HF_RUNS:-5} --warmup 2 --cross-check ${HF_XCHECK:-3} --json "$R/hf_h$h.json" \
+      > "$R/hf_h$h.txt" 2>&1
     echo "exit $?" >> "$R/hf_h$h.txt"; grep -v Warning "$R/hf_h$h.txt" | tail -16
   done
   ;;
@@ -123,14 +128,20 @@ protocol|contention)
     > "$R/$script.txt" 2>&1
   echo "exit $?" >> "$R/$script.txt"; tail -20 "$R/$script.txt"
   ;;
-decode|decode_gen)
+decode|decode_gen|decode_step)
   if [ ! -f /tmp/run-decode/best/export.json ]; then
     log "decode seed export"
     timeout "${SEED_S:-300}" python -m evoattn.cli run --config configs/decode.yaml \
       --iterations 0 --quiet --output /tmp/run-decode > "$R/decode_seed.txt" 2>&1
     echo "exit $?" >> "$R/decode_seed.txt"; tail -8 "$R/decode_seed.txt"
   fi
-  if [ "$step" = decode ]; then
+  if [ "$step" = decode_step ]; then
+    log "decode_step"
+    timeout "${STEP_S:-400}" python benchmarks/decode_step.py --export /tmp/run-decode/best \
+      --dtypes "${GEN_DTYPES:-float16,bfloat16}" --out "$R/decode_step.json" \
+      > "$R/decode_step.txt" 2>&1
+    echo "exit $?" >> "$R/decode_step.txt"; grep -v Warning "$R/decode_step.txt" | tail -16
+  elif [ "$step" = decode ]; then
     for dt in ${DECODE_DTYPES:-float16 bfloat16}; do
       log "decode_bw $dt"
       timeout "${DECODE_S:-280}" python benchmarks/decode_bw.py --dtype $dt \

@@ -24,6 +24,8 @@ and reports
                     events on a GPU, rows a, b and c timed in interleaved rounds (one forward
                     of each per round, the order reversed every round); eager, and under torch.compile(fullgraph=True) with
                     --compile (rows b and c share one graph: the op decides when it runs)
+  cross-check       with --cross-check N (GPU): the kernel gain again by triton.testing.do_bench,
+                    rows b and c taking turns for N rounds (no timing code shared with the above)
   attention share   of one extra untimed eager forward: the time inside the attention function
                     (each call between two CUDA events, or perf_counter on the CPU; the events
                     themselves cost a little) over that forward's time
@@ -218,6 +220,8 @@ def measure_rows(pkg: Any, model: Any, ids: torch.Tensor, ref: torch.Tensor, clo
         for label, impl, kernel in (ROWS if n % 2 == 0 else ROWS[::-1]):
             switch(pkg, model, impl, kernel)
             got[label]["runs_ms"].append(clock.ms(forward))
+    if a.cross_check:
+        got["do_bench"] = cross_check(pkg, model, forward, a)
     for label, impl, kernel in ROWS:
         r = got[label]
         r["ms"] = statistics.median(r["runs_ms"])
@@ -226,6 +230,24 @@ def measure_rows(pkg: Any, model: Any, ids: torch.Tensor, ref: torch.Tensor, clo
             r["attention_ms"], r["forward_ms"] = attention_time(forward, impl, clock)
             r["attention_share"] = r["attention_ms"] / r["forward_ms"]
     return got
+
+
+def cross_check(pkg: Any, model: Any, forward: Callable[[], Any],
+                a: argparse.Namespace) -> dict[str, Any]:
+    """The kernel gain again, by a harness that shares no timing code with Clock:
+    triton.testing.do_bench (its own CUDA events, an L2 flush before each forward) of rows b
+    and c, taking turns for --cross-check rounds; the gain is the median of the rounds'
+    ratios, with their range."""
+    import triton.testing
+    ms: dict[str, list[float]] = {"b": [], "c": []}
+    for n in range(a.cross_check):
+        for label, impl, kernel in (ROWS[1:] if n % 2 == 0 else ROWS[:0:-1]):
+            switch(pkg, model, impl, kernel)
+            ms[label].append(triton.testing.do_bench(forward, warmup=50, rep=300,
+                                                     return_mode="median"))
+    ratios = [b / c for b, c in zip(ms["b"], ms["c"])]
+    return {"b_ms": ms["b"], "c_ms": ms["c"], "kernel_gain": statistics.median(ratios),
+            "kernel_gain_range": [min(ratios), max(ratios)]}
 
 
 def run_seq(pkg: Any, models: dict[str, Any], ref_model: Any, seq: int,
@@ -276,6 +298,12 @@ def run_hidden(pkg: Any, hidden: int, a: argparse.Namespace,
             for mode in models:
                 print(line(row, mode), flush=True)
                 warn_fallbacks(row, mode)
+                if "do_bench" in row[mode]:
+                    d = row[mode]["do_bench"]
+                    print(f"  do_bench cross-check, hidden {hidden} {dtype} S={seq} {mode}: "
+                          f"kernel gain b/c {d['kernel_gain']:.3f}x (rounds "
+                          f"{d['kernel_gain_range'][0]:.3f}-{d['kernel_gain_range'][1]:.3f})",
+                          flush=True)
         del models, model
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -330,8 +358,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="a 2-layer, 4-head model (CPU checks)")
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--cross-check", type=int, default=0, metavar="N",
+                    help="also time rows b and c by triton.testing.do_bench in N rounds (GPU)")
     ap.add_argument("--json", dest="json_path", help="write the results here")
     a = ap.parse_args(argv)
+    if a.cross_check and a.device == "cpu":
+        ap.error("--cross-check needs a GPU (triton.testing.do_bench)")
     size = dict(heads=4, kv_heads=2, layers=2, vocab=128, hidden="64", seqs="16,33") if a.tiny \
         else dict(heads=32, kv_heads=8, layers=4, vocab=32000, hidden="2048,4096",
                   seqs="1000,3000,6000")

@@ -460,3 +460,52 @@ def test_teacher_forced_agreement_tells_a_wrong_attention_from_sdpa(monkeypatch)
     assert got["sdpa"] == {"max_abs": 0.0, "top1": 1.0}
     assert got["evoattn"]["max_abs"] > 0.1 and got["evoattn"]["top1"] < 0.9
     assert not got["agrees"]
+
+
+@pytest.mark.slow
+def test_decode_step_benchmark_repeats_one_step_and_counts_its_calls(exported, tmp_path) -> None:
+    """`decode_step.py --tiny` on the CPU: every timed step of a static cache writes the same
+    slot (the cache set back before each), so the step's logits never change however often it
+    runs; both harnesses' speedups are the median of their rounds' ratios; the evoattn step's
+    attention calls are counted (one per layer, falling back on the CPU)."""
+    import subprocess
+    import sys
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    bench = bench_module("decode_step")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, vocab_size=97)).eval()
+    ids = torch.randint(1, 97, (2, 12))
+    with torch.no_grad():
+        cache = bench.prefilled(model, ids, 20)
+        rewind = bench.rewinder(cache, 12)
+        kw = {"use_cache": True, "position_ids": torch.full((2, 1), 12),
+              "attention_mask": torch.ones(2, 13, dtype=torch.long),
+              **bench.forward_kwargs(model, cache, torch.tensor([12]))}
+        tok = torch.tensor([[5], [7]])
+        first = None
+        for _ in range(4):
+            rewind()
+            logits = model(tok, **kw).logits
+            first = logits if first is None else first
+            assert torch.equal(logits, first) and cache.get_seq_length() == 13
+        # without the rewind the next step would land one slot further on
+        model(tok, **kw)
+        assert cache.get_seq_length() == 14
+
+    out = tmp_path / "s.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_step.py"), "--export",
+                    str(exported["out"]), "--device", "cpu", "--tiny", "--dtypes", "float32",
+                    "--rounds", "3", "--loop", "2", "--out", str(out)],
+                   check=True, capture_output=True, text=True, timeout=600)
+    row = json.loads(out.read_text())["rows"][0]
+    loop = row["eager"]["loop"]
+    ratios = sorted(s / e for s, e in zip(loop["sdpa_runs_ms"], loop["evoattn_runs_ms"]))
+    assert len(ratios) == 3 and loop["speedup"] == ratios[1]
+    assert loop["speedup_range"] == [ratios[0], ratios[-1]]
+    assert "do_bench" not in row["eager"] and "compiled" not in row    # GPU only
+    assert row["calls"]["fallback_reasons"] == {CPU: 2}, row["calls"]
+    assert row["eager"]["max_abs_logits"] < 1e-5

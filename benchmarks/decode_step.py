@@ -1,0 +1,229 @@
+"""One decode step of a Llama-shaped model over a static KV cache, SDPA against an exported
+`decode` kernel: the cross-check of decode_generate.py's tokens per second by another harness.
+
+    python benchmarks/decode_step.py --export RUN_DIR/best --out step.json
+    python benchmarks/decode_step.py --export RUN_DIR/best --device cpu --tiny --out s.json
+
+The model is decode_generate.py's (hidden 2048, 16 layers, GQA 4:1, random weights; --tiny on
+the CPU). Per dtype, a StaticCache of --prompt + --new positions is filled by one forward of
+--batch random prompts (SDPA); then one step, the forward of one new token per sequence at
+position --prompt + --at, with the arguments generate passes a static cache's steps
+(cache_position, position_ids, a 2-D mask of ones), is timed for each implementation:
+  eager      the forward as it is (the cache set back before each step, two small device ops
+             in both implementations' time, so every step writes the same slot)
+  compiled   torch.compile(forward, fullgraph=True, mode="reduce-overhead") of our own (CUDA
+             graphs; what generate's compile config asks for, built here, not by generate)
+Timing: triton.testing.do_bench (median; its own CUDA events and L2 flush) and a plain loop
+of --loop steps between two device syncs, host clock, the implementations taking turns for
+--rounds rounds (order reversed every round); the speedup is the median of the rounds'
+ratios, with their range, and tokens/s = batch / step time. Each eager step's attention calls
+are counted (every layer's should reach the kernel); compiled replays run no Python and are
+not. The outputs of the two implementations' steps are compared (largest logit difference).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import inspect
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_generate import IMPLS, model_config  # noqa: E402
+from hf_model import load_export  # noqa: E402
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def loop_ms(step: Callable[[], Any], n: int, device: torch.device) -> float:
+    """Host time of n back-to-back steps between two syncs, per step (ms)."""
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    sync(device)
+    return (time.perf_counter() - t0) * 1e3 / n
+
+
+def bench_ms(step: Callable[[], Any], device: torch.device) -> float | None:
+    """triton.testing.do_bench's median (GPU only)."""
+    if device.type != "cuda":
+        return None
+    import triton.testing
+    return triton.testing.do_bench(step, warmup=50, rep=300, return_mode="median")
+
+
+def forward_kwargs(model: Any, cache: Any, pos: torch.Tensor) -> dict[str, Any]:
+    """The cache (by the name this transformers gives it: 5.24 renames past_key_values to
+    cache) and, where forward still takes it, cache_position."""
+    params = inspect.signature(model.model.forward).parameters
+    kw = {"cache" if "cache" in params else "past_key_values": cache}
+    if "cache_position" in params:
+        kw["cache_position"] = pos
+    return kw
+
+
+def prefilled(model: Any, ids: torch.Tensor, total: int) -> Any:
+    """A StaticCache of `total` positions holding the prompt's keys and values (SDPA)."""
+    from transformers import StaticCache
+    cache = StaticCache(config=model.config, max_cache_len=total)
+    model.set_attn_implementation("sdpa")
+    model(ids, use_cache=True, logits_to_keep=1, attention_mask=torch.ones_like(ids),
+          **forward_kwargs(model, cache, torch.arange(ids.shape[1], device=ids.device)))
+    return cache
+
+
+def rewinder(cache: Any, pos: int) -> Callable[[], None]:
+    """Returns what puts the cache back at `pos` tokens, so that every timed step writes the
+    same slot: transformers >= 5.2x place a static cache's update at a per-layer counter
+    (a tensor, set back by two fused device ops), older ones at cache_position (nothing to do)."""
+    layers = getattr(cache, "layers", [])
+    counters = [lay.cumulative_length for lay in layers
+                if isinstance(getattr(lay, "cumulative_length", None), torch.Tensor)]
+    ints = [lay for lay in layers if isinstance(getattr(lay, "cumulative_length", None), int)]
+
+    def rewind() -> None:
+        if counters:
+            torch._foreach_mul_(counters, 0)
+            torch._foreach_add_(counters, pos)
+        for lay in ints:
+            lay.cumulative_length = pos
+    return rewind
+
+
+def ratio_summary(t: dict[str, list[float]]) -> dict[str, Any]:
+    ratios = [s / e for s, e in zip(t["sdpa"], t["evoattn"])]
+    return {"sdpa_ms": statistics.median(t["sdpa"]), "evoattn_ms": statistics.median(t["evoattn"]),
+            "sdpa_runs_ms": t["sdpa"], "evoattn_runs_ms": t["evoattn"],
+            "speedup": statistics.median(ratios), "speedup_range": [min(ratios), max(ratios)]}
+
+
+def run_dtype(pkg: Any, ref_model: Any, dtype: str, a: argparse.Namespace,
+              device: torch.device) -> dict[str, Any]:
+    model = copy.deepcopy(ref_model).to(getattr(torch, dtype))
+    cfg = model.config
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    ids = torch.randint(1, cfg.vocab_size, (a.batch, a.prompt), generator=gen).to(device)
+    pos = a.prompt + a.at
+    token = torch.randint(1, cfg.vocab_size, (a.batch, 1), generator=gen).to(device)
+    row: dict[str, Any] = {"dtype": dtype, "batch": a.batch, "prompt": a.prompt, "at": a.at}
+    with torch.no_grad():
+        cache = prefilled(model, ids, a.prompt + a.new)
+        rewind = rewinder(cache, pos)
+        kwargs = {"use_cache": True, "position_ids": torch.full((a.batch, 1), pos, device=device),
+                  "attention_mask": torch.ones(a.batch, pos + 1, dtype=torch.long,
+                                               device=device),
+                  **forward_kwargs(model, cache, torch.tensor([pos], device=device))}
+
+        def eager() -> Any:
+            rewind()
+            return model(token, **kwargs).logits
+
+        modes: dict[str, Callable[[], Any]] = {"eager": eager}
+        if a.compile and device.type == "cuda":
+            compiled = torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
+
+            def graphed() -> Any:
+                rewind()
+                return compiled(token, **kwargs).logits
+            modes["compiled"] = graphed
+        for mode, step in modes.items():
+            logits = {}
+            for impl in IMPLS:                       # checks, compiles, warms up
+                model.set_attn_implementation(impl)
+                pkg.reset_stats()
+                logits[impl] = step().float().clone()
+                if mode == "eager" and impl == "evoattn":
+                    row["calls"] = pkg.stats()
+                for _ in range(3):
+                    step()
+            sync(device)
+            t: dict[str, dict[str, list[float]]] = {"do_bench": {i: [] for i in IMPLS},
+                                                    "loop": {i: [] for i in IMPLS}}
+            for n in range(a.rounds):
+                for impl in (IMPLS if n % 2 == 0 else IMPLS[::-1]):
+                    model.set_attn_implementation(impl)
+                    b = bench_ms(step, device)
+                    if b is not None:
+                        t["do_bench"][impl].append(b)
+                    t["loop"][impl].append(loop_ms(step, a.loop, device))
+            row[mode] = {h: ratio_summary(v) for h, v in t.items() if v["sdpa"]}
+            row[mode]["max_abs_logits"] = (logits["sdpa"] - logits["evoattn"]).abs().max().item()
+            for h, r in row[mode].items():
+                if isinstance(r, dict):
+                    r["tokens_per_s"] = {i: a.batch / (r[f"{i}_ms"] / 1e3) for i in IMPLS}
+    del model, cache
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--export", required=True, help="an export directory or a run's best/")
+    ap.add_argument("--out", required=True, help="the JSON file to write")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--dtypes", default="float16,bfloat16")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=8192)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--at", type=int, default=64, help="the step's new token: prompt + at")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--loop", type=int, default=20, help="steps per plain-loop measurement")
+    ap.add_argument("--no-compile", dest="compile", action="store_false")
+    ap.add_argument("--tiny", action="store_true")
+    a = ap.parse_args(argv)
+    if a.device == "cpu" and not a.tiny:
+        raise SystemExit("the full-size model needs a GPU: use --tiny on the CPU")
+    if a.tiny:
+        a.batch, a.prompt, a.new, a.at = min(a.batch, 2), min(a.prompt, 32), min(a.new, 8), \
+            min(a.at, 4)
+    if not 0 <= a.at < a.new:
+        raise SystemExit(f"--at {a.at}: must lie in [0, --new {a.new})")
+    device = torch.device(a.device)
+    pkg = load_export(a.export)
+    if pkg.PROBLEM != "decode":
+        raise SystemExit(f"{a.export}: a {pkg.PROBLEM} kernel; this benchmark needs a decode one")
+    importlib.import_module(f"{pkg.__name__}.hf").register("evoattn")
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(0)
+    config = model_config(a)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).eval()
+    rows = []
+    for dtype in a.dtypes.split(","):
+        row = run_dtype(pkg, model, dtype, a, device)
+        rows.append(row)
+        for mode in ("eager", "compiled"):
+            for harness, r in row.get(mode, {}).items():
+                if not isinstance(r, dict):
+                    continue
+                print(f"{dtype} {mode:8} {harness:8}: step SDPA {r['sdpa_ms']:.3f} ms, evoattn "
+                      f"{r['evoattn_ms']:.3f} ms: {r['speedup']:.3f}x (rounds "
+                      f"{r['speedup_range'][0]:.3f}-{r['speedup_range'][1]:.3f}); tokens/s "
+                      f"{r['tokens_per_s']['sdpa']:.0f} vs {r['tokens_per_s']['evoattn']:.0f}",
+                      flush=True)
+            if mode in row:
+                print(f"{dtype} {mode:8} largest logit difference SDPA vs evoattn "
+                      f"{row[mode]['max_abs_logits']:.3g}", flush=True)
+        print(f"{dtype} eager step's attention calls: {row['calls']}", flush=True)
+    result = {"package": pkg.__name__, "device": torch.cuda.get_device_name(device)
+              if device.type == "cuda" else "cpu", "torch": torch.__version__,
+              "config": config.to_dict(), "rows": rows}
+    Path(a.out).write_text(json.dumps(result, indent=1, default=str))
+    print(f"wrote {a.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
