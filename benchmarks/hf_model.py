@@ -10,7 +10,9 @@ Builds a Llama-architecture model from a config with random weights (no download
 128; MLP as Llama 3.2 1B (8192) and Llama 3.1 8B (14336), 4x hidden otherwise; vocab 32000;
 --layers decoder layers (default 4). Registers the export with transformers'
 AttentionInterface and, per hidden size, dtype and sequence length (batch 1), times three rows
-of one prefill forward as generation runs it (use_cache=True: a fresh DynamicCache each call):
+of one prefill forward as generation runs it (use_cache=True: a fresh DynamicCache each call;
+logits_to_keep=1: the LM head on the last position only, so a 32000-word head over every
+position does not bury the layers; the agreement check takes every position's logits):
   a  attn_implementation="sdpa", transformers' own
   b  "evoattn" with the kernel switched off (PACKAGE.use_kernel(False)): the package's
      fallback (PyTorch SDPA) behind its own integration and mask function
@@ -190,15 +192,17 @@ def switch(pkg: Any, model: Any, impl: str, kernel: bool) -> None:
 
 
 def prepare(pkg: Any, model: Any, impl: str, kernel: bool, forward: Callable[[], Any],
-            ref: torch.Tensor, a: argparse.Namespace) -> dict[str, Any]:
-    """Checks one row (agreement, the package's call counts) and warms it up."""
+            timed: Callable[[], Any], ref: torch.Tensor, a: argparse.Namespace
+            ) -> dict[str, Any]:
+    """Checks one row (agreement over every position's logits, the package's call counts)
+    and warms up what is timed."""
     switch(pkg, model, impl, kernel)
     pkg.reset_stats()
     r: dict[str, Any] = {"impl": impl, "kernel_on": kernel,
                          **agreement(forward().logits, ref), "calls": pkg.stats(),
                          "runs_ms": []}
     for _ in range(a.warmup):
-        forward()
+        timed()
     return r
 
 
@@ -209,25 +213,28 @@ def measure_rows(pkg: Any, model: Any, ids: torch.Tensor, ref: torch.Tensor, clo
     interleaved rounds (one forward of each row per round, the order reversed every round),
     so a drift in the GPU's clock or the host's speed falls on every row alike; with
     share=True (eager only), the attention share of each row."""
-    def forward() -> Any:
+    def forward() -> Any:                  # every position's logits: the agreement check
         return model(ids, use_cache=a.cache)
+
+    def prefill() -> Any:                  # the last position's only, as generate's prefill
+        return model(ids, use_cache=a.cache, logits_to_keep=1)
 
     got: dict[str, dict[str, Any]] = {}
     for label, impl, kernel in ROWS:
         say_row(f"row {label} ({impl}, kernel {'on' if kernel else 'off'})")
-        got[label] = prepare(pkg, model, impl, kernel, forward, ref, a)
+        got[label] = prepare(pkg, model, impl, kernel, forward, prefill, ref, a)
     for n in range(a.runs):
         for label, impl, kernel in (ROWS if n % 2 == 0 else ROWS[::-1]):
             switch(pkg, model, impl, kernel)
-            got[label]["runs_ms"].append(clock.ms(forward))
+            got[label]["runs_ms"].append(clock.ms(prefill))
     if a.cross_check:
-        got["do_bench"] = cross_check(pkg, model, forward, a)
+        got["do_bench"] = cross_check(pkg, model, prefill, a)
     for label, impl, kernel in ROWS:
         r = got[label]
         r["ms"] = statistics.median(r["runs_ms"])
         if share:
             switch(pkg, model, impl, kernel)
-            r["attention_ms"], r["forward_ms"] = attention_time(forward, impl, clock)
+            r["attention_ms"], r["forward_ms"] = attention_time(prefill, impl, clock)
             r["attention_share"] = r["attention_ms"] / r["forward_ms"]
     return got
 

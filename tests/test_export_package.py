@@ -404,10 +404,12 @@ def test_model_benchmark_row_c_runs_the_kernel_and_row_b_does_not(exported):
     assert not r["all_on_kernel"] and "compile" not in r["rows"][0]
 
 
-def test_model_benchmark_times_its_rows_in_interleaved_rounds():
+def test_model_benchmark_times_its_rows_in_interleaved_rounds(monkeypatch):
     """Rows a, b and c are each checked and warmed up, then timed one forward each per round,
     the order reversed every round, each forward run as its own row (implementation and kernel
-    switch): a drift over the run falls on every row alike."""
+    switch): a drift over the run falls on every row alike. The check takes every position's
+    logits, the timed forwards the last position's (as generate's prefill); the do_bench
+    cross-check times rows b and c taking turns, its gain the median of its rounds' ratios."""
     import argparse
     import torch
     bench = bench_module("hf_model")
@@ -427,18 +429,38 @@ def test_model_benchmark_times_its_rows_in_interleaved_rounds():
         def set_attn_implementation(self, name):
             state["impl"] = name
 
-        def __call__(self, ids, use_cache):
+        def __call__(self, ids, use_cache, logits_to_keep=0):
+            kept.append(logits_to_keep)
             return argparse.Namespace(logits=torch.zeros(1, 2, 3))
 
     class Clock:
         def ms(self, fn):
+            kept.clear()
             fn()
+            assert kept == [1]
             timed.append((state["impl"], state["kernel"]))
             return float(len(timed))
 
-    a = argparse.Namespace(runs=3, warmup=1, cache=True)
+    benched = []
+
+    def do_bench(fn, warmup, rep, return_mode):
+        kept.clear()
+        fn()
+        assert kept == [1] and return_mode == "median"
+        benched.append(state["kernel"])
+        return {False: [2.0, 4.0, 3.0], True: [1.0, 1.0, 2.0]}[state["kernel"]][
+            sum(b == state["kernel"] for b in benched) - 1]
+
+    import triton.testing
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    kept: list = []
+    a = argparse.Namespace(runs=3, warmup=1, cache=True, cross_check=3)
     got = bench.measure_rows(Pkg(), Model(), None, torch.zeros(1, 2, 3), Clock(), a,
                              share=False, say_row=lambda _: None)
+    assert benched == [False, True, True, False, False, True]       # b c, c b, b c
+    # rounds' ratios b/c: 2/1, 4/1, 3/2
+    assert got["do_bench"]["kernel_gain"] == 2.0
+    assert got["do_bench"]["kernel_gain_range"] == [1.5, 4.0]
     row = {label: (impl, kernel) for label, impl, kernel in bench.ROWS}
     order = [row[x] for x in "abc"]
     assert timed == order + order[::-1] + order
