@@ -12,7 +12,8 @@ position --prompt + --at, with the arguments generate passes a static cache's st
   eager      the forward as it is (the cache set back before each step, two small device ops
              in both implementations' time, so every step writes the same slot)
   compiled   torch.compile(forward, fullgraph=True, mode="reduce-overhead") of our own (CUDA
-             graphs; what generate's compile config asks for, built here, not by generate)
+             graphs; what generate's compile config asks for, built here, not by generate),
+             each implementation on its own copy of the model
 Timing: triton.testing.do_bench (median; its own CUDA events and L2 flush) and a plain loop
 of --loop steps between two device syncs, host clock, the implementations taking turns for
 --rounds rounds (order reversed every round); the speedup is the median of the rounds'
@@ -101,6 +102,21 @@ def rewinder(cache: Any, pos: int) -> Callable[[], None]:
     return rewind
 
 
+def compiled_step(model: Any, impl: str, token: torch.Tensor, kwargs: dict[str, Any],
+                  rewind: Callable[[], None]) -> Callable[[], Any]:
+    """One implementation's step compiled on a copy of the model of its own (set to that
+    implementation before tracing: one compiled forward switched between implementations
+    kept replaying one graph for both), sharing the weights' values and the cache."""
+    own = copy.deepcopy(model)
+    own.set_attn_implementation(impl)
+    compiled = torch.compile(own.forward, fullgraph=True, mode="reduce-overhead")
+
+    def step() -> Any:
+        rewind()
+        return compiled(token, **kwargs).logits
+    return step
+
+
 def ratio_summary(t: dict[str, list[float]]) -> dict[str, Any]:
     ratios = [s / e for s, e in zip(t["sdpa"], t["evoattn"])]
     return {"sdpa_ms": statistics.median(t["sdpa"]), "evoattn_ms": statistics.median(t["evoattn"]),
@@ -129,18 +145,15 @@ def run_dtype(pkg: Any, ref_model: Any, dtype: str, a: argparse.Namespace,
             rewind()
             return model(token, **kwargs).logits
 
-        modes: dict[str, Callable[[], Any]] = {"eager": eager}
+        steps: dict[str, dict[str, Callable[[], Any]]] = \
+            {"eager": {i: eager for i in IMPLS}} if a.eager else {}
         if a.compile and device.type == "cuda":
-            compiled = torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
-
-            def graphed() -> Any:
-                rewind()
-                return compiled(token, **kwargs).logits
-            modes["compiled"] = graphed
-        for mode, step in modes.items():
+            steps["compiled"] = {i: compiled_step(model, i, token, kwargs, rewind) for i in IMPLS}
+        for mode, step_of in steps.items():
             logits = {}
             for impl in IMPLS:                       # checks, compiles, warms up
                 model.set_attn_implementation(impl)
+                step = step_of[impl]
                 pkg.reset_stats()
                 logits[impl] = step().float().clone()
                 if mode == "eager" and impl == "evoattn":
@@ -153,10 +166,10 @@ def run_dtype(pkg: Any, ref_model: Any, dtype: str, a: argparse.Namespace,
             for n in range(a.rounds):
                 for impl in (IMPLS if n % 2 == 0 else IMPLS[::-1]):
                     model.set_attn_implementation(impl)
-                    b = bench_ms(step, device)
+                    b = bench_ms(step_of[impl], device)
                     if b is not None:
                         t["do_bench"][impl].append(b)
-                    t["loop"][impl].append(loop_ms(step, a.loop, device))
+                    t["loop"][impl].append(loop_ms(step_of[impl], a.loop, device))
             row[mode] = {h: ratio_summary(v) for h, v in t.items() if v["sdpa"]}
             row[mode]["max_abs_logits"] = (logits["sdpa"] - logits["evoattn"]).abs().max().item()
             for h, r in row[mode].items():
@@ -181,6 +194,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--loop", type=int, default=20, help="steps per plain-loop measurement")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
+    ap.add_argument("--no-eager", dest="eager", action="store_false")
     ap.add_argument("--tiny", action="store_true")
     a = ap.parse_args(argv)
     if a.device == "cpu" and not a.tiny:
@@ -216,7 +230,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if mode in row:
                 print(f"{dtype} {mode:8} largest logit difference SDPA vs evoattn "
                       f"{row[mode]['max_abs_logits']:.3g}", flush=True)
-        print(f"{dtype} eager step's attention calls: {row['calls']}", flush=True)
+        if "calls" in row:
+            print(f"{dtype} eager step's attention calls: {row['calls']}", flush=True)
     result = {"package": pkg.__name__, "device": torch.cuda.get_device_name(device)
               if device.type == "cuda" else "cpu", "torch": torch.__version__,
               "config": config.to_dict(), "rows": rows}

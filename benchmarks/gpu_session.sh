@@ -138,7 +138,7 @@ decode|decode_gen|decode_step)
   if [ "$step" = decode_step ]; then
     log "decode_step"
     timeout "${STEP_S:-400}" python benchmarks/decode_step.py --export /tmp/run-decode/best \
-      --dtypes "${GEN_DTYPES:-float16,bfloat16}" --out "$R/decode_step.json" \
+      --dtypes "${GEN_DTYPES:-float16,bfloat16}" ${STEP_ARGS:-} --out "$R/decode_step.json" \
       > "$R/decode_step.txt" 2>&1
     echo "exit $?" >> "$R/decode_step.txt"; grep -v Warning "$R/decode_step.txt" | tail -16
   elif [ "$step" = decode ]; then
