@@ -136,15 +136,23 @@ def summarise(times: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+PREFILL_CHUNK = 1024           # prompt tokens per forward of the teacher-forced check
+
+
 def forced_steps(model: Any, ids: torch.Tensor, forced: torch.Tensor,
                  each: Any) -> None:
-    """The prompt's forward, then one-token forwards over a dynamic cache feeding `forced`
+    """The prompt's forwards (PREFILL_CHUNK tokens each), then one-token forwards over a dynamic cache feeding `forced`
     (B, n) new tokens instead of the model's own: each(t, logits (B, V) float32) gets the
     logits that predict forced[:, t + 1], for t < n - 1 (every step a decode call)."""
-    cache = model(ids, use_cache=True, logits_to_keep=1).past_key_values
     # transformers renames forward's past_key_values to cache (5.24 warns, 5.40 drops it)
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else \
         "past_key_values"
+    # The prompt in chunks: in float32 SDPA has no fused kernel for GQA and would materialise
+    # the whole (B, H, S, S) score matrix (128 GiB at batch 16 and an 8k prompt).
+    cache = None
+    for i in range(0, ids.shape[1], PREFILL_CHUNK):
+        cache = model(ids[:, i:i + PREFILL_CHUNK], use_cache=True, logits_to_keep=1,
+                      **({} if cache is None else {name: cache})).past_key_values
     for t in range(forced.shape[1] - 1):
         out = model(forced[:, t:t + 1], use_cache=True, **{name: cache})
         each(t, out.logits[:, -1].float())
