@@ -232,8 +232,9 @@ def _range(row: dict[str, Any]) -> str:
     return "n/a" if r is None else f"{r[0]:.3f}-{r[1]:.3f}x"
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def model_args(ap: argparse.ArgumentParser) -> None:
+    """The arguments this benchmark shares with decode_step.py: the export, the output, the
+    device, the dtypes and the model's batch, prompt and new tokens (--tiny on the CPU)."""
     ap.add_argument("--export", required=True, help="an export directory or a run's best/")
     ap.add_argument("--out", required=True, help="the JSON file to write")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -241,33 +242,49 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=8192)
     ap.add_argument("--new", type=int, default=128)
-    ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tiny", action="store_true")
+
+
+def decode_package(a: argparse.Namespace) -> tuple[Any, torch.device]:
+    """Checks model_args (the full model needs a GPU; --tiny shrinks it) and imports the
+    export, which must be a decode kernel's. Returns (package, device)."""
+    if a.device == "cpu" and not a.tiny:
+        raise SystemExit("the full-size model needs a GPU: use --tiny on the CPU")
+    if a.tiny:
+        a.batch, a.prompt, a.new = min(a.batch, 2), min(a.prompt, 32), min(a.new, 8)
+    pkg = load_export(a.export)
+    if pkg.PROBLEM != "decode":
+        raise SystemExit(f"{a.export}: a {pkg.PROBLEM} kernel; this benchmark needs a decode one")
+    return pkg, torch.device(a.device)
+
+
+def build_model(a: argparse.Namespace, device: torch.device) -> tuple[Any, Any]:
+    """The float32 model of model_config(a) on the device, seeded: (config, model)."""
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(0)
+    config = model_config(a)
+    with torch.device(device):
+        return config, LlamaForCausalLM(config).eval()
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    model_args(ap)
+    ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--cache", default="dynamic", choices=("dynamic", "static"))
     ap.add_argument("--prefill-export", default="",
                     help="an sdpa or gqa export whose kernel takes the prompt")
     ap.add_argument("--eager", action="store_true",
                     help="with --cache static: do not compile the steps")
     a = ap.parse_args(argv)
-    if a.device == "cpu" and not a.tiny:
-        raise SystemExit("the full-size model needs a GPU: use --tiny on the CPU")
-    if a.tiny:
-        a.batch, a.prompt, a.new = min(a.batch, 2), min(a.prompt, 32), min(a.new, 8)
-    device = torch.device(a.device)
-    pkg = load_export(a.export)
-    if pkg.PROBLEM != "decode":
-        raise SystemExit(f"{a.export}: a {pkg.PROBLEM} kernel; this benchmark needs a decode one")
+    pkg, device = decode_package(a)
     hf = importlib.import_module(f"{pkg.__name__}.hf")
     prefill_pkg = load_export(a.prefill_export) if a.prefill_export else None
     try:
         hf.register("evoattn", prefill=prefill_pkg)
     except ValueError as e:
         raise SystemExit(f"{a.prefill_export}: {e}") from None
-    from transformers import LlamaForCausalLM
-    torch.manual_seed(0)
-    config = model_config(a)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).eval()
+    config, model = build_model(a, device)
     rows = []
     for dtype in a.dtypes.split(","):
         row = run_dtype(pkg, model, dtype, a, device, prefill_pkg)

@@ -37,8 +37,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_generate import IMPLS, model_config  # noqa: E402
-from hf_model import load_export  # noqa: E402
+from decode_generate import IMPLS, build_model, decode_package, model_args  # noqa: E402
 
 
 def sync(device: torch.device) -> None:
@@ -183,37 +182,20 @@ def run_dtype(pkg: Any, ref_model: Any, dtype: str, a: argparse.Namespace,
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--export", required=True, help="an export directory or a run's best/")
-    ap.add_argument("--out", required=True, help="the JSON file to write")
-    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--dtypes", default="float16,bfloat16")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--prompt", type=int, default=8192)
-    ap.add_argument("--new", type=int, default=128)
+    model_args(ap)
     ap.add_argument("--at", type=int, default=64, help="the step's new token: prompt + at")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--loop", type=int, default=20, help="steps per plain-loop measurement")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--no-eager", dest="eager", action="store_false")
-    ap.add_argument("--tiny", action="store_true")
     a = ap.parse_args(argv)
-    if a.device == "cpu" and not a.tiny:
-        raise SystemExit("the full-size model needs a GPU: use --tiny on the CPU")
+    pkg, device = decode_package(a)
     if a.tiny:
-        a.batch, a.prompt, a.new, a.at = min(a.batch, 2), min(a.prompt, 32), min(a.new, 8), \
-            min(a.at, 4)
+        a.at = min(a.at, 4)
     if not 0 <= a.at < a.new:
         raise SystemExit(f"--at {a.at}: must lie in [0, --new {a.new})")
-    device = torch.device(a.device)
-    pkg = load_export(a.export)
-    if pkg.PROBLEM != "decode":
-        raise SystemExit(f"{a.export}: a {pkg.PROBLEM} kernel; this benchmark needs a decode one")
     importlib.import_module(f"{pkg.__name__}.hf").register("evoattn")
-    from transformers import LlamaForCausalLM
-    torch.manual_seed(0)
-    config = model_config(a)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).eval()
+    config, model = build_model(a, device)
     rows = []
     for dtype in a.dtypes.split(","):
         row = run_dtype(pkg, model, dtype, a, device)
