@@ -229,8 +229,9 @@ def _guard(info: KernelInfo) -> list[str]:
               "- layout: strided inputs (transformers' (B, S, H, D) views) and k, v with fewer "
               "heads go to the kernel as they lie when its INPUT_LAYOUTS says it takes them and "
               "it gives on them, at the first call of that layout, what it gives on contiguous "
-              "copies; otherwise it gets the copies. The op's output is laid out as `torch.empty_like(q)` "
-              "(q's strides where q is dense, as SDPA's output)",
+              "copies; otherwise it gets the copies. The op's output is contiguous; an eager "
+              "`attention()` call returns the kernel's as it comes (the default seed lays it "
+              "out as q, as SDPA does)",
               "- each call key (shapes, strides, dtypes, devices, arguments) is decided once; "
               "a repeated call looks its decision up",
               "- autograd: inputs that require grad take SDPA (the kernel is forward-only)",

@@ -441,6 +441,7 @@ def test_teacher_forced_agreement_tells_a_wrong_attention_from_sdpa(monkeypatch)
     import torch
     from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface
     bench = bench_module("decode_generate")
 
     def no_cache(module, query, key, value, attention_mask, **kw):
@@ -448,6 +449,9 @@ def test_teacher_forced_agreement_tells_a_wrong_attention_from_sdpa(monkeypatch)
                                       value[:, :, -query.shape[2]:], None, **kw)
 
     monkeypatch.setitem(AttentionInterface._global_mapping, "evoattn", no_cache)
+    # SDPA's masks for "evoattn" too, whatever a package registered earlier in this process
+    monkeypatch.setitem(AttentionMaskInterface._global_mapping, "evoattn",
+                        AttentionMaskInterface._global_mapping["sdpa"])
     monkeypatch.setattr(bench, "PREFILL_CHUNK", 5)       # the prompt in chunks of 5, 5, 2
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**TINY, initializer_range=0.5)).eval()

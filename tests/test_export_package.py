@@ -566,3 +566,33 @@ def test_model_benchmark_judges_agreement_against_sdpa_with_a_slack_for_near_tie
     assert bench.judge(sdpa, {"max_abs": 0.03, "top1": 0.99})       # 5 in 1000 ties flipped
     assert not bench.judge(sdpa, {"max_abs": 0.03, "top1": 0.97})   # accuracy lost
     assert not bench.judge(sdpa, {"max_abs": 0.05, "top1": 1.0})    # logits 2.5x further off
+
+
+def test_attention_time_leaves_transformers_attention_interface_as_it_found_it(monkeypatch):
+    """hf_model.attention_time wraps an implementation's entry for one forward; after it, a
+    later registration of that name must be what transformers calls (an override left in the
+    interface's local mapping would shadow it: a leak from one test, or package, to the next)."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    bench = bench_module("hf_model")
+    first, second = (lambda *a, **k: "first"), (lambda *a, **k: "second")
+    monkeypatch.setitem(AttentionInterface._global_mapping, "timed_impl", first)
+
+    class Clock:
+        def ms(self, fn):
+            fn()
+            return 1.0
+
+        def mark(self):
+            return 0.0
+
+        def between(self, s, e):
+            return 0.0
+
+    seen = []
+    bench.attention_time(lambda: seen.append(ALL_ATTENTION_FUNCTIONS["timed_impl"]()),
+                         "timed_impl", Clock())
+    assert seen == ["first"]
+    AttentionInterface.register("timed_impl", second)
+    assert ALL_ATTENTION_FUNCTIONS["timed_impl"]() == "second"
+    assert "timed_impl" not in ALL_ATTENTION_FUNCTIONS._local_mapping

@@ -7,13 +7,15 @@
     decode_pkg.hf.register(prefill=sdpa_pkg)   # a decode kernel's prompts: a prefill kernel's
 
 transformers passes q, k, v as (B, H, S, D) views of (B, S, H, D) projections (k, v with fewer
-heads under GQA) and wants (B, S, H, D) back: the op's output comes laid out as q, so that
-transposing it back copies nothing, as with SDPA's. `register` also registers the mask builder, so that a call with nothing
-to mask but causality gets no mask (as SDPA does) and a padded batch gets its mask. A call
-the kernel's problem covers goes through the op (whose guard may still fall back); anything
-else runs transformers' own SDPA path, counted as a fallback: an attention mask, query and
-key lengths that differ (decoding with a cache), dropout while training, output_attentions,
-softcap, a position bias, attention sinks, a paged cache.
+heads under GQA) and wants (B, S, H, D) back: eagerly, a kernel that lays its output out as q
+(the default seed) gives one that transposes back without a copy, as SDPA's does (under
+torch.compile the op's output is contiguous, and transposing it back copies). `register` also
+registers the mask builder, so that a call with nothing to mask but causality gets no mask (as
+SDPA does) and a padded batch gets its mask. A call the kernel's problem covers goes through
+the op (whose guard may still fall back); anything else runs transformers' own SDPA path,
+counted as a fallback: an attention mask, query and key lengths that differ (decoding with a
+cache), dropout while training, output_attentions, softcap, a position bias, attention sinks, a
+paged cache.
 
 Per problem: `sdpa` and `gqa` take causal and non-causal prefill, k and v passed as they are
 (the op gives them to a kernel that takes GQA and strides, and contiguous, repeated copies to

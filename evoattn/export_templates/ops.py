@@ -1,16 +1,16 @@
 """The kernel as a PyTorch custom op: `torch.ops.<namespace>.attention`, with a fake for compile.
 
-Dynamo and CUDA graphs see one opaque op whose output is a new contiguous tensor shaped like
-q (an eager `attention()` call returns the kernel's output as the kernel lays it out: see
-_kernel_run). What a call runs is decided once per call key (each tensor's shape, strides, dtype, device
-and requires_grad; the other arguments' values) and kept, so a repeated call costs a dict
-lookup: the evolved kernel on what the guard says it was verified on, PyTorch SDPA elsewhere
-(logged once per reason at debug level on this package's logger). A problem's growing
+Dynamo and CUDA graphs see one opaque op whose output is a new contiguous tensor shaped like q
+(an eager `attention()` call returns the kernel's output as the kernel lays it out: see
+_kernel_run). What a call runs is decided once per call key (each tensor's shape, strides,
+dtype, device and requires_grad; the other arguments' values) and kept, so a repeated call
+costs a dict lookup: the evolved kernel on what the guard says it was verified on, PyTorch SDPA
+elsewhere (logged once per reason at debug level on this package's logger). A problem's growing
 tensors (decode's cache) are keyed, while contiguous, by their length's power of two: a
 generation decides once per doubling of its cache, not once per token. A kernel whose module
 takes a layout (its INPUT_LAYOUTS: "strided", any strides; "gqa", k and v with fewer heads)
-gets such inputs as they lie once it has given, on the first call of that key, what it gives
-on contiguous copies; other kernels get the copies.
+gets such inputs as they lie once it has given, on the first call of that key, what it gives on
+contiguous copies; other kernels get the copies.
 
 `attention()`, called eagerly, decides before the op and skips PyTorch's dispatcher (tens of
 microseconds for an op implemented in Python): a call that falls back runs SDPA directly, a
