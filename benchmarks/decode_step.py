@@ -13,7 +13,9 @@ position --prompt + --at, with the arguments generate passes a static cache's st
              in both implementations' time, so every step writes the same slot)
   compiled   torch.compile(forward, fullgraph=True, mode="reduce-overhead") of our own (CUDA
              graphs; what generate's compile config asks for, built here, not by generate),
-             each implementation on its own copy of the model
+             each implementation on its own copy of the model. On an H100 (transformers
+             5.17) the compiled evoattn step never reached the kernel (no op call before the
+             replays; the script warns when so), so that mode times SDPA on both sides
 Timing: triton.testing.do_bench (median; its own CUDA events and L2 flush) and a plain loop
 of --loop steps between two device syncs, host clock, the implementations taking turns for
 --rounds rounds (order reversed every round); the speedup is the median of the rounds'
@@ -215,6 +217,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for mode, calls in row.get("calls", {}).items():
             print(f"{dtype} {mode} evoattn steps' attention calls (4 steps; compiled: the "
                   f"Python-run ones before the CUDA graph replays): {calls}", flush=True)
+            if device.type == "cuda" and not calls["kernel"]:
+                print(f"WARNING: {dtype} {mode}: no evoattn step reached the kernel, so this "
+                      "mode's evoattn figures are not the kernel's", file=sys.stderr, flush=True)
     result = {"package": pkg.__name__, "device": torch.cuda.get_device_name(device)
               if device.type == "cuda" else "cpu", "torch": torch.__version__,
               "config": config.to_dict(), "rows": rows}
