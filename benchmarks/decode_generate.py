@@ -139,14 +139,20 @@ def summarise(times: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
 PREFILL_CHUNK = 1024           # prompt tokens per forward of the teacher-forced check
 
 
+def cache_keyword(model: Any) -> str:
+    """The name forward takes the KV cache by: transformers renames past_key_values to cache
+    (5.24 warns, 5.40 drops the old name)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else \
+        "past_key_values"
+
+
 def forced_steps(model: Any, ids: torch.Tensor, forced: torch.Tensor,
                  each: Any) -> None:
-    """The prompt's forwards (PREFILL_CHUNK tokens each), then one-token forwards over a dynamic cache feeding `forced`
-    (B, n) new tokens instead of the model's own: each(t, logits (B, V) float32) gets the
-    logits that predict forced[:, t + 1], for t < n - 1 (every step a decode call)."""
-    # transformers renames forward's past_key_values to cache (5.24 warns, 5.40 drops it)
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else \
-        "past_key_values"
+    """The prompt's forwards (PREFILL_CHUNK tokens each), then one-token forwards over a
+    dynamic cache feeding `forced` (B, n) new tokens instead of the model's own: each(t,
+    logits (B, V) float32) gets the logits that predict forced[:, t + 1], for t < n - 1
+    (every step a decode call)."""
+    name = cache_keyword(model)
     # The prompt in chunks: in float32 SDPA has no fused kernel for GQA and would materialise
     # the whole (B, H, S, S) score matrix (128 GiB at batch 16 and an 8k prompt).
     cache = None

@@ -13,9 +13,9 @@ position --prompt + --at, with the arguments generate passes a static cache's st
              in both implementations' time, so every step writes the same slot)
   compiled   torch.compile(forward, fullgraph=True, mode="reduce-overhead") of our own (CUDA
              graphs; what generate's compile config asks for, built here, not by generate),
-             each implementation on its own copy of the model. On an H100 (transformers
-             5.17) the compiled evoattn step never reached the kernel (no op call before the
-             replays; the script warns when so), so that mode times SDPA on both sides
+             each implementation on its own copy of the model. The evoattn step's op calls
+             before the replays are counted: with none (as on an H100 with transformers
+             5.17), that mode times SDPA on both sides, and the script warns
 Timing: triton.testing.do_bench (median; its own CUDA events and L2 flush) and a plain loop
 of --loop steps between two device syncs, host clock, the implementations taking turns for
 --rounds rounds (order reversed every round); the speedup is the median of the rounds'
@@ -39,7 +39,8 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_generate import IMPLS, build_model, decode_package, model_args  # noqa: E402
+from decode_generate import (IMPLS, build_model, cache_keyword, decode_package,  # noqa: E402
+                             model_args)
 
 
 def sync(device: torch.device) -> None:
@@ -66,11 +67,10 @@ def bench_ms(step: Callable[[], Any], device: torch.device) -> float | None:
 
 
 def forward_kwargs(model: Any, cache: Any, pos: torch.Tensor) -> dict[str, Any]:
-    """The cache (by the name this transformers gives it: 5.24 renames past_key_values to
-    cache) and, where forward still takes it, cache_position."""
-    params = inspect.signature(model.model.forward).parameters
-    kw = {"cache" if "cache" in params else "past_key_values": cache}
-    if "cache_position" in params:
+    """The cache (by the name this transformers gives it) and, where forward still takes it,
+    cache_position."""
+    kw = {cache_keyword(model): cache}
+    if "cache_position" in inspect.signature(model.forward).parameters:
         kw["cache_position"] = pos
     return kw
 

@@ -57,8 +57,7 @@ class Decision(NamedTuple):
     run: Callable[..., torch.Tensor]                 # takes the op's values in schema order
     fallback: Callable[..., torch.Tensor] | None     # SDPA, when the call falls back
     reason: str | None                               # why it falls back
-    eager: Callable[..., torch.Tensor] | None = None   # the kernel for attention(): see
-    #                                                    _kernel_run
+    eager: Callable[..., torch.Tensor] | None = None  # attention()'s run (see _kernel_run)
 
 
 # Per kernel setting (see use_kernel): the op's decisions and attention()'s entries, by call key.
