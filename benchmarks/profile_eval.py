@@ -30,6 +30,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--timing", choices=("call", "kernel", "graph"), default="call")
+    ap.add_argument("--dtypes", default=None,
+                    help="comma-separated, the timed one first (default: the problem's)")
     a = ap.parse_args()
     cache = os.environ.get("EVOATTN_CACHE") or tempfile.mkdtemp(prefix="evoattn-prof-")
     work = tempfile.mkdtemp(prefix="evoattn-prof-work-")
@@ -43,7 +45,8 @@ def main() -> None:
     req = EvalRequest(candidate=candidate, problem=problem, device=a.device, cache_dir=cache,
                       allowed_dirs=(work, cache, os.environ["TRITON_CACHE_DIR"]),
                       secret_seed=secrets.randbits(62), reps=a.reps, warmup=a.warmup,
-                      timing=a.timing)
+                      timing=a.timing,
+                      dtypes=tuple(a.dtypes.split(",")) if a.dtypes else None)
     marks: list[tuple[str, float]] = [("start", time.perf_counter())]
     from evaluator.harness import evaluate
     prof = cProfile.Profile()
