@@ -1,4 +1,5 @@
-"""The evaluation inside the child: scan, build, reference, baselines, guard, import, check, time.
+"""The evaluation inside the child: scan, build, baselines, (the GPU's lock), reference, guard,
+import, check, time.
 
 Order matters for integrity: references, tolerance probes, the baselines' compiled code and
 the GPU's ceiling all exist before the candidate is imported; freed device memory is then
@@ -76,14 +77,19 @@ def evaluate(req: EvalRequest, stage: Stage) -> EvalResult:
     except LoadFailure as e:
         verdict = Verdict.BUILD_ERROR if e.kind == "build" else Verdict.LOAD_ERROR
         return s.fail(verdict, e.reason, build_log=e.log)
+    # The baselines' set-up (cuDNN's plans, FlexAttention's compiles: seconds of CPU work)
+    # before the GPU lock, so that it overlaps another evaluation's turn on a shared GPU.
+    stage("baselines")
+    baselines = _warm_baselines(s)
+    if req.gpu_lock:
+        stage("gpu-wait")
+        _hold_gpu(req.gpu_lock)
     stage("reference")
     rng = random.Random(int(req.secret_seed))
     cases = _cases(s, rng, s.dtype_name)
     # Checked only, after the timed dtype passes; their references also exist before any
     # candidate code runs.
     others = {d: _cases(s, rng, d) for d in s.dtypes[1:]}
-    stage("baselines")
-    baselines = _warm_baselines(s, cases)
     stage("ceiling")
     ceiling = _ceiling(s)
     # Binds the clocks before any candidate code. Before the poisoning: setting up the GPU spin
@@ -210,18 +216,38 @@ def _check_failure(s: Setup, dtype_name: str, checked: Checked) -> EvalResult | 
     return s.fail(verdict, reason, configs=checked.results[:len(s.configs)])
 
 
-def _warm_baselines(s: Setup, cases: list[Case]) -> dict[str, Callable[..., Any]]:
+def _warm_baselines(s: Setup) -> dict[str, Callable[..., Any]]:
     """Calls each baseline once per timed config before any candidate code runs, so that what
-    they compile (FlexAttention) is compiled into caches candidates cannot write."""
+    they compile (FlexAttention) or plan (cuDNN) is ready, and compiled into caches candidates
+    cannot write. On inputs of their own (only shapes, dtypes and layouts matter here), made
+    and freed one config at a time."""
     if s.req.check_only or s.req.baseline_times is not None:
         return {}
+    import torch
     baselines = s.problem.baselines()
+    device = torch.device(s.req.device)
+    gen = torch.Generator(device=device)
     with trusted_compile_caches(s.req.cache_dir):
-        for case in cases:
-            if not case.domain:
-                for fn in baselines.values():
-                    fn(case.trials[0].inputs, case.cfg)
+        for cfg in s.configs:
+            gen.manual_seed(0)
+            inputs = s.problem.make_inputs(cfg, s.dtype, device, gen)
+            for fn in baselines.values():
+                fn(inputs, cfg)
+            del inputs
     return baselines
+
+
+_held: list[Any] = []                  # the GPU lock's open file, held until the process exits
+
+
+def _hold_gpu(path: str) -> None:
+    """Waits for, then holds to the end of this process, the lock of the GPU this evaluation
+    shares with others (the kernel releases it however the process ends)."""
+    import fcntl
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    f = open(path, "a+")
+    fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+    _held.append(f)
 
 
 @contextlib.contextmanager

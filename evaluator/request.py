@@ -43,6 +43,11 @@ class EvalRequest:
     all_backends: bool = False                 # also time the problem's diagnostic backends
     warmup: int | None = None                  # None: GPU_WARMUP / CPU_WARMUP
     reps: int | None = None                    # None: GPU_REPS / CPU_REPS (CPU_REPS at most)
+    # The fitness mode's rounds stop once each config's speedup is known within this relative
+    # half-width (95%), or at `reps`. A run's plain candidates get a looser one (its
+    # `evaluator.candidate_width`); duels and `evoattn eval` keep this.
+    width: float = 0.01
+    graph: bool = True                         # also time graph mode (always when it is `timing`)
     # limits
     build_timeout_s: float = 300.0
     run_timeout_s: float = 600.0               # a ceiling; runs derive a tighter one (sandbox)
@@ -59,6 +64,9 @@ class EvalRequest:
     # given by a run's station (evoattn/station.py): then the child times no baseline itself
     baseline_times: dict[str, dict[str, dict[str, Any]]] | None = None
     ceiling_tflops: float | None = None
+    # A file the child locks from its reference stage to its exit, when evaluations share one
+    # GPU: their checks and timing take turns; builds and the baselines' set-up overlap.
+    gpu_lock: str = ""
 
     def validate(self) -> None:
         """Raises ValueError naming the field when a value is out of range."""
@@ -82,6 +90,8 @@ class EvalRequest:
             value = getattr(self, name)
             if value is not None and value < (1 if name == "trials" else 0):
                 raise ValueError(f"{name} must be >= {1 if name == 'trials' else 0}, got {value}")
+        if not 0 < self.width < 1:
+            raise ValueError(f"width must be between 0 and 1, got {self.width}")
         for name in ("build_timeout_s", "run_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")

@@ -52,7 +52,8 @@ CALL_BATCH_MS = 2.0                # call mode: a batch lasts at least this ...
 CALL_SETS = (8, 256)               # ... with this many input sets (distinct inputs per call) ...
 CALL_MAX_BYTES = 4 * 2 ** 30       # ... filling at most this, whatever the set's size
 HOST_CALLS = 20                    # calls measured for host_us
-WIDTH = 0.01                       # target relative half-width of the fitness ratio's interval
+WIDTH = 0.01                       # the default target relative half-width of the fitness
+                                   # ratio's interval (a request's `width` sets it)
 FLOOR = {"kernel": 10, "call": 5, "graph": 5}     # the fitness mode's rounds: at least these
 OTHER = {"kernel": 5, "call": 3, "graph": 3}      # the other modes' rounds
 
@@ -94,14 +95,17 @@ class Plan:
 
     @classmethod
     def for_device(cls, on_gpu: bool, warmup: int, reps: int, set_bytes: int,
-                   mode: str = "call") -> "Plan":
+                   mode: str = "call", width: float = WIDTH, graph: bool = True) -> "Plan":
         """Returns the plan for a config whose random inputs take `set_bytes`; `reps` caps the
-        fitness mode's rounds (`mode` "all": every mode's)."""
+        fitness mode's rounds (`mode` "all": every mode's); `graph` False leaves graph mode
+        out unless it is the fitness mode."""
         if not on_gpu:
-            return cls(warmup, reps, rounds=2, graph_rounds=0, sets=2, graph=False, mode=mode)
+            return cls(warmup, reps, rounds=2, graph_rounds=0, sets=2, graph=False, mode=mode,
+                       width=width)
         sets = max(2, min(CALL_SETS[1], CALL_MAX_BYTES // max(set_bytes, 1)))
         cap = max(reps, max(FLOOR.values()))
-        return cls(warmup, cap, cap, cap, sets, graph=True, mode=mode)
+        return cls(warmup, cap, cap, cap, sets, graph=graph or mode in ("graph", "all"),
+                   mode=mode, width=width)
 
     def bounds(self, mode: str) -> tuple[int, int]:
         """Returns (floor, cap) of a mode's rounds."""

@@ -98,6 +98,15 @@ class EvaluatorConfig:
     backend: str = "local"             # "local" (this machine's GPUs) or "dask"
     scheduler_address: str | None = None   # the Dask scheduler, e.g. tcp://host:8786
     gpus: tuple[int, ...] | None = None    # local: the GPU indices to use (default: all visible)
+    # Evaluations in flight per local GPU. They take turns on the GPU (a lock held from each
+    # one's reference stage to its end); one's start, build and baselines' set-up (seconds
+    # of CPU work) overlap another's turn.
+    per_gpu: int = 2
+    # The fitness mode's target interval (relative half-width, 95%) for a plain candidate,
+    # and whether it is timed in graph mode too. A candidate that would become a best is
+    # re-measured against it head to head at the request's tighter width, in every mode.
+    candidate_width: float = 0.02
+    candidate_graph: bool = False
     # Iterations in flight (default: one per evaluation slot, plus llm.concurrency). A fixed
     # window keeps a run's choices the same on any number of GPUs or workers.
     window: int | None = None
@@ -292,6 +301,10 @@ def check_config(cfg: RunConfig, origin: str) -> None:
             raise bad(f"evaluator.{key}", "must be >= 0")
     if cfg.evaluator.window is not None and cfg.evaluator.window < 1:
         raise bad("evaluator.window", "must be >= 1 (or null: one per evaluation slot)")
+    if cfg.evaluator.per_gpu < 1:
+        raise bad("evaluator.per_gpu", "must be >= 1")
+    if not 0 < cfg.evaluator.candidate_width < 1:
+        raise bad("evaluator.candidate_width", "must be between 0 and 1 (e.g. 0.02: 2%)")
     if cfg.evaluator.run_factor <= 0 or cfg.evaluator.run_floor_s <= 0:
         raise bad("evaluator.run_factor", "and run_floor_s must be > 0")
     if any(m.kind == "llm" for m in cfg.mutators) and not cfg.llm.models:

@@ -1,8 +1,9 @@
 """Evaluation slots: where the search's evaluations run, and how many at once.
 
     as_pool(evaluator)   an evaluator with evaluate(), as one slot (the tests' fakes)
-    LocalPool            one slot per GPU of this machine (CUDA_VISIBLE_DEVICES set per child,
-                         never in this process), or one on the CPU; a CUDA candidate's nvcc
+    LocalPool            `per_gpu` slots per GPU of this machine (CUDA_VISIBLE_DEVICES set per
+                         child, never in this process; the children of one GPU take turns on
+                         it through a file lock), or one on the CPU; a CUDA candidate's nvcc
                          builds start on CPU threads when it is submitted (evoattn/prebuild.py)
     make_evaluator(...)  what a run config asks for: the local pool, or a Dask cluster
 
@@ -81,18 +82,20 @@ class LocalPool:
     `prebuild` starts each CUDA job's builds on CPU threads at submission."""
 
     def __init__(self, devices: Sequence[str], make: Callable[[str], Any],
-                 prebuild: Prebuilder | None = None) -> None:
+                 prebuild: Prebuilder | None = None, per_device: int = 1) -> None:
         if not devices:
             raise UsageError("no evaluation slot: the list of GPUs is empty")
         self.devices = list(devices)
+        self.gpus = len(self.devices)
         self._prebuild = prebuild
         self.prefetch = prebuild is not None    # the search keeps one more job queued
-        self.slots = len(self.devices)
-        self._evaluators = [make(d) for d in self.devices]
+        slots = [d for d in self.devices for _ in range(max(1, per_device))]
+        self.slots = len(slots)
+        self._evaluators = [make(d) for d in slots]
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._threads = [threading.Thread(target=self._serve, args=(ev,), daemon=True,
-                                          name=f"evoattn-slot-{d}")
-                         for ev, d in zip(self._evaluators, self.devices)]
+                                          name=f"evoattn-slot-{d}-{i}")
+                         for i, (ev, d) in enumerate(zip(self._evaluators, slots))]
         self._closed = False
         for t in self._threads:
             t.start()
@@ -175,24 +178,30 @@ def make_evaluator(cfg: Any, request: EvalRequest, secret_names: tuple[str, ...]
         return DaskPool(ev.scheduler_address, request, secret_names, ev.run_factor,
                         ev.run_floor_s)
     refresh = ev.baseline_refresh_s if ev.station else None
+    plain = {"width": ev.candidate_width, "graph": ev.candidate_graph}
+    share = 1 if request.device == "cpu" else ev.per_gpu
 
     def make(device: str) -> Any:
         return slot_evaluator(request, device, secret_names, ev.run_factor, ev.run_floor_s,
-                              refresh)
+                              refresh, plain, share)
     if request.device == "cpu":
         return LocalPool(["cpu"], make)
     return LocalPool(visible_gpus(ev.gpus), make,
-                     Prebuilder(request, SandboxSettings(secret_env_names=secret_names)))
+                     Prebuilder(request, SandboxSettings(secret_env_names=secret_names)),
+                     per_device=share)
 
 
 def slot_evaluator(request: EvalRequest, device: str, secret_names: tuple[str, ...],
-                   factor: float, floor_s: float, station_refresh_s: float | None = None) -> Any:
-    """Returns the evaluator of one slot: its children see only `device` (a GPU id), and its
-    station (when station_refresh_s is set) times the baselines for them."""
+                   factor: float, floor_s: float, station_refresh_s: float | None = None,
+                   plain: dict[str, Any] | None = None, share: int = 1) -> Any:
+    """Returns the evaluator of one slot: its children see only `device` (a GPU id), take
+    turns on it with the other `share` - 1 slots of that GPU, and its station (when
+    station_refresh_s is set) times the baselines for them; `plain`: the request fields of a
+    candidate evaluated without a rival."""
     sandbox = SandboxSettings(secret_env_names=secret_names,
                               visible_device=None if device == "cpu" else device,
-                              station_refresh_s=station_refresh_s)
-    return _Calibrated(SubprocessEvaluator(request, sandbox), factor, floor_s)
+                              station_refresh_s=station_refresh_s, gpu_share=share)
+    return _Calibrated(SubprocessEvaluator(request, sandbox, plain), factor, floor_s)
 
 
 class _Calibrated:

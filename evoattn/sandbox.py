@@ -39,6 +39,7 @@ _ENV_KEEP = re.compile(r"^(PATH|LD_LIBRARY_PATH|LANG|LC_\w+|CUDA_\w+|NVIDIA_\w+|
 _ENV_SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH|COOKIE|SESSION|PRIVATE",
                          re.IGNORECASE)
 _STARTUP_S = 120.0   # importing torch and CUDA initialisation, before the build starts
+GPU_WAIT_SLACK_S = 10.0   # a turn's end: the kill of a child past its deadline, its exit
 
 
 def child_env(base: dict[str, str], workdir: str, cache_dir: str, device: str,
@@ -74,23 +75,38 @@ class SandboxSettings:
     # A run's station (evoattn/station.py) times the baselines once for every candidate,
     # again when its times are older than station_refresh_s; None: each child times them.
     station_refresh_s: float | None = None
+    # Evaluations sharing visible_device (a run's `evaluator.per_gpu`): their children take
+    # turns on it through a lock file in the cache (gpu_lock_path).
+    gpu_share: int = 1
+
+    def gpu_wait_s(self, run_timeout_s: float) -> float:
+        """How long a child may wait for its turn: each other sharer's turn (its run stage,
+        after which its parent kills it) and some slack."""
+        return max(1, self.gpu_share - 1) * (run_timeout_s + GPU_WAIT_SLACK_S)
 
 
 def run_deadline(seed: EvalResult, factor: float, floor_s: float, ceiling_s: float) -> float:
     """Returns a run-stage deadline from the seed's: `factor` × its run stages (everything
     after its build), at least `floor_s` and at most `ceiling_s`."""
-    ran = sum(v for k, v in seed.stage_s.items() if k not in ("start", "build"))
+    ran = sum(v for k, v in seed.stage_s.items() if k not in ("start", "build", "gpu-wait"))
     return max(floor_s, min(ceiling_s, factor * ran)) if ran > 0 else ceiling_s
 
 
 class SubprocessEvaluator:
     """Evaluates candidates in child processes (implements evoattn.types.Evaluator)."""
 
-    def __init__(self, request: EvalRequest, sandbox: SandboxSettings = SandboxSettings()) -> None:
+    def __init__(self, request: EvalRequest, sandbox: SandboxSettings = SandboxSettings(),
+                 plain: dict[str, Any] | None = None) -> None:
+        """`plain`: request fields a plain candidate's evaluation (one without a rival) takes
+        instead of `request`'s (a run's looser width, no graph mode); duels keep `request`."""
         cache = os.path.realpath(sandbox.cache_dir or default_cache_dir())
         os.makedirs(cache, exist_ok=True)
         self.sandbox = dataclasses.replace(sandbox, cache_dir=cache)
         self.request = dataclasses.replace(request, cache_dir=cache)
+        if sandbox.gpu_share > 1 and request.device == "cuda":
+            self.request = dataclasses.replace(self.request, gpu_lock=gpu_lock_path(
+                cache, sandbox.visible_device or "default"))
+        self.plain = dict(plain or {})
         self._zygote: Zygote | None = None
         self._zygote_failed = False
         self._abort = threading.Event()
@@ -161,7 +177,9 @@ class SubprocessEvaluator:
             except (program.ProgramError, OSError) as e:
                 return EvalResult.failure(Verdict.LOAD_ERROR, f"cannot write the program: {e}",
                                           problem=self.request.problem, candidate=label)
-            req = dataclasses.replace(self.request, candidate=str(main),
+            req = self.request if rival is not None else dataclasses.replace(self.request,
+                                                                             **self.plain)
+            req = dataclasses.replace(req, candidate=str(main),
                                       allowed_dirs=(work, os.path.join(self.sandbox.cache_dir,
                                                                        "triton")),
                                       secret_seed=secrets.randbits(62),
@@ -254,6 +272,10 @@ class _Watch:
             if self.abort.is_set():
                 return None, (Verdict.EVALUATOR_FAULT, "the evaluation was stopped (the run "
                               "is ending)")
+            if now > deadline and self.stage == "gpu-wait":
+                return None, (Verdict.EVALUATOR_FAULT, "waited over "
+                              f"{self.s.gpu_wait_s(req.run_timeout_s):.0f} s for its turn on "
+                              "the GPU, which another evaluation held")
             if now > deadline:
                 limit = req.build_timeout_s if self.stage in ("start", "build") else \
                     req.run_timeout_s
@@ -283,7 +305,11 @@ class _Watch:
                     marks.append((self.stage, time.monotonic()))
                     if self.stage == "build":
                         deadline = time.monotonic() + req.build_timeout_s
-                    elif self.stage == "reference":   # everything after the build
+                    elif self.stage == "baselines":   # their set-up, on the CPU mostly
+                        deadline = time.monotonic() + req.run_timeout_s
+                    elif self.stage == "gpu-wait":    # the others' turns, each a run stage
+                        deadline = time.monotonic() + self.s.gpu_wait_s(req.run_timeout_s)
+                    elif self.stage == "reference":   # its own turn on the GPU, to the end
                         deadline = time.monotonic() + req.run_timeout_s
                 elif msg["type"] == "result":
                     return msg["payload"], None    # the first result wins
@@ -331,6 +357,12 @@ def _read(fd: int) -> bytes | None:
     except BlockingIOError:
         return b""
     return chunk or None
+
+
+def gpu_lock_path(cache_dir: str, device: str) -> str:
+    """Returns the file that the children sharing one GPU lock to take turns on it (named by
+    the GPU's id as the orchestrator sees it: runs on one machine with one cache share it)."""
+    return os.path.join(cache_dir, "gpu-locks", f"gpu-{device}.lock")
 
 
 def default_cache_dir() -> str:

@@ -5,7 +5,7 @@ evaluate it in the sandbox unless it is a known program; offer it to the populat
 the iteration to SQLite in one transaction.
 
 Several iterations are in flight at once: a window of `window` iterations (by default
-`slots + lookahead`; slots: the evaluations the evaluator runs at once, one per GPU;
+`slots + lookahead`; slots: the evaluations the evaluator runs at once, `per_gpu` per GPU;
 lookahead: LLM requests sent ahead, or one when the pool builds ahead so that the next
 candidate's build overlaps the GPU's work). Iterations are prepared in order, each right
 after the commit of the iteration `window` places before it, and committed in order whatever
@@ -35,7 +35,9 @@ from .population import Population
 from .store import RunStore
 from .types import Evaluator, MutationRequest, Mutator, Program, Proposal, program_id
 
-GPU_STAGES = ("reference", "baselines", "ceiling", "timer", "check", "profile", "time")
+# An evaluation's turn on its GPU (under the lock when slots share one: evaluator/harness.py);
+# the baselines' set-up before it is mostly CPU work.
+GPU_STAGES = ("reference", "ceiling", "timer", "load", "check", "time", "profile")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +56,7 @@ class Progress:
     elapsed_s: float
     evaluated: int                       # this session
     llm: dict[str, float]
-    gpu_busy: float = 0.0                # GPU-stage seconds / (wall seconds × slots)
+    gpu_busy: float = 0.0                # GPU-turn seconds / (wall seconds × GPUs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +71,7 @@ class Outcome:
     run_elapsed_s: float = 0.0           # every session of the run
     exit_code: int = 0                   # 130 (or 128 + signal) after a clean stop on a signal;
                                          # 1 after one on a lost cluster
-    gpu_busy: float = 0.0                # GPU-stage seconds / (wall seconds × slots), this session
+    gpu_busy: float = 0.0                # GPU-turn seconds / (wall seconds × GPUs), this session
 
 
 @dataclasses.dataclass
@@ -204,7 +206,7 @@ class Search:
             raise interrupted or KeyboardInterrupt()
         self.store.record_stop(stop)
         elapsed = self.clock() - t0
-        busy = self._gpu_s / (elapsed * max(1, self.evaluator.slots)) if elapsed > 0 else 0.0
+        busy = self._gpu_s / (elapsed * self._gpus()) if elapsed > 0 else 0.0
         return Outcome(pop.best(), seed, self.iteration, stop, elapsed,
                        self._prior_elapsed + elapsed, exit_code, busy)
 
@@ -409,8 +411,11 @@ class Search:
             flags=flagged, rejected=self._stats["rejected"], cached=self._stats["cached"],
             elapsed_s=elapsed, evaluated=self.evaluated_this_session,
             llm=self.llm_totals(),
-            gpu_busy=self._gpu_s / (elapsed * max(1, self.evaluator.slots)) if elapsed > 0
-            else 0.0))
+            gpu_busy=self._gpu_s / (elapsed * self._gpus()) if elapsed > 0 else 0.0))
+
+    def _gpus(self) -> int:
+        """The GPUs (or CPU slots) the evaluations run on: slots share them `per_gpu` each."""
+        return max(1, getattr(self.evaluator, "gpus", self.evaluator.slots))
 
     def _gpu_info_from(self, seed: Program) -> None:
         if seed.result is not None:

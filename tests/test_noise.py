@@ -82,6 +82,43 @@ def test_rounds_stop_once_the_ratio_is_known_within_the_width() -> None:
     assert not rule("call", shorter)
 
 
+def test_a_looser_width_stops_sooner_and_leaves_graph_mode_out_unless_it_is_the_fitness() -> None:
+    from evaluator.scoring import converged_rule
+    tight = Plan.for_device(True, 10, 60, set_bytes=2 ** 20, mode="call", width=0.01)
+    loose = Plan.for_device(True, 10, 60, set_bytes=2 ** 20, mode="call", width=0.03,
+                            graph=False)
+    assert (tight.width, tight.graph, loose.width, loose.graph) == (0.01, True, 0.03, False)
+    assert Plan.for_device(True, 10, 60, 2 ** 20, mode="graph", graph=False).graph
+    n = {}
+    for plan in (tight, loose):
+        rule = converged_rule("best", plan.width, False, "call")
+        got = adapt("call", ["candidate", "baseline:sdpa"], plan, rule, _noisy_rounds(0.01))
+        n[plan.width] = len(got["candidate"])
+    assert FLOOR["call"] <= n[0.03] < n[0.01]
+
+
+def test_a_request_s_width_and_graph_reach_the_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    from evaluator import measure
+    from evaluator.request import EvalRequest
+    seen = []
+    real = Plan.for_device
+
+    def spy(*a, **kw):  # noqa: ANN001, ANN002, ANN003
+        plan = real(*a, **kw)
+        seen.append(plan)
+        raise RuntimeError("enough")
+    monkeypatch.setattr(measure.Plan, "for_device", spy)
+    req = EvalRequest(device="cuda", width=0.04, graph=False)
+    ctx = measure.TimingContext(None, req, None, None, "float16", None, None, {}, {})  # type: ignore
+    case = type("C", (), {"cfg": {}, "trials": [type("T", (), {"inputs": {}})()],
+                          "gen": type("G", (), {"manual_seed": lambda self, s: None})()})()
+    ctx = dataclasses.replace(ctx, problem=type("P", (), {"random_inputs": ()})())
+    with pytest.raises(RuntimeError, match="enough"):
+        measure.time_case(ctx, case, lambda i, c: None, __import__("random").Random(0),
+                          None, [])  # type: ignore[arg-type]
+    assert (seen[0].width, seen[0].graph, seen[0].mode) == (0.04, False, "call")
+
+
 def test_other_modes_get_a_fixed_few_rounds() -> None:
     plan = Plan(warmup=1, reps=40, rounds=40, graph_rounds=40, sets=8, graph=True, mode="call")
     got = adapt("kernel", ["candidate"], plan, None, _noisy_rounds(0.3))

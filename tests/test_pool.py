@@ -224,3 +224,29 @@ def test_a_prebuild_is_skipped_where_nothing_is_built_with_nvcc(tmp_path: Path) 
     finally:
         prebuild.close()
 
+
+
+def test_slots_per_gpu_share_each_gpu_its_lock_and_the_run_s_plain_protocol(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from evoattn.config import EvaluatorConfig, RunConfig
+    from evoattn.pool import make_evaluator
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    monkeypatch.setenv("EVOATTN_CACHE", str(tmp_path))
+    cfg = RunConfig(evaluator=EvaluatorConfig(per_gpu=2, candidate_width=0.03))
+    pool = make_evaluator(cfg, EvalRequest(device="cuda"), ())
+    try:
+        assert (pool.slots, pool.gpus) == (4, 2)
+        subs = [ev.evaluator for ev in pool._evaluators]
+        locks = [s.request.gpu_lock for s in subs]
+        assert [os.path.basename(p) for p in locks] == ["gpu-4.lock"] * 2 + ["gpu-6.lock"] * 2
+        assert [s.sandbox.visible_device for s in subs] == ["4", "4", "6", "6"]
+        assert all(s.plain == {"width": 0.03, "graph": False} for s in subs)
+    finally:
+        pool.close()
+    alone = make_evaluator(RunConfig(evaluator=EvaluatorConfig(per_gpu=1)),
+                           EvalRequest(device="cuda"), ())
+    try:
+        assert alone.slots == 2 and all(not ev.evaluator.request.gpu_lock
+                                        for ev in alone._evaluators)
+    finally:
+        alone.close()
