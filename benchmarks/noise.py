@@ -3,8 +3,9 @@
     python benchmarks/noise.py SEED.py --standalone 5 --in-run 5 --out noise.json [--config C]
 
 standalone  `evoattn eval SEED.py --json` in a fresh process each time
-in-run      the same program evaluated as a run's candidates are (a run's evaluation slot:
-            the station's baselines, the zygote), N times in one evaluator
+in-run      the same program evaluated as a run's candidates are (the run's evaluation slots,
+            `per_gpu` of them sharing each GPU in turns, its plain candidates' protocol, the
+            zygote): the first alone, as a run's seed, then N - 1 submitted at once
 
 Prints, per config and timing mode, each way's speedups and their spread (max / min - 1),
 the geometric-mean fitness of each evaluation, and the in-run mean against the stand-alone
@@ -54,8 +55,10 @@ def in_run(seed: Path, n: int, config: str) -> list[dict]:
         first = pool.submit(source, seed.suffix, "seed").result()
         pool.calibrate(first)
         out.append(first.to_json())
-        for i in range(n - 1):
-            out.append(pool.submit(source, seed.suffix, f"again {i}").result().to_json())
+        # All at once, as a run keeps its slots busy: slots sharing a GPU take turns on it.
+        futures = [pool.submit(source, seed.suffix, f"again {i}") for i in range(n - 1)]
+        for i, fut in enumerate(futures):
+            out.append(fut.result().to_json())
             print(f"in-run {i + 2}/{n}: {out[-1]['fitness']}", flush=True)
     finally:
         pool.close()

@@ -1,5 +1,5 @@
-"""The evaluation inside the child: scan, build, baselines, (the GPU's lock), reference, guard,
-import, check, time.
+"""The evaluation inside the child: scan, build, baselines, (its turn on a shared GPU:
+evaluator/gpu_turn.py) reference, guard, import, check, time.
 
 Order matters for integrity: references, tolerance probes, the baselines' compiled code and
 the GPU's ceiling all exist before the candidate is imported; freed device memory is then
@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator
 from . import device as devinfo, guards, snapshot
 from .cases import Case, prepare_case
 from .checking import Checked, Fail, check_all, library_kernels
+from .gpu_turn import GpuTurn
 from .loader import LoadFailure, Loaded, build_candidate, loaded_module
 from .measure import TimingContext, time_case
 from .problems import get_problem
@@ -58,6 +59,7 @@ class Setup:
 
 def evaluate(req: EvalRequest, stage: Stage) -> EvalResult:
     """Returns the verdict on the candidate the request names."""
+    turn = GpuTurn(req.gpu_lock, stage)        # before CUDA starts here
     s = _setup(req)
     bad = _static_scan(s)
     if bad:
@@ -78,13 +80,11 @@ def evaluate(req: EvalRequest, stage: Stage) -> EvalResult:
         verdict = Verdict.BUILD_ERROR if e.kind == "build" else Verdict.LOAD_ERROR
         return s.fail(verdict, e.reason, build_log=e.log)
     # The baselines' set-up (cuDNN's plans, FlexAttention's compiles: seconds of CPU work)
-    # before the GPU lock, so that it overlaps another evaluation's turn on a shared GPU.
+    # before this evaluation's turn on a shared GPU, so that it overlaps another's turn.
     stage("baselines")
     baselines = _warm_baselines(s)
-    if req.gpu_lock:
-        stage("gpu-wait")
-        _hold_gpu(req.gpu_lock)
-    stage("reference")
+    turn.set_up(_sync(req))
+    turn.take("reference")
     rng = random.Random(int(req.secret_seed))
     cases = _cases(s, rng, s.dtype_name)
     # Checked only, after the timed dtype passes; their references also exist before any
@@ -98,6 +98,7 @@ def evaluate(req: EvalRequest, stage: Stage) -> EvalResult:
     timer = GpuTimer(req.cache_dir or None) if req.on_gpu else CpuTimer()
     if req.on_gpu:
         devinfo.poison_allocator([c.out_bytes for c in cases + sum(others.values(), [])])
+    turn.install_compile_hooks()
     guard = _Guard.install(s)
     stage("load")
     rival = None
@@ -121,6 +122,7 @@ def evaluate(req: EvalRequest, stage: Stage) -> EvalResult:
     if bad:
         return s.fail(*bad)
     stage("check")
+    turn.checking = True
     checked = _check(s, guard, run, s.dtype_name, cases)
     bad = _check_failure(s, s.dtype_name, checked)
     for dtype_name, dtype_cases in others.items():     # a candidate is correct in each or none
@@ -134,15 +136,18 @@ def evaluate(req: EvalRequest, stage: Stage) -> EvalResult:
         if rival_checked.failed:
             return s.fail(Verdict.EVALUATOR_FAULT, "the rival is not correct on these inputs: "
                           f"{rival_checked.failed[1]}")
+    turn.checking = False
+    turn.take("time" if not req.check_only else "check")     # back from a compile's yield
     if req.check_only:
         return _profile(s, guard, cases, run, stage) or EvalResult(
             Verdict.PASS, "correct (not timed)", 0.0, checked.results[:len(s.configs)],
             duration_s=_now() - s.t_start, **s.common)
-    stage("time")
     ctx = TimingContext(s.problem, req, timer, s.tol, s.dtype_name,
                         devinfo.peak_for(s.info, s.dtype_name), ceiling, baselines,
                         s.problem.extra_baselines() if req.all_backends else {})
+    turn.timing()
     timed = _time_all(s, ctx, cases, checked, run, rng, guard, rival)
+    turn.release()                  # the profile below is one call: the next one may begin
     # The profiler runs after timing: once torch.profiler has run in a process, every later
     # launch costs about 20 µs more host time (CUPTI stays subscribed; measured on an H100,
     # benchmarks/protocol_check.py --stages plain,profiled), which timing would count.
@@ -237,17 +242,12 @@ def _warm_baselines(s: Setup) -> dict[str, Callable[..., Any]]:
     return baselines
 
 
-_held: list[Any] = []                  # the GPU lock's open file, held until the process exits
-
-
-def _hold_gpu(path: str) -> None:
-    """Waits for, then holds to the end of this process, the lock of the GPU this evaluation
-    shares with others (the kernel releases it however the process ends)."""
-    import fcntl
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    f = open(path, "a+")
-    fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-    _held.append(f)
+def _sync(req: EvalRequest) -> Callable[[], None]:
+    """Returns the device-wide synchronisation (bound before any candidate code runs)."""
+    if not req.on_gpu:
+        return lambda: None
+    import torch
+    return torch.cuda.synchronize
 
 
 @contextlib.contextmanager

@@ -105,7 +105,7 @@ class EvaluatorConfig:
     # The fitness mode's target interval (relative half-width, 95%) for a plain candidate,
     # and whether it is timed in graph mode too. A candidate that would become a best is
     # re-measured against it head to head at the request's tighter width, in every mode.
-    candidate_width: float = 0.02
+    candidate_width: float = 0.01
     candidate_graph: bool = False
     # Iterations in flight (default: one per evaluation slot, plus llm.concurrency). A fixed
     # window keeps a run's choices the same on any number of GPUs or workers.

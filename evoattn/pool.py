@@ -99,6 +99,12 @@ class LocalPool:
         self._closed = False
         for t in self._threads:
             t.start()
+        if self.slots > 1:            # the others' zygotes start while the first slot works
+            for ev in self._evaluators:
+                prestart = getattr(ev, "prestart", None)
+                if prestart is not None:
+                    threading.Thread(target=prestart, daemon=True,
+                                     name="evoattn-prestart").start()
 
     def submit(self, source: str, suffix: str, label: str,
                rival: str | None = None) -> cf.Future[EvalResult]:
@@ -217,6 +223,10 @@ class _Calibrated:
     def calibrate(self, seed: EvalResult) -> None:
         if hasattr(self.evaluator, "calibrate"):
             self.evaluator.calibrate(seed, self.factor, self.floor_s)
+
+    def prestart(self) -> None:
+        if hasattr(self.evaluator, "prestart"):
+            self.evaluator.prestart()
 
     def abort(self) -> None:
         if hasattr(self.evaluator, "abort"):

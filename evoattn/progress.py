@@ -51,7 +51,7 @@ def render(p: Progress, device: str) -> Group:
     best = p.best
     head.add_row("iteration", f"{p.iteration}/{p.iterations}", "elapsed", f"{p.elapsed_s:.0f} s",
                  "candidates/min", f"{rate:.1f} ({'GPU' if device == 'cuda' else 'evaluator'} "
-                 f"busy {100 * p.gpu_busy:.0f}%)")
+                 f"timing {100 * p.gpu_busy:.0f}%)")
     head.add_row("best fitness", _fitness(best), "seed fitness",
                  f"{p.seed_fitness:.4f}", "best id", best.id if best else "-")
     verdicts = ", ".join(f"{k} {v}" for k, v in sorted(p.counts.items()))

@@ -236,7 +236,8 @@ def _summary(console: Console, outcome: Any, search: Any, plan: RunPlan,
                         outcome.elapsed_s, search.evaluated_this_session)
     if cost:
         where = "GPU" if plan.device == "cuda" else "evaluator"
-        console.print(f"{cost}; {where} busy {100 * outcome.gpu_busy:.0f}% of the wall time")
+        console.print(f"{cost}; {where} timing candidates {100 * outcome.gpu_busy:.0f}% of the "
+                      "wall time")
     llm = search.llm_totals()
     if llm:
         console.print(f"LLM: {int(llm.get('calls', 0))} calls, {int(llm.get('prompt_tokens', 0))} "

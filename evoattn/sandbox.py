@@ -109,6 +109,8 @@ class SubprocessEvaluator:
         self.plain = dict(plain or {})
         self._zygote: Zygote | None = None
         self._zygote_failed = False
+        self._zygote_lock = threading.Lock()
+        self._closed = False
         self._abort = threading.Event()
         self._station: Station | None = None
         if sandbox.station_refresh_s is not None:
@@ -136,17 +138,33 @@ class SubprocessEvaluator:
         return result
 
     def calibrate(self, seed: EvalResult, factor: float, floor_s: float) -> float:
-        """Derives the run deadline from the seed's evaluation; returns it."""
+        """Derives the run deadline from the seed's evaluation, and takes the GPU's matmul
+        ceiling its child measured (alone on the GPU) for every later child; returns the
+        deadline."""
         deadline = run_deadline(seed, factor, floor_s, self.request.run_timeout_s)
-        self.request = dataclasses.replace(self.request, run_timeout_s=deadline)
+        ceiling = (seed.device_info or {}).get("measured_matmul_tflops")
+        self.request = dataclasses.replace(
+            self.request, run_timeout_s=deadline,
+            ceiling_tflops=self.request.ceiling_tflops or ceiling or None)
         return deadline
 
     def abort(self) -> None:
         """Ends the evaluation in progress, if any, at once (its child is killed); for good."""
         self._abort.set()
 
+    def prestart(self) -> None:
+        """Starts the zygote now, if it is used (a pool's slots start theirs while the seed
+        is evaluated: seconds of imports each); a failure is left for the first launch."""
+        if self.sandbox.zygote:
+            try:
+                self._ready_zygote()
+            except LaunchError:
+                pass
+
     def close(self) -> None:
         """Stops the zygote and the station, if they were started."""
+        with self._zygote_lock:
+            self._closed = True
         self._stop_zygote()
         if self._station is not None:
             self._station.close()
@@ -161,9 +179,21 @@ class SubprocessEvaluator:
         return env
 
     def _stop_zygote(self) -> None:
-        if self._zygote is not None:
-            self._zygote.close()
-            self._zygote = None
+        with self._zygote_lock:
+            if self._zygote is not None:
+                self._zygote.close()
+                self._zygote = None
+
+    def _ready_zygote(self) -> Zygote:
+        """Returns the zygote, started if it is not running."""
+        with self._zygote_lock:
+            if self._closed:
+                raise LaunchError("the evaluator is closed")
+            if self._zygote is None or not self._zygote.alive():
+                s = self.sandbox
+                self._zygote = Zygote(child_env(dict(os.environ), "", s.cache_dir,
+                                                self.request.device, s.secret_env_names))
+            return self._zygote
 
     def _evaluate_once(self, source: str, suffix: str, label: str,
                        rival: str | None = None) -> EvalResult:
@@ -214,11 +244,7 @@ class SubprocessEvaluator:
         s = self.sandbox
         if s.zygote and not self._zygote_failed:
             try:
-                if self._zygote is None or not self._zygote.alive():
-                    template = child_env(dict(os.environ), work, s.cache_dir,
-                                         self.request.device, s.secret_env_names)
-                    self._zygote = Zygote(template)
-                return self._zygote.launch(message, work, env, log_path)
+                return self._ready_zygote().launch(message, work, env, log_path)
             except LaunchError as e:
                 self._zygote_failed = True     # say so once, then use fresh interpreters
                 import sys
@@ -266,6 +292,7 @@ class _Watch:
         """Returns (the child's result JSON, None) or (None, a verdict the parent reached)."""
         req, rfd = self.req, self.child.result_fd
         deadline = time.monotonic() + _STARTUP_S + req.build_timeout_s
+        left = req.run_timeout_s           # the run stage's time left when it began to wait
         buf = b""
         while True:
             now = time.monotonic()
@@ -301,16 +328,18 @@ class _Watch:
                 if msg is None:
                     continue
                 if msg["type"] == "stage":
+                    now, was = time.monotonic(), self.stage
                     self.stage = str(msg["payload"])[:40]
-                    marks.append((self.stage, time.monotonic()))
+                    marks.append((self.stage, now))
                     if self.stage == "build":
-                        deadline = time.monotonic() + req.build_timeout_s
-                    elif self.stage == "baselines":   # their set-up, on the CPU mostly
-                        deadline = time.monotonic() + req.run_timeout_s
-                    elif self.stage == "gpu-wait":    # the others' turns, each a run stage
-                        deadline = time.monotonic() + self.s.gpu_wait_s(req.run_timeout_s)
-                    elif self.stage == "reference":   # its own turn on the GPU, to the end
-                        deadline = time.monotonic() + req.run_timeout_s
+                        deadline = now + req.build_timeout_s
+                    elif self.stage == "baselines":   # everything after the build
+                        deadline = now + req.run_timeout_s
+                    elif self.stage == "gpu-wait":    # the others' turns: not its own time
+                        left = deadline - now
+                        deadline = now + self.s.gpu_wait_s(req.run_timeout_s)
+                    elif was == "gpu-wait":
+                        deadline = now + left
                 elif msg["type"] == "result":
                     return msg["payload"], None    # the first result wins
             if dead and not chunk:

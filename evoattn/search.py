@@ -35,9 +35,10 @@ from .population import Population
 from .store import RunStore
 from .types import Evaluator, MutationRequest, Mutator, Program, Proposal, program_id
 
-# An evaluation's turn on its GPU (under the lock when slots share one: evaluator/harness.py);
-# the baselines' set-up before it is mostly CPU work.
-GPU_STAGES = ("reference", "ceiling", "timer", "load", "check", "time", "profile")
+# Where an evaluation has its GPU to itself: its timing (the stage that holds the GPU's lock
+# when slots share one, evaluator/harness.py). The share of the wall time the GPUs spend on it
+# is what more slots per GPU raise.
+GPU_STAGES = ("time",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +57,7 @@ class Progress:
     elapsed_s: float
     evaluated: int                       # this session
     llm: dict[str, float]
-    gpu_busy: float = 0.0                # GPU-turn seconds / (wall seconds × GPUs)
+    gpu_busy: float = 0.0                # timing seconds / (wall seconds × GPUs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +72,7 @@ class Outcome:
     run_elapsed_s: float = 0.0           # every session of the run
     exit_code: int = 0                   # 130 (or 128 + signal) after a clean stop on a signal;
                                          # 1 after one on a lost cluster
-    gpu_busy: float = 0.0                # GPU-turn seconds / (wall seconds × GPUs), this session
+    gpu_busy: float = 0.0                # timing seconds / (wall seconds × GPUs), this session
 
 
 @dataclasses.dataclass

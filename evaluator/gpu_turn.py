@@ -1,0 +1,107 @@
+"""An evaluation's turn on a GPU it shares with other evaluations (a run's `per_gpu` slots).
+
+The turn is an exclusive lock on a file (flock): a child takes it after its baselines'
+set-up, before its references, and keeps it to the end of its timing, so that no other
+evaluation's GPU work runs while it checks and times: another process's kernels slow a
+GPU-bound baseline more than a host-bound candidate, which would bias the ratio (measured:
+with only the timing stage locked, one of four evaluations of the same program read 11% high).
+
+Its timing needs more: no GPU work of any other evaluation at all, not even the set-up a
+waiting child does before its turn (CUDA's start, the baselines' inputs and first calls:
+with that alone beside it, one of five evaluations of the same program read a config 18%
+off). A second lock on `path + ".quiet"` keeps them apart: a child holds it shared from its
+start through its baselines' set-up, and the turn's holder holds it exclusively while it
+times. A set-up that begins during another's timing waits for its end.
+
+One exception, during the checks only: while Triton compiles one of the candidate's kernels
+(seconds of CPU work, the GPU idle), the turn passes to a waiting evaluation; it is taken
+back, after that one's turn, before the candidate's next GPU work. The device is
+synchronised first, so nothing of this child runs on the GPU while another has the turn.
+
+The lock file and the functions used here are bound before any candidate code runs; the
+kernel releases the lock however the process ends. No path: nothing is locked.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+Stage = Callable[[str], None]
+
+
+class GpuTurn:
+    def __init__(self, path: str, stage: Stage) -> None:
+        """Opens the locks (a child's first step: it then holds the set-up's shared one)."""
+        import fcntl
+        self._flock, self._sh = fcntl.flock, fcntl.LOCK_SH
+        self._ex, self._un = fcntl.LOCK_EX, fcntl.LOCK_UN
+        self._stage = stage
+        self._sync: Callable[[], None] = lambda: None
+        self._file = self._quiet = None
+        self.held = False
+        self.checking = False              # compiles may yield the turn (the check stage)
+        self.yields = 0
+        if path:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            self._file = open(path, "a+")
+            self._quiet = open(path + ".quiet", "a+")
+            try:
+                self._flock(self._quiet.fileno(), self._sh | fcntl.LOCK_NB)
+            except BlockingIOError:            # another evaluation is timing
+                stage("gpu-wait")
+                self._flock(self._quiet.fileno(), self._sh)
+
+    def set_up(self, sync: Callable[[], None]) -> None:
+        """The set-up is done (its GPU work too: `sync`, the device-wide synchronisation, is
+        also what the turn uses from here on)."""
+        self._sync = sync
+        if self._quiet is not None:
+            sync()
+            self._flock(self._quiet.fileno(), self._un)
+
+    def timing(self) -> None:
+        """From here to release(), no other evaluation's set-up runs on the GPU."""
+        if self._quiet is not None:
+            self._flock(self._quiet.fileno(), self._ex)
+
+    def take(self, then: str) -> None:
+        """Waits for the turn (reported as stage 'gpu-wait'), then reports stage `then`."""
+        if self._file is not None and not self.held:
+            self._stage("gpu-wait")
+            self._flock(self._file.fileno(), self._ex)
+            self.held = True
+        self._stage(then)
+
+    def release(self) -> None:
+        """Ends the turn (the device synchronised first)."""
+        if self._file is not None and self.held:
+            self._sync()
+            if self._quiet is not None:
+                self._flock(self._quiet.fileno(), self._un)
+            self._flock(self._file.fileno(), self._un)
+            self.held = False
+
+    def install_compile_hooks(self) -> None:
+        """Makes Triton's compiles in the check stage yield the turn (where Triton has the
+        hooks, 3.4 and later)."""
+        if self._file is None:
+            return
+        try:
+            from triton import knobs
+        except ImportError:
+            return
+        runtime = getattr(knobs, "runtime", None)
+        if runtime is None or not hasattr(runtime, "jit_cache_hook"):
+            return
+        runtime.jit_cache_hook = self._compiling
+        runtime.jit_post_compile_hook = self._compiled
+
+    def _compiling(self, *args: Any, **kwargs: Any) -> None:
+        """Triton is about to compile (returns None: it goes on)."""
+        if self.checking and self.held:
+            self.release()
+            self.yields += 1
+
+    def _compiled(self, *args: Any, **kwargs: Any) -> None:
+        if self.checking and self._file is not None and not self.held:
+            self.take("check")
