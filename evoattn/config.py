@@ -98,13 +98,14 @@ class EvaluatorConfig:
     backend: str = "local"             # "local" (this machine's GPUs) or "dask"
     scheduler_address: str | None = None   # the Dask scheduler, e.g. tcp://host:8786
     gpus: tuple[int, ...] | None = None    # local: the GPU indices to use (default: all visible)
-    # Evaluations in flight per local GPU. They take turns on the GPU (a lock held from each
-    # one's reference stage to its end); one's start, build and baselines' set-up (seconds
-    # of CPU work) overlap another's turn.
-    per_gpu: int = 2
+    # Evaluations in flight per local GPU. Above 1 they take turns on the GPU
+    # (evaluator/gpu_turn.py): one's start, build and baselines' set-up overlap another's
+    # checks, Triton's compiles hand the turn on, and nothing else runs on the GPU while
+    # one times. Faster only where set-ups and compiles are a large share (BENCHMARKS.md).
+    per_gpu: int = 1
     # The fitness mode's target interval (relative half-width, 95%) for a plain candidate,
     # and whether it is timed in graph mode too. A candidate that would become a best is
-    # re-measured against it head to head at the request's tighter width, in every mode.
+    # re-measured against it head to head at the request's width (1%), in every mode.
     candidate_width: float = 0.01
     candidate_graph: bool = False
     # Iterations in flight (default: one per evaluation slot, plus llm.concurrency). A fixed
