@@ -44,8 +44,8 @@ class EvalRequest:
     warmup: int | None = None                  # None: GPU_WARMUP / CPU_WARMUP
     reps: int | None = None                    # None: GPU_REPS / CPU_REPS (CPU_REPS at most)
     # The fitness mode's rounds stop once each config's speedup is known within this relative
-    # half-width (95%), or at `reps`. A run's plain candidates get a looser one (its
-    # `evaluator.candidate_width`); duels and `evoattn eval` keep this.
+    # half-width (95%), or at `reps`. A run's plain candidates take its
+    # `evaluator.candidate_width`; duels and `evoattn eval` keep this.
     width: float = 0.01
     graph: bool = True                         # also time graph mode (always when it is `timing`)
     # limits
@@ -64,8 +64,8 @@ class EvalRequest:
     # given by a run's station (evoattn/station.py): then the child times no baseline itself
     baseline_times: dict[str, dict[str, dict[str, Any]]] | None = None
     ceiling_tflops: float | None = None
-    # A file the child locks from its reference stage to its exit, when evaluations share one
-    # GPU: their checks and timing take turns; builds and the baselines' set-up overlap.
+    # When evaluations share one GPU: the lock file of their turns on it (evaluator/gpu_turn.py:
+    # checks and timing take turns, builds and the baselines' set-up overlap them).
     gpu_lock: str = ""
 
     def validate(self) -> None:

@@ -98,7 +98,7 @@ class SubprocessEvaluator:
     def __init__(self, request: EvalRequest, sandbox: SandboxSettings = SandboxSettings(),
                  plain: dict[str, Any] | None = None) -> None:
         """`plain`: request fields a plain candidate's evaluation (one without a rival) takes
-        instead of `request`'s (a run's looser width, no graph mode); duels keep `request`."""
+        instead of `request`'s (a run's candidate_width, no graph mode); duels keep `request`."""
         cache = os.path.realpath(sandbox.cache_dir or default_cache_dir())
         os.makedirs(cache, exist_ok=True)
         self.sandbox = dataclasses.replace(sandbox, cache_dir=cache)

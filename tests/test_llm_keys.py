@@ -73,7 +73,7 @@ def _start(config: Path) -> int:
 
 @pytest.fixture(autouse=True)
 def _fake_evaluator(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pool, "SubprocessEvaluator", lambda request, sandbox: FakeEvaluator())
+    monkeypatch.setattr(pool, "SubprocessEvaluator", lambda *_, **__: FakeEvaluator())
     monkeypatch.setenv("OPENAI_API_KEY", SECRET)
 
 

@@ -39,7 +39,7 @@ FAILING_EDIT = ("<<<<<<< SEARCH\nBLOCK_N = 32  # evoattn: choice(16, 32, 64)\n==
 @pytest.fixture(autouse=True)
 def _fake_evaluator(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pool, "SubprocessEvaluator",
-                        lambda request, sandbox: FakeEvaluator(fail_when={"BLOCK_N": "16"}))
+                        lambda *_, **__: FakeEvaluator(fail_when={"BLOCK_N": "16"}))
 
 
 def _config(tmp: Path, url: str, iterations: int = 3, model: dict | None = None,

@@ -16,7 +16,7 @@ from fakes import TOY_SEED, FakeEvaluator
 
 @pytest.fixture(autouse=True)
 def fake_evaluator(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pool, "SubprocessEvaluator", lambda request, sandbox, plain=None: FakeEvaluator())
+    monkeypatch.setattr(pool, "SubprocessEvaluator", lambda *_, **__: FakeEvaluator())
 
 
 def _config(tmp: Path, **over: object) -> Path:
@@ -88,7 +88,7 @@ def test_resume_refuses_a_config_or_output_it_would_ignore(tmp_path: Path) -> No
 def test_an_incorrect_seed_is_an_error_not_success(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pool, "SubprocessEvaluator",
-                        lambda request, sandbox, plain=None: FakeEvaluator(fail_when={"BLOCK_M": "64"}))
+                        lambda *_, **__: FakeEvaluator(fail_when={"BLOCK_M": "64"}))
     with pytest.raises(EvoattnError, match="no correct program.*seed is not correct"):
         _start(_config(tmp_path))
 
@@ -112,7 +112,7 @@ def test_the_evaluator_is_closed_when_the_run_ends(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     made: list[FakeEvaluator] = []
     monkeypatch.setattr(pool, "SubprocessEvaluator",
-                        lambda request, sandbox, plain=None: made.append(FakeEvaluator()) or made[-1])
+                        lambda *_, **__: made.append(FakeEvaluator()) or made[-1])
     _start(_config(tmp_path))
     assert len(made) == 1 and made[0].closed and made[0].calls
 
@@ -121,12 +121,14 @@ def test_the_run_passes_its_evaluator_settings_to_the_sandbox(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list = []
     monkeypatch.setattr(pool, "SubprocessEvaluator",
-                        lambda request, sandbox, plain=None: seen.append((request, sandbox)) or
+                        lambda request, sandbox, plain=None: seen.append((request, sandbox,
+                                                                          plain)) or
                         FakeEvaluator())
     cfg = _config(tmp_path, evaluator={"policy": "allow-library", "reps": 50, "trials": 2},
                   llm={"models": [{"name": "m", "api_key_env": "TORCH_MY_KEY"}]})
     _start(cfg)
-    ((r, s),) = seen
+    ((r, s, plain),) = seen
+    assert plain == {"width": 0.01, "graph": False} and s.gpu_share == 1   # on the CPU: one
     assert r.policy == "allow-library" and r.trials == 2 and r.device == "cpu"
     assert (r.resolved_reps(), r.resolved_warmup()) == (3, 1)   # CPU: a few repetitions only
     assert r.timing == "call" and r.baseline == "best"

@@ -5,7 +5,6 @@ These run without a child except the last two tests, which each start one (~3 s 
 from __future__ import annotations
 
 import dataclasses
-import dataclasses
 import json
 import signal
 import os
@@ -214,105 +213,6 @@ def test_a_candidate_wrong_in_one_of_its_dtypes_is_incorrect_naming_it(tmp_path)
     assert wrong.configs[0].dtype == "bfloat16" and wrong.dtypes == ("float16", "bfloat16")
     assert right.verdict is Verdict.PASS, right.reason
     assert right.dtypes == ("float16",) and right.configs[0].dtype == "float16"
-
-
-_OK = ("import torch\n\ndef attention(q, k, v, causal=False, scale=None):\n"
-       "    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,"
-       " scale=scale)\n")
-
-
-def test_a_child_sets_up_its_baselines_then_waits_for_its_turn_on_a_shared_gpu(
-        tmp_path) -> None:  # noqa: ANN001
-    import fcntl
-    import threading
-    import time
-    lock = tmp_path / "locks" / "gpu-0.lock"
-    lock.parent.mkdir()
-    held = open(lock, "a+")
-    fcntl.flock(held.fileno(), fcntl.LOCK_EX)           # another evaluation's turn
-    ev = sandboxed(device="cpu", cache_dir=str(tmp_path / "cache"), policy="allow-library",
-                   reps=2, warmup=1, gpu_lock=str(lock))
-    out: list = []
-    t = threading.Thread(target=lambda: out.append(ev.evaluate(_OK, ".py")))
-    quiet = str(lock) + ".quiet"
-
-    def quiet_free() -> bool:
-        with open(quiet, "a+") as f:
-            try:
-                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return False
-            return True
-    try:
-        t.start()
-        until = time.monotonic() + 60
-        while quiet_free() and time.monotonic() < until:     # its set-up begins ...
-            time.sleep(0.01)
-        while not quiet_free() and time.monotonic() < until:     # ... and ends
-            time.sleep(0.01)
-        time.sleep(3.0)
-        assert t.is_alive() and not out, "the child went on while the lock was held"
-        fcntl.flock(held.fileno(), fcntl.LOCK_UN)
-        t.join(timeout=120)
-    finally:
-        held.close()
-        ev.close()
-    r = out[0]
-    assert r.verdict is Verdict.PASS, r.reason
-    order = list(r.stage_s)
-    assert order.index("baselines") < order.index("gpu-wait") < order.index("reference")
-    assert r.stage_s["gpu-wait"] > 2.0
-    assert sandbox.run_deadline(r, 10.0, 1.0, 1e9) == pytest.approx(
-        10 * sum(v for k, v in r.stage_s.items() if k not in ("start", "build", "gpu-wait")))
-
-
-def test_a_turn_that_never_comes_is_an_evaluator_fault_not_a_verdict(
-        tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    import fcntl
-    monkeypatch.setattr(sandbox, "GPU_WAIT_SLACK_S", 0.0)
-    lock = tmp_path / "gpu.lock"
-    held = open(lock, "a+")
-    fcntl.flock(held.fileno(), fcntl.LOCK_EX)
-    ev = sandboxed(device="cpu", cache_dir=str(tmp_path / "cache"), policy="allow-library",
-                   reps=2, warmup=1, gpu_lock=str(lock), run_timeout_s=2.0)
-    try:
-        r = ev.evaluate(_OK, ".py")
-    finally:
-        held.close()
-        ev.close()
-    assert r.verdict is Verdict.EVALUATOR_FAULT
-    assert "for its turn on the GPU" in r.reason and r.reason.startswith("twice")
-
-
-def test_a_plain_candidate_takes_the_run_s_looser_protocol_and_a_duel_the_request_s(
-        tmp_path) -> None:  # noqa: ANN001
-    from evaluator.request import EvalRequest
-    ev = sandbox.SubprocessEvaluator(EvalRequest(device="cpu"),
-                                     sandbox.SandboxSettings(cache_dir=str(tmp_path)),
-                                     plain={"width": 0.02, "graph": False})
-    seen: list = []
-    ev._run_child = lambda req, work: (seen.append(req), (  # type: ignore[method-assign]
-        sandbox.EvalResult.failure(Verdict.CRASH, "not run"), {}))[1]
-    ev.evaluate("x = 1\n", ".py")
-    ev.evaluate("x = 1\n", ".py", rival="x = 2\n")
-    assert (seen[0].width, seen[0].graph, seen[0].rival) == (0.02, False, "")
-    assert (seen[1].width, seen[1].graph) == (0.01, True) and seen[1].rival
-
-
-def test_slots_sharing_a_gpu_lock_one_file_per_gpu_and_only_on_the_gpu(tmp_path) -> None:  # noqa: ANN001
-    from evaluator.request import EvalRequest
-    share = sandbox.SandboxSettings(cache_dir=str(tmp_path), visible_device="3", gpu_share=2)
-    gpu = sandbox.SubprocessEvaluator(EvalRequest(device="cuda"), share)
-    assert gpu.request.gpu_lock == os.path.join(str(tmp_path), "gpu-locks", "gpu-3.lock")
-    alone = sandbox.SubprocessEvaluator(EvalRequest(device="cuda"),
-                                        sandbox.SandboxSettings(cache_dir=str(tmp_path),
-                                                                visible_device="3"))
-    cpu = sandbox.SubprocessEvaluator(EvalRequest(device="cpu"),
-                                      sandbox.SandboxSettings(cache_dir=str(tmp_path),
-                                                              gpu_share=2))
-    assert alone.request.gpu_lock == "" and cpu.request.gpu_lock == ""
-    assert share.gpu_wait_s(60.0) == 60.0 + sandbox.GPU_WAIT_SLACK_S
-    assert dataclasses.replace(share, gpu_share=3).gpu_wait_s(60.0) == 2 * share.gpu_wait_s(60.0)
 
 
 _OK = ("import torch\n\ndef attention(q, k, v, causal=False, scale=None):\n"
