@@ -33,23 +33,26 @@ class GpuTurn:
     def __init__(self, path: str, stage: Stage) -> None:
         """Opens the locks (a child's first step: it then holds the set-up's shared one)."""
         import fcntl
-        self._flock, self._sh = fcntl.flock, fcntl.LOCK_SH
+        self._flock, self._sh, self._nb = fcntl.flock, fcntl.LOCK_SH, fcntl.LOCK_NB
         self._ex, self._un = fcntl.LOCK_EX, fcntl.LOCK_UN
         self._stage = stage
         self._sync: Callable[[], None] = lambda: None
         self._file = self._quiet = None
         self.held = False
         self.checking = False              # compiles may yield the turn (the check stage)
-        self.yields = 0
         if path:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             self._file = open(path, "a+")
             self._quiet = open(path + ".quiet", "a+")
-            try:
-                self._flock(self._quiet.fileno(), self._sh | fcntl.LOCK_NB)
-            except BlockingIOError:            # another evaluation is timing
-                stage("gpu-wait")
-                self._flock(self._quiet.fileno(), self._sh)
+            self._wait(self._quiet, self._sh)      # blocks while another evaluation times
+
+    def _wait(self, f: Any, mode: int) -> None:
+        """Takes a lock, reporting stage 'gpu-wait' first when it has to wait for it."""
+        try:
+            self._flock(f.fileno(), mode | self._nb)
+        except BlockingIOError:
+            self._stage("gpu-wait")
+            self._flock(f.fileno(), mode)
 
     def set_up(self, sync: Callable[[], None]) -> None:
         """The set-up is done (its GPU work too: `sync`, the device-wide synchronisation, is
@@ -65,10 +68,9 @@ class GpuTurn:
             self._flock(self._quiet.fileno(), self._ex)
 
     def take(self, then: str) -> None:
-        """Waits for the turn (reported as stage 'gpu-wait'), then reports stage `then`."""
+        """Takes the turn (stage 'gpu-wait' while it waits), then reports stage `then`."""
         if self._file is not None and not self.held:
-            self._stage("gpu-wait")
-            self._flock(self._file.fileno(), self._ex)
+            self._wait(self._file, self._ex)
             self.held = True
         self._stage(then)
 
@@ -100,7 +102,6 @@ class GpuTurn:
         """Triton is about to compile (returns None: it goes on)."""
         if self.checking and self.held:
             self.release()
-            self.yields += 1
 
     def _compiled(self, *args: Any, **kwargs: Any) -> None:
         if self.checking and self._file is not None and not self.held:

@@ -35,10 +35,9 @@ from .population import Population
 from .store import RunStore
 from .types import Evaluator, MutationRequest, Mutator, Program, Proposal, program_id
 
-# Where an evaluation has its GPU to itself: its timing (the stage that holds the GPU's lock
-# when slots share one, evaluator/harness.py). The share of the wall time the GPUs spend on it
-# is what more slots per GPU raise.
-GPU_STAGES = ("time",)
+# Where an evaluation has its GPU to itself (evaluator/gpu_turn.py when slots share one): the
+# share of the wall time the GPUs spend in it is what more slots per GPU would raise.
+TIMING_STAGE = "time"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,9 +206,8 @@ class Search:
             raise interrupted or KeyboardInterrupt()
         self.store.record_stop(stop)
         elapsed = self.clock() - t0
-        busy = self._gpu_s / (elapsed * self._gpus()) if elapsed > 0 else 0.0
         return Outcome(pop.best(), seed, self.iteration, stop, elapsed,
-                       self._prior_elapsed + elapsed, exit_code, busy)
+                       self._prior_elapsed + elapsed, exit_code, self._timing_share(elapsed))
 
     def _commit_head(self, window: collections.deque[_InFlight], pop: Population, seed: Program,
                      t0: float) -> None:
@@ -339,7 +337,7 @@ class Search:
             return result, False, ""
         duel = self.evaluator.submit(source, self.suffix, f"{pid} vs {champ.id}",
                                      rival=champ.source).result()
-        self._gpu_s += sum(v for k, v in duel.stage_s.items() if k in GPU_STAGES)
+        self._gpu_s += duel.stage_s.get(TIMING_STAGE, 0.0)
         self._stats["challenges"] += 1
         if not duel.correct:
             return result, False, f" (challenge: {duel.verdict.value}: {duel.reason[:60]})"
@@ -371,7 +369,7 @@ class Search:
     def _count(self, result: EvalResult) -> None:
         self._stats["evaluated"] += 1
         self.evaluated_this_session += 1
-        self._gpu_s += sum(v for k, v in result.stage_s.items() if k in GPU_STAGES)
+        self._gpu_s += result.stage_s.get(TIMING_STAGE, 0.0)
 
     def _commit(self, pop: Population, iteration: int, program: Program | None,
                 rejection: tuple[str, str, str] | None, proposal: Proposal) -> None:
@@ -412,11 +410,12 @@ class Search:
             flags=flagged, rejected=self._stats["rejected"], cached=self._stats["cached"],
             elapsed_s=elapsed, evaluated=self.evaluated_this_session,
             llm=self.llm_totals(),
-            gpu_busy=self._gpu_s / (elapsed * self._gpus()) if elapsed > 0 else 0.0))
+            gpu_busy=self._timing_share(elapsed)))
 
-    def _gpus(self) -> int:
-        """The GPUs (or CPU slots) the evaluations run on: slots share them `per_gpu` each."""
-        return max(1, getattr(self.evaluator, "gpus", self.evaluator.slots))
+    def _timing_share(self, elapsed: float) -> float:
+        """Timing seconds / (wall seconds × the GPUs, or CPU slots, the evaluations run on)."""
+        gpus = max(1, getattr(self.evaluator, "gpus", self.evaluator.slots))
+        return self._gpu_s / (elapsed * gpus) if elapsed > 0 else 0.0
 
     def _gpu_info_from(self, seed: Program) -> None:
         if seed.result is not None:

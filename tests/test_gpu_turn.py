@@ -29,13 +29,22 @@ def test_a_compile_in_the_checks_yields_the_turn_and_takes_it_back(tmp_path: Pat
     assert _free(Path(str(path) + ".quiet")) and events == ["sync"]
     events.clear()
     turn.take("reference")
-    assert not _free(path) and stages == ["gpu-wait", "reference"]
+    assert not _free(path) and stages == ["reference"]        # free: no wait reported
     turn._compiling()                        # outside the checks (a reference, the timer)
     assert not _free(path) and events == []
     turn.checking = True
     turn._compiling()
-    assert _free(path) and events == ["sync"] and turn.yields == 1
-    turn._compiled()
+    assert _free(path) and events == ["sync"] and not turn.held
+    other = open(path, "a+")
+    fcntl.flock(other.fileno(), fcntl.LOCK_EX)              # a waiting evaluation's turn
+    import threading
+    back = threading.Thread(target=turn._compiled)
+    back.start()
+    back.join(timeout=0.5)
+    assert back.is_alive() and stages[-1] == "gpu-wait"      # waits until that turn ends
+    fcntl.flock(other.fileno(), fcntl.LOCK_UN)
+    other.close()
+    back.join(timeout=10)
     assert not _free(path) and stages[-2:] == ["gpu-wait", "check"]
     turn.checking = False
     turn.take("time")
@@ -64,6 +73,18 @@ def test_a_set_up_waits_while_another_evaluation_times(tmp_path: Path) -> None:
     assert made and not _free(Path(str(path) + ".quiet"))
 
 
+def test_the_compile_hooks_are_triton_s_own(tmp_path: Path) -> None:
+    from triton import knobs
+    keep = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
+    turn = GpuTurn(str(tmp_path / "gpu.lock"), lambda s: None)
+    try:
+        turn.install_compile_hooks()
+        assert knobs.runtime.jit_cache_hook == turn._compiling
+        assert knobs.runtime.jit_post_compile_hook == turn._compiled
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = keep
+
+
 def test_without_a_path_nothing_is_locked_and_the_stages_still_report(tmp_path: Path) -> None:
     stages: list[str] = []
     turn = GpuTurn("", stages.append)
@@ -74,4 +95,4 @@ def test_without_a_path_nothing_is_locked_and_the_stages_still_report(tmp_path: 
     turn._compiling()
     turn._compiled()
     turn.release()
-    assert stages == ["reference"] and turn.yields == 0
+    assert stages == ["reference"]

@@ -225,7 +225,6 @@ def test_a_prebuild_is_skipped_where_nothing_is_built_with_nvcc(tmp_path: Path) 
         prebuild.close()
 
 
-
 def test_slots_per_gpu_share_each_gpu_its_lock_and_the_run_s_plain_protocol(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from evoattn.config import EvaluatorConfig, RunConfig

@@ -264,3 +264,33 @@ def test_mixed_local_and_pooled_mutators_stay_deterministic(tmp_path: Path) -> N
             store.close()
         histories.append(_history(tmp_path / name))
     assert histories[0] == histories[1]
+
+
+@dataclasses.dataclass
+class _Staged(FakeEvaluator):
+    """Every evaluation reports 0.5 s of timing and 5 s of checks."""
+
+    seen: list[str] = dataclasses.field(default_factory=list)
+
+    def evaluate(self, *args: object, **kw: object) -> EvalResult:
+        self.seen.append("x")                         # list.append: safe from several slots
+        return dataclasses.replace(super().evaluate(*args, **kw),  # type: ignore[arg-type]
+                                   stage_s={"check": 5.0, "time": 0.5})
+
+
+def test_the_gpu_figure_is_the_timing_share_of_the_wall_time_per_gpu(tmp_path: Path) -> None:
+    from evoattn.pool import LocalPool
+    staged = _Staged()
+    pool = LocalPool(["0", "1"], lambda d: staged, per_device=2)      # 4 slots on 2 GPUs
+    try:
+        store = RunStore.open(tmp_path, config_to_dict(_cfg(iterations=6)), create=True)
+        try:
+            out = Search(_cfg(iterations=6), store, pool,
+                         [(KnobMutator(0.2, is_known=lambda pid: False), 1.0)], TOY_SEED,
+                         ".py").run()
+        finally:
+            store.close()
+    finally:
+        pool.close()
+    assert len(staged.seen) > 1
+    assert out.gpu_busy == pytest.approx(0.5 * len(staged.seen) / (out.elapsed_s * 2))
