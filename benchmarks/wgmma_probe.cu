@@ -10,6 +10,7 @@
 #ifndef WGF_SEED
 #define WGF_SEED "../seeds/sdpa/wgmma_flash.cu"
 #endif
+#define WGF_ALLOW_OVERSIZED_SMEM   // settings too deep for a block build, and report their size
 #include WGF_SEED
 
 #ifndef WGF_PROBE_UNITS

@@ -99,33 +99,80 @@ def test_probe_knows_which_ring_depths_fit_in_shared_memory(tmp_path):
     assert libs[4].probe_ws_smem_bytes(128) == tile + 2 * 2 * tile + tile + 8 * (2 + 4 * 2) + 8 + 1024
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_a_ring_too_deep_for_a_block_fails_the_build_only_where_its_path_is_on(tmp_path):
+    """WS_STAGES is shared by both head dims: three stages with the TMA-store tile do not fit at
+    D=128 (a build error naming the knob, instead of a failed launch on every GPU call), and
+    four fit at D=64 while D=128 takes the cp.async path (that path is then not instantiated)."""
+    probe = _probe_module()
+    source = SEED.read_text()
+    cases = [({"WS_STAGES": "3", "WARP_SPECIALIZE_D128": "1", "TMA_STORE_MAX_S": "1024"}, False),
+             ({"WS_STAGES": "2", "WARP_SPECIALIZE_D128": "1", "TMA_STORE_MAX_S": "1024"}, True),
+             ({"WS_STAGES": "4", "WARP_SPECIALIZE_D128": "0", "WARP_SPECIALIZE_D64": "1",
+               "BLOCK_N_D64": "128"}, True)]
+    for i, (vals, builds) in enumerate(cases):
+        seed = tmp_path / f"seed_{i}.cu"
+        seed.write_text(probe.set_knobs(source, vals))
+        proc = subprocess.run(
+            ["nvcc", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
+             "-gencode=arch=compute_90a,code=compute_90a", f"-I{SEED.parent}",
+             "-o", str(tmp_path / f"seed_{i}.so"), str(seed)],
+            capture_output=True, text=True, timeout=600)
+        assert (proc.returncode == 0) is builds, (vals, proc.stderr[-2000:])
+        if not builds:
+            assert "WS_STAGES too deep" in proc.stderr
+
+
 class SeedBuild(NamedTuple):
     library: Path
     log: str                                  # nvcc's output with ptxas -v
 
 
+# Each head dim instantiates only the path its WARP_SPECIALIZE_D* takes: the seed's setting and
+# the swapped one between them build both kernels at both head dims.
+SWAPPED = {"WARP_SPECIALIZE_D64": "1", "WARP_SPECIALIZE_D128": "0"}
+
+
 @pytest.fixture(scope="module")
-def seed_build(tmp_path_factory) -> SeedBuild:
-    """The seed at its knob setting, built once with the evaluator's own nvcc flags."""
+def seed_builds(tmp_path_factory) -> list[SeedBuild]:
+    """The seed at its knob setting and with its paths swapped, built once each with the
+    evaluator's own nvcc flags."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not on PATH")
+    import concurrent.futures
     from evaluator.runtime import fast_flags
-    lib = tmp_path_factory.mktemp("wgmma_seed") / "lib.so"
-    proc = subprocess.run(["nvcc", *fast_flags("sm_90a"), "-Xptxas", "-v", "-o", str(lib),
-                           str(SEED)], capture_output=True, text=True, timeout=600)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-3000:]
-    return SeedBuild(lib, log)
+    knobs = {k.name: k.value for k in find_knobs(SEED.read_text())}
+    assert {n: knobs[n] for n in SWAPPED} == {"WARP_SPECIALIZE_D64": "0",
+                                              "WARP_SPECIALIZE_D128": "1"}, "the seed's paths moved"
+    work = tmp_path_factory.mktemp("wgmma_seed")
+    swapped = work / "swapped.cu"
+    swapped.write_text(_probe_module().set_knobs(SEED.read_text(), SWAPPED))
+
+    def build(src: Path) -> SeedBuild:
+        lib = work / (src.stem + ".so")
+        proc = subprocess.run(["nvcc", *fast_flags("sm_90a"), "-Xptxas", "-v", f"-I{SEED.parent}",
+                               "-o", str(lib), str(src)], capture_output=True, text=True,
+                              timeout=600)
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0, log[-3000:]
+        return SeedBuild(lib, log)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        return list(ex.map(build, [SEED, swapped]))
 
 
-def test_seed_builds_for_sm90a_without_spills_or_serialised_wgmma(seed_build):
-    log = seed_build.log
-    assert "warning" not in log.lower(), log[-3000:]
-    # per tensor-core kernel (wgmma_flash, wgmma_ws): "N bytes spill stores" must be 0
-    blocks = re.findall(r"Compiling entry function '(\w*wgmma_(?:flash|ws)_kernel\w*)'.*?"
-                        r"(\d+) bytes spill stores", log, re.S)
-    assert len(blocks) == 8, log[-3000:]      # 2 kernels x 2 dtypes x 2 head dims
-    assert all(n == "0" for _, n in blocks), blocks
+def test_seed_builds_for_sm90a_without_spills_or_serialised_wgmma(seed_builds):
+    names = []
+    for build in seed_builds:
+        log = build.log
+        assert "warning" not in log.lower(), log[-3000:]
+        # per tensor-core kernel (wgmma_flash, wgmma_ws): "N bytes spill stores" must be 0
+        blocks = re.findall(r"Compiling entry function '(\w*wgmma_(?:flash|ws)_kernel\w*)'.*?"
+                            r"(\d+) bytes spill stores", log, re.S)
+        assert len(blocks) == 4, log[-3000:]      # 2 dtypes x 2 head dims, one path each
+        assert all(n == "0" for _, n in blocks), blocks
+        names += [n for n, _ in blocks]
+    assert len(set(names)) == 8                   # 2 kernels x 2 dtypes x 2 head dims
 
 
 def _cuobjdump() -> str | None:
@@ -163,11 +210,11 @@ def _sass_opcodes(library: Path) -> dict[str, list[str]]:
     return kernels
 
 
-def test_bfloat16_instantiations_run_bf16_wgmma_and_round_to_bf16(seed_build):
+def test_bfloat16_instantiations_run_bf16_wgmma_and_round_to_bf16(seed_builds):
     """Each tensor-core kernel exists for __half and __nv_bfloat16: the bf16 one issues every
     wgmma as .bf16 (HGMMA...BF16) and rounds P and O with bf16 conversions, the fp16 one uses
     no bf16 instruction; both issue the same number of wgmma (one kernel body, one type)."""
-    kernels = _sass_opcodes(seed_build.library)
+    kernels = {n: o for b in seed_builds for n, o in _sass_opcodes(b.library).items()}
     seen = set()
     for name, ops in kernels.items():
         m = re.fullmatch(r"_Z\d+(wgmma_(?:flash|ws)_kernel)I(13__nv_bfloat16|6__half)Li(\d+)E.*",

@@ -30,7 +30,8 @@
 // path below with its knobs WS_STAGES, SETMAXNREG, PINGPONG, PERSISTENT_D64 / _D128,
 // PERSISTENT_DYNAMIC, and TMA_STORE_MAX_S: calls with S up to it write O with stmatrix into a
 // shared tile per consumer warpgroup and one TMA store that runs on under the next work item,
-// instead of st.global from registers; 0: never, and no shared tile),
+// instead of st.global from registers; 0: never, and no shared tile; a ring of WS_STAGES too
+// deep for 227 KB of shared memory at a head dim whose path is on fails the build),
 // HEAD_MAJOR_D64 / _D128 (block order per head dim). The knobs' when(...) conditions name the
 // routing knobs of seeds/sdpa/flash_hybrid.py, which loads this file as a companion: there a
 // knob of a head dim the routing keeps on Triton runs no call and is left alone by the mutator.
@@ -1162,6 +1163,13 @@ template <typename T, int D, int BN, bool OV>
 static int launch_ws(const void* q, const void* k, const void* v, void* out, int BH, int S,
                      int causal, float scale, cudaStream_t stream) {
   static_assert(WS_STAGES >= 2 && WS_STAGES <= 4, "WS_STAGES must be 2, 3 or 4");
+#ifndef WGF_ALLOW_OVERSIZED_SMEM   // the probe builds settings that do not fit, to report them
+  // A ring too deep for a Hopper block (227 KB of dynamic shared memory) fails the build, not
+  // every call on the GPU: instantiated only for a head dim whose WARP_SPECIALIZE_D* is on.
+  static_assert(WsSmem<D, BN>::bytes <= 232448,
+                "WS_STAGES too deep for this head dim's tiles (BLOCK_N_D*, TMA_STORE_MAX_S): "
+                "the warp-specialised kernel's shared memory exceeds 227 KB");
+#endif
   const size_t smem = WsSmem<D, BN>::bytes;
   // Set on every call, as launch_wgmma does: a per-device cache would go stale after a
   // cudaDeviceReset, and the call costs well under a microsecond of host time.
@@ -1267,15 +1275,19 @@ static int run(const void* q, const void* k, const void* v, void* out, int BH, i
       const int built = wgmma_built();
       if (built < 0) return -built;
       if (built == 0) return (int)cudaErrorInvalidDeviceFunction;   // not built for sm_90a
-      if (D == 64)
-        return WARP_SPECIALIZE_D64
-                   ? launch_ws<T, 64, BLOCK_N_D64, OVERLAP_D64>(q, k, v, out, BH, S, causal,
-                                                                scale, stream)
-                   : launch_wgmma<T, 64, OVERLAP_D64>(q, k, v, out, BH, S, causal, scale, stream);
-      return WARP_SPECIALIZE_D128
-                 ? launch_ws<T, 128, BLOCK_N_D128, OVERLAP_D128>(q, k, v, out, BH, S, causal,
-                                                                  scale, stream)
-                 : launch_wgmma<T, 128, OVERLAP_D128>(q, k, v, out, BH, S, causal, scale, stream);
+      // if constexpr: only the path a head dim takes is instantiated (and size-checked)
+      if (D == 64) {
+        if constexpr (WARP_SPECIALIZE_D64 != 0)
+          return launch_ws<T, 64, BLOCK_N_D64, OVERLAP_D64>(q, k, v, out, BH, S, causal, scale,
+                                                            stream);
+        else
+          return launch_wgmma<T, 64, OVERLAP_D64>(q, k, v, out, BH, S, causal, scale, stream);
+      }
+      if constexpr (WARP_SPECIALIZE_D128 != 0)
+        return launch_ws<T, 128, BLOCK_N_D128, OVERLAP_D128>(q, k, v, out, BH, S, causal, scale,
+                                                             stream);
+      else
+        return launch_wgmma<T, 128, OVERLAP_D128>(q, k, v, out, BH, S, causal, scale, stream);
     }
   }
   if (D == 64)
