@@ -5,6 +5,8 @@ from __future__ import annotations
 import fcntl
 from pathlib import Path
 
+import pytest
+
 from evaluator.gpu_turn import GpuTurn
 
 
@@ -96,3 +98,67 @@ def test_without_a_path_nothing_is_locked_and_the_stages_still_report(tmp_path: 
     turn._compiled()
     turn.release()
     assert stages == ["reference"]
+
+
+_SALT = iter(range(1, 1 << 30))
+
+
+def _run_fresh_triton_kernel() -> None:
+    """Launches a Triton kernel on a specialisation this process has not compiled (a new
+    constexpr), so Triton goes through its compile path and its hooks."""
+    import time
+
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add(x_ptr, out_ptr, n, SALT: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + i, tl.load(x_ptr + i, mask=i < n) + SALT, mask=i < n)
+
+    salt = int(time.time()) % 100000 * 1000 + next(_SALT)
+    x = torch.arange(100, device="cuda", dtype=torch.float32)
+    out = torch.empty_like(x)
+    add[(1,)](x, out, 100, SALT=salt, BLOCK=128)
+    torch.cuda.synchronize()
+    assert torch.equal(out, x + salt)
+
+
+@pytest.mark.gpu
+def test_a_real_triton_compile_on_the_gpu_yields_the_turn_and_takes_it_back(tmp_path: Path) -> None:
+    """The hooks as the installed Triton calls them: during a compile in the check stage the
+    turn is free, after it held again; outside the checks a compile keeps it."""
+    import torch
+    from triton import knobs
+    path = tmp_path / "gpu.lock"
+    keep = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
+    seen: list[tuple[str, bool]] = []
+    turn = GpuTurn(str(path), lambda s: None)
+    try:
+        turn.set_up(torch.cuda.synchronize)
+        turn.install_compile_hooks()
+        compiling, compiled = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+
+        def on_compiling(*a, **k):
+            out = compiling(*a, **k)
+            seen.append(("compiling", _free(path)))
+            return out
+
+        def on_compiled(*a, **k):
+            out = compiled(*a, **k)
+            seen.append(("compiled", _free(path)))
+            return out
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = on_compiling, on_compiled
+        turn.take("reference")
+        _run_fresh_triton_kernel()                # a reference's compile: the turn is kept
+        assert seen == [("compiling", False), ("compiled", False)], seen
+        seen.clear()
+        turn.checking = True
+        _run_fresh_triton_kernel()
+        assert seen == [("compiling", True), ("compiled", False)], seen
+        assert turn.held and not _free(path)
+        turn.release()
+        assert _free(path)
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = keep
