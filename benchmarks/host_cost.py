@@ -138,6 +138,8 @@ def main() -> None:
     ap.add_argument("--set", dest="sets", action="append", default=[])
     ap.add_argument("--json")
     ap.add_argument("--breakdown", action="store_true")
+    ap.add_argument("--pin-cpu", action="store_true",
+                    help="time on the fastest CPU, pinned, as the evaluator does")
     a = ap.parse_args()
     import torch
     import torch.nn.functional as F
@@ -146,6 +148,10 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         mod = load(Path(a.program), a.sets, Path(tmp))
+        if a.pin_cpu:                 # after the build: nvcc keeps every CPU
+            from evaluator.cpu_pin import TimingCpu
+            cpu = TimingCpu()
+            print(f"pinned to CPU {cpu.pick()} (the CPUs' speeds differ {cpu.spread():.2f}x)")
         pieces = breakdown(mod) if a.breakdown else None
         for cfg in get_problem("sdpa").default_configs:
             B, H, S, D, causal = cfg["B"], cfg["H"], cfg["S"], cfg["D"], cfg["causal"]

@@ -1,6 +1,7 @@
 """How much a fitness moves when nothing changes: one program evaluated again and again.
 
     python benchmarks/noise.py SEED.py --standalone 5 --in-run 5 --out noise.json [--config C]
+                               [--no-pin-cpu]
 
 standalone  `evoattn eval SEED.py --json` in a fresh process each time
 in-run      the same program evaluated as a run's candidates are (the run's evaluation slots,
@@ -9,7 +10,8 @@ in-run      the same program evaluated as a run's candidates are (the run's eval
 
 Prints, per config and timing mode, each way's speedups and their spread (max / min - 1),
 the geometric-mean fitness of each evaluation, and the in-run mean against the stand-alone
-mean. GPU only (on the CPU the figures are the interpreter's).
+mean. --no-pin-cpu: both ways time on whatever CPU the scheduler gives (evaluator.pin_cpu
+false). GPU only (on the CPU the figures are the interpreter's).
 """
 from __future__ import annotations
 
@@ -42,13 +44,16 @@ def standalone(seed: Path, n: int, extra: list[str]) -> list[dict]:
     return out
 
 
-def in_run(seed: Path, n: int, config: str) -> list[dict]:
+def in_run(seed: Path, n: int, config: str, pin_cpu: bool = True) -> list[dict]:
+    import dataclasses
+
     from evaluator import program
     from evoattn import runner
     from evoattn.pool import make_evaluator
     with tempfile.TemporaryDirectory() as d:
         plan = runner.plan_run(config, None, d, None, None, None, None)
-    pool = make_evaluator(plan.cfg, plan.request, ())
+    request = plan.request if pin_cpu else dataclasses.replace(plan.request, pin_cpu=False)
+    pool = make_evaluator(plan.cfg, request, ())
     source = program.read(seed)
     out = []
     try:
@@ -89,7 +94,9 @@ def spread(v: list[float]) -> float:
 
 
 def summarise(name: str, results: list[dict]) -> dict:
-    table: dict = {"evaluations": len(results), "modes": {}}
+    table: dict = {"evaluations": len(results), "modes": {},
+                   "timing_cpus": [(r.get("device_info") or {}).get("timing_cpu")
+                                   for r in results]}
     for mode in MODES:
         per = [speedups(r, mode) for r in results]
         labels = sorted(set().union(*per)) if per else []
@@ -111,13 +118,16 @@ def main() -> None:
     ap.add_argument("--in-run", type=int, default=5)
     ap.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
     ap.add_argument("--out", default="")
+    ap.add_argument("--no-pin-cpu", action="store_true")
     args = ap.parse_args()
     seed = Path(args.seed).resolve()
     out = {}
     if args.standalone:
-        out["standalone"] = summarise("stand-alone", standalone(seed, args.standalone, []))
+        out["standalone"] = summarise("stand-alone", standalone(
+            seed, args.standalone, ["--no-pin-cpu"] if args.no_pin_cpu else []))
     if args.in_run:
-        out["in_run"] = summarise("in-run", in_run(seed, args.in_run, args.config))
+        out["in_run"] = summarise("in-run", in_run(seed, args.in_run, args.config,
+                                                   not args.no_pin_cpu))
     if args.standalone and args.in_run:
         for mode in MODES:
             a = out["standalone"]["modes"][mode]["fitness"]

@@ -46,7 +46,8 @@ def main() -> None:
     ap.add_argument("--stages", default="plain",
                     help="comma list of process states to measure in, in order: plain, "
                          "profiled (after one torch.profiler call, as the evaluator's policy "
-                         "check runs), guards (the child's sandbox guards installed)")
+                         "check runs), guards (the child's sandbox guards installed), "
+                         "pinned (this thread on the fastest CPU, as the evaluator times)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
@@ -110,6 +111,11 @@ def main() -> None:
             from evaluator.checking import library_kernels
             x = torch.randn(64, 64, device=dev)
             library_kernels(lambda: x @ x)
+        elif stage == "pinned":
+            from evaluator.cpu_pin import TimingCpu
+            cpu = TimingCpu()
+            print(f"pinned to CPU {cpu.pick()} of {len(cpu.probe)} (their speeds differ "
+                  f"{cpu.spread():.2f}x)", flush=True)
         elif stage == "guards":
             from evaluator import guards
             v = guards.Violations()

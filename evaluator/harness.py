@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator
 from . import device as devinfo, guards, snapshot
 from .cases import Case, prepare_case
 from .checking import Checked, Fail, check_all, library_kernels
+from .cpu_pin import TimingCpu
 from .gpu_turn import GpuTurn
 from .loader import LoadFailure, Loaded, build_candidate, loaded_module
 from .measure import TimingContext, time_case
@@ -96,6 +97,7 @@ def evaluate(req: EvalRequest, stage: Stage) -> EvalResult:
     # captures a CUDA graph, and torch empties the allocator cache when a capture begins.
     stage("timer")
     timer = GpuTimer(req.cache_dir or None) if req.on_gpu else CpuTimer()
+    cpu = TimingCpu(req.timing_cpus) if req.on_gpu and req.pin_cpu else None
     if req.on_gpu:
         devinfo.poison_allocator([c.out_bytes for c in cases + sum(others.values(), [])])
     turn.install_compile_hooks()
@@ -146,7 +148,13 @@ def evaluate(req: EvalRequest, stage: Stage) -> EvalResult:
                         devinfo.peak_for(s.info, s.dtype_name), ceiling, baselines,
                         s.problem.extra_baselines() if req.all_backends else {})
     turn.timing()
-    timed = _time_all(s, ctx, cases, checked, run, rng, guard, rival)
+    cpu = _timing_cpu(s, cpu)
+    try:
+        timed = _time_all(s, ctx, cases, checked, run, rng, guard, rival,
+                          cpu.refresh if cpu is not None else None)
+    finally:
+        if cpu is not None:
+            cpu.release()
     turn.release()                  # the profile below is one call: the next one may begin
     # The profiler runs after timing: once torch.profiler has run in a process, every later
     # launch costs about 20 µs more host time (CUPTI stays subscribed; measured on an H100,
@@ -349,15 +357,29 @@ def _profile(s: Setup, guard: _Guard, cases: list[Case], run: Callable[..., Any]
     return None
 
 
+def _timing_cpu(s: Setup, cpu: TimingCpu | None) -> TimingCpu | None:
+    """Pins this thread to the fastest CPU of its set for the timing, and records which in
+    the result's device_info; None where nothing is pinned."""
+    if cpu is None or cpu.pick() is None:
+        return None
+    s.common["device_info"].update(timing_cpu=cpu.cpu, cpus_probed=len(cpu.probe),
+                                   cpu_speed_spread=round(cpu.spread(), 3))
+    return cpu
+
+
 def _time_all(s: Setup, ctx: TimingContext, cases: list[Case], checked: Checked,
               run: Callable[..., Any], rng: random.Random, guard: _Guard,
-              rival: Callable[..., Any] | None = None) -> EvalResult:
-    """Times every benchmark config; any failure ends the evaluation with its verdict."""
+              rival: Callable[..., Any] | None = None,
+              before_config: Callable[[], Any] | None = None) -> EvalResult:
+    """Times every benchmark config; any failure ends the evaluation with its verdict.
+    `before_config` runs before each (the timing CPU's check)."""
     import torch
     out: list[ConfigResult] = []
     flags: list[str] = []
     for i, case in enumerate(cases[:len(s.configs)]):
         label = s.problem.label(case.cfg)
+        if before_config is not None:
+            before_config()
         try:
             out.append(time_case(ctx, case, run, rng, checked.results[i], flags, rival))
         except Fail as f:

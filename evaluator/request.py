@@ -67,6 +67,10 @@ class EvalRequest:
     # When evaluations share one GPU: the lock file of their turns on it (evaluator/gpu_turn.py:
     # checks and timing take turns, builds and the baselines' set-up overlap them).
     gpu_lock: str = ""
+    # On a GPU the timing thread runs on the fastest of these CPUs (evaluator/cpu_pin.py; empty:
+    # any the child may use): a run gives the slots of each GPU their own block.
+    pin_cpu: bool = True
+    timing_cpus: tuple[int, ...] = ()
 
     def validate(self) -> None:
         """Raises ValueError naming the field when a value is out of range."""
@@ -126,6 +130,7 @@ class EvalRequest:
         d["configs"] = None if self.configs is None else [dict(c) for c in self.configs]
         d["allowed_dirs"] = list(self.allowed_dirs)
         d["dtypes"] = None if self.dtypes is None else list(self.dtypes)
+        d["timing_cpus"] = list(self.timing_cpus)
         return d
 
     @classmethod
@@ -138,6 +143,7 @@ class EvalRequest:
         if kw.get("configs") is not None:
             kw["configs"] = tuple(dict(c) for c in kw["configs"])
         kw["allowed_dirs"] = tuple(kw.get("allowed_dirs", ()))
+        kw["timing_cpus"] = tuple(int(c) for c in kw.get("timing_cpus", ()))
         if kw.get("dtypes") is not None:
             kw["dtypes"] = tuple(kw["dtypes"])
         return cls(**kw)

@@ -31,6 +31,7 @@ class _Station:
         from . import device as devinfo
         from .harness import trusted_compile_caches
         from .problems import get_problem
+        from .cpu_pin import TimingCpu
         from .timing import CpuTimer, GpuTimer
         self.req = request
         self.problem = get_problem(request.problem)
@@ -45,6 +46,7 @@ class _Station:
         if on_gpu and self.dtype != torch.float32:
             self.ceiling = devinfo.measured_matmul_tflops(self.dtype)
         self.timer = GpuTimer(request.cache_dir or None) if on_gpu else CpuTimer()
+        self.cpu = TimingCpu(request.timing_cpus) if on_gpu and request.pin_cpu else None
         self.baselines = self.problem.baselines()
         self.cases = []
         with trusted_compile_caches(request.cache_dir):
@@ -57,20 +59,30 @@ class _Station:
                 self.cases.append((cfg, inputs, gen))
 
     def time(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        if self.cpu is not None:        # timed on the CPU a candidate's child picks (the fastest)
+            self.cpu.pick()
+        try:
+            for cfg, inputs, gen in self.cases:
+                if self.cpu is not None:
+                    self.cpu.refresh()
+                out.update(self._time_config(cfg, inputs, gen))
+        finally:
+            if self.cpu is not None:
+                self.cpu.release()
+        return out
+
+    def _time_config(self, cfg: dict[str, Any], inputs: Any, gen: Any) -> dict[str, Any]:
         from .measure import bind, config_key
         from .timing import Plan, set_bytes
-        out = {}
-        for cfg, inputs, gen in self.cases:
-            fns = {n: bind(f, cfg) for n, f in self.baselines.items()}
-            plan = Plan.for_device(self.req.on_gpu, self.req.resolved_warmup(),
-                                   self.req.resolved_reps(),
-                                   set_bytes(inputs, self.problem.random_inputs),
-                                   self.req.timing)
-            m = self.timer.measure(fns, inputs, self.problem.random_inputs,
-                                   lambda inp, g=gen: self.problem.refill(inp, g), plan, "",
-                                   self.rng)
-            out[config_key(cfg)] = {n: t.to_json() for n, t in m.times.items()}
-        return out
+        fns = {n: bind(f, cfg) for n, f in self.baselines.items()}
+        plan = Plan.for_device(self.req.on_gpu, self.req.resolved_warmup(),
+                               self.req.resolved_reps(),
+                               set_bytes(inputs, self.problem.random_inputs), self.req.timing)
+        m = self.timer.measure(fns, inputs, self.problem.random_inputs,
+                               lambda inp, g=gen: self.problem.refill(inp, g), plan, "",
+                               self.rng)
+        return {config_key(cfg): {n: t.to_json() for n, t in m.times.items()}}
 
 
 def main() -> None:

@@ -112,12 +112,14 @@ def main() -> None:
 @click.option("--rival", type=click.Path(dir_okay=False),
               help="another kernel file, checked and timed beside PATH in the same rounds: "
                    "prints both fitnesses and the gain with its 95% interval")
+@click.option("--pin-cpu/--no-pin-cpu", default=None,
+              help="time on the fastest CPU, pinned (default on; GPU only)")
 def eval_cmd(path: str, problem: str, configs: str | None, dtypes: tuple[str, ...], device: str,
              timing: str | None, baseline: str | None, json_path: str | None,
              trials: int | None, reps: int | None, warmup: int | None, policy: str | None,
              max_abs: float | None, tolerance_factor: float | None,
              all_backends: bool, no_screen: bool, timeout: float | None,
-             knob_sets: tuple[str, ...], rival: str | None) -> None:
+             knob_sets: tuple[str, ...], rival: str | None, pin_cpu: bool | None) -> None:
     """Check one kernel file against the reference and time it against PyTorch's baselines."""
     from .sandbox import SubprocessEvaluator
     p = Path(path)
@@ -132,7 +134,7 @@ def eval_cmd(path: str, problem: str, configs: str | None, dtypes: tuple[str, ..
         trials=trials, reps=reps, warmup=warmup, policy=policy, max_abs=max_abs,
         tolerance_factor=tolerance_factor, all_backends=all_backends or None,
         screen=False if no_screen else None, run_timeout_s=timeout, timing=timing,
-        baseline=baseline)
+        baseline=baseline, pin_cpu=pin_cpu)
     request = settings.eval_request(ref, prob, dev, settings.parse_configs(prob, configs,
                                                                            "--configs"),
                                     dtypes, ev)

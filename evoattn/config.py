@@ -108,6 +108,10 @@ class EvaluatorConfig:
     # re-measured against it head to head at the request's width (1%), in every mode.
     candidate_width: float = 0.01
     candidate_graph: bool = False
+    # On a GPU, time on the fastest CPU of the machine (of the GPU's block, with several GPUs),
+    # pinned for the timing: launch-bound times depend on the host's speed, which differs
+    # between the CPUs of one machine (evaluator/cpu_pin.py).
+    pin_cpu: bool = DEFAULTS.pin_cpu
     # Iterations in flight (default: one per evaluation slot, plus llm.concurrency). A fixed
     # window keeps a run's choices the same on any number of GPUs or workers.
     window: int | None = None

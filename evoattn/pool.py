@@ -21,6 +21,7 @@ import subprocess
 import threading
 from typing import Any, Callable, Sequence
 
+from evaluator.cpu_pin import cpu_blocks
 from evaluator.request import EvalRequest
 from evaluator.types import EvalResult
 
@@ -187,26 +188,33 @@ def make_evaluator(cfg: Any, request: EvalRequest, secret_names: tuple[str, ...]
     plain = {"width": ev.candidate_width, "graph": ev.candidate_graph}
     share = 1 if request.device == "cpu" else ev.per_gpu
 
+    gpus = [] if request.device == "cpu" else visible_gpus(ev.gpus)
+    blocks = dict(zip(gpus, cpu_blocks(os.sched_getaffinity(0), len(gpus)))) \
+        if hasattr(os, "sched_getaffinity") and gpus else {}
+
     def make(device: str) -> Any:
         return slot_evaluator(request, device, secret_names, ev.run_factor, ev.run_floor_s,
-                              refresh, plain, share)
+                              refresh, plain, share, blocks.get(device, ()))
     if request.device == "cpu":
         return LocalPool(["cpu"], make)
-    return LocalPool(visible_gpus(ev.gpus), make,
+    return LocalPool(gpus, make,
                      Prebuilder(request, SandboxSettings(secret_env_names=secret_names)),
                      per_device=share)
 
 
 def slot_evaluator(request: EvalRequest, device: str, secret_names: tuple[str, ...],
                    factor: float, floor_s: float, station_refresh_s: float | None = None,
-                   plain: dict[str, Any] | None = None, share: int = 1) -> Any:
+                   plain: dict[str, Any] | None = None, share: int = 1,
+                   timing_cpus: tuple[int, ...] = ()) -> Any:
     """Returns the evaluator of one slot: its children see only `device` (a GPU id), take
-    turns on it with the other `share` - 1 slots of that GPU, and its station (when
-    station_refresh_s is set) times the baselines for them; `plain`: the request fields of a
-    candidate evaluated without a rival."""
+    turns on it with the other `share` - 1 slots of that GPU, time on the fastest of
+    `timing_cpus` (empty: of any CPU), and its station (when station_refresh_s is set) times
+    the baselines for them; `plain`: the request fields of a candidate evaluated without a
+    rival."""
     sandbox = SandboxSettings(secret_env_names=secret_names,
                               visible_device=None if device == "cpu" else device,
-                              station_refresh_s=station_refresh_s, gpu_share=share)
+                              station_refresh_s=station_refresh_s, gpu_share=share,
+                              timing_cpus=tuple(timing_cpus))
     return _Calibrated(SubprocessEvaluator(request, sandbox, plain), factor, floor_s)
 
 

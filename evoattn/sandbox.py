@@ -78,6 +78,9 @@ class SandboxSettings:
     # Evaluations sharing visible_device (a run's `evaluator.per_gpu`): their children take
     # turns on it through a lock file in the cache (gpu_lock_path).
     gpu_share: int = 1
+    # The CPUs the children's timing picks its CPU from (evaluator/cpu_pin.py); empty: any
+    # of theirs. A machine's GPUs get disjoint blocks.
+    timing_cpus: tuple[int, ...] = ()
 
     def gpu_wait_s(self, run_timeout_s: float) -> float:
         """How long a child may wait for its turn: each other sharer's turn (its run stage,
@@ -106,6 +109,8 @@ class SubprocessEvaluator:
         if sandbox.gpu_share > 1 and request.device == "cuda":
             self.request = dataclasses.replace(self.request, gpu_lock=gpu_lock_path(
                 cache, sandbox.visible_device or "default"))
+        if sandbox.timing_cpus:
+            self.request = dataclasses.replace(self.request, timing_cpus=sandbox.timing_cpus)
         self.plain = dict(plain or {})
         self._zygote: Zygote | None = None
         self._zygote_failed = False

@@ -123,7 +123,7 @@ def eval_request(ref: str, prob: Any, device: str, configs: tuple[dict[str, Any]
                       max_abs=ev.max_abs, policy=ev.policy, screen=ev.screen, timing=ev.timing,
                       baseline=ev.baseline, all_backends=ev.all_backends, warmup=ev.warmup,
                       reps=ev.reps, build_timeout_s=ev.build_timeout_s,
-                      run_timeout_s=ev.run_timeout_s)
+                      run_timeout_s=ev.run_timeout_s, pin_cpu=ev.pin_cpu)
     try:
         req.validate()
     except ValueError as e:
