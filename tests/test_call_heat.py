@@ -1,0 +1,42 @@
+"""Call mode's heat: on a GPU every timed batch follows as many untimed calls on an input set
+of their own (the GPU at the clocks of sustained work); the CPU timer has none."""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from evaluator.timing import CpuTimer, GpuTimer, InputSets, Plan, _Timer
+
+
+class _Recorder(_Timer):
+    heat = True
+
+    def __init__(self) -> None:
+        self.torch = torch
+        self.log: list[str] = []
+        self.sync = lambda: self.log.append("sync")
+
+
+def test_each_timed_batch_follows_as_many_untimed_calls_on_the_heat_set() -> None:
+    base = {"q": torch.zeros(4), "k": torch.zeros(4)}
+    sets = InputSets(base, ("q", "k"), 3, lambda s: s["q"].normal_(),
+                     lambda b: b["q"].normal_())
+    assert len(sets.sets) == 3
+    heat_ptr = sets.heat["q"].data_ptr()
+    assert heat_ptr not in {s["q"].data_ptr() for s in sets.sets}
+    timer = _Recorder()
+
+    def fn(inputs: dict) -> torch.Tensor:
+        timer.log.append("heat" if inputs["q"].data_ptr() == heat_ptr else "timed")
+        return inputs["q"] + 1
+    plan = Plan(warmup=0, reps=2, rounds=2, graph_rounds=0, sets=3, graph=False)
+    samples = timer._call_mode({"f": fn}, sets, plan, "f", random.Random(0), [],
+                               lambda m, s: False)
+    assert len(samples["f"]) == 2
+    # a warm-up batch and two timed ones: each heat x3, a sync, timed x3, a sync
+    assert timer.log == (["heat"] * 3 + ["sync"] + ["timed"] * 3 + ["sync"]) * 3
+
+
+def test_only_the_gpu_timer_heats() -> None:
+    assert GpuTimer.heat is True and CpuTimer.heat is False
