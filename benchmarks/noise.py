@@ -96,7 +96,8 @@ def spread(v: list[float]) -> float:
 def summarise(name: str, results: list[dict]) -> dict:
     table: dict = {"evaluations": len(results), "modes": {},
                    "timing_cpus": [(r.get("device_info") or {}).get("timing_cpu")
-                                   for r in results]}
+                                   for r in results],
+                   "time_stage_s": [(r.get("stage_s") or {}).get("time") for r in results]}
     for mode in MODES:
         per = [speedups(r, mode) for r in results]
         labels = sorted(set().union(*per)) if per else []
