@@ -16,12 +16,13 @@ call    What a model's layer loop sees in eager mode: K back-to-back calls, each
         short batch would spread over few calls (it read 11% high at (8,32,512,64) on an
         H100 with 8 calls a batch). Per call it costs max(host cost, GPU time) plus any gap
         between them; work on any stream counts. The batch's last output is checked after
-        the batch: work deferred into a later call would leave it unfinished. On a GPU each
-        batch is preceded by as many untimed calls on an input set of their own (the heat):
-        a GPU that idled or only refilled inputs before a batch runs it at boost clocks
-        (1.9-2.0 GHz on an H200) where a model's loop of heavy calls runs at its power limit
-        (1.5-1.6 GHz), and without the heat long head-dim-128 calls read 8-14% faster than
-        a sustained eager loop of the same calls.
+        the batch: work deferred into a later call would leave it unfinished. On a GPU a
+        batch of heavy calls (HEAT_MIN_MS or more each) follows HEAT_MS of untimed calls on an
+        input set of their own (the heat): after the refill's memory-bound work the GPU runs
+        the next few milliseconds of tensor-core work at boost clocks (1.8-2.0 GHz on an
+        H200) where a model's loop of heavy calls runs at its power limit (1.5-1.6 GHz), and
+        without the heat long head-dim-128 calls read 6-14% faster than a sustained eager
+        loop of the same calls (benchmarks/protocol_check.py).
 graph   The same K calls captured once in a CUDA graph and replayed (after the spin, between
         CUDA events): the GPU time of calls with no host cost at all. A call that cannot be
         captured gets no graph time, and the reason.
@@ -57,6 +58,8 @@ CALL_BATCH_MS = 2.0                # call mode: a batch lasts at least this ...
 CALL_SETS = (8, 256)               # ... with this many input sets (distinct inputs per call) ...
 CALL_MAX_BYTES = 4 * 2 ** 30       # ... filling at most this, whatever the set's size
 HOST_CALLS = 20                    # calls measured for host_us
+HEAT_MS, HEAT_MIN_MS = 10.0, 0.2   # call mode on a GPU: untimed calls before each batch of
+                                   # calls this long or longer, for about this long
 WIDTH = 0.01                       # the default target relative half-width of the fitness
                                    # ratio's interval (a request's `width` sets it)
 FLOOR = {"kernel": 10, "call": 5, "graph": 5}     # the fitness mode's rounds: at least these
@@ -216,22 +219,23 @@ class _Timer:
 
     torch: Any
     sync: Callable[[], None]
-    heat = False                       # call mode: untimed calls before each batch (GPU)
+    heat = False                       # call mode: untimed calls before heavy batches (GPU)
 
     # ---- call mode ------------------------------------------------------------------
     def _call_mode(self, fns: dict[str, Fn], sets: InputSets, plan: Plan, keep: str,
                    rng: random.Random, kept: list[Kept],
-                   converged: Converged | None = None) -> Samples:
+                   converged: Converged | None = None, per_call_ms: float = 0.0) -> Samples:
         torch = self.torch
         last = len(sets.sets) - 1
+        heat = math.ceil(HEAT_MS / per_call_ms) if self.heat and per_call_ms >= HEAT_MIN_MS \
+            else 0
 
         def batch(name: str, fn: Fn, watch: tuple[int, ...]) -> float:
             sets.refill()
             before = {i: snapshot(sets.sets[i]) for i in watch}
             outs: dict[int, Any] = {}
-            if self.heat:                       # the GPU at the clocks of sustained calls
-                for _ in sets.sets:
-                    fn(sets.heat)
+            for _ in range(heat):               # the GPU at the clocks of sustained calls
+                fn(sets.heat)
             self.sync()
             t0 = _perf()
             for i, s in enumerate(sets.sets):
@@ -293,7 +297,7 @@ class GpuTimer(_Timer):
         mem = {n: self._peak_mem(fn, inputs) for n, fn in fns.items()}
         per_call = min(max(kernel[n], *host_launch[n]) for n in fns)
         sets = InputSets(inputs, random_names, plan.call_sets(per_call), refill, refill_all)
-        call_s = self._call_mode(fns, sets, plan, keep, rng, kept, converged)
+        call_s = self._call_mode(fns, sets, plan, keep, rng, kept, converged, per_call)
         call = {n: statistics.median(v) for n, v in call_s.items()}
         host = {n: self._host_us(fn, inputs, call[n]) for n, fn in fns.items()}
         graph_s, graph_err = self._graph_mode(fns, sets, plan, keep, kept, converged) \

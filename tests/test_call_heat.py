@@ -1,12 +1,15 @@
-"""Call mode's heat: on a GPU every timed batch follows as many untimed calls on an input set
-of their own (the GPU at the clocks of sustained work); the CPU timer has none."""
+"""Call mode's heat: on a GPU a batch of heavy calls follows about HEAT_MS of untimed calls on an
+input set of their own (the GPU at the clocks of sustained work); light calls and the CPU timer
+have none."""
 from __future__ import annotations
 
 import random
 
 import torch
 
-from evaluator.timing import CpuTimer, GpuTimer, InputSets, Plan, _Timer
+import pytest
+
+from evaluator.timing import HEAT_MIN_MS, HEAT_MS, CpuTimer, GpuTimer, InputSets, Plan, _Timer
 
 
 class _Recorder(_Timer):
@@ -18,7 +21,10 @@ class _Recorder(_Timer):
         self.sync = lambda: self.log.append("sync")
 
 
-def test_each_timed_batch_follows_as_many_untimed_calls_on_the_heat_set() -> None:
+@pytest.mark.parametrize("per_call_ms, heat", [(HEAT_MS / 4, 4), (HEAT_MS / 4.5, 5),
+                                                 (HEAT_MIN_MS / 2, 0), (0.0, 0)])
+def test_heavy_batches_follow_untimed_calls_on_the_heat_set(per_call_ms: float,
+                                                            heat: int) -> None:
     base = {"q": torch.zeros(4), "k": torch.zeros(4)}
     sets = InputSets(base, ("q", "k"), 3, lambda s: s["q"].normal_(),
                      lambda b: b["q"].normal_())
@@ -32,10 +38,10 @@ def test_each_timed_batch_follows_as_many_untimed_calls_on_the_heat_set() -> Non
         return inputs["q"] + 1
     plan = Plan(warmup=0, reps=2, rounds=2, graph_rounds=0, sets=3, graph=False)
     samples = timer._call_mode({"f": fn}, sets, plan, "f", random.Random(0), [],
-                               lambda m, s: False)
+                               lambda m, s: False, per_call_ms)
     assert len(samples["f"]) == 2
-    # a warm-up batch and two timed ones: each heat x3, a sync, timed x3, a sync
-    assert timer.log == (["heat"] * 3 + ["sync"] + ["timed"] * 3 + ["sync"]) * 3
+    # a warm-up batch and two timed ones: each the heat, a sync, timed x3, a sync
+    assert timer.log == (["heat"] * heat + ["sync"] + ["timed"] * 3 + ["sync"]) * 3
 
 
 def test_only_the_gpu_timer_heats() -> None:
