@@ -65,7 +65,7 @@ def time_case(ctx: TimingContext, case: Case, run: Callable[..., Any], rng: rand
         fns["rival"] = lambda inp: rival(inp, cfg)
     plan = Plan.for_device(req.on_gpu, req.resolved_warmup(), req.resolved_reps(),
                            set_bytes(inputs, problem.random_inputs), req.timing, req.width,
-                           req.graph)
+                           req.graph, req.heat)
     refill = lambda inp: problem.refill(inp, case.gen)     # noqa: E731
     # The default refill is elementwise (normal_): it can fill every input set in one launch.
     refill_all = refill if type(problem).refill is Problem.refill else None

@@ -48,6 +48,9 @@ class EvalRequest:
     # `evaluator.candidate_width`; duels and `evoattn eval` keep this.
     width: float = 0.01
     graph: bool = True                         # also time graph mode (always when it is `timing`)
+    # call mode's heat before heavy batches (evaluator/timing.py: heavy calls timed at the
+    # clocks of a sustained loop); a run's plain candidates take `evaluator.candidate_heat`
+    heat: bool = True
     # limits
     build_timeout_s: float = 300.0
     run_timeout_s: float = 600.0               # a ceiling; runs derive a tighter one (sandbox)

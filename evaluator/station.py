@@ -78,7 +78,8 @@ class _Station:
         fns = {n: bind(f, cfg) for n, f in self.baselines.items()}
         plan = Plan.for_device(self.req.on_gpu, self.req.resolved_warmup(),
                                self.req.resolved_reps(),
-                               set_bytes(inputs, self.problem.random_inputs), self.req.timing)
+                               set_bytes(inputs, self.problem.random_inputs), self.req.timing,
+                               heat=self.req.heat)
         m = self.timer.measure(fns, inputs, self.problem.random_inputs,
                                lambda inp, g=gen: self.problem.refill(inp, g), plan, "",
                                self.rng)

@@ -100,20 +100,22 @@ class Plan:
     graph: bool                        # measure graph mode at all
     mode: str = "call"                 # the fitness mode: its rounds adapt
     width: float = WIDTH
+    heat: bool = True                  # call mode: the heat before heavy batches (GPU timer)
 
     @classmethod
     def for_device(cls, on_gpu: bool, warmup: int, reps: int, set_bytes: int,
-                   mode: str = "call", width: float = WIDTH, graph: bool = True) -> "Plan":
+                   mode: str = "call", width: float = WIDTH, graph: bool = True,
+                   heat: bool = True) -> "Plan":
         """Returns the plan for a config whose random inputs take `set_bytes`; `reps` caps the
         fitness mode's rounds (`mode` "all": every mode's); `graph` False leaves graph mode
-        out unless it is the fitness mode."""
+        out unless it is the fitness mode; `heat` False leaves call mode's heat out."""
         if not on_gpu:
             return cls(warmup, reps, rounds=2, graph_rounds=0, sets=2, graph=False, mode=mode,
-                       width=width)
+                       width=width, heat=False)
         sets = max(2, min(CALL_SETS[1], CALL_MAX_BYTES // max(set_bytes, 1)))
         cap = max(reps, max(FLOOR.values()))
         return cls(warmup, cap, cap, cap, sets, graph=graph or mode in ("graph", "all"),
-                   mode=mode, width=width)
+                   mode=mode, width=width, heat=heat)
 
     def bounds(self, mode: str) -> tuple[int, int]:
         """Returns (floor, cap) of a mode's rounds."""
@@ -227,8 +229,8 @@ class _Timer:
                    converged: Converged | None = None, per_call_ms: float = 0.0) -> Samples:
         torch = self.torch
         last = len(sets.sets) - 1
-        heat = math.ceil(HEAT_MS / per_call_ms) if self.heat and per_call_ms >= HEAT_MIN_MS \
-            else 0
+        heat = math.ceil(HEAT_MS / per_call_ms) \
+            if self.heat and plan.heat and per_call_ms >= HEAT_MIN_MS else 0
 
         def batch(name: str, fn: Fn, watch: tuple[int, ...]) -> float:
             sets.refill()

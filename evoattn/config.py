@@ -108,6 +108,11 @@ class EvaluatorConfig:
     # re-measured against it head to head at the request's width (1%), in every mode.
     candidate_width: float = 0.01
     candidate_graph: bool = False
+    # ... and whether its heavy configs get call mode's heat (evaluator/timing.py): with it,
+    # their call times are a sustained loop's (without, 1-10% faster on an H200); without, an
+    # evaluation takes about 3 s less, but plain figures then read above the duels' (which
+    # always heat), so more candidates challenge the best.
+    candidate_heat: bool = True
     # On a GPU, time on the fastest CPU of the machine (of the GPU's block, with several GPUs),
     # pinned for the timing: launch-bound times depend on the host's speed, which differs
     # between the CPUs of one machine (evaluator/cpu_pin.py).

@@ -185,7 +185,8 @@ def make_evaluator(cfg: Any, request: EvalRequest, secret_names: tuple[str, ...]
         return DaskPool(ev.scheduler_address, request, secret_names, ev.run_factor,
                         ev.run_floor_s)
     refresh = ev.baseline_refresh_s if ev.station else None
-    plain = {"width": ev.candidate_width, "graph": ev.candidate_graph}
+    plain = {"width": ev.candidate_width, "graph": ev.candidate_graph,
+             "heat": ev.candidate_heat}
     share = 1 if request.device == "cpu" else ev.per_gpu
 
     gpus = [] if request.device == "cpu" else visible_gpus(ev.gpus)

@@ -21,9 +21,10 @@ class _Recorder(_Timer):
         self.sync = lambda: self.log.append("sync")
 
 
-@pytest.mark.parametrize("per_call_ms, heat", [(HEAT_MS / 4, 4), (HEAT_MS / 4.5, 5),
-                                                 (HEAT_MIN_MS / 2, 0), (0.0, 0)])
-def test_heavy_batches_follow_untimed_calls_on_the_heat_set(per_call_ms: float,
+@pytest.mark.parametrize("per_call_ms, planned, heat", [
+    (HEAT_MS / 4, True, 4), (HEAT_MS / 4.5, True, 5), (HEAT_MIN_MS / 2, True, 0), (0.0, True, 0),
+    (HEAT_MS / 4, False, 0)])                   # a plan without heat (a run's plain candidate)
+def test_heavy_batches_follow_untimed_calls_on_the_heat_set(per_call_ms: float, planned: bool,
                                                             heat: int) -> None:
     base = {"q": torch.zeros(4), "k": torch.zeros(4)}
     sets = InputSets(base, ("q", "k"), 3, lambda s: s["q"].normal_(),
@@ -36,7 +37,7 @@ def test_heavy_batches_follow_untimed_calls_on_the_heat_set(per_call_ms: float,
     def fn(inputs: dict) -> torch.Tensor:
         timer.log.append("heat" if inputs["q"].data_ptr() == heat_ptr else "timed")
         return inputs["q"] + 1
-    plan = Plan(warmup=0, reps=2, rounds=2, graph_rounds=0, sets=3, graph=False)
+    plan = Plan(warmup=0, reps=2, rounds=2, graph_rounds=0, sets=3, graph=False, heat=planned)
     samples = timer._call_mode({"f": fn}, sets, plan, "f", random.Random(0), [],
                                lambda m, s: False, per_call_ms)
     assert len(samples["f"]) == 2

@@ -108,7 +108,7 @@ def test_a_request_s_width_and_graph_reach_the_plan(monkeypatch: pytest.MonkeyPa
         seen.append(plan)
         raise RuntimeError("enough")
     monkeypatch.setattr(measure.Plan, "for_device", spy)
-    req = EvalRequest(device="cuda", width=0.04, graph=False)
+    req = EvalRequest(device="cuda", width=0.04, graph=False, heat=False)
     ctx = measure.TimingContext(None, req, None, None, "float16", None, None, {}, {})  # type: ignore
     case = type("C", (), {"cfg": {}, "trials": [type("T", (), {"inputs": {}})()],
                           "gen": type("G", (), {"manual_seed": lambda self, s: None})()})()
@@ -116,7 +116,8 @@ def test_a_request_s_width_and_graph_reach_the_plan(monkeypatch: pytest.MonkeyPa
     with pytest.raises(RuntimeError, match="enough"):
         measure.time_case(ctx, case, lambda i, c: None, __import__("random").Random(0),
                           None, [])  # type: ignore[arg-type]
-    assert (seen[0].width, seen[0].graph, seen[0].mode) == (0.04, False, "call")
+    assert (seen[0].width, seen[0].graph, seen[0].mode, seen[0].heat) == (0.04, False, "call",
+                                                                          False)
 
 
 def test_other_modes_get_a_fixed_few_rounds() -> None:

@@ -288,14 +288,14 @@ def test_a_plain_candidate_takes_the_run_s_looser_protocol_and_a_duel_the_reques
     from evaluator.request import EvalRequest
     ev = sandbox.SubprocessEvaluator(EvalRequest(device="cpu"),
                                      sandbox.SandboxSettings(cache_dir=str(tmp_path)),
-                                     plain={"width": 0.02, "graph": False})
+                                     plain={"width": 0.02, "graph": False, "heat": False})
     seen: list = []
     ev._run_child = lambda req, work: (seen.append(req), (  # type: ignore[method-assign]
         sandbox.EvalResult.failure(Verdict.CRASH, "not run"), {}))[1]
     ev.evaluate("x = 1\n", ".py")
     ev.evaluate("x = 1\n", ".py", rival="x = 2\n")
-    assert (seen[0].width, seen[0].graph, seen[0].rival) == (0.02, False, "")
-    assert (seen[1].width, seen[1].graph) == (0.01, True) and seen[1].rival
+    assert (seen[0].width, seen[0].graph, seen[0].heat, seen[0].rival) == (0.02, False, False, "")
+    assert (seen[1].width, seen[1].graph, seen[1].heat) == (0.01, True, True) and seen[1].rival
 
 
 def test_slots_sharing_a_gpu_lock_one_file_per_gpu_and_only_on_the_gpu(tmp_path) -> None:  # noqa: ANN001
