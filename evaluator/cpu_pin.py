@@ -98,6 +98,28 @@ class TimingCpu:
         self.cpu = None
 
 
+def host_gpu_count() -> int | None:
+    """The NVIDIA GPUs of this machine, whatever this process may see (None: unknown)."""
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus")) or None
+    except OSError:
+        return None
+
+
+def gpu_block(gpu_id: str, index: int, count: int, cpus: Iterable[int] | None = None,
+              host_gpus: int | None = None) -> tuple[int, ...]:
+    """The CPUs whose fastest a GPU's timings pin to: the machine's CPUs split into one block
+    per GPU of the machine, by the GPU's own index (`gpu_id`, as CUDA_VISIBLE_DEVICES names
+    it), so that separate runs and Dask workers on one machine, each with its GPU, do not pick
+    the same CPU; where that index is not known (a UUID, no driver listing), by its place
+    `index` among the `count` GPUs this process uses."""
+    mine = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
+    host = host_gpus if host_gpus is not None else host_gpu_count()
+    if host and gpu_id.isdigit() and int(gpu_id) < host:
+        return cpu_blocks(mine, host)[int(gpu_id)]
+    return cpu_blocks(mine, max(1, count))[min(index, max(1, count) - 1)]
+
+
 def cpu_blocks(cpus: Iterable[int], parts: int) -> list[tuple[int, ...]]:
     """Splits `cpus` into `parts` contiguous blocks (one per GPU of a machine, so that the
     timings of different GPUs do not pick the same CPU); with fewer CPUs than parts, every

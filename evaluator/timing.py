@@ -58,7 +58,7 @@ CALL_BATCH_MS = 2.0                # call mode: a batch lasts at least this ...
 CALL_SETS = (8, 256)               # ... with this many input sets (distinct inputs per call) ...
 CALL_MAX_BYTES = 4 * 2 ** 30       # ... filling at most this, whatever the set's size
 HOST_CALLS = 20                    # calls measured for host_us
-HEAT_MS, HEAT_MIN_MS = 10.0, 0.2   # call mode on a GPU: untimed calls before each batch of
+HEAT_MS, HEAT_MIN_MS = 10.0, 0.15  # call mode on a GPU: untimed calls before each batch of
                                    # calls this long or longer, for about this long
 WIDTH = 0.01                       # the default target relative half-width of the fitness
                                    # ratio's interval (a request's `width` sets it)

@@ -21,7 +21,7 @@ import subprocess
 import threading
 from typing import Any, Callable, Sequence
 
-from evaluator.cpu_pin import cpu_blocks
+from evaluator.cpu_pin import gpu_block
 from evaluator.request import EvalRequest
 from evaluator.types import EvalResult
 
@@ -180,18 +180,18 @@ def visible_gpus(chosen: Sequence[int] | None = None) -> list[str]:
 def make_evaluator(cfg: Any, request: EvalRequest, secret_names: tuple[str, ...]) -> Any:
     """Returns the pool a run config asks for (local slots or a Dask cluster)."""
     ev = cfg.evaluator
+    plain = {"width": ev.candidate_width, "graph": ev.candidate_graph,
+             "heat": ev.candidate_heat}
     if ev.backend == "dask":
         from .backends.dask import DaskPool
         return DaskPool(ev.scheduler_address, request, secret_names, ev.run_factor,
-                        ev.run_floor_s)
+                        ev.run_floor_s, plain=plain)
     refresh = ev.baseline_refresh_s if ev.station else None
-    plain = {"width": ev.candidate_width, "graph": ev.candidate_graph,
-             "heat": ev.candidate_heat}
     share = 1 if request.device == "cpu" else ev.per_gpu
 
     gpus = [] if request.device == "cpu" else visible_gpus(ev.gpus)
-    blocks = dict(zip(gpus, cpu_blocks(os.sched_getaffinity(0), len(gpus)))) \
-        if hasattr(os, "sched_getaffinity") and gpus else {}
+    blocks = {g: gpu_block(g, i, len(gpus)) for i, g in enumerate(gpus)} \
+        if hasattr(os, "sched_getaffinity") else {}
 
     def make(device: str) -> Any:
         return slot_evaluator(request, device, secret_names, ev.run_factor, ev.run_floor_s,

@@ -137,3 +137,19 @@ def test_the_timing_records_its_cpu_in_the_result(monkeypatch: pytest.MonkeyPatc
     finally:
         cpu.release()
     assert harness._timing_cpu(s, None) is None
+
+
+def test_a_gpu_s_block_is_its_own_by_its_index_on_the_machine() -> None:
+    from evaluator.cpu_pin import gpu_block
+    cpus = range(16)
+    # two runs (or Dask workers) on one 2-GPU machine, each seeing one GPU: disjoint blocks
+    assert gpu_block("0", 0, 1, cpus, host_gpus=2) == tuple(range(8))
+    assert gpu_block("1", 0, 1, cpus, host_gpus=2) == tuple(range(8, 16))
+    # one run with both: the same blocks by their ids
+    assert [gpu_block(g, i, 2, cpus, host_gpus=2) for i, g in enumerate("01")] == \
+        [tuple(range(8)), tuple(range(8, 16))]
+    # an id that is not an index of the machine's GPUs (a UUID, or no driver listing): by place
+    assert gpu_block("GPU-8f3c", 1, 2, cpus, host_gpus=2) == tuple(range(8, 16))
+    assert gpu_block("1", 1, 2, cpus, host_gpus=0) == tuple(range(8, 16))     # 0: unknown
+    assert gpu_block("3", 0, 1, cpus, host_gpus=2) == tuple(range(16))
+    assert gpu_block("0", 0, 1, [5], host_gpus=4) == (5,)       # fewer CPUs than GPUs: shared

@@ -203,3 +203,56 @@ def test_the_machine_that_runs_the_search_needs_no_gpu(tmp_path: Path, device: s
     plan = plan_run(str(_config(tmp_path, "tcp://127.0.0.1:8786", 2, device)), None, None, None,
                     None, None, None)
     assert plan.device == plan.request.device == "cuda"     # the workers' GPUs, not this one's
+
+
+def test_a_worker_times_on_its_gpu_s_cpus_and_plain_candidates_take_the_run_s_protocol(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the worker (no cluster needed for this part): the slot's evaluator gets the run's
+    plain-candidate fields and the CPUs of its GPU's block; a new plain protocol is a new
+    evaluator."""
+    from evoattn.backends import dask as backend
+    made: list[tuple] = []
+
+    class Fake:
+        def __init__(self, request, sandbox, plain=None) -> None:  # noqa: ANN001
+            made.append((request, sandbox, plain))
+
+        def evaluate(self, source, suffix, label, rival=None):  # noqa: ANN001, ANN201
+            from evaluator.types import EvalResult
+            return EvalResult.failure(Verdict.CRASH, "not run")
+
+        def close(self) -> None:
+            pass
+    monkeypatch.setattr(backend, "SubprocessEvaluator", Fake)
+    monkeypatch.setattr(backend, "_here", {})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+    monkeypatch.setattr("evaluator.cpu_pin.host_gpu_count", lambda: 2)
+    req = EvalRequest(device="cuda").to_json()
+    plain = {"width": 0.02, "graph": False, "heat": True}
+    backend._evaluate_here(req, (), "x = 1\n", ".py", "a", None, plain)
+    backend._evaluate_here(req, (), "x = 1\n", ".py", "b", None, plain)       # the same one
+    backend._evaluate_here(req, (), "x = 1\n", ".py", "c", None, {**plain, "width": 0.01})
+    assert len(made) == 2 and made[0][2] == plain and made[1][2]["width"] == 0.01
+    mine = sorted(os.sched_getaffinity(0))
+    want = tuple(mine[len(mine) // 2:]) if len(mine) >= 2 else tuple(mine)
+    assert made[0][1].timing_cpus == want
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert backend.worker_cpus() == ()
+
+
+def test_the_pool_sends_the_plain_protocol_with_each_task(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    with _cluster() as cluster:
+        plain = {"width": 0.02, "graph": False, "heat": False}
+        pool = DaskPool(cluster.scheduler_address, EvalRequest(device="cpu", trials=1), (),
+                        10.0, 60.0, plain=plain)
+        sent: list[tuple] = []
+        submit = pool._client.submit
+        monkeypatch.setattr(pool._client, "submit", lambda *a, **k: (
+            sent.append(a), submit(*a, **k))[1])
+        try:
+            result = pool.submit("this is not python\n", ".py", "bad").result(timeout=120)
+        finally:
+            pool.close()
+    assert result.verdict is not Verdict.PASS
+    assert sent and sent[0][-1] == plain

@@ -28,6 +28,7 @@ import concurrent.futures as cf
 import dataclasses
 import json
 import logging
+import os
 import socket
 import sys
 import threading
@@ -35,6 +36,7 @@ import time
 import uuid
 from typing import Any
 
+from evaluator.cpu_pin import gpu_block
 from evaluator.request import EvalRequest
 from evaluator.types import EvalResult, Verdict
 
@@ -66,13 +68,18 @@ class DaskPool:
 
     def __init__(self, scheduler_address: str, request: EvalRequest,
                  secret_names: tuple[str, ...], run_factor: float, run_floor_s: float,
-                 connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S,
+                 plain: dict[str, Any] | None = None) -> None:
+        """`plain`: the request fields a plain candidate (one without a rival) takes instead
+        of `request`'s (a run's candidate_width, candidate_graph, candidate_heat), as a local
+        slot's; duels keep `request`."""
         distributed = _import_distributed()
         # The client's own reports of a lost scheduler (tracebacks included) say what
         # ClusterError says in one line.
         logging.getLogger("distributed.client").setLevel(logging.CRITICAL)
         self.address = scheduler_address
         self._request = request
+        self._plain = dict(plain or {})
         self._secret_names = tuple(secret_names)
         self._factor, self._floor_s = run_factor, run_floor_s
         self._killed_worker = distributed.KilledWorker
@@ -163,8 +170,8 @@ class DaskPool:
         try:
             task = self._client.submit(
                 evaluate_task, self._request.to_json(), list(self._secret_names), cand.source,
-                cand.suffix, cand.label, token, cand.rival, key=f"evoattn-{token}", pure=False,
-                resources={"GPU": 1})
+                cand.suffix, cand.label, token, cand.rival, self._plain, key=f"evoattn-{token}",
+                pure=False, resources={"GPU": 1})
         except Exception as e:  # noqa: BLE001 - a client that lost its scheduler
             self._lost(cand, e)
             return
@@ -244,8 +251,8 @@ _here: dict[str, Any] = {}             # this worker process's evaluator and its
 
 
 def evaluate_task(request_json: dict[str, Any], secret_names: list[str], source: str,
-                  suffix: str, label: str, token: str, rival: str | None = None
-                  ) -> dict[str, Any]:
+                  suffix: str, label: str, token: str, rival: str | None = None,
+                  plain: dict[str, Any] | None = None) -> dict[str, Any]:
     """Evaluates one candidate on this Dask worker (a task); returns its EvalResult's JSON."""
     _announce(token)
     with _here_lock:
@@ -256,21 +263,34 @@ def evaluate_task(request_json: dict[str, Any], secret_names: list[str], source:
                                                     thread_name_prefix="evoattn-eval")
         thread = _here["thread"]
     return thread.submit(_evaluate_here, request_json, tuple(secret_names), source, suffix,
-                         label, rival).result()
+                         label, rival, plain).result()
 
 
 def _evaluate_here(request_json: dict[str, Any], secret_names: tuple[str, ...], source: str,
-                   suffix: str, label: str, rival: str | None = None) -> dict[str, Any]:
-    key = json.dumps([request_json, secret_names], sort_keys=True)
+                   suffix: str, label: str, rival: str | None = None,
+                   plain: dict[str, Any] | None = None) -> dict[str, Any]:
+    key = json.dumps([request_json, secret_names, plain or {}], sort_keys=True)
     if _here.get("key") != key:                  # a new run, or the calibrated deadline
         old = _here.pop("evaluator", None)
         if old is not None:
             old.close()
         sandbox = SandboxSettings(secret_env_names=secret_names,    # the worker's own cache,
-                                  station_refresh_s=STATION_REFRESH_S)   # and its own station
-        _here["evaluator"] = SubprocessEvaluator(EvalRequest.from_json(request_json), sandbox)
+                                  station_refresh_s=STATION_REFRESH_S,   # its own station,
+                                  timing_cpus=worker_cpus())        # and its GPU's CPUs
+        _here["evaluator"] = SubprocessEvaluator(EvalRequest.from_json(request_json), sandbox,
+                                                 plain)
         _here["key"] = key
     return _here["evaluator"].evaluate(source, suffix, label, rival).to_json()
+
+
+def worker_cpus() -> tuple[int, ...]:
+    """The CPUs this worker's timings pick from: its GPU's block of the machine's (the first
+    of CUDA_VISIBLE_DEVICES, as dask-cuda sets it per worker), so that the workers of one
+    machine do not all pin their timings to its one fastest CPU; () where that is unknown."""
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    if not first or not hasattr(os, "sched_getaffinity"):
+        return ()
+    return gpu_block(first, 0, 1)
 
 
 def _announce(token: str) -> None:
