@@ -109,10 +109,11 @@ class EvaluatorConfig:
     candidate_width: float = 0.01
     candidate_graph: bool = False
     # ... and whether its heavy configs get call mode's heat (evaluator/timing.py): with it,
-    # their call times are a sustained loop's (without, 1-10% faster on an H200); without, an
-    # evaluation takes about 3 s less, but plain figures then read above the duels' (which
-    # always heat), so more candidates challenge the best.
-    candidate_heat: bool = True
+    # their call times are a sustained loop's; without (the default), they read 1-10% faster
+    # on an H200 and an evaluation takes 3-6 s less. Plain candidates are ranked against each
+    # other and the best's own plain figure, so the protocol is the same on both sides; a
+    # would-be best's duel, the run's summary and `evoattn eval` always heat.
+    candidate_heat: bool = False
     # On a GPU, time on the fastest CPU of the machine (of the GPU's block, with several GPUs),
     # pinned for the timing: launch-bound times depend on the host's speed, which differs
     # between the CPUs of one machine (evaluator/cpu_pin.py).

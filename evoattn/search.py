@@ -122,6 +122,11 @@ class Search:
         self._prior_elapsed = 0.0
         self._in_flight: set[str] = set()
         self._llm_stop: str | None = None    # why the LLM cannot go on (LlmUnavailable)
+        # A crowned best's fitness as a plain candidate (before its duel): the bar that plain
+        # children are held to, measured by the same protocol as theirs (a run's plain
+        # protocol may leave out the duel's heat, which reads lower). Not kept across a resume,
+        # where the stored (duel) figure serves.
+        self._plain_fitness: dict[str, float] = {}
 
     def known(self, pid: str) -> bool:
         """Returns whether a program was evaluated or is being evaluated (mutators skip it)."""
@@ -333,7 +338,8 @@ class Search:
         # (the point where it has none), so that a child as fast as the best, which reads
         # above it half the time, does not cost a duel every other iteration.
         floor = result.fitness_ci[0] if result.fitness_ci else result.fitness
-        if champ is None or not result.correct or floor <= champ.fitness or champ.id == pid:
+        if champ is None or not result.correct or champ.id == pid or \
+                floor <= self._plain_fitness.get(champ.id, champ.fitness):
             return result, False, ""
         duel = self.evaluator.submit(source, self.suffix, f"{pid} vs {champ.id}",
                                      rival=champ.source).result()
@@ -345,6 +351,7 @@ class Search:
         won = beats(duel)
         if won:
             self._stats["crowned"] += 1
+            self._plain_fitness[pid] = result.fitness
         note = (f" -> {duel.fitness:.3f} re-measured beside the best ({champ.id}: "
                 f"{duel.rival_fitness or 0:.3f}), {gain:.3f}x"
                 f"{_interval(duel.gain_ci)}: {'new best' if won else 'not beyond noise'}")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import random
 import statistics
 from pathlib import Path
@@ -294,3 +295,42 @@ def test_a_busy_gpu_is_an_evaluator_condition_not_a_verdict() -> None:
 def test_hidden_work_the_baseline_does_not_show_is_still_caught() -> None:
     fail = _time_on(_BusyTimer(everyone=False))
     assert fail is not None and fail.verdict is Verdict.HIDDEN_WORK
+
+
+@dataclasses.dataclass
+class _HeatEvaluator(FakeEvaluator):
+    """Plain evaluations read 2% above the truth (a plain protocol without the duel's heat);
+    duels measure the truth; STAGES does not change the speed."""
+
+    def score(self, source: str) -> float:
+        return super().score(re.sub(r"STAGES = \d", "STAGES = 2", source))
+
+    def evaluate(self, source: str, suffix: str, label: str = "",
+                 rival: str | None = None) -> EvalResult:
+        r = super().evaluate(source, suffix, label, rival)
+        if rival is None:
+            return dataclasses.replace(r, fitness=r.fitness * 1.02,
+                                       fitness_ci=(r.fitness * 1.015, r.fitness * 1.025))
+        return r
+
+
+def test_after_a_crowning_plain_children_are_held_to_the_best_s_plain_figure(
+        tmp_path: Path) -> None:
+    """A crowned best is stored with its duel's (lower) figure; a child as fast as it, read by
+    the plain protocol, is not sent to a duel for reading above that."""
+    ev = _HeatEvaluator()
+    s, out = _search(tmp_path, ev, 40)
+    crowned = [p.id for p in s.programs.values()
+               if p.result is not None and p.result.gain_ci and p.result.gain_ci[0] > 1.0]
+    assert out.best.id != out.seed.id and out.best.id in crowned
+    # children exactly as fast as a crowned best (other knobs that do not change the speed)
+    # are met, and never duel it
+    met = 0
+    for pid in crowned:
+        champ = s.programs[pid]
+        peers = [p for p in s.programs.values() if p.iteration > champ.iteration and p.correct
+                 and ev.score(p.source) == ev.score(champ.source) and p.id != pid]
+        met += len(peers)
+        assert not [src for src, riv in ev.duels if riv == champ.source
+                    and any(src == p.source for p in peers)]
+    assert met, "the run should have met children as fast as a crowned best"

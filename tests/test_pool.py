@@ -239,7 +239,7 @@ def test_slots_per_gpu_share_each_gpu_its_lock_and_the_run_s_plain_protocol(
         locks = [s.request.gpu_lock for s in subs]
         assert [os.path.basename(p) for p in locks] == ["gpu-4.lock"] * 2 + ["gpu-6.lock"] * 2
         assert [s.sandbox.visible_device for s in subs] == ["4", "4", "6", "6"]
-        assert all(s.plain == {"width": 0.03, "graph": False, "heat": True} for s in subs)
+        assert all(s.plain == {"width": 0.03, "graph": False, "heat": False} for s in subs)
         # each GPU's timings pick their CPU from a block of their own (disjoint on 2 CPUs)
         cpus = [s.request.timing_cpus for s in subs]
         assert cpus[0] == cpus[1] and cpus[2] == cpus[3] and cpus[0] and cpus[2]
