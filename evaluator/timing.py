@@ -236,8 +236,17 @@ class _Timer:
             sets.refill()
             before = {i: snapshot(sets.sets[i]) for i in watch}
             outs: dict[int, Any] = {}
-            for _ in range(heat):               # the GPU at the clocks of sustained calls
-                fn(sets.heat)
+            # The heat: the GPU at the clocks of sustained calls. Where timed outputs are
+            # kept, one heat call's is too: skipping the untimed calls would time the batch at
+            # boost clocks.
+            checked = rng.randrange(heat) if heat and watch else -1
+            heat_inputs = snapshot(sets.heat) if checked >= 0 else None
+            for j in range(heat):
+                out = fn(sets.heat)
+                if j == checked:
+                    plain(name, out, torch.Tensor)
+                    kept.append(Kept(f"untimed call {j + 1} of {heat} before a timed batch",
+                                     out.clone(), heat_inputs))
             self.sync()
             t0 = _perf()
             for i, s in enumerate(sets.sets):

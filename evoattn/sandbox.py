@@ -112,6 +112,8 @@ class SubprocessEvaluator:
         if sandbox.timing_cpus:
             self.request = dataclasses.replace(self.request, timing_cpus=sandbox.timing_cpus)
         self.plain = dict(plain or {})
+        # the station times baselines for plain candidates only: by their protocol
+        plain_request = dataclasses.replace(self.request, **self.plain)
         self._zygote: Zygote | None = None
         self._zygote_failed = False
         self._zygote_lock = threading.Lock()
@@ -122,7 +124,7 @@ class SubprocessEvaluator:
             env = child_env(dict(os.environ), "", cache, request.device, sandbox.secret_env_names)
             if sandbox.visible_device is not None and request.device == "cuda":
                 env["CUDA_VISIBLE_DEVICES"] = sandbox.visible_device
-            self._station = Station(self.request, env, sandbox.station_refresh_s)
+            self._station = Station(plain_request, env, sandbox.station_refresh_s)
 
     def evaluate(self, source: str, suffix: str, label: str = "candidate",
                  rival: str | None = None) -> EvalResult:

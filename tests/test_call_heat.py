@@ -47,3 +47,22 @@ def test_heavy_batches_follow_untimed_calls_on_the_heat_set(per_call_ms: float, 
 
 def test_only_the_gpu_timer_heats() -> None:
     assert GpuTimer.heat is True and CpuTimer.heat is False
+
+
+def test_one_heat_call_is_kept_for_checking_where_timed_outputs_are() -> None:
+    """A candidate that skipped the untimed calls would be timed at boost clocks: in the rounds
+    whose timed outputs are re-checked, one heat call's output is kept with its inputs."""
+    base = {"q": torch.zeros(4), "k": torch.zeros(4)}
+    sets = InputSets(base, ("q", "k"), 3, lambda s: s["q"].normal_(),
+                     lambda b: b["q"].normal_())
+    timer = _Recorder()
+    kept: list = []
+    plan = Plan(warmup=0, reps=4, rounds=4, graph_rounds=0, sets=3, graph=False, heat=True)
+    timer._call_mode({"f": lambda inp: inp["q"] + 1, "g": lambda inp: inp["q"] * 2}, sets,
+                     plan, "f", random.Random(0), kept, lambda m, s: False, HEAT_MS / 4)
+    heat = [k for k in kept if k.what.startswith("untimed call")]
+    assert len(heat) == 2                               # rounds 0 and 1, `keep`'s batches only
+    for k in heat:
+        assert torch.equal(k.output, k.inputs["q"] + 1)
+        assert k.inputs["q"].data_ptr() != sets.heat["q"].data_ptr()   # a snapshot
+    assert any(k.what.startswith("timed call") for k in kept)

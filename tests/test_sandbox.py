@@ -322,3 +322,19 @@ def test_the_seed_s_measured_ceiling_serves_every_later_child(tmp_path) -> None:
                               device_info={"measured_matmul_tflops": 712.5})
     ev.calibrate(seed, 10.0, 1.0)
     assert ev.request.ceiling_tflops == 712.5 and ev.request.run_timeout_s == 20.0
+
+
+def test_the_station_times_baselines_by_the_plain_candidates_protocol(tmp_path) -> None:  # noqa: ANN001
+    """The station serves plain candidates only (a duel times its own baselines): its request
+    takes their fields, here no heat, as theirs does."""
+    from evaluator.request import EvalRequest
+    ev = sandbox.SubprocessEvaluator(
+        EvalRequest(device="cuda"),
+        sandbox.SandboxSettings(cache_dir=str(tmp_path), station_refresh_s=60.0),
+        plain={"width": 0.02, "graph": False, "heat": False})
+    try:
+        assert ev._station is not None and ev._station._proc is None     # starts on first use
+        assert (ev._station.request.heat, ev._station.request.width) == (False, 0.02)
+        assert ev.request.heat is True                                   # duels keep it
+    finally:
+        ev.close()
