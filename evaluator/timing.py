@@ -18,7 +18,8 @@ call    What a model's layer loop sees in eager mode: K back-to-back calls, each
         between them; work on any stream counts. The batch's last output is checked after
         the batch: work deferred into a later call would leave it unfinished. On a GPU a
         batch of heavy calls (HEAT_MIN_MS or more each) follows HEAT_MS of untimed calls on an
-        input set of their own (the heat): after the refill's memory-bound work the GPU runs
+        input set of their own (the heat; one of them checked where timed outputs are, so a
+        candidate cannot skip it): after the refill's memory-bound work the GPU runs
         the next few milliseconds of tensor-core work at boost clocks (1.8-2.0 GHz on an
         H200) where a model's loop of heavy calls runs at its power limit (1.5-1.6 GHz), and
         without the heat long head-dim-128 calls read 6-14% faster than a sustained eager
