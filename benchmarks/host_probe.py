@@ -15,10 +15,10 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main() -> None:
@@ -28,30 +28,15 @@ def main() -> None:
     a = ap.parse_args()
     import torch
     import torch.nn.functional as F
+    from host_cost import host_us                      # the same measurements as there
+    from protocol_check import per_call_loop
 
     from evaluator.cpu_pin import TimingCpu, interpreter_work, median_seconds
     q = torch.randn(1, 8, 512, 64, device="cuda", dtype=torch.float16)
     k, v = torch.randn_like(q), torch.randn_like(q)
 
-    def call() -> None:
+    def call(_: object = None) -> None:
         F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-    def host_us(n: int = 200) -> float:
-        torch.cuda._sleep(60_000_000)          # tens of ms of GPU work: the calls only queue
-        t0 = time.perf_counter()
-        for _ in range(n):
-            call()
-        t = (time.perf_counter() - t0) * 1e6 / n
-        torch.cuda.synchronize()
-        return t
-
-    def eager_us(n: int = 300) -> float:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            call()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) * 1e6 / n
 
     for _ in range(50):
         call()
@@ -61,8 +46,8 @@ def main() -> None:
     for cpu in sorted(saved):
         os.sched_setaffinity(0, {cpu})
         probe = median_seconds(interpreter_work) * 1e6
-        h = statistics.median(host_us() for _ in range(a.rounds))
-        e = statistics.median(eager_us() for _ in range(a.rounds))
+        h = statistics.median(host_us(call) for _ in range(a.rounds))
+        e = per_call_loop(call, [None], 300, a.rounds, torch.cuda.synchronize)
         rows.append({"cpu": cpu, "probe_us": probe, "host_us": h, "eager_us": e})
         print(f"cpu {cpu:3d}  probe {probe:7.1f} us  SDPA host {h:6.1f} us  eager {e:6.1f} us",
               flush=True)

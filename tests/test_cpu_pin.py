@@ -99,7 +99,7 @@ def test_a_refused_pin_leaves_the_thread_as_it_was(monkeypatch: pytest.MonkeyPat
 
 def test_the_probe_is_real_work_and_its_median_is_positive() -> None:
     t = median_seconds(interpreter_work, 3)
-    assert 0 < t < 0.5
+    assert median_seconds(lambda: None, 3) < t < 0.5
 
 
 def test_a_machine_s_gpus_get_disjoint_contiguous_blocks() -> None:
