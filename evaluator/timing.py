@@ -22,7 +22,7 @@ call    What a model's layer loop sees in eager mode: K back-to-back calls, each
         candidate cannot skip it): after the refill's memory-bound work the GPU runs
         the next few milliseconds of tensor-core work at boost clocks (1.8-2.0 GHz on an
         H200) where a model's loop of heavy calls runs at its power limit (1.5-1.6 GHz), and
-        without the heat long head-dim-128 calls read 6-14% faster than a sustained eager
+        without the heat long head-dim-128 calls read 5-14% faster than a sustained eager
         loop of the same calls (benchmarks/protocol_check.py).
 graph   The same K calls captured once in a CUDA graph and replayed (after the spin, between
         CUDA events): the GPU time of calls with no host cost at all. A call that cannot be
