@@ -60,12 +60,15 @@ def export_run(store_or_run_dir: RunStore | str | Path, out_dir: str | Path) -> 
 
 
 def _export(store: RunStore, out_dir: Path) -> ExportSummary:
-    board = store.leaderboard(LEADERBOARD_SIZE)
-    if not board:
+    best = store.champion()
+    if best is None:
         counts = store.counts_by_verdict()
         seen = ", ".join(f"{n} {v}" for v, n in sorted(counts.items())) or "no programs"
         raise RunDirError(f"{store.run_dir}: no correct program to export ({seen})")
-    best = board[0]
+    # the leaderboard's rows by fitness, and the best's own row wherever it ranks
+    board = list(enumerate(store.leaderboard(LEADERBOARD_SIZE), 1))
+    if all(p.id != best.id for _, p in board):
+        board.append((store.rank(best), best))
     lineage = store.lineage(best.id)
     info = _kernel_info(best, store.meta().get("problem", ""))
     evidence = {"best_eval.json": docs.dump(best.result.to_json() if best.result else {}),
@@ -73,9 +76,9 @@ def _export(store: RunStore, out_dir: Path) -> ExportSummary:
                                            for i, p in enumerate(lineage)])}
     files = {**_program_files(best, info), **evidence,
              "lineage.md": docs.lineage_md(lineage),
-             "leaderboard.md": docs.leaderboard_md(board),
-             "leaderboard.json": docs.dump([docs.board_entry(i + 1, p)
-                                            for i, p in enumerate(board)]),
+             "leaderboard.md": docs.leaderboard_md(board, best.id),
+             "leaderboard.json": docs.dump([docs.board_entry(rank, p, p.id == best.id)
+                                            for rank, p in board]),
              "README.md": docs.readme(best, info),
              **package_files(info, evidence)}
     top = sorted({name.split("/", 1)[0] for name in files} | {MANIFEST})

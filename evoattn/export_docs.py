@@ -54,9 +54,9 @@ def _looks_like_diff(text: str) -> bool:
     return any(ln.startswith(("--- ", "+++ ", "@@", "<<<<<<< SEARCH")) for ln in text.splitlines())
 
 
-def board_entry(rank: int, p: Program) -> dict[str, Any]:
-    """Returns one leaderboard row as JSON data."""
-    return {"rank": rank, "id": p.id, "fitness": p.fitness,
+def board_entry(rank: int, p: Program, exported: bool = False) -> dict[str, Any]:
+    """Returns one leaderboard row as JSON data (exported: the row is the run's best)."""
+    return {"rank": rank, "id": p.id, "fitness": p.fitness, "exported": exported,
             "verdict": p.result.verdict.value if p.result else None,
             "mutator": p.mutator, "iteration": p.iteration,
             "timing_device": p.result.timing_device if p.result else None,
@@ -65,22 +65,30 @@ def board_entry(rank: int, p: Program) -> dict[str, Any]:
                           "baseline_ms": c.baseline_ms} for c in _configs(p)]}
 
 
-def leaderboard_md(board: list[Program]) -> str:
-    """Returns the leaderboard table: one row a program, one column a config."""
+def leaderboard_md(board: list[tuple[int, Program]], best_id: str = "") -> str:
+    """Returns the leaderboard table from (rank, program) rows: one row a program, one column
+    a config; the exported best (best_id) is marked, and a row above it is said to be
+    unconfirmed."""
     labels: list[str] = []
-    for p in board:
+    for _, p in board:
         for c in _configs(p):
             if label(c.params) not in labels:
                 labels.append(label(c.params))
     head = ["rank", "id", "fitness", "verdict", "mutator", "iteration"] + labels
-    lines = ["# Leaderboard", "", "Top correct programs; speedups are baseline time / "
-             "candidate time per config.", ""]
-    if any(p.result and p.result.timing_device == "cpu" for p in board):
+    lines = ["# Leaderboard", "", "Top correct programs by the fitness of their own "
+             "evaluation; speedups are baseline time / candidate time per config.", ""]
+    if best_id and board and board[0][1].id != best_id:
+        lines += [f"The exported best is `{best_id}`, the run's champion (**best**). A program "
+                  "ranked above it read faster only in its own evaluation: re-measured beside "
+                  "the best it was not faster beyond noise, or its own interval already "
+                  "reached the best's figure and it was not re-measured.", ""]
+    if any(p.result and p.result.timing_device == "cpu" for _, p in board):
         lines += ["**Timed on CPU**: these speedups say nothing about GPU performance.", ""]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for rank, p in enumerate(board, 1):
+    for rank, p in board:
         speed = {label(c.params): c.speedup for c in _configs(p)}
-        cells = [str(rank), f"`{p.id}`", f"{p.fitness:.4f}",
+        cells = [str(rank), f"`{p.id}`" + (" (**best**)" if p.id == best_id else ""),
+                 f"{p.fitness:.4f}",
                  p.result.verdict.value if p.result else "", p.mutator, str(p.iteration)]
         cells += [f"{speed[l]:.3f}×" if speed.get(l) is not None else "—" for l in labels]
         lines.append("| " + " | ".join(cells) + " |")

@@ -116,11 +116,10 @@ def load_run(run_dir: str | Path) -> RunData:
         state = store.load_state() or {}
         meta = store.meta()
         config = store.stored_config()
-        board = store.leaderboard(1)
+        best = store.champion()
         rejections = store.rejections()
         calls = store.llm_calls()
     start = _when(meta["created_at"])
-    best = board[0] if board else None
     seed = next((p for p in programs.values() if p.parent_id is None and p.iteration == 0),
                 None)
     shown = best or seed

@@ -155,6 +155,29 @@ class RunReads:
             pid = p.parent_id
         return chain[::-1]
 
+    def champion(self) -> Program | None:
+        """Returns the run's best: the champion of its last committed population (the program
+        last crowned by a champion challenge, the seed until one is), or, for a run stored
+        before champions were kept, the correct program of highest fitness. A child whose one
+        plain evaluation read above the champion but was never confirmed beside it is not the
+        best, however high its stored fitness."""
+        row = self._conn.execute("SELECT value FROM state WHERE key = 'population'").fetchone()
+        snapshot = json.loads(row[0]) if row else {}
+        if isinstance(snapshot, dict) and "champion" in snapshot:
+            champ = self.get_program(snapshot["champion"]) if snapshot["champion"] else None
+            if champ is not None and champ.correct:
+                return champ
+        board = self.leaderboard(1)
+        return board[0] if board else None
+
+    def rank(self, program: Program) -> int:
+        """Returns a correct program's place in the leaderboard's order (1: the first)."""
+        row = self._conn.execute(
+            "SELECT COUNT(*) FROM programs WHERE verdict = 'pass' AND "
+            "(fitness > ? OR (fitness = ? AND id < ?))",
+            (program.fitness, program.fitness, program.id)).fetchone()
+        return int(row[0]) + 1
+
     def leaderboard(self, k: int) -> list[Program]:
         """Returns the k correct programs of highest fitness (ties broken by id)."""
         rows = self._conn.execute(

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import random
 import statistics
@@ -189,6 +190,45 @@ def test_a_truly_faster_child_is_crowned_after_its_duel(tmp_path: Path) -> None:
     assert out.best.result.gain_ci[0] > 1.0
     with RunStore.open_readonly(tmp_path) as st:
         assert st.load_state()["population"]["champion"] == out.best.id
+
+
+@dataclasses.dataclass
+class _WideEvaluator(FakeEvaluator):
+    """Every program is as fast as the seed; a child's plain evaluation reads 2% above the
+    truth with an interval of +-5%: it reads above the seed, but its interval reaches the
+    seed's figure, so it is never re-measured and never crowned."""
+
+    def score(self, source: str) -> float:
+        return 1.0
+
+    def evaluate(self, source: str, suffix: str, label: str = "",
+                 rival: str | None = None) -> EvalResult:
+        r = super().evaluate(source, suffix, label, rival)
+        if rival is not None or not r.correct or source == TOY_SEED:
+            return r
+        f = r.fitness * 1.02
+        return dataclasses.replace(r, fitness=f, fitness_ci=(f * 0.95, f * 1.05))
+
+
+def test_export_and_report_take_the_champion_not_an_unconfirmed_higher_reading(
+        tmp_path: Path) -> None:
+    from evoattn.export import export_run
+    from evoattn.report_data import load_run
+
+    ev = _WideEvaluator()
+    s, out = _search(tmp_path, ev, 12)
+    above = [p for p in s.programs.values() if p.correct and p.fitness > out.best.fitness]
+    assert above, "the run should hold a child that read above the champion"
+    assert not ev.duels and out.best.id == out.seed.id
+    summary = export_run(tmp_path, tmp_path / "out")
+    assert summary.best_id == out.best.id
+    assert (tmp_path / "out" / f"best{out.best.suffix}").read_text() == out.best.source
+    rows = json.loads(summary.leaderboard_json.read_text())
+    assert rows[0]["id"] in {p.id for p in above} and not rows[0]["exported"]
+    assert [r["id"] for r in rows if r["exported"]] == [out.best.id]
+    md = summary.leaderboard_md.read_text()
+    assert f"`{out.best.id}` (**best**)" in md and "read faster only in its own evaluation" in md
+    assert load_run(tmp_path).best.id == out.best.id
 
 
 def test_a_duel_within_noise_is_not_a_win() -> None:
