@@ -47,13 +47,13 @@ import triton
 import triton.language as tl
 
 # ---- knobs (one per line; the mutator rewrites only the value) ------------------------
-BLOCK_N_D64 = 64  # evoattn: choice(16, 32, 64, 128)
+BLOCK_N_D64 = 128  # evoattn: choice(16, 32, 64, 128)
 BLOCK_N_D128 = 64  # evoattn: choice(16, 32, 64, 128)
 NUM_WARPS = 4  # evoattn: choice(1, 2, 4, 8)
-NUM_STAGES = 2  # evoattn: choice(1, 2, 3, 4)
+NUM_STAGES = 3  # evoattn: choice(1, 2, 3, 4)
 MAX_BLOCK_M = 64  # evoattn: choice(16, 32, 64, 128)
 PROGRAMS_PER_SM = 2  # evoattn: choice(1, 2, 4, 8)
-MIN_SPLIT_KEYS = 256  # evoattn: choice(64, 128, 256, 512, 1024, 2048)
+MIN_SPLIT_KEYS = 512  # evoattn: choice(64, 128, 256, 512, 1024, 2048)
 MERGE_WARPS = 4  # evoattn: choice(1, 2, 4, 8)
 FAST_LAUNCH = True  # evoattn: choice(True, False) when(@target!=cpu)
 
