@@ -259,10 +259,12 @@ FORCE_SPLITS = {"PROGRAMS_PER_SM": "8", "MIN_SPLIT_KEYS": "64", "BLOCK_N_D64": "
                 "BLOCK_N_D128": "32"}
 ROW_BLOCKS = {"MAX_BLOCK_M": "16", "PROGRAMS_PER_SM": "4", "MIN_SPLIT_KEYS": "64",
               "BLOCK_N_D64": "32"}
+MERGE_KERNEL = {**FORCE_SPLITS, "FUSED_MERGE": "False"}     # the separate merge kernel
 SEED_CONFIGS = [cfg(3, 4, 2, 1, 200), cfg(2, 4, 1, 4, 130), cfg(7, 2, 2, 3, 77, 128, "edge"),
                 cfg(5, 6, 2, 16, 40, 64, "edge"), cfg(1, 2, 1, 1, 1), cfg(1, 8, 1, 4, 300),
                 cfg(9, 2, 1, 1, 70, 64, "edge")]
 NO_CAUSAL = ("lim = L - SQ + rows % SQ", "lim = L - 1 + rows * 0")
+NO_TICKET_RESET = ("tl.atomic_xchg(ticket_ptr, 0)", "pass")
 NO_MERGE_WEIGHTS = ("w = tl.math.exp2(lse - m_sub)", "w = tl.where(lse == float('-inf'), 0.0, 1.0)")
 
 
@@ -284,13 +286,22 @@ def child(cases_path: str, out_path: str) -> None:
         spec.loader.exec_module(mod)
         inp = inputs_for(c, getattr(torch, dtype), seed=i)
         before = {n: t.clone() for n, t in inp.items() if isinstance(t, torch.Tensor)}
-        out = p.call(mod.attention, inp, c)
-        ref = p.reference(inp, c)
-        torch_err = (p.torch_in_dtype(inp, c).float() - ref).abs().max().item()
-        results.append({"err": (out.float() - ref).abs().max().item(), "torch_err": torch_err,
-                        "bound": 2 * torch_err + 1e-5,
-                        "ok_shape": out.shape == inp["q"].shape and out.dtype == inp["q"].dtype,
-                        "unchanged": all(torch.equal(t, inp[n]) for n, t in before.items()),
+        # twice, on other values the second time: a fused merge's tickets must be left ready
+        # for the next call (a stale output of the first call would fail the second check)
+        checks = []
+        for j in range(2):
+            if j:
+                p.refill(inp, torch.Generator().manual_seed(1000 + i))
+            out = p.call(mod.attention, inp, c)
+            if j == 0:
+                unchanged = all(torch.equal(t, inp[n]) for n, t in before.items())
+            ref = p.reference(inp, c)
+            torch_err = (p.torch_in_dtype(inp, c).float() - ref).abs().max().item()
+            checks.append({"err": (out.float() - ref).abs().max().item(), "torch_err": torch_err,
+                           "bound": 2 * torch_err + 1e-5, "ok_shape": out.shape ==
+                           inp["q"].shape and out.dtype == inp["q"].dtype})
+        worst = max(checks, key=lambda r: (not r["ok_shape"], not r["err"] <= r["bound"]))
+        results.append({**worst, "unchanged": unchanged,
                         "splits": mod._splits(c["B"] * c["Hkv"], c["ctx"], 16, CPU)[0]})
     Path(out_path).write_text(json.dumps(results))
 
@@ -312,8 +323,8 @@ def ok(r: dict) -> bool:
 
 @pytest.mark.slow
 def test_seed_is_right_with_splits_row_blocks_and_both_dtypes() -> None:
-    cases = [(k, c, dt, None) for k in ({}, FORCE_SPLITS, ROW_BLOCKS) for c in SEED_CONFIGS
-             for dt in ("float16", "bfloat16")]
+    cases = [(k, c, dt, None) for k in ({}, FORCE_SPLITS, ROW_BLOCKS, MERGE_KERNEL)
+             for c in SEED_CONFIGS for dt in ("float16", "bfloat16")]
     results = run(cases)
     bad = [(c, r) for c, r in zip(cases, results) if not ok(r)]
     assert not bad, bad
@@ -324,10 +335,13 @@ def test_seed_is_right_with_splits_row_blocks_and_both_dtypes() -> None:
 def test_the_seed_checks_catch_a_missing_causal_mask_and_a_bad_merge() -> None:
     sq1, sq4 = cfg(3, 4, 2, 1, 200), cfg(2, 4, 1, 4, 130)
     cases = [({}, sq1, "float16", NO_CAUSAL), ({}, sq4, "float16", NO_CAUSAL),
-             (FORCE_SPLITS, sq1, "float16", NO_MERGE_WEIGHTS)]
+             (FORCE_SPLITS, sq1, "float16", NO_MERGE_WEIGHTS),
+             (MERGE_KERNEL, sq1, "float16", NO_MERGE_WEIGHTS),
+             (FORCE_SPLITS, sq1, "float16", NO_TICKET_RESET)]
     r = run(cases)
     assert ok(r[0])               # one new token: there is nothing to be causal about
-    assert not ok(r[1]) and not ok(r[2])
+    assert not ok(r[1]) and not ok(r[2]) and not ok(r[3])
+    assert not ok(r[4])           # a ticket left counted: the next call merges nothing
 
 
 @pytest.mark.slow
@@ -387,14 +401,17 @@ def test_seed_never_synchronises_and_replays_from_a_cuda_graph() -> None:
 
 
 @pytest.mark.gpu
-def test_a_growing_cache_reuses_one_prepared_launch_and_stays_right() -> None:
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_growing_cache_reuses_one_prepared_launch_and_stays_right(fused: bool) -> None:
     """A generation's cache grows by one token a call: the seed prepares its launch once per
     call shape (not per length), switches between its one-split and split kernels as the length
-    demands, and every call matches brute force (lengths 1 to 700, some 16-aligned, some not)."""
+    demands, and every call matches brute force (lengths 1 to 700, some 16-aligned, some not);
+    with the merge fused, no merge kernel is prepared and every ticket is left at zero."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("decode_seed_grow", SEED)
+    spec = importlib.util.spec_from_file_location(f"decode_seed_grow_{fused}", SEED)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    mod.FUSED_MERGE = fused
     torch.manual_seed(0)
     q = torch.randn(2, 8, 1, 64, device="cuda", dtype=torch.float16)
     full = torch.randn(2, 2, 2, 704, 64, device="cuda", dtype=torch.float16)
@@ -411,7 +428,11 @@ def test_a_growing_cache_reuses_one_prepared_launch_and_stays_right() -> None:
     assert set(launch.kernels) == {True, False}        # both kernels met, each prepared once
     import triton
     if triton.__version__.startswith("3.6"):        # launched beneath Triton's Python wrapper
-        assert launch.kernels[True][0][1] is not None and launch.kernels[False][2][1] is not None
+        assert launch.kernels[True][0][1] is not None and launch.kernels[False][0][1] is not None
+        assert (launch.kernels[False][2] is None) == fused
+        assert fused or launch.kernels[False][2][1] is not None
+    assert all(int(t.abs().sum()) == 0 for t in mod._TICKETS.values()) and \
+        bool(mod._TICKETS) == fused
     assert worst < 2e-3
 
 

@@ -16,7 +16,8 @@ Two kernels:
              and break CUDA-graph capture); splits past a sequence's length return at once.
   _merge     one program per (batch * key/value head, block of rows): combines the splits
              that hold keys, weighting each partial output by 2^(lse - max lse).
-With a single split the first kernel writes the output itself and no merge runs.
+With a single split the first kernel writes the output itself and no merge runs; with
+FUSED_MERGE the last split to finish merges in the first kernel (below).
 
 Knobs (the lines marked `# evoattn: choice(...)`); every combination is correct (on a GPU, the
 largest tiles with the deepest pipelines may not fit in shared memory: the launch then fails):
@@ -27,6 +28,9 @@ largest tiles with the deepest pipelines may not fit in shared memory: the launc
   PROGRAMS_PER_SM             the split count aims at this many programs per SM over the grid
   MIN_SPLIT_KEYS              ... but gives no split fewer keys than this
   MERGE_WARPS                 the merge kernel's warps
+  FUSED_MERGE                 no merge kernel: the last split of each (batch * key/value head,
+                              row block) to finish merges them (a ticket counted atomically),
+                              which saves a launch and its wait; the merge kernel otherwise
   FAST_LAUNCH                 calls of a shape seen before launch the compiled kernels directly
                               through Triton's C launcher, with plain addresses (its argument
                               binding, cache lookup and Python wrapper skipped: tens of
@@ -54,7 +58,8 @@ NUM_STAGES = 3  # evoattn: choice(1, 2, 3, 4)
 MAX_BLOCK_M = 64  # evoattn: choice(16, 32, 64, 128)
 PROGRAMS_PER_SM = 2  # evoattn: choice(1, 2, 4, 8)
 MIN_SPLIT_KEYS = 512  # evoattn: choice(64, 128, 256, 512, 1024, 2048)
-MERGE_WARPS = 4  # evoattn: choice(1, 2, 4, 8)
+MERGE_WARPS = 4  # evoattn: choice(1, 2, 4, 8) when(FUSED_MERGE=False)
+FUSED_MERGE = True  # evoattn: choice(True, False)
 FAST_LAUNCH = True  # evoattn: choice(True, False) when(@target!=cpu)
 
 MAX_SPLITS = 256               # the grid's second axis (at most 65535)
@@ -117,26 +122,33 @@ def _fold(acc, l_i, m_i, q, K, V, kv_base, lo, hi, lim, L, qk_scale,
 
 
 @triton.jit(do_not_specialize=["SMAX", "SPLIT", "NUM_SPLITS"])   # they change every step
-def _split_kv(Q, K, V, Lens, O, OPart, LsePart, SMAX, HKV, ROWS, SQ, SPLIT, NUM_SPLITS,
+def _split_kv(Q, K, V, Lens, O, OPart, LsePart, Count, SMAX, HKV, ROWS, SQ, SPLIT, NUM_SPLITS,
               qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              DIRECT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+              DIRECT: tl.constexpr, FUSED: tl.constexpr, UPCAST: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
     """Q, O: contiguous (B*Hkv, ROWS, D) views of (B, Hq, Sq, D); K, V: (B*Hkv, SMAX, D);
     OPart (B*Hkv, NUM_SPLITS, ROWS, D) and LsePart (B*Hkv, NUM_SPLITS, ROWS) float32.
-    Grid: (B*Hkv, NUM_SPLITS, row blocks). DIRECT: one split, the output written here."""
+    Grid: (B*Hkv, NUM_SPLITS, row blocks). DIRECT: one split, the output written here.
+    FUSED: the last split of a (batch * key/value head, row block) to finish merges them (an
+    int32 ticket per one in Count, zero before the call and left zero after it)."""
     bh = tl.program_id(0)                       # b * Hkv + key/value head
     split = tl.program_id(1)
     rb = tl.program_id(2)
     L = tl.load(Lens + bh // HKV)
     lo = split * SPLIT
-    if not DIRECT:
-        if lo >= L:                             # past the sequence: the merge skips it
-            return
     hi = tl.minimum(lo + SPLIT, L)
     rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)                          # tile rows
     offs_d = tl.arange(0, HEAD_DIM)
     lim = L - SQ + rows % SQ                    # row g*Sq + i sees keys 0 .. L - Sq + i
-    # -- q: (BLOCK_M, D), in registers throughout; rows past ROWS read as zeros
     row_ptrs = bh.to(tl.int64) * ROWS * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :]
+    if not DIRECT:
+        if lo >= L:                             # past the sequence: the merge skips it
+            if FUSED:
+                if split == 0:                  # an empty sequence: no merge, zeros
+                    zeros = tl.zeros([BLOCK_M, HEAD_DIM], dtype=O.dtype.element_ty)
+                    tl.store(O + row_ptrs, zeros, mask=rows[:, None] < ROWS)
+            return
+    # -- q: (BLOCK_M, D), in registers throughout; rows past ROWS read as zeros
     q = tl.load(Q + row_ptrs, mask=rows[:, None] < ROWS, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
@@ -161,6 +173,42 @@ def _split_kv(Q, K, V, Lens, O, OPart, LsePart, SMAX, HKV, ROWS, SQ, SPLIT, NUM_
         tl.store(OPart + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=keep_rows)
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
         tl.store(LsePart + part, lse, mask=rows < ROWS)
+        if FUSED:
+            used = tl.minimum(tl.cdiv(L, SPLIT), NUM_SPLITS)    # splits that store a result
+            ticket_ptr = Count + bh * tl.num_programs(2) + rb
+            tl.debug_barrier()                  # every thread's stores before the ticket
+            ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")   # releases them
+            if ticket == used - 1:              # the last: the others' results are visible
+                out = _combine(OPart, LsePart, bh, rows, used, ROWS, NUM_SPLITS, HEAD_DIM,
+                               BLOCK_M)
+                tl.store(O + row_ptrs, out.to(O.dtype.element_ty), mask=keep_rows)
+                tl.atomic_xchg(ticket_ptr, 0)  # ready for the next call
+
+
+@triton.jit
+def _combine(OPart, LsePart, bh, rows, used, ROWS, NUM_SPLITS, HEAD_DIM: tl.constexpr,
+             BLOCK_M: tl.constexpr):
+    """Returns the output rows of one (batch * key/value head, row block) from the partial
+    results of its first `used` splits, each weighted by 2^(lse - max lse). The loads bypass
+    L1 (another program of this call wrote them)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    keep = rows < ROWS
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for s in range(0, used):
+        part = (bh.to(tl.int64) * NUM_SPLITS + s) * ROWS + rows
+        lse = tl.load(LsePart + part, mask=keep, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(OPart + part[:, None] * HEAD_DIM + offs_d[None, :], mask=keep[:, None],
+                    other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m - m_sub)
+        w = tl.math.exp2(lse - m_sub)
+        acc = acc * alpha[:, None] + o * w[:, None]
+        l = l * alpha + w
+        m = m_new
+    return acc / tl.where(l == 0.0, 1.0, l)[:, None]                    # rows with no key: 0
 
 
 @triton.jit(do_not_specialize=["SPLIT", "NUM_SPLITS"])
@@ -173,25 +221,9 @@ def _merge(OPart, LsePart, Lens, O, HKV, ROWS, SPLIT, NUM_SPLITS,
     used = tl.minimum(tl.cdiv(L, SPLIT), NUM_SPLITS)       # splits that wrote a result
     rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    keep = rows < ROWS
-    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for s in range(0, used):
-        part = (bh.to(tl.int64) * NUM_SPLITS + s) * ROWS + rows
-        lse = tl.load(LsePart + part, mask=keep, other=float("-inf"))
-        o = tl.load(OPart + part[:, None] * HEAD_DIM + offs_d[None, :], mask=keep[:, None],
-                    other=0.0)
-        m_new = tl.maximum(m, lse)
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m - m_sub)
-        w = tl.math.exp2(lse - m_sub)
-        acc = acc * alpha[:, None] + o * w[:, None]
-        l = l * alpha + w
-        m = m_new
-    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]                     # rows with no key: 0
+    out = _combine(OPart, LsePart, bh, rows, used, ROWS, NUM_SPLITS, HEAD_DIM, BLOCK_M)
     row_ptrs = bh.to(tl.int64) * ROWS * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(O + row_ptrs, out.to(O.dtype.element_ty), mask=keep[:, None])
+    tl.store(O + row_ptrs, out.to(O.dtype.element_ty), mask=(rows < ROWS)[:, None])
 
 
 # ---- wrapper ------------------------------------------------------------------------
@@ -244,6 +276,23 @@ class _Launch:
 # hooks, if anyone set them, are honoured by taking the ordinary path.
 _LAUNCHES: dict[tuple, _Launch] = {}
 _MAX_LAUNCHES = 256
+# FUSED_MERGE's tickets per (device, stream): zeroed once, left zero by every call (the last
+# split of each group sets its ticket back), so calls in one stream's order share them.
+_TICKETS: dict[tuple, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, stream: int, n: int) -> torch.Tensor | None:
+    """Returns at least n zeroed int32 tickets for calls on this stream; None while a CUDA
+    graph is being captured and there are none yet (a buffer made inside a capture is zeroed
+    only when the graph replays, and belongs to its memory pool)."""
+    t = _TICKETS.get((device, stream))
+    if t is None or t.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        t = torch.zeros(max(n, 2 * (0 if t is None else t.numel())), dtype=torch.int32,
+                        device=device)
+        _TICKETS[(device, stream)] = t
+    return t
 
 
 def _no_hook(hook) -> bool:  # noqa: ANN001
@@ -294,23 +343,29 @@ def _launch_prepared(launch: _Launch, q: torch.Tensor, k: torch.Tensor, v: torch
     if prepared is None:
         return None
     s, constexprs, m, merge_constexprs = prepared
-    out = torch.empty_like(q)
+    stream = torch._C._cuda_getCurrentRawStream(q.device.index)
     hkv, rows, sq = launch.ints
+    count = None
+    if num_splits > 1 and m is None:          # the merge fused: this stream's tickets
+        count = _tickets(q.device, stream, launch.grid0 * launch.row_blocks)
+        if count is None:
+            return None
+    out = torch.empty_like(q)
     o = out.data_ptr()
-    if m is None:
+    if num_splits == 1:
         o_part = lse_part = o
     else:   # one float32 buffer: the partial outputs, then their log-sum-exps
         parts = launch.grid0 * num_splits * rows
         work = q.new_empty(parts * (q.shape[3] + 1), dtype=torch.float32)
         o_part = work.data_ptr()
         lse_part = o_part + parts * q.shape[3] * 4
-    stream = torch._C._cuda_getCurrentRawStream(q.device.index)
     lens_ptr = lens.data_ptr()
     raw, cooperative, pdl = s[1]
     raw(launch.grid0, num_splits, launch.row_blocks, stream, s[0], cooperative, pdl, None, None,
         s[2], None, None, None, q.data_ptr(), k.data_ptr(), v.data_ptr(), lens_ptr, o, o_part,
-        lse_part, smax, hkv, rows, sq, split, num_splits, qk_scale, *constexprs)
-    if m is not None:
+        lse_part, o if count is None else count.data_ptr(), smax, hkv, rows, sq, split,
+        num_splits, qk_scale, *constexprs)
+    if m is not None and num_splits > 1:
         raw, cooperative, pdl = m[1]
         raw(launch.grid0, launch.row_blocks, 1, stream, m[0], cooperative, pdl, None, None,
             m[2], None, None, None, o_part, lse_part, lens_ptr, o, hkv, rows, split, num_splits,
@@ -355,6 +410,13 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_seqlens: t
     upcast = _interpreting() and q.dtype == torch.bfloat16
     out = torch.empty(q.shape, dtype=torch.float32 if upcast else q.dtype, device=q.device)
     direct = num_splits == 1
+    count = None
+    if FUSED_MERGE and not direct:
+        stream = torch._C._cuda_getCurrentRawStream(q.device.index) if q.is_cuda else 0
+        count = _tickets(q.device, stream, B * HKV * row_blocks)
+        if count is None:         # first call on this stream inside a CUDA-graph capture
+            key = None
+    fused = count is not None
     if direct:
         o_part = lse_part = out                                # unused
     else:
@@ -363,19 +425,20 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_seqlens: t
     grid = (B * HKV, num_splits, row_blocks)
     ints = (SMAX, HKV, rows, SQ, split, num_splits)
     constexprs = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct,
-                      UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32")
-    split_kernel = _split_kv[grid](q, k, v, lens, out, o_part, lse_part, *ints, scale * LOG2E,
+                      FUSED=fused, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32")
+    split_kernel = _split_kv[grid](q, k, v, lens, out, o_part, lse_part,
+                                   out if count is None else count, *ints, scale * LOG2E,
                                    **constexprs, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     merge_kernel, merge_grid = None, (B * HKV, row_blocks, 1)
     merge_ints = (HKV, rows, split, num_splits)
     merge_constexprs = dict(HEAD_DIM=D, BLOCK_M=block_m)
-    if not direct:
+    if not direct and not fused:
         merge_kernel = _merge[merge_grid](o_part, lse_part, lens, out, *merge_ints,
                                           **merge_constexprs, num_warps=MERGE_WARPS)
     prepared = [(kernel.function, _raw_launcher(kernel), kernel.packed_metadata)
                 for kernel in (split_kernel, merge_kernel)
                 if kernel is not None and hasattr(kernel, "packed_metadata")]
-    if key is not None and len(prepared) == 2 - direct and \
+    if key is not None and len(prepared) == (1 if direct or fused else 2) and \
             all(raw is not None for _, raw, _ in prepared):
         launch = _LAUNCHES.get(key)
         if launch is None:
@@ -384,6 +447,6 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_seqlens: t
             launch = _LAUNCHES[key] = _Launch(B * HKV * row_blocks, block_n, B * HKV,
                                               row_blocks, (HKV, rows, SQ))
         launch.kernels[direct] = (prepared[0], tuple(constexprs.values()),
-                                  None if direct else prepared[1],
+                                  None if direct or fused else prepared[1],
                                   tuple(merge_constexprs.values()))
     return out.to(q.dtype) if upcast else out
