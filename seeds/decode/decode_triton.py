@@ -129,8 +129,8 @@ def _split_kv(Q, K, V, Lens, O, OPart, LsePart, Count, SMAX, HKV, ROWS, SQ, SPLI
     """Q, O: contiguous (B*Hkv, ROWS, D) views of (B, Hq, Sq, D); K, V: (B*Hkv, SMAX, D);
     OPart (B*Hkv, NUM_SPLITS, ROWS, D) and LsePart (B*Hkv, NUM_SPLITS, ROWS) float32.
     Grid: (B*Hkv, NUM_SPLITS, row blocks). DIRECT: one split, the output written here.
-    FUSED: the last split of a (batch * key/value head, row block) to finish merges them (an
-    int32 ticket per one in Count, zero before the call and left zero after it)."""
+    FUSED: the last split of a (batch * key/value head, row block) to finish merges them
+    (Count: one int32 ticket per such group, zero before the call and left zero after it)."""
     bh = tl.program_id(0)                       # b * Hkv + key/value head
     split = tl.program_id(1)
     rb = tl.program_id(2)
@@ -277,7 +277,9 @@ class _Launch:
 _LAUNCHES: dict[tuple, _Launch] = {}
 _MAX_LAUNCHES = 256
 # FUSED_MERGE's tickets per (device, stream): zeroed once, left zero by every call (the last
-# split of each group sets its ticket back), so calls in one stream's order share them.
+# split of each group sets its ticket back), so calls in one stream's order share them. Calls
+# sharing them must not run at once: two CUDA graphs captured on one stream and replayed
+# concurrently on two streams need FUSED_MERGE off.
 _TICKETS: dict[tuple, torch.Tensor] = {}
 
 
