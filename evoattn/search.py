@@ -38,6 +38,7 @@ from .types import Evaluator, MutationRequest, Mutator, Program, Proposal, progr
 # Where an evaluation has its GPU to itself (evaluator/gpu_turn.py when slots share one): the
 # share of the wall time the GPUs spend in it is what more slots per GPU would raise.
 TIMING_STAGE = "time"
+PLAIN_BAR = "plain_bar"   # the snapshot key of the champion's plain fitness (see Search)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,8 +125,8 @@ class Search:
         self._llm_stop: str | None = None    # why the LLM cannot go on (LlmUnavailable)
         # A crowned best's fitness as a plain candidate (before its duel): the bar that plain
         # children are held to, measured by the same protocol as theirs (a run's plain
-        # protocol may leave out the duel's heat, which reads lower). Not kept across a resume,
-        # where the stored (duel) figure serves.
+        # protocol may leave out the duel's heat, which reads lower). Kept with the population
+        # (PLAIN_BAR), so a resumed run holds children to the same bar.
         self._plain_fitness: dict[str, float] = {}
 
     def known(self, pid: str) -> bool:
@@ -144,6 +145,7 @@ class Search:
             cached = self.store.rejection_count(DUPLICATE)
             self._stats.update(rejected=self.store.rejection_count() - cached, cached=cached)
             pop = Population.restore(state["population"], self.programs, self.cfg.population)
+            self._plain_fitness.update(state["population"].get(PLAIN_BAR) or {})
             return pop, pop.seed
         result = self.evaluator.submit(self.seed_source, self.suffix, "seed").result()
         self._count(result)
@@ -153,7 +155,7 @@ class Search:
         pop = Population(self.cfg.population, seed)
         self.store.commit_iteration(iteration=0, program=seed, rejection=None, llm_usage=None,
                                     rng_state=self.rng.getstate(),
-                                    population_snapshot=pop.snapshot(), elapsed_s=0.0)
+                                    population_snapshot=self._snapshot(pop), elapsed_s=0.0)
         return pop, seed
 
     # ---- the loop ------------------------------------------------------------
@@ -386,9 +388,17 @@ class Search:
             pop.migrate()
         self.store.commit_iteration(iteration=iteration, program=program, rejection=rejection,
                                     llm_usage=proposal.usage, rng_state=self.rng.getstate(),
-                                    population_snapshot=pop.snapshot(),
+                                    population_snapshot=self._snapshot(pop),
                                     elapsed_s=self._prior_elapsed + self.clock() - self._t0,
                                     rejection_change=proposal.change if rejection else "")
+
+    def _snapshot(self, pop: Population) -> dict[str, Any]:
+        """The population's snapshot, with the plain bar of its champion (if it has one)."""
+        snap = pop.snapshot()
+        champ = snap.get("champion")
+        if champ in self._plain_fitness:
+            snap[PLAIN_BAR] = {champ: self._plain_fitness[champ]}
+        return snap
 
     # ---- stopping and reporting -------------------------------------------------
     def _stop_reason(self, pop: Population, t0: float) -> str | None:

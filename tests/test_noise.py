@@ -231,6 +231,36 @@ def test_export_and_report_take_the_champion_not_an_unconfirmed_higher_reading(
     assert load_run(tmp_path).best.id == out.best.id
 
 
+def test_a_resumed_run_holds_plain_children_to_the_same_bar(tmp_path: Path) -> None:
+    """The crowned best's plain figure is kept with the population: after a resume, children
+    as fast as it are not sent to duels for reading above its stored (duel) figure."""
+    ev = _HeatEvaluator()
+    first, out = _search(tmp_path, ev, 25)
+    assert out.best.id != out.seed.id
+    bar = first._plain_fitness[out.best.id]
+    with RunStore.open_readonly(tmp_path) as st:
+        assert st.load_state()["population"]["plain_bar"] == {out.best.id: bar}
+    champ = first.programs[out.best.id]
+    stages = re.search(r"STAGES = (\d)", champ.source).group(1)
+    peer = champ.source.replace(f"STAGES = {stages}", f"STAGES = {'3' if stages != '3' else '4'}")
+    ev2 = _HeatEvaluator()
+    assert ev2.score(peer) == ev2.score(champ.source)         # as fast as the best
+    cfg = RunConfig(iterations=60, random_seed=5)
+    store = RunStore.open(tmp_path, config_to_dict(cfg), create=False)
+    try:
+        second = Search(cfg, store, ev2, [(KnobMutator(0.0), 1.0)], TOY_SEED, ".py")
+        pop, _ = second._start()                              # the resume
+        assert second._plain_fitness[out.best.id] == bar
+        plain = ev2.evaluate(peer, ".py")                     # reads 2% above the truth
+        second._challenge(pop, "peer", peer, plain)
+        assert not ev2.duels
+        second._plain_fitness.clear()                         # the bar forgotten: a duel
+        second._challenge(pop, "peer", peer, plain)
+        assert ev2.duels
+    finally:
+        store.close()
+
+
 def test_a_duel_within_noise_is_not_a_win() -> None:
     assert not beats(duel_result(1.004, 1.0, 0.01))        # 1.004 [0.994, 1.014]
     assert beats(duel_result(1.05, 1.0, 0.01))
