@@ -16,8 +16,10 @@ Two kernels:
              and break CUDA-graph capture); splits past a sequence's length return at once.
   _merge     one program per (batch * key/value head, block of rows): combines the splits
              that hold keys, weighting each partial output by 2^(lse - max lse).
-With a single split the first kernel writes the output itself and no merge runs; with
-FUSED_MERGE the last split to finish merges in the first kernel (below).
+With a single split the first kernel writes the output itself and no merge runs. With
+FUSED_MERGE (the default) no merge kernel runs either: the last split of each group to finish
+combines the group's partial results inside _split_kv (the same _combine), so a call is one
+launch (1.09x the two-kernel call time on an H200, BENCHMARKS.md).
 
 Knobs (the lines marked `# evoattn: choice(...)`); every combination is correct (on a GPU, the
 largest tiles with the deepest pipelines may not fit in shared memory: the launch then fails):
@@ -27,7 +29,7 @@ largest tiles with the deepest pipelines may not fit in shared memory: the launc
                               take several row blocks, each reading the cache again
   PROGRAMS_PER_SM             the split count aims at this many programs per SM over the grid
   MIN_SPLIT_KEYS              ... but gives no split fewer keys than this
-  MERGE_WARPS                 the merge kernel's warps
+  MERGE_WARPS                 the merge kernel's warps (FUSED_MERGE off)
   FUSED_MERGE                 no merge kernel: the last split of each (batch * key/value head,
                               row block) to finish merges them (a ticket counted atomically),
                               which saves a launch and its wait; the merge kernel otherwise
