@@ -19,7 +19,7 @@ Two kernels:
 With a single split the first kernel writes the output itself and no merge runs. With
 FUSED_MERGE (the default) no merge kernel runs either: the last split of each group to finish
 combines the group's partial results inside _split_kv (the same _combine), so a call is one
-launch (1.09x the two-kernel call time on an H200, BENCHMARKS.md).
+launch (1.09x as fast as two launches in call time on an H200, BENCHMARKS.md).
 
 Knobs (the lines marked `# evoattn: choice(...)`); every combination is correct (on a GPU, the
 largest tiles with the deepest pipelines may not fit in shared memory: the launch then fails):
