@@ -128,7 +128,8 @@ def test_the_run_passes_its_evaluator_settings_to_the_sandbox(
                   llm={"models": [{"name": "m", "api_key_env": "TORCH_MY_KEY"}]})
     _start(cfg)
     ((r, s, plain),) = seen
-    assert plain == {"width": 0.01, "graph": False, "heat": False} and s.gpu_share == 1   # on the CPU: one
+    assert plain == {"width": 0.01, "graph": False, "heat": False}
+    assert s.gpu_share == 1                                  # on the CPU: one
     assert r.policy == "allow-library" and r.trials == 2 and r.device == "cpu"
     assert (r.resolved_reps(), r.resolved_warmup()) == (3, 1)   # CPU: a few repetitions only
     assert r.timing == "call" and r.baseline == "best"

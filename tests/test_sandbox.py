@@ -294,7 +294,8 @@ def test_a_plain_candidate_takes_the_run_s_looser_protocol_and_a_duel_the_reques
         sandbox.EvalResult.failure(Verdict.CRASH, "not run"), {}))[1]
     ev.evaluate("x = 1\n", ".py")
     ev.evaluate("x = 1\n", ".py", rival="x = 2\n")
-    assert (seen[0].width, seen[0].graph, seen[0].heat, seen[0].rival) == (0.02, False, False, "")
+    assert (seen[0].width, seen[0].graph, seen[0].heat, seen[0].rival) == \
+        (0.02, False, False, "")
     assert (seen[1].width, seen[1].graph, seen[1].heat) == (0.01, True, True) and seen[1].rival
 
 
