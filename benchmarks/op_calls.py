@@ -1,7 +1,7 @@
 """An exported package's op as a user calls it, against SDPA, per default sdpa config (GPU only).
 
     python benchmarks/op_calls.py --export DIR [--dtypes float16,bfloat16] [--layout bhsd|model]
-                                  [--fallback] [--json F]
+                                  [--fallback] [--pin-cpu] [--json F]
 
 Imports the package from DIR (an `evoattn export` directory, or a run directory) and, per
 default config and dtype, prints: the host time of one call while
@@ -48,6 +48,9 @@ def main() -> None:
     ap.add_argument("--layout", choices=("bhsd", "model"), default="bhsd")
     ap.add_argument("--fallback", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--pin-cpu", action="store_true",
+                    help="time on the fastest CPU, pinned, picked again before a config when it "
+                         "has slowed (as the evaluator does)")
     a = ap.parse_args()
     import torch
     import torch.nn.functional as F
@@ -56,10 +59,17 @@ def main() -> None:
     pkg = load_export(str(a.export))
     if a.fallback:
         importlib.import_module(f"{pkg.__name__}.guard").KERNEL_DEVICE_TYPES = ()
+    cpu = None
+    if a.pin_cpu:
+        from evaluator.cpu_pin import TimingCpu
+        cpu = TimingCpu()
+        print(f"pinned to CPU {cpu.pick()} (the CPUs' speeds differ {cpu.spread():.2f}x)")
     rows = []
     for dtype_name in a.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         for cfg in get_problem("sdpa").default_configs:
+            if cpu is not None:
+                cpu.refresh()
             causal = cfg["causal"]
             size = 3 * cfg["B"] * cfg["H"] * cfg["S"] * cfg["D"] * 2
             sets = inputs(cfg, dtype, a.layout, max(4, min(32, 2 ** 28 // size)))

@@ -74,7 +74,7 @@ def cpu_eval(cache_dir: str) -> SubprocessEvaluator:
 # ---- honest kernels are not flagged ------------------------------------------------------
 @pytest.mark.parametrize("path", [SEEDS / "naive_torch.py", SEEDS / "flash_triton.py",
                                   ADV / "honest_torch.py", ADV / "honest_triton.py",
-                                  ADV / "honest_makedirs.py"],
+                                  ADV / "honest_makedirs.py", ADV / "honest_prepare.py"],
                          ids=lambda p: p.name)
 def test_honest_candidate_passes_without_flags(cpu_eval: SubprocessEvaluator, path: Path) -> None:
     result = evaluate(cpu_eval, path)
@@ -94,6 +94,8 @@ def test_library_attention_passes_under_allow_library_policy(cache_dir: str) -> 
 CHEATS = [
     # 1. stale / cached output: right on every correctness call, stale once timed
     ("stale_cache.py", Verdict.INCORRECT, r"timed call \d+ returned a wrong output.*stale"),
+    # ... and through what prepare() returns for a key's later calls
+    ("stale_prepare.py", Verdict.INCORRECT, r"max abs error|timed call \d+ returned a wrong"),
     # 2. leftover memory: half the output left as whatever torch.empty held. The CPU allocator
     # is not poisoned, so the first call can find a correct answer there by chance (the
     # reference's freed buffer) and the repeat call then returns garbage: nondeterministic.

@@ -596,3 +596,69 @@ def test_attention_time_leaves_transformers_attention_interface_as_it_found_it(m
     AttentionInterface.register("timed_impl", second)
     assert ALL_ATTENTION_FUNCTIONS["timed_impl"]() == "second"
     assert "timed_impl" not in ALL_ATTENTION_FUNCTIONS._local_mapping
+
+
+def test_the_op_runs_what_the_kernels_prepare_returned_from_a_keys_second_call(tmp_path):
+    """attention() calls the kernel module's prepare() once per call key, after the key's
+    first call, and runs what it returned for the key's later calls (counted as kernel calls);
+    None, a raise, or inputs the kernel gets as copies keep the entry."""
+    main = textwrap.dedent("""\
+        import torch
+        LOG = []
+        NONE_FOR_CAUSAL = False
+
+        def attention(q, k, v, causal=False, scale=None):
+            LOG.append(("entry", causal))
+            return q + 1
+
+        def prepare(q, k, v, causal=False, scale=None):
+            LOG.append(("prepare", causal, tuple(q.shape)))
+            if scale == 0.5:
+                raise ValueError("no")
+            if causal and NONE_FOR_CAUSAL:
+                return None
+            def prepared(q, k, v, causal=False, scale=None):
+                LOG.append(("prepared", causal))
+                return q + 1
+            return prepared
+        """)
+    cfgs = tuple(ConfigResult(params={"B": 1, "H": 2, "S": 8, "D": 64, "causal": c},
+                              dtype="float16", verdict=Verdict.PASS) for c in (False, True))
+    res = EvalResult(verdict=Verdict.PASS, reason="", fitness=1.0, device="cpu",
+                     timing_device="cpu", configs=cfgs)
+    _store_run(tmp_path / "run", main, res)
+    s = export_run(tmp_path / "run", tmp_path / "out")
+    got = _py(f"""
+        import json, torch
+        import {s.package} as pkg
+        from {s.package} import guard
+        guard.KERNEL_DEVICE_TYPES = ("cpu",)
+        mod = pkg.load_kernel_module()
+        x = lambda: torch.randn(1, 2, 8, 64).half()
+        logs = []
+        def calls(n, **kw):
+            mod.LOG.clear()
+            outs = [pkg.attention(q, q, q, **kw) for q in (x() for _ in range(n))]
+            logs.append(list(mod.LOG))
+        calls(3)                                   # one key: entry, prepare, then prepared
+        calls(2)                                   # the same key later: prepared only
+        mod.NONE_FOR_CAUSAL = True
+        calls(3, causal=True)                      # prepare gave None: the entry
+        calls(2, scale=0.5)                        # prepare raised: the entry
+        t = torch.randn(1, 8, 2, 64).half().transpose(1, 2)
+        mod.LOG.clear(); pkg.attention(t, t, t); pkg.attention(t, t, t)   # copies: no prepare
+        logs.append(list(mod.LOG))
+        q = x()
+        right = bool((pkg.attention(q, q, q) == q + 1).all())
+        print(json.dumps({{"logs": logs, "stats": pkg.stats(), "right": right}}))
+    """, cwd=tmp_path / "out")
+    r = json.loads(got.splitlines()[-1])
+    shape = [1, 2, 8, 64]
+    assert r["logs"][0] == [["entry", False], ["prepare", False, shape], ["prepared", False],
+                            ["prepared", False]]
+    assert r["logs"][1] == [["prepared", False]] * 2
+    assert r["logs"][2] == [["entry", True], ["prepare", True, shape], ["entry", True],
+                            ["entry", True]]
+    assert r["logs"][3] == [["entry", False], ["prepare", False, shape], ["entry", False]]
+    assert r["logs"][4] == [["entry", False], ["entry", False]]
+    assert r["stats"]["kernel"] == 13 and r["stats"]["fallback"] == 0 and r["right"]

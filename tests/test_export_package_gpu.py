@@ -30,11 +30,11 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.gpu
 
 
-def _evaluated_export(tmp: Path, seed: str) -> object:
+def _evaluated_export(tmp: Path, seed: str, dtypes: tuple[str, ...] | None = None) -> object:
     """Evaluates a seed with the real GPU evaluator (D 64 and 128, both causal values), exports."""
     prob = settings.problem("sdpa")
     configs = settings.parse_configs(prob, "2,4,256,64;1,4,512,128", "--configs")
-    request = settings.eval_request("sdpa", prob, "cuda", configs, None,
+    request = settings.eval_request("sdpa", prob, "cuda", configs, dtypes,
                                     settings.evaluator_config(trials=1))
     source = program.read(ROOT / seed)
     ev = SubprocessEvaluator(request)
@@ -166,3 +166,76 @@ def test_llama_model_runs_the_kernel_in_every_layer(tmp_path):
                 "kernel switched off": row["layers"]}, got["b"]
             assert got["c"]["max_abs"] <= 2 * got["a"]["max_abs"], got
         assert 0 < row["eager"]["c"]["attention_share"] < 1
+
+
+_PREPARED = """
+    import json, torch, torch.nn.functional as F
+    import {package} as pkg
+    from {package} import ops
+    pkg.attention(*(torch.randn(1, 1, 16, 64, device="cuda", dtype=torch.float16)
+                    for _ in range(3)))
+    mod = pkg.load_kernel_module()        # as the op loaded it (its CUDA library handed over)
+    r = {{}}
+    def ref(q, k, v, causal):
+        return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal,
+                                              enable_gqa=k.shape[1] != q.shape[1])
+    def make(B, H, Hk, S, D, dtype, layout):
+        def one(h):
+            if layout == "model":
+                return torch.randn(B, S, h, D, device="cuda", dtype=dtype).transpose(1, 2)
+            return torch.randn(B, h, S, D, device="cuda", dtype=dtype)
+        return one(H), one(Hk), one(Hk)
+    cases = [(64, False, "bhsd", torch.float16), (64, True, "bhsd", torch.bfloat16),
+             (128, False, "bhsd", torch.float16), (128, True, "bhsd", torch.bfloat16),
+             (64, True, "model", torch.float16), (128, True, "model", torch.bfloat16)]
+    for D, causal, layout, dtype in cases:
+        name = f"{{D}}{{'c' if causal else ''}}_{{layout}}_{{dtype}}"
+        Hk = 1 if layout == "model" else 4
+        pkg.reset_stats()
+        first = make(2, 4, Hk, 300, D, dtype, layout)
+        pkg.attention(*first, causal=causal)
+        errs, same = [], []
+        for _ in range(3):
+            x = make(2, 4, Hk, 300, D, dtype, layout)
+            got = pkg.attention(*x, causal=causal)
+            errs.append((got.float() - ref(*x, causal)).abs().max().item())
+            if layout == "bhsd":
+                same.append(bool(torch.equal(got, mod.attention(*x, causal))))
+        # the key's inputs 8 bytes off a 16-byte boundary: the prepared launch must not take them
+        if layout == "bhsd":
+            off = [torch.randn(2 * 4 * 300 * D + 4, device="cuda", dtype=dtype)[4:]
+                   .view(2, 4, 300, D) for _ in range(3)]
+            errs.append((pkg.attention(*off, causal=causal).float()
+                         - ref(*off, causal)).abs().max().item())
+        # a CUDA graph captured around the prepared call, replayed on new values
+        x = make(2, 4, Hk, 300, D, dtype, layout)
+        pkg.attention(*x, causal=causal)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = pkg.attention(*x, causal=causal)
+        for t in x:
+            t.copy_(torch.randn_like(t))
+        g.replay()
+        torch.cuda.synchronize()
+        errs.append((out.float() - ref(*x, causal)).abs().max().item())
+        kinds = sorted({{e.__name__ for e in ops._entries.values()}})
+        r[name] = {{"errs": errs, "same": same, "stats": pkg.stats(), "kinds": kinds}}
+    r["verified_dtypes"] = pkg.VERIFIED["dtypes"]
+    print(json.dumps(r))
+"""
+
+
+def test_the_hybrid_seeds_prepared_calls_match_its_entry_in_both_dtypes_and_layouts(tmp_path):
+    """From a key's second call the op runs what the seed's prepare() returned (the CUDA
+    kernel's call, or flash_triton's prepared launch): its outputs equal the entry's on fresh
+    inputs, a misaligned input of the key takes the entry, and a CUDA graph captured around a
+    prepared call reads the values written before each replay."""
+    s = _evaluated_export(tmp_path, "seeds/sdpa/flash_hybrid.py", ("float16", "bfloat16"))
+    r = _py(_PREPARED.format(package=s.package), cwd=tmp_path / "out")
+    assert r.pop("verified_dtypes") == ["bfloat16", "float16"]
+    for name, got in r.items():
+        assert max(got["errs"]) < 2e-2 * (2 if "bfloat16" in name else 1), (name, got)
+        assert all(got["same"]), (name, got)
+        assert got["stats"]["fallback"] == 0 and got["stats"]["kernel"] >= 5, (name, got)
+        assert "prepared" in got["kinds"], (name, got)

@@ -14,7 +14,9 @@ contiguous copies; other kernels get the copies.
 
 `attention()`, called eagerly, decides before the op and skips PyTorch's dispatcher (tens of
 microseconds for an op implemented in Python): a call that falls back runs SDPA directly, a
-call on plain tensors with no dispatch or function mode active runs what the op would run. Under
+call on plain tensors with no dispatch or function mode active runs what the op would run
+(from a key's second call, what the kernel module's `prepare` returned for that key, where the
+kernel takes the inputs as they lie: the evaluator checked and timed the kernel so). Under
 torch.compile, and under such modes, it goes through the op, which decides per call at run
 time. `stats()` counts both kinds of call; a CUDA graph replay runs no Python, so replays are
 not counted.
@@ -58,6 +60,7 @@ class Decision(NamedTuple):
     fallback: Callable[..., torch.Tensor] | None     # SDPA, when the call falls back
     reason: str | None                               # why it falls back
     eager: Callable[..., torch.Tensor] | None = None  # attention()'s run (see _kernel_run)
+    prepare: Callable[..., Any] | None = None        # the kernel's, where it takes the inputs
 
 
 # Per kernel setting (see use_kernel): the op's decisions and attention()'s entries, by call key.
@@ -214,7 +217,9 @@ def _decide(values: tuple[Any, ...], key: tuple) -> Decision:
                                                    fallback, reason))
     direct = _takes_as_given(kernel, args, values)
     run, eager = _kernel_run(kernel.fn, direct is True)
-    decision = Decision(run, None, None, eager)
+    # a growing key covers many shapes, more than prepare() is asked to hold for
+    decision = Decision(run, None, None, eager,
+                        kernel.prepare if direct is True and not _GROWING else None)
     return decision if direct is None else _remember(_decisions, key, decision)
 
 
@@ -348,7 +353,38 @@ def _entry_for(args: tuple[Any, ...], kwargs: dict[str, Any],
         if modes() or function_modes():        # a mode wants to see the op: let it
             return _dispatch(*args, **kwargs)
         return run(*args, **kwargs)
-    return _remember(_entries, entry_key, direct)
+    if decision.prepare is None:
+        return _remember(_entries, entry_key, direct)
+    prepare, table, call = decision.prepare, _entries, SPEC.call_kernel
+
+    def first(*args: Any, **kwargs: Any) -> torch.Tensor:
+        """The key's first call: the entry, then what the kernel prepares for later ones."""
+        if modes() or function_modes():
+            return _dispatch(*args, **kwargs)
+        out = run(*args, **kwargs)
+        try:
+            go = call(prepare, *args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - the evaluator ran it; never fail a call on it
+            log.warning("%s: the kernel's prepare() raised %s: %s; these calls take its entry",
+                        NAMESPACE, type(e).__name__, e)
+            go = None
+        table[entry_key] = _prepared(go, call) if callable(go) else direct
+        return out
+    return _remember(_entries, entry_key, first)
+
+
+def _prepared(go: Callable[..., torch.Tensor], call: Callable[..., torch.Tensor]
+              ) -> Callable[..., torch.Tensor]:
+    """attention()'s entry for a key whose kernel prepared `go` (see _entry_for)."""
+    modes, function_modes = torch._C._len_torch_dispatch_stack, \
+        torch._C._is_torch_function_mode_enabled
+
+    def prepared(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if modes() or function_modes():
+            return _dispatch(*args, **kwargs)
+        _counts["kernel"] += 1
+        return call(go, *args, **kwargs)
+    return prepared
 
 
 def _needs_grad(bound: problems.Args) -> bool:

@@ -94,24 +94,28 @@ def _cuda_wanted(device: torch.device, dtype: torch.dtype, head_dim: int, causal
 _ROUTES: dict[tuple, bool] = {}   # (device, dtype, D, causal, small) -> CUDA?
 
 
-def _cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                    scale: float) -> torch.Tensor:
-    """Runs the CUDA kernel on the current stream of q's device (dense inputs: see _dense)."""
-    out = torch.empty_like(q)
-    B, H, S, D = q.shape
-    index = q.device.index
-    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), B, H, S, D,
-            _CUDA_DTYPES[q.dtype], int(causal), scale)
-    if index == torch.cuda.current_device():
-        rc = _cuda_entry()(*args, torch._C._cuda_getCurrentRawStream(index))
-    else:
-        with torch.cuda.device(index):
-            rc = _cuda_entry()(*args, torch._C._cuda_getCurrentRawStream(index))
-    if rc != 0:
-        raise RuntimeError(f"flash_hybrid: CUDA error {rc} "
-                           f"({_CUDA_ERRORS.get(rc, 'see cudaGetErrorString')}) for "
-                           f"{tuple(q.shape)} {q.dtype} causal={causal}")
-    return out
+def _cuda_call(q: torch.Tensor, is_causal: bool, sm_scale: float):  # noqa: ANN202
+    """The CUDA kernel's call for dense inputs of q's shape, dtype and device (see _dense), on
+    the current stream of that device: what prepare() returns for them, and attention() runs."""
+    entry, index, fixed = _cuda_entry(), q.device.index, (
+        *q.shape, _CUDA_DTYPES[q.dtype], int(is_causal), sm_scale)
+    current, stream = torch._C._cuda_getDevice, torch._C._cuda_getCurrentRawStream
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+             scale: float | None = None) -> torch.Tensor:
+        out = torch.empty_like(q)
+        args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *fixed)
+        if index == current():
+            rc = entry(*args, stream(index))
+        else:
+            with torch.cuda.device(index):
+                rc = entry(*args, stream(index))
+        if rc != 0:
+            raise RuntimeError(f"flash_hybrid: CUDA error {rc} "
+                               f"({_CUDA_ERRORS.get(rc, 'see cudaGetErrorString')}) for "
+                               f"{tuple(q.shape)} {q.dtype} causal={is_causal}")
+        return out
+    return call
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -127,8 +131,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if route is None:
         route = _ROUTES[key] = _cuda_wanted(q.device, q.dtype, q.shape[-1], causal, small)
     if route and _dense(q, k, v):
-        return _cuda_attention(q, k, v, causal, float(scale))
+        return _cuda_call(q, causal, float(scale))(q, k, v)
     return _triton.attention(q, k, v, causal, scale)
+
+
+def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+            scale: float | None = None):  # noqa: ANN201
+    """Returns attention() for later calls like this one (the same shapes, strides, dtypes,
+    device, causal and scale) without its routing: the CUDA kernel's call with its arguments
+    but the addresses fixed, or flash_triton's prepared launch; None where there is none."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    causal, scale = bool(causal), float(scale)
+    small = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] <= CUDA_D64_SMALL
+    if _cuda_wanted(q.device, q.dtype, q.shape[-1], causal, small) and _dense(q, k, v):
+        return _cuda_call(q, causal, scale)
+    return _triton.prepare(q, k, v, causal, scale)
 
 
 def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

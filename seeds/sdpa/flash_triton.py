@@ -410,6 +410,18 @@ def _fast_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, device: torch.de
             and (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0)
 
 
+def _launch_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, device: torch.device,
+                causal: bool, use_tma: bool, warp_specialize: bool, scale: float) -> tuple:
+    return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, device, causal,
+            use_tma, warp_specialize, scale >= 0)
+
+
+def _launch_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, device: torch.device) -> bool:
+    """What a prepared launch needs beyond its key: v like k, one dtype, one device."""
+    return v.shape == k.shape and k.dtype == q.dtype and v.dtype == q.dtype and \
+        k.device == v.device == device
+
+
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
              use_tma: bool, warp_specialize: bool, device: torch.device | None = None
              ) -> torch.Tensor:
@@ -417,11 +429,9 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     device = q.device if device is None else device
     # a launch is prepared only for inputs passed as they lie (not the copies made below)
     fast = _fast_ok(q, k, v, device) and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, device, causal,
-           use_tma, warp_specialize, scale >= 0)
+    key = _launch_key(q, k, v, device, causal, use_tma, warp_specialize, scale)
     launch = _LAUNCHES.get(key) if fast else None
-    if launch is not None and v.shape == k.shape and k.dtype == q.dtype and \
-            v.dtype == q.dtype and k.device == v.device == device:
+    if launch is not None and _launch_fits(q, k, v, device):
         return _launch_prepared(launch, q, k, v, scale * LOG2E if USE_EXP2 else scale, device)
     _check_inputs(q, k, v)
     if q.device.type != "cuda" and not _interpreting():
@@ -517,6 +527,35 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return _forward(q, k, v, bool(causal), float(scale),
                     use_tma=USE_TMA and _supports_tma(device),
                     warp_specialize=WARP_SPECIALIZE and _hopper_or_newer(device), device=device)
+
+
+def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+            scale: float | None = None):  # noqa: ANN201
+    """Returns attention() for later calls like this one (the same shapes, strides, dtypes,
+    device, causal and scale), launching what this call's key prepared with none of
+    attention()'s checks and key; None where nothing is prepared (before a first call, in the
+    interpreter, with FAST_LAUNCH off). A later call on inputs not 16-byte aligned, or while a
+    Triton launch hook is set, takes attention()."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    causal, scale, device = bool(causal), float(scale), q.device
+    if not (_fast_ok(q, k, v, device) and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+            and _launch_fits(q, k, v, device)):
+        return None
+    launch = _LAUNCHES.get(_launch_key(q, k, v, device, causal, USE_TMA and _supports_tma(device),
+                                       WARP_SPECIALIZE and _hopper_or_newer(device), scale))
+    if launch is None:
+        return None
+    qk_scale = scale * LOG2E if USE_EXP2 else scale
+    hooks = triton.knobs.runtime
+
+    def prepared(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                 scale: float | None = None) -> torch.Tensor:
+        if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 or not (
+                _no_hook(hooks.launch_enter_hook) and _no_hook(hooks.launch_exit_hook)):
+            return attention(q, k, v, causal, scale)
+        return _launch_prepared(launch, q, k, v, qk_scale, device)
+    return prepared
 
 
 # Notes. WARP_SPECIALIZE=True failed in Triton 3.6's NVGPUWarpSpecialization pass for the D=64
