@@ -94,9 +94,17 @@ def _cuda_wanted(device: torch.device, dtype: torch.dtype, head_dim: int, causal
 _ROUTES: dict[tuple, bool] = {}   # (device, dtype, D, causal, small) -> CUDA?
 
 
+def _route(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
+    small = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] <= CUDA_D64_SMALL
+    key = (q.device, q.dtype, q.shape[-1], causal, small)
+    route = _ROUTES.get(key)
+    if route is None:
+        route = _ROUTES[key] = _cuda_wanted(*key)
+    return route
+
+
 def _cuda_call(q: torch.Tensor, is_causal: bool, sm_scale: float):  # noqa: ANN202
-    """The CUDA kernel's call for dense inputs of q's shape, dtype and device (see _dense), on
-    the current stream of that device: what prepare() returns for them, and attention() runs."""
+    """The CUDA kernel's call for dense inputs like q (see _dense), on the current stream."""
     entry, index, fixed = _cuda_entry(), q.device.index, (
         *q.shape, _CUDA_DTYPES[q.dtype], int(is_causal), sm_scale)
     current, stream = torch._C._cuda_getDevice, torch._C._cuda_getCurrentRawStream
@@ -111,9 +119,8 @@ def _cuda_call(q: torch.Tensor, is_causal: bool, sm_scale: float):  # noqa: ANN2
             with torch.cuda.device(index):
                 rc = entry(*args, stream(index))
         if rc != 0:
-            raise RuntimeError(f"flash_hybrid: CUDA error {rc} "
-                               f"({_CUDA_ERRORS.get(rc, 'see cudaGetErrorString')}) for "
-                               f"{tuple(q.shape)} {q.dtype} causal={is_causal}")
+            raise RuntimeError(f"flash_hybrid: CUDA error {rc} ({_CUDA_ERRORS.get(rc, '')}) "
+                               f"for {tuple(q.shape)} {q.dtype} causal={is_causal}")
         return out
     return call
 
@@ -122,30 +129,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               causal: bool = False, scale: float | None = None) -> torch.Tensor:
     """Returns softmax(q kᵀ·scale [+ top-left causal mask]) v for (B, H, S, D) inputs, from
     the CUDA kernel where the CUDA_* knobs send the call, else from the Triton kernel."""
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    causal = bool(causal)
-    small = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] <= CUDA_D64_SMALL
-    key = (q.device, q.dtype, q.shape[-1], causal, small)
-    route = _ROUTES.get(key)
-    if route is None:
-        route = _ROUTES[key] = _cuda_wanted(q.device, q.dtype, q.shape[-1], causal, small)
-    if route and _dense(q, k, v):
-        return _cuda_call(q, causal, float(scale))(q, k, v)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if _route(q, k, bool(causal)) and _dense(q, k, v):
+        return _cuda_call(q, bool(causal), float(scale))(q, k, v)
     return _triton.attention(q, k, v, causal, scale)
 
 
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
             scale: float | None = None):  # noqa: ANN201
-    """Returns attention() for later calls like this one (the same shapes, strides, dtypes,
-    device, causal and scale) without its routing: the CUDA kernel's call with its arguments
-    but the addresses fixed, or flash_triton's prepared launch; None where there is none."""
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    causal, scale = bool(causal), float(scale)
-    small = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] <= CUDA_D64_SMALL
-    if _cuda_wanted(q.device, q.dtype, q.shape[-1], causal, small) and _dense(q, k, v):
-        return _cuda_call(q, causal, scale)
+    """attention() for later calls with this one's shapes, strides, dtypes, device, causal and
+    scale, without its routing (None where Triton prepared nothing)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if _route(q, k, bool(causal)) and _dense(q, k, v):
+        return _cuda_call(q, bool(causal), float(scale))
     return _triton.prepare(q, k, v, causal, scale)
 
 

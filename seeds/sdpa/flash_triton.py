@@ -417,7 +417,6 @@ def _launch_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, device: torch
 
 
 def _launch_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, device: torch.device) -> bool:
-    """What a prepared launch needs beyond its key: v like k, one dtype, one device."""
     return v.shape == k.shape and k.dtype == q.dtype and v.dtype == q.dtype and \
         k.device == v.device == device
 
@@ -531,23 +530,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
             scale: float | None = None):  # noqa: ANN201
-    """Returns attention() for later calls like this one (the same shapes, strides, dtypes,
-    device, causal and scale), launching what this call's key prepared with none of
-    attention()'s checks and key; None where nothing is prepared (before a first call, in the
-    interpreter, with FAST_LAUNCH off). A later call on inputs not 16-byte aligned, or while a
-    Triton launch hook is set, takes attention()."""
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    causal, scale, device = bool(causal), float(scale), q.device
+    """attention() for later calls with this one's shapes, strides, dtypes, device, causal and
+    scale: the launch this call prepared, without attention()'s checks; None where there is
+    none. Unaligned inputs or a launch hook take attention()."""
+    scale = float(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    device, hooks = q.device, triton.knobs.runtime
     if not (_fast_ok(q, k, v, device) and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
             and _launch_fits(q, k, v, device)):
         return None
-    launch = _LAUNCHES.get(_launch_key(q, k, v, device, causal, USE_TMA and _supports_tma(device),
-                                       WARP_SPECIALIZE and _hopper_or_newer(device), scale))
-    if launch is None:
-        return None
+    launch = _LAUNCHES.get(_launch_key(q, k, v, device, bool(causal), USE_TMA and
+                                       _supports_tma(device), WARP_SPECIALIZE and
+                                       _hopper_or_newer(device), scale))
     qk_scale = scale * LOG2E if USE_EXP2 else scale
-    hooks = triton.knobs.runtime
 
     def prepared(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                  scale: float | None = None) -> torch.Tensor:
@@ -555,7 +549,7 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
                 _no_hook(hooks.launch_enter_hook) and _no_hook(hooks.launch_exit_hook)):
             return attention(q, k, v, causal, scale)
         return _launch_prepared(launch, q, k, v, qk_scale, device)
-    return prepared
+    return prepared if launch is not None else None
 
 
 # Notes. WARP_SPECIALIZE=True failed in Triton 3.6's NVGPUWarpSpecialization pass for the D=64
