@@ -110,7 +110,7 @@ op)
   for how in "--layout bhsd" "--layout model" "--layout bhsd --fallback"; do
     name=$(echo "$how" | tr -d ' -')
     log "op calls $how"
-    timeout "${OP_S:-300}" python benchmarks/op_calls.py --export /tmp/run-default/best $how \
+    timeout "${OP_S:-300}" python benchmarks/op_calls.py --export /tmp/run-default/best $how --pin-cpu \
       --json "$R/op_$name.json" > "$R/op_$name.txt" 2>&1
     echo "exit $?" >> "$R/op_$name.txt"; tail -3 "$R/op_$name.txt"
   done
