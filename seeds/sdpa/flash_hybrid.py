@@ -119,7 +119,7 @@ def _cuda_call(q: torch.Tensor, is_causal: bool, sm_scale: float):  # noqa: ANN2
             with torch.cuda.device(index):
                 rc = entry(*args, stream(index))
         if rc != 0:
-            raise RuntimeError(f"flash_hybrid: CUDA error {rc} ({_CUDA_ERRORS.get(rc, '')}) "
+            raise RuntimeError(f"flash_hybrid: CUDA error {rc} ({_CUDA_ERRORS.get(rc, 'cudaGetErrorString')}) "
                                f"for {tuple(q.shape)} {q.dtype} causal={is_causal}")
         return out
     return call
