@@ -149,13 +149,19 @@ def test_the_op_decides_once_per_call_key(exported):
         after(lambda: pkg.attention(q, q, q, causal=True))       # another argument
         after(lambda: op(q, q, q, True))
         after(lambda: pkg.attention(q, q, q, scale=0.5))
+        y = torch.randn(1, 2, 32, 64)
+        after(lambda: pkg.attention(y, y, y))                    # shape
+        g = torch.randn(1, 2, 16, 64, requires_grad=True)
+        with torch.no_grad():
+            after(lambda: pkg.attention(q, g, q))                # requires_grad
+            after(lambda: pkg.attention(q, g, q))
         print(json.dumps({{"seen": seen, "stats": pkg.stats()}}))
     """, cwd=exported["out"])
     r = json.loads(got.splitlines()[-1])
-    assert r["seen"] == [1, 1, 1, 1, 2, 2, 3, 4, 4, 5, 5, 6]
-    assert r["stats"]["fallback"] == 12 and r["stats"]["kernel"] == 0
+    assert r["seen"] == [1, 1, 1, 1, 2, 2, 3, 4, 4, 5, 5, 6, 7, 8, 8]
+    assert r["stats"]["fallback"] == 15 and r["stats"]["kernel"] == 0
     assert r["stats"]["fallback_reasons"] == {
-        "verified on cpu only (the kernel runs on CUDA GPUs)": 12}
+        "verified on cpu only (the kernel runs on CUDA GPUs)": 15}
 
 
 def test_the_kernel_switch_sends_every_call_to_the_fallback_and_back(exported):

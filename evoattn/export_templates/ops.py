@@ -48,8 +48,8 @@ KERNEL_OFF = "kernel switched off"
 
 _kernel_enabled = True
 
-_counts = {"kernel": 0, "fallback": 0}
-_reasons: dict[str, int] = {}
+_counts = {"kernel": 0}
+_reasons: dict[str, list[int]] = {}    # a fallback's reason: [its calls] (a cell an entry holds)
 _logged: set[str] = set()
 
 
@@ -76,22 +76,28 @@ def stats() -> dict[str, Any]:
     around the op sends elsewhere (the Hugging Face integration's refusals, inputs that need
     grad) is decided once when the graph is traced and is not counted per call: counting it
     would make the count a constant of the graph, and every call a recompile."""
-    return {"kernel": _counts["kernel"], "fallback": _counts["fallback"],
-            "fallback_reasons": dict(_reasons)}
+    reasons = {r: cell[0] for r, cell in _reasons.items() if cell[0]}
+    return {"kernel": _counts["kernel"], "fallback": sum(reasons.values()),
+            "fallback_reasons": reasons}
 
 
 def reset_stats() -> None:
     """Sets the call counts back to zero."""
-    _counts["kernel"] = _counts["fallback"] = 0
-    _reasons.clear()
+    _counts["kernel"] = 0
+    for cell in _reasons.values():            # entries hold their cells: zero them in place
+        cell[0] = 0
+
+
+def _reason_cell(reason: str) -> list[int]:
+    """Returns the one-element list that counts the calls falling back for `reason`."""
+    return _reasons.setdefault(reason, [0])
 
 
 def note_fallback(reason: str) -> None:
     """Counts one call that ran PyTorch instead; logs the reason the first time it is seen."""
     if torch.compiler.is_compiling():
         return
-    _counts["fallback"] += 1
-    _reasons[reason] = _reasons.get(reason, 0) + 1
+    _reason_cell(reason)[0] += 1
     _log_once(reason)
 
 
@@ -150,9 +156,24 @@ _GROWING = frozenset(i for i, p in enumerate(SPEC.params) if p.name in SPEC.grow
     if SPEC is not None else frozenset()
 
 
+_Tensor = torch.Tensor
+_TENSORS_AFTER_QKV = SPEC is None or any(p.is_tensor for p in SPEC.params[3:])
+
+
 def _key(values: tuple[Any, ...]) -> tuple:
     """Returns the call key of the op's values (or a Python call's positional arguments)."""
     if not _GROWING:
+        if len(values) >= 3:
+            q, k, v = values[0], values[1], values[2]
+            if type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor:
+                # the usual call, q, k, v first, spelled out: about half the host time of the
+                # general form below (this key is computed on every call)
+                rest = values[3:]
+                if _TENSORS_AFTER_QKV:
+                    rest = tuple(map(_meta, rest))
+                return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
+                        q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+                        q.requires_grad, k.requires_grad, v.requires_grad) + rest
         return tuple(map(_meta, values))
     lengths = {v.shape[2] for i, v in enumerate(values)
                if i in _GROWING and isinstance(v, torch.Tensor) and v.dim() == 4}
@@ -275,12 +296,17 @@ def _kernel_run(fn: Callable[..., Any], direct: bool
 def _counted(reason: str, fallback: Callable[..., torch.Tensor],
              contiguous: bool) -> Callable[..., torch.Tensor]:
     """Returns the fallback, counting each call (the op's output is contiguous, like its fake)."""
-    def run(*args: Any, **kwargs: Any) -> torch.Tensor:
-        _counts["fallback"] += 1
-        _reasons[reason] = _reasons.get(reason, 0) + 1
-        out = fallback(*args, **kwargs)
-        return out.contiguous() if contiguous else out
-    return run
+    cell = _reason_cell(reason)
+    if not contiguous:
+        def run(*args: Any, **kwargs: Any) -> torch.Tensor:
+            cell[0] += 1
+            return fallback(*args, **kwargs)
+        return run
+
+    def run_contiguous(*args: Any, **kwargs: Any) -> torch.Tensor:
+        cell[0] += 1
+        return fallback(*args, **kwargs).contiguous()
+    return run_contiguous
 
 
 def _refuse(reason: str) -> Callable[..., torch.Tensor]:
@@ -306,13 +332,16 @@ if SPEC is not None:
 
 
 # ---- the Python entry ----------------------------------------------------------------
+_is_compiling, _grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled
+
+
 def attention(*args: Any, **kwargs: Any) -> torch.Tensor:
     """Runs one call, like SDPA: the kernel through the op where it may run, SDPA directly
     elsewhere; inputs that need gradients take differentiable SDPA (the kernel is
     forward-only)."""
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         return _traced(args, kwargs)
-    key = (_key(args), _named_key(kwargs) if kwargs else (), torch.is_grad_enabled())
+    key = (_key(args), _named_key(kwargs) if kwargs else (), _grad_enabled())
     entry = _entries.get(key)
     if entry is None:
         entry = _entry_for(args, kwargs, key)
