@@ -97,7 +97,11 @@ def summarise(name: str, results: list[dict]) -> dict:
     table: dict = {"evaluations": len(results), "modes": {},
                    "timing_cpus": [(r.get("device_info") or {}).get("timing_cpu")
                                    for r in results],
-                   "time_stage_s": [(r.get("stage_s") or {}).get("time") for r in results]}
+                   "time_stage_s": [(r.get("stage_s") or {}).get("time") for r in results],
+                   "call_rounds_redone": [(r.get("device_info") or {}).get("call_rounds_redone", 0)
+                                          for r in results]}
+    print(f"{name:11} call rounds measured again (the host was busy): "
+          f"{table['call_rounds_redone']}")
     for mode in MODES:
         per = [speedups(r, mode) for r in results]
         labels = sorted(set().union(*per)) if per else []

@@ -6,7 +6,9 @@ fast-form `.cu` files (a `.cu` main file, or the `.cu` companions of a `.py` mai
 conditions hold on this GPU) are built on a CPU thread, into the cache the candidate's child
 reads, with the child's scrubbed environment (never this process's secrets). When the slot
 takes the job, the child finds the library cached. A build that fails here is no verdict:
-the child builds again and reports it.
+the child builds again and reports it. On Linux these builds run in the idle scheduling class
+(SCHED_IDLE, inherited by nvcc from the thread that starts it): they take only CPU time no
+one else wants, so an evaluation timing launch-bound calls meanwhile keeps its CPU.
 """
 from __future__ import annotations
 
@@ -80,6 +82,7 @@ class Prebuilder:
     def _build(self, source: str, suffix: str,
                names: tuple[str, ...]) -> tuple[runtime.BuildResult, ...]:
         assert self.arch is not None
+        idle_priority()
         work = tempfile.mkdtemp(prefix="evoattn-nvcc-")
         try:
             main = program.write(source, work, f"candidate{suffix}")
@@ -90,3 +93,18 @@ class Prebuilder:
                          for name in names)
         finally:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def idle_priority() -> bool:
+    """Puts the calling thread (and the processes it starts from now on) in Linux's idle
+    scheduling class; returns whether it is there. Elsewhere, or where refused, nothing."""
+    setter = getattr(os, "sched_setscheduler", None)
+    idle = getattr(os, "SCHED_IDLE", None)
+    if setter is None or idle is None:
+        return False
+    try:
+        if os.sched_getscheduler(0) != idle:
+            setter(0, idle, os.sched_param(0))     # pid 0: this thread
+        return True
+    except OSError:
+        return False

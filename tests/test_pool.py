@@ -214,6 +214,32 @@ def test_cuda_builds_run_on_cpu_threads_before_the_slot_takes_the_job(tmp_path: 
     assert again.ok and again.cached
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling classes")
+def test_prebuilds_run_nvcc_in_the_idle_scheduling_class_and_leave_the_caller_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An evaluation timing launch-bound calls keeps its CPU while nvcc builds the next
+    candidate: the build thread, and what it starts, take only idle CPU time."""
+    import subprocess
+    import sys
+    seen: dict[str, int] = {}
+
+    def build_fast(path: Any, *args: Any, **kwargs: Any) -> runtime.BuildResult:
+        seen["thread"] = os.sched_getscheduler(0)
+        child = [sys.executable, "-c", "import os; print(os.sched_getscheduler(0))"]
+        seen["nvcc"] = int(subprocess.run(child, capture_output=True, text=True).stdout)
+        return runtime.BuildResult(True, None, "", False, 0.0)
+    monkeypatch.setattr("evoattn.prebuild.runtime.build_fast", build_fast)
+    prebuild = Prebuilder(EvalRequest(device="cuda", arch="sm_90a"),
+                          SandboxSettings(cache_dir=str(tmp_path)))
+    try:
+        future = prebuild.submit(program.join([("candidate.cu", "int x;\n")]), ".cu")
+        assert future is not None and future.result(timeout=60)[0].ok
+    finally:
+        prebuild.close()
+    assert seen == {"thread": os.SCHED_IDLE, "nvcc": os.SCHED_IDLE}
+    assert os.sched_getscheduler(0) != os.SCHED_IDLE        # the caller's own thread: unchanged
+
+
 def test_a_prebuild_is_skipped_where_nothing_is_built_with_nvcc(tmp_path: Path) -> None:
     prebuild = Prebuilder(EvalRequest(device="cuda", arch="sm_90a"),
                           SandboxSettings(cache_dir=str(tmp_path)))

@@ -45,3 +45,71 @@ def test_the_spin_fills_every_thread_slot_of_every_sm() -> None:
     assert blocks_for(132) == 4 * 132             # H100/H200: 2,048 threads per SM
     assert blocks_for(84, 1536) == 3 * 84         # sm_86/89: 1,536
     assert blocks_for(10, 1024) == 2 * 10
+
+
+class _HostWatchingTimer:
+    """The shared call mode of the timers on the CPU, watching the host as the GPU timer does."""
+
+    @staticmethod
+    def make(watch: bool):  # noqa: ANN205
+        import torch
+
+        from evaluator import timing
+
+        class Timer(timing._Timer):
+            watch_host = watch
+
+            def __init__(self) -> None:
+                self.torch, self.sync = torch, lambda: None
+        return Timer()
+
+
+def _call_mode_with_busy_batches(monkeypatch, busy: list[bool], watch: bool = True):  # noqa: ANN202
+    """Runs 5 call-mode rounds of two functions; `busy` says, batch by batch (the two warm-up
+    batches first), whether the timing thread lost its CPU while launching."""
+    import random
+
+    import torch
+
+    from evaluator import timing
+    schedule, state = iter(busy), {"reads": 0, "busy": False}
+
+    def thread_cpu() -> float:            # read at a batch's start, then after its launches
+        state["reads"] += 1
+        if state["reads"] % 2:
+            state["busy"] = next(schedule, False)
+            return 0.0
+        return 0.0 if state["busy"] else 1e9
+    monkeypatch.setattr(timing, "_thread_cpu", thread_cpu)
+    timer = _HostWatchingTimer.make(watch)
+    picks: list[int] = []
+    timer.on_busy_host = lambda: picks.append(1)
+    inputs = {"x": torch.ones(4)}
+    fns = {"candidate": lambda inp: inp["x"] + 1, "baseline:sdpa": lambda inp: inp["x"] * 2}
+    sets = timing.InputSets(inputs, ("x",), 2, lambda inp: None)
+    plan = timing.Plan(warmup=0, reps=5, rounds=5, graph_rounds=0, sets=2, graph=False)
+    samples = timer._call_mode(fns, sets, plan, "candidate", random.Random(0), [],
+                               lambda m, s: False)
+    return timer, samples, picks
+
+
+def test_a_call_round_whose_launches_lost_their_cpu_is_measured_again(monkeypatch) -> None:
+    # warm-ups idle; round 1's first batch busy: that round again, once, after a CPU re-pick
+    timer, samples, picks = _call_mode_with_busy_batches(monkeypatch, [False, False, True])
+    assert timer.rounds_redone == 1 and len(picks) == 1
+    assert {n: len(v) for n, v in samples.items()} == {"candidate": 5, "baseline:sdpa": 5}
+
+
+def test_a_host_busy_throughout_ends_each_round_after_its_tries(monkeypatch) -> None:
+    from evaluator.timing import ROUND_TRIES
+    timer, samples, picks = _call_mode_with_busy_batches(monkeypatch, [True] * 1000)
+    assert timer.rounds_redone == 5 * (ROUND_TRIES - 1) == len(picks)
+    assert all(len(v) == 5 for v in samples.values())
+
+
+def test_a_timer_that_does_not_watch_the_host_measures_each_round_once(monkeypatch) -> None:
+    from evaluator.timing import CpuTimer, GpuTimer
+    assert GpuTimer.watch_host is True and CpuTimer.watch_host is False
+    timer, samples, picks = _call_mode_with_busy_batches(monkeypatch, [True] * 1000, watch=False)
+    assert timer.rounds_redone == 0 and not picks
+    assert all(len(v) == 5 for v in samples.values())
