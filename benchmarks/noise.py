@@ -93,6 +93,20 @@ def spread(v: list[float]) -> float:
     return max(v) / min(v) - 1 if v else float("nan")
 
 
+def _raw(result: dict) -> dict:
+    """One evaluation's times per config (candidate and baselines: call, kernel, host µs,
+    rounds) and its timing CPU: what to look at when one evaluation stands out."""
+    def times(t: dict) -> dict:
+        return {k: t.get(k) for k in ("call_ms", "kernel_ms", "host_us", "rounds")}
+    info = result.get("device_info") or {}
+    return {"timing_cpu": info.get("timing_cpu"), "cpu_speed_spread": info.get("cpu_speed_spread"),
+            "configs": {",".join(str(c[k]) for k in ("B", "H", "S", "D")) +
+                        (" c" if c.get("causal") else ""):
+                        {"candidate": times(c.get("times") or {}),
+                         **{n: times(t) for n, t in (c.get("baseline_times") or {}).items()}}
+                        for c in result.get("configs") or []}}
+
+
 def summarise(name: str, results: list[dict]) -> dict:
     table: dict = {"evaluations": len(results), "modes": {},
                    "timing_cpus": [(r.get("device_info") or {}).get("timing_cpu")
@@ -100,6 +114,7 @@ def summarise(name: str, results: list[dict]) -> dict:
                    "time_stage_s": [(r.get("stage_s") or {}).get("time") for r in results],
                    "call_rounds_redone": [(r.get("device_info") or {}).get("call_rounds_redone", 0)
                                           for r in results]}
+    table["raw"] = [_raw(r) for r in results]
     print(f"{name:11} call rounds measured again (the host was busy): "
           f"{table['call_rounds_redone']}")
     for mode in MODES:
