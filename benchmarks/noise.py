@@ -115,8 +115,11 @@ def summarise(name: str, results: list[dict]) -> dict:
                    "call_rounds_redone": [(r.get("device_info") or {}).get("call_rounds_redone", 0)
                                           for r in results]}
     table["raw"] = [_raw(r) for r in results]
+    table["configs_remeasured"] = [(r.get("device_info") or {}).get("configs_remeasured", {})
+                                   for r in results]
     print(f"{name:11} call rounds measured again (the host was busy): "
-          f"{table['call_rounds_redone']}")
+          f"{table['call_rounds_redone']}; configs measured again (a disturbance): "
+          f"{[len(c) for c in table['configs_remeasured']]}")
     for mode in MODES:
         per = [speedups(r, mode) for r in results]
         labels = sorted(set().union(*per)) if per else []

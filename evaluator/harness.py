@@ -157,9 +157,12 @@ def evaluate(req: EvalRequest, stage: Stage) -> EvalResult:
     finally:
         if cpu is not None:
             cpu.release()
-    if timer.rounds_redone:             # call-mode rounds measured again: the host was busy
-        timed = dataclasses.replace(timed, device_info={
-            **timed.device_info, "call_rounds_redone": timer.rounds_redone})
+    # what was measured again: call rounds whose launches lost their CPU, configs whose
+    # baselines' times showed a disturbance (measure.py)
+    again = {k: v for k, v in (("call_rounds_redone", timer.rounds_redone),
+                               ("configs_remeasured", dict(ctx.remeasured))) if v}
+    if again:
+        timed = dataclasses.replace(timed, device_info={**timed.device_info, **again})
     turn.release()                  # the profile below is one call: the next one may begin
     # The profiler runs after timing: once torch.profiler has run in a process, every later
     # launch costs about 20 µs more host time (CUPTI stays subscribed; measured on an H100,
