@@ -9,8 +9,9 @@ the GPU is held busy (a sleep kernel queued first, so no call waits for the GPU)
 `attention()` and for `F.scaled_dot_product_attention`; the per-call time of back-to-back eager
 calls on distinct inputs, for both (each the median of 5 rounds in which the two take turns); and how many calls ran the kernel. `--layout model` passes
 transformers' layout: (B, S, H, D) storage viewed as (B, H, S, D), k and v with H/4 heads
-(SDPA gets the same views, with enable_gqa). `--fallback` switches the kernel off (every call
-takes the package's fallback), which shows what the fallback costs over SDPA itself.
+(SDPA gets the same views, with enable_gqa). `--fallback` tells the package's guard that no
+device may run the kernel, so every call takes the package's fallback as a refused call does:
+what the fallback costs over SDPA itself.
 """
 from __future__ import annotations
 

@@ -182,8 +182,12 @@ def _key(values: tuple[Any, ...]) -> tuple:
 
 
 def _named_key(kwargs: dict[str, Any]) -> tuple:
-    return tuple((n, _grown(v) if SPEC is not None and n in SPEC.growing else _meta(v))
-                 for n, v in kwargs.items())
+    items = tuple(kwargs.items())
+    for _, v in items:
+        if isinstance(v, _Tensor):
+            return tuple((n, _grown(v) if SPEC is not None and n in SPEC.growing else _meta(v))
+                         for n, v in items)
+    return items                          # (name, value) pairs: what _meta keeps of non-tensors
 
 
 def _grown_too_far(args: problems.Args) -> bool:
