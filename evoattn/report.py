@@ -167,6 +167,8 @@ def print_eval(console: Console, result: EvalResult,
             f"{k} {v:.1f}" for k, v in result.stage_s.items()) + ")")
     for flag in result.flags:
         console.print(f"[yellow]flag[/yellow]: {flag}")
+    for line in remeasured_lines(result):
+        console.print(line)
     ok = result.correct
     if result.verdict is Verdict.COMPILED:
         console.print(f"Compiled: {result.reason}")
@@ -183,6 +185,19 @@ def print_eval(console: Console, result: EvalResult,
     for line in duel_lines(result):
         console.print(line)
     console.print(f"Score: {result.fitness:.4f}")
+
+
+def remeasured_lines(result: EvalResult) -> list[str]:
+    """Returns what the evaluator measured again and why (evaluator/measure.py, timing.py):
+    configs whose baselines' own times showed a disturbance, call rounds that lost their CPU."""
+    info = result.device_info or {}
+    lines = [f"measured again: {config} ({why})"
+             for config, why in (info.get("configs_remeasured") or {}).items()]
+    rounds = info.get("call_rounds_redone")
+    if rounds:
+        lines.append(f"measured again: {rounds} call-mode round{'s' if rounds > 1 else ''} "
+                     "whose launches lost their CPU (another process on it)")
+    return lines
 
 
 def baseline_table(rows: list[dict[str, Any]], device: str) -> Table:

@@ -468,3 +468,22 @@ def test_after_a_crowning_plain_children_are_held_to_the_best_s_plain_figure(
         assert not [src for src, riv in ev.duels if riv == champ.source
                     and any(src == p.source for p in peers)]
     assert met, "the run should have met children as fast as a crowned best"
+
+
+def test_eval_output_says_what_was_measured_again_and_why() -> None:
+    from rich.console import Console
+
+    from evaluator.types import EvalResult
+    from evoattn.report import print_eval
+    info = {"configs_remeasured": {"(16,16,1024,128)": "sdpa: GPU time 0.4797 ms per call, "
+                                                      "above its back-to-back 0.2527 ms"},
+            "call_rounds_redone": 2}
+    console = Console(record=True, width=200)
+    print_eval(console, EvalResult(Verdict.PASS, "all configs correct", 0.97, (),
+                                   device_info=info))
+    text = console.export_text()
+    assert "measured again: (16,16,1024,128) (sdpa: GPU time 0.4797 ms per call" in text
+    assert "measured again: 2 call-mode rounds whose launches lost their CPU" in text
+    quiet = Console(record=True, width=200)
+    print_eval(quiet, EvalResult(Verdict.PASS, "all configs correct", 0.97, ()))
+    assert "measured again" not in quiet.export_text()
