@@ -8,7 +8,9 @@ reads, with the child's scrubbed environment (never this process's secrets). Whe
 takes the job, the child finds the library cached. A build that fails here is no verdict:
 the child builds again and reports it. On Linux these builds run in the idle scheduling class
 (SCHED_IDLE, inherited by nvcc from the thread that starts it): they take only CPU time no
-one else wants, so an evaluation timing launch-bound calls meanwhile keeps its CPU.
+one else wants, so an evaluation timing launch-bound calls meanwhile keeps its CPU. On a
+machine whose every CPU stays busy with other work, such a build may wait until its deadline
+(`build_timeout_s`); the child then builds at normal priority.
 """
 from __future__ import annotations
 
