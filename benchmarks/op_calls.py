@@ -11,7 +11,8 @@ calls on distinct inputs, for both (each the median of 5 rounds in which the two
 transformers' layout: (B, S, H, D) storage viewed as (B, H, S, D), k and v with H/4 heads
 (SDPA gets the same views, with enable_gqa). `--fallback` tells the package's guard that no
 device may run the kernel, so every call takes the package's fallback as a refused call does:
-what the fallback costs over SDPA itself.
+what the fallback costs over SDPA itself. The package's C++ call path is built (or loaded from
+its cache) before anything is timed; EVOATTN_NATIVE=0 times its Python path instead.
 """
 from __future__ import annotations
 
@@ -60,6 +61,8 @@ def main() -> None:
     pkg = load_export(str(a.export))
     if a.fallback:
         importlib.import_module(f"{pkg.__name__}.guard").KERNEL_DEVICE_TYPES = ()
+    path = pkg.call_path(wait_s=None) if hasattr(pkg, "call_path") else "python"
+    print(f"call path: {path}")
     cpu = None
     if a.pin_cpu:
         from evaluator.cpu_pin import TimingCpu
@@ -102,10 +105,13 @@ def main() -> None:
                   f"(SDPA {row['sdpa_call_ms']:.4f}, x{row['sdpa_call_ms'] / row['call_ms']:.3f})",
                   flush=True)
     speed = [r["sdpa_call_ms"] / r["call_ms"] for r in rows]
+    extra = [r["host_us"] - r["sdpa_host_us"] for r in rows]
     print(f"geomean speedup over SDPA (eager back-to-back): "
-          f"{statistics.geometric_mean(speed):.3f} over {len(rows)} rows")
+          f"{statistics.geometric_mean(speed):.3f} over {len(rows)} rows; host us over SDPA: "
+          f"median {statistics.median(extra):+.1f} ({min(extra):+.1f} to {max(extra):+.1f})")
     if a.json:
-        Path(a.json).write_text(json.dumps({"package": pkg.__name__, "rows": rows,
+        Path(a.json).write_text(json.dumps({"package": pkg.__name__, "call_path": path,
+                                            "rows": rows,
                                             "device": torch.cuda.get_device_name(),
                                             "torch": torch.__version__}, indent=1))
 

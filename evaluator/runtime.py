@@ -9,7 +9,8 @@ rules wherever it runs. It holds:
   builds      fast form (a plain .cu with an `extern "C"` entry, built by nvcc into `lib.so`,
               called through ctypes) and extension form (a .cu defining
               `torch::Tensor attention(...)`, built by torch.utils.cpp_extension), both in a
-              child process, so no build changes this process's environment;
+              child process, so no build changes this process's environment; and a
+              host module (a C++ Python module using torch's headers, no CUDA), the same way;
   loading     a built library, a built extension, a Python main file with its libraries.
 Builds happen in a temporary directory inside the cache and are moved into `cache_dir/<key>/`
 with one `os.replace`, so a killed build never leaves a half-written entry. A candidate's bad
@@ -320,8 +321,52 @@ def build_extension(source_path: str | os.PathLike[str], cache_dir: str | os.Pat
     return _finish(ok, tmp, final, rel_so, log, t0)
 
 
-def load_extension(path: str) -> Any:
-    """Imports a built extension module from its .so path."""
+_HOST_PREFIX = "evoattn_host_"
+_HOST_FLAGS = ["-O3"]                     # cpp_extension.load passes no optimisation level
+_HOST_DRIVER = """\
+import sys
+from torch.utils.cpp_extension import load
+name, source, build_dir = sys.argv[1:4]
+load(name=name, sources=[source], build_directory=build_dir, extra_cflags=sys.argv[4:],
+     verbose=False)
+"""
+
+
+def build_host_module(source_path: str | os.PathLike[str], cache_dir: str | os.PathLike[str],
+                      timeout_s: float,
+                      started: Callable[[subprocess.Popen], None] | None = None) -> BuildResult:
+    """Builds a C++ Python module (its init function named after TORCH_EXTENSION_NAME) with
+    cpp_extension in a child process; returns the .so, cached per source, Python, torch and
+    compiler. `started` is given the build's process as it starts (to stop it early)."""
+    import torch
+    t0 = time.monotonic()
+    source, err = _read(source_path)
+    if source is None:
+        return BuildResult(False, None, err, False, 0.0)
+    toolchain = hashlib.sha256(f"{sys.version}\ntorch {torch.__version__}\n"
+                               f"{os.environ.get('CXX', 'c++')}".encode()).hexdigest()[:12]
+    key = cache_key(source, "host", "", _HOST_FLAGS, toolchain)
+    final = Path(cache_dir) / key
+    mod_name = _HOST_PREFIX + key
+    rel_so = f"build/{mod_name}.so"
+    if (final / rel_so).is_file():
+        return BuildResult(True, str(final / rel_so), _read_log(final), True,
+                           time.monotonic() - t0)
+    tmp = _make_tmp(cache_dir)
+    name = "module.cpp"                  # C++, not CUDA: cpp_extension goes by the suffix
+    (tmp / name).write_bytes(source)
+    (tmp / "build").mkdir()
+    cmd = [sys.executable, "-c", _HOST_DRIVER, mod_name, str(tmp / name), str(tmp / "build"),
+           *_HOST_FLAGS]
+    ok, log = _run_group(cmd, tmp, timeout_s, dict(os.environ), started)
+    log = log.replace(str(tmp) + os.sep, "")
+    if ok and not (tmp / rel_so).is_file():
+        ok, log = False, log + f"\nbuild finished but wrote no {rel_so}"
+    return _finish(ok, tmp, final, rel_so, log, t0)
+
+
+def load_module(path: str) -> Any:
+    """Imports a built module (an extension or a host module) from its .so path."""
     import importlib.machinery
     import importlib.util
 
@@ -336,6 +381,12 @@ def load_extension(path: str) -> Any:
         loader.exec_module(module)
     except ImportError as e:
         raise LoadError(f"cannot import {path}: {e}") from None
+    return module
+
+
+def load_extension(path: str) -> Any:
+    """Imports a built extension module from its .so path."""
+    module = load_module(path)
     if not hasattr(module, "attention"):
         raise LoadError(f"{path} defines no attention()")
     return module
@@ -381,14 +432,16 @@ def _make_tmp(cache_dir: str | os.PathLike[str]) -> Path:
     return Path(tempfile.mkdtemp(prefix=".tmp-", dir=cache_dir))
 
 
-def _run_group(cmd: list[str], cwd: Path, timeout_s: float,
-               env: Any) -> tuple[bool, str]:
+def _run_group(cmd: list[str], cwd: Path, timeout_s: float, env: Any,
+               started: Callable[[subprocess.Popen], None] | None = None) -> tuple[bool, str]:
     """Runs cmd in its own process group; kills the whole group on timeout."""
     try:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     except OSError as e:
         return False, f"cannot start {cmd[0]}: {e}"
+    if started is not None:
+        started(proc)
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -122,7 +122,13 @@ def _install(info: KernelInfo) -> list[str]:
             "pip install \"path/to/this/directory[hf]\"   # with transformers", "```", "",
             "It needs torch (and triton for a Triton kernel). A kernel with CUDA files is "
             "built with nvcc on its first call, into `~/.cache/evoattn-kernels` (set "
-            "`EVOATTN_KERNEL_CACHE` to move it).", ""]
+            "`EVOATTN_KERNEL_CACHE` to move it). The first `attention()` call also starts "
+            "building, in the background and into the same cache, the package's C++ call path "
+            "(`_callkey.cpp`: a call's key, lookup and dispatch, a few µs less per eager call "
+            "than the Python path; it needs a C++ compiler and ninja, about 15 s once per torch "
+            "and Python): calls take the Python path until it is loaded, and wherever it "
+            "cannot be built. `call_path()` says which path calls take (`call_path(wait_s=None)` "
+            "waits for the build); `EVOATTN_NATIVE=0` turns the C++ path off.", ""]
 
 
 _CALLS = {

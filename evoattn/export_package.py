@@ -25,7 +25,8 @@ TEMPLATES = Path(__file__).resolve().parent / "export_templates"
 # template file -> its name in the package (the template directory is no package itself)
 TEMPLATE_MODULES = {"package_init.py": "__init__.py", "_loader.py": "_loader.py",
                     "guard.py": "guard.py", "hf.py": "hf.py", "ops.py": "ops.py",
-                    "problems.py": "problems.py", "decode.py": "decode.py"}
+                    "problems.py": "problems.py", "decode.py": "decode.py",
+                    "_native.py": "_native.py", "_callkey.cpp": "_callkey.cpp"}
 # The evaluator's build, cache key, flags and when(...) rules, shipped unchanged: a package
 # builds its kernel exactly as the run that verified it did.
 RUNTIME = Path(runtime.__file__).resolve()
@@ -173,7 +174,8 @@ def package_files(info: KernelInfo, evidence: dict[str, str]) -> dict[str, str]:
 def _pyproject(info: KernelInfo) -> str:
     uses_triton = any(re.search(r"^\s*(import|from)\s+triton\b", text, re.M)
                       for name, text in info.files.files if name.endswith(".py"))
-    deps = ['"torch>=2.5"'] + (['"triton>=3.2"'] if uses_triton else [])
+    # ninja: torch.utils.cpp_extension builds the C++ call path with it (see _native.py)
+    deps = ['"torch>=2.5"', '"ninja"'] + (['"triton>=3.2"'] if uses_triton else [])
     template = string.Template((TEMPLATES / "pyproject.toml.in").read_text())
     return template.substitute(dist=info.names.dist, package=info.names.package,
                                problem=info.problem, program_id=info.meta["program_id"],

@@ -23,6 +23,10 @@ def _has_cuda() -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("EVOATTN_CACHE", str(Path(os.environ.get("TMPDIR", "/tmp"))
                                                / "evoattn-test-cache"))
+    # An exported package builds its C++ call path in the background on its first call; the
+    # suite's many short package processes would each start that build. Its own tests
+    # (test_native_call.py) turn it on; EVOATTN_NATIVE=1 runs the whole suite through it.
+    os.environ.setdefault("EVOATTN_NATIVE", "0")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -13,7 +13,9 @@ gets such inputs as they lie once it has given, on the first call of that key, w
 contiguous copies; other kernels get the copies.
 
 `attention()`, called eagerly, decides before the op and skips PyTorch's dispatcher (tens of
-microseconds for an op implemented in Python): a call that falls back runs SDPA directly, a
+microseconds for an op implemented in Python); its per-call work (key, lookup, call) runs in
+C++ once _native has built _callkey.cpp (in the background, from the first call; see
+call_path()), in Python until then: a call that falls back runs SDPA directly, a
 call on plain tensors with no dispatch or function mode active runs what the op would run
 (from a key's second call, what the kernel module's `prepare` returned for that key, where the
 kernel takes the inputs as they lie: the evaluator checked and timed the kernel so). Under
@@ -37,7 +39,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
-from . import _loader, guard, problems
+from . import _loader, _native, guard, problems
 
 META: dict[str, Any] = json.loads((Path(__file__).resolve().parent / "kernel.json").read_text())
 NAMESPACE: str = META["namespace"]
@@ -302,6 +304,10 @@ def _counted(reason: str, fallback: Callable[..., torch.Tensor],
     """Returns the fallback, counting each call (the op's output is contiguous, like its fake)."""
     cell = _reason_cell(reason)
     if not contiguous:
+        one_call = SPEC.counting(fallback, cell) if SPEC is not None else None
+        if one_call is not None:
+            return one_call
+
         def run(*args: Any, **kwargs: Any) -> torch.Tensor:
             cell[0] += 1
             return fallback(*args, **kwargs)
@@ -339,17 +345,62 @@ if SPEC is not None:
 _is_compiling, _grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled
 
 
+_native_call: Callable[..., torch.Tensor] | None = None  # _callkey's call, once loaded
+_native_wanted = not _GROWING and SPEC is not None       # growing keys are the Python key's
+
+
 def attention(*args: Any, **kwargs: Any) -> torch.Tensor:
     """Runs one call, like SDPA: the kernel through the op where it may run, SDPA directly
     elsewhere; inputs that need gradients take differentiable SDPA (the kernel is
     forward-only)."""
     if _is_compiling():
         return _traced(args, kwargs)
+    if _native_call is not None:          # the same key, lookup and call in C++ (_native)
+        return _native_call(_entries, _miss, args, kwargs)
+    if _native_wanted:
+        _start_native()
     key = (_key(args), _named_key(kwargs) if kwargs else (), _grad_enabled())
     entry = _entries.get(key)
     if entry is None:
         entry = _entry_for(args, kwargs, key)
     return entry(*args, **kwargs)
+
+
+def _miss(args: tuple[Any, ...], kwargs: dict[str, Any], key: tuple | None
+          ) -> Callable[..., torch.Tensor]:
+    """The C++ path's miss: the entry for `key`, or for the Python key where C++ formed none
+    (tensor subclasses, tensors by name)."""
+    if key is None:
+        key = (_key(args), _named_key(kwargs) if kwargs else (), _grad_enabled())
+        entry = _entries.get(key)
+        if entry is not None:
+            return entry
+    return _entry_for(args, kwargs, key)
+
+
+def _start_native() -> None:
+    global _native_wanted
+    _native_wanted = False
+    _native.start(_set_native)
+
+
+def _set_native(call: Callable[..., torch.Tensor]) -> None:
+    global _native_call
+    _native_call = call
+
+
+def call_path(wait_s: float | None = 0.0) -> str:
+    """Which path attention() takes per eager call: 'native' (the key, lookup and call in
+    C++), 'building' (the C++ path is being built; Python meanwhile), 'not started' (no call
+    yet) or 'python (<why>)'. With wait_s, waits that long for a build to finish (None:
+    until it does); a call starts the build."""
+    if SPEC is None or _GROWING:
+        return "python (this problem's calls are keyed in Python)"
+    if wait_s != 0.0:
+        if _native_wanted:
+            _start_native()
+        _native.wait(wait_s)
+    return _native.status()
 
 
 def _entry_for(args: tuple[Any, ...], kwargs: dict[str, Any],

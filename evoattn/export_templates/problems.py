@@ -50,6 +50,10 @@ class OpSpec:
     # Tensors whose dim 2 grows call after call (a generation's cache): one decision serves
     # every length up to the next power of two while they stay contiguous (see ops.py).
     growing: tuple[str, ...] = ()
+    # fallback -> the same fallback counting its calls in a one-element list, as one call
+    # (attention()'s eager fallback costs a frame less), where the problem has it
+    counting: Callable[[Callable[..., torch.Tensor], list[int]],
+                       Callable[..., torch.Tensor] | None] = lambda fallback, cell: None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -190,6 +194,25 @@ def _gqa_aware(a: Args) -> Callable[..., torch.Tensor]:
     return _sdpa_gqa if a["k"].shape[1] != a["q"].shape[1] else _sdpa
 
 
+def _counting_sdpa(fallback: Callable[..., torch.Tensor], cell: list[int]
+                   ) -> Callable[..., torch.Tensor] | None:
+    """_sdpa or _sdpa_gqa, counting each call in cell[0]."""
+    sdpa = F.scaled_dot_product_attention
+    if fallback is _sdpa:
+        def sdpa_counted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         causal: bool = False, scale: float | None = None) -> torch.Tensor:
+            cell[0] += 1
+            return sdpa(q, k, v, is_causal=causal, scale=scale)
+        return sdpa_counted
+    if fallback is _sdpa_gqa:
+        def sdpa_gqa_counted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             causal: bool = False, scale: float | None = None) -> torch.Tensor:
+            cell[0] += 1
+            return sdpa(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
+        return sdpa_gqa_counted
+    return None
+
+
 def _window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
             scale: float | None = None) -> torch.Tensor:
     keep = _keep(q.shape[2], q.device, lambda i, j: (j <= i) & (j > i - window))
@@ -220,7 +243,7 @@ def _causal_spec(repeats_kv: bool) -> OpSpec:
         call_kernel=lambda fn, q, k, v, causal=False, scale=None: fn(
             q, k, v, causal=causal, scale=_scale_of(q, scale)),
         fallback_for=_gqa_aware, flags=lambda a: {"causal": bool(a["causal"])},
-        repeats_kv=repeats_kv)
+        repeats_kv=repeats_kv, counting=_counting_sdpa)
 
 
 def _param_spec(param: str, fallback: Callable[..., torch.Tensor]) -> OpSpec:

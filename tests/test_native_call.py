@@ -1,0 +1,183 @@
+"""The exported package's C++ call path (_callkey.cpp through _native.py): built in the
+background, it tells apart exactly the calls the Python key tells apart, serves and counts calls
+as the Python path does, leaves the Python path in place where it cannot be built, and leaves no
+build running when its process exits."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from test_export_package import export_naive
+
+BUILD_WAIT_S = 600
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("native")
+    exported = export_naive(tmp)
+    return {"out": exported["out"], "name": exported["summary"].package,
+            "cache": tmp / "kernel-cache"}
+
+
+def _run(package: dict, code: str, env: dict[str, str] | None = None,
+         timeout: int = BUILD_WAIT_S + 120) -> dict:
+    """Runs code (with `pkg` and `ops` imported) in a fresh process; returns the JSON it
+    prints last."""
+    prelude = (f"import json, torch\nimport {package['name']} as pkg\n"
+               f"from {package['name']} import ops\n")
+    env = {**os.environ, "EVOATTN_KERNEL_CACHE": str(package["cache"]), "EVOATTN_NATIVE": "1",
+           "PYTHONPATH": str(package["out"]), **(env or {})}
+    p = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)],
+                       cwd=package["out"], capture_output=True, text=True, timeout=timeout,
+                       env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+# Calls that differ in one thing the Python key keeps (and two pairs that differ in nothing it
+# keeps), then two the C++ key hands to the Python key.
+_CALLS = """
+def variants():
+    q = torch.randn(1, 2, 8, 16); k = torch.randn(1, 2, 8, 16); v = torch.randn(1, 2, 8, 16)
+    t = lambda x: x.transpose(1, 2).contiguous().transpose(1, 2)   # same shape, other strides
+    big = torch.randn(1, 2, 9, 16)
+    yield "base", (q, k, v), {"causal": True}, True
+    yield "base again, new tensors", (q.clone(), k.clone(), v.clone()), {"causal": True}, True
+    yield "storage offset only", (torch.randn(2, 2, 8, 16)[1:], k, v), {"causal": True}, True
+    yield "positional causal", (q, k, v, True), {}, True
+    yield "causal false", (q, k, v), {"causal": False}, True
+    yield "causal 1 (== True)", (q, k, v), {"causal": 1}, True
+    yield "scale", (q, k, v), {"causal": True, "scale": 0.5}, True
+    yield "scale first", (q, k, v), {"scale": 0.5, "causal": True}, True
+    yield "strides of q", (t(q), k, v), {"causal": True}, True
+    yield "strides of v", (q, k, t(v)), {"causal": True}, True
+    yield "length", (big, big, big), {"causal": True}, True
+    yield "dtype", (q.bfloat16(), k.bfloat16(), v.bfloat16()), {"causal": True}, True
+    yield "requires_grad", (q, k.requires_grad_(False).clone().requires_grad_(), v), \\
+        {"causal": True}, True
+    yield "no grad mode", (q, k, v), {"causal": True}, False
+    yield "meta device", (q.to("meta"), k.to("meta"), v.to("meta")), {"causal": True}, True
+    yield "a subclass", (torch.nn.Parameter(q), k, v), {"causal": True}, True
+    yield "a tensor by name", (q, k), {"v": v, "causal": True}, True
+"""
+
+
+def test_the_cpp_key_tells_apart_exactly_what_the_python_key_does(package):
+    out = _run(package, _CALLS + """
+assert pkg.call_path(wait_s=None) == "native", pkg.call_path()
+seen = []
+def miss(args, kwargs, key):
+    seen.append(key)
+    return lambda *a, **k: None
+rows = []
+for name, args, kwargs, grad in variants():
+    with torch.set_grad_enabled(grad):
+        ops._native_call({}, miss, args, kwargs)
+        pykey = (ops._key(args), ops._named_key(kwargs) if kwargs else (), torch.is_grad_enabled())
+    rows.append((name, seen[-1], pykey))
+same = [[a[0], b[0], a[1] == b[1], a[2] == b[2]] for i, a in enumerate(rows)
+        for b in rows[i + 1:] if a[1] is not None and b[1] is not None]
+print(json.dumps({"same": same, "none": [r[0] for r in rows if r[1] is None],
+                  "types": sorted({type(r[1]).__name__ for r in rows})}))
+""")
+    assert out["none"] == ["a subclass", "a tensor by name"]
+    disagree = [(a, b, c, py) for a, b, c, py in out["same"] if c != py]
+    assert not disagree, disagree
+    joined = {(a, b) for a, b, c, _ in out["same"] if c}
+    # the Python key joins these two pairs (it keeps no storage offset; 1 == True) and no other
+    assert joined == {("base", "base again, new tensors"), ("base", "storage offset only"),
+                      ("base again, new tensors", "storage offset only"),
+                      ("base", "causal 1 (== True)"),
+                      ("base again, new tensors", "causal 1 (== True)"),
+                      ("storage offset only", "causal 1 (== True)")}
+
+
+_SERVE = _CALLS + """
+results, outs = [], []
+for name, args, kwargs, grad in variants():
+    if name in ("meta device", "causal 1 (== True)"):     # SDPA takes a bool only
+        continue
+    with torch.set_grad_enabled(grad):
+        for _ in range(3):
+            out = pkg.attention(*args, **kwargs)
+        full = dict(zip(("q", "k", "v", "causal", "scale"), args), **kwargs)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            full["q"], full["k"], full["v"], is_causal=bool(full.get("causal", False)),
+            scale=full.get("scale"))
+        outs.append(bool(torch.equal(out, ref)))
+with pkg.kernel_off():
+    pkg.attention(*next(variants())[1], causal=True)
+print(json.dumps({"path": pkg.call_path(), "equal": outs, "stats": pkg.stats(),
+                  "entries": sorted({type(k[0]).__name__ for k in ops._entries})}))
+"""
+
+
+def test_the_cpp_path_serves_and_counts_calls_as_the_python_path_does(package):
+    native = _run(package, "assert pkg.call_path(wait_s=None) == 'native'\n" + _SERVE)
+    python = _run(package, _SERVE, env={"EVOATTN_NATIVE": "0"})
+    assert native["path"] == "native"
+    assert python["path"] == "python (turned off by EVOATTN_NATIVE)"
+    assert all(native["equal"]) and all(python["equal"])
+    assert native["stats"] == python["stats"]
+    assert native["stats"]["fallback"] == 3 * len(native["equal"]) + 1
+    assert native["stats"]["fallback_reasons"]["kernel switched off"] == 1
+    # C++ keys (bytes first) for plain calls, Python keys (tuples) for the two it hands over
+    assert native["entries"] == ["bytes", "tuple"] and python["entries"] == ["tuple"]
+
+
+def test_where_it_cannot_be_built_calls_take_the_python_path(package):
+    out = _run(package, """
+path = pkg.call_path(wait_s=None)
+q = torch.randn(1, 2, 8, 16)
+for _ in range(3):
+    pkg.attention(q, q, q, causal=True)
+print(json.dumps({"path": path, "stats": pkg.stats()}))
+""", env={"CXX": "/bin/false"})
+    assert out["path"].startswith("python (RuntimeError: cannot build _callkey.cpp"), out
+    assert out["stats"]["fallback"] == 3
+
+
+def test_a_build_still_running_at_exit_is_killed_with_its_compiler(package, tmp_path):
+    out = _run(package, """
+import time
+from importlib import import_module
+native = import_module(pkg.__name__ + "._native")
+q = torch.randn(1, 2, 8, 16)
+pkg.attention(q, q, q, causal=True)             # starts the build
+deadline = time.time() + 60
+while not native._state["procs"] and time.time() < deadline:
+    time.sleep(0.05)
+time.sleep(1.0)                                 # let it start its compiler
+proc = native._state["procs"][0]
+print(json.dumps({"pid": proc.pid, "running": proc.poll() is None,
+                  "path": pkg.call_path()}))
+""", env={"EVOATTN_KERNEL_CACHE": str(tmp_path / "fresh-cache")})
+    assert out["running"] and out["path"] == "building", out
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(out["pid"], 0)            # anything left in the build's process group?
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.killpg(out["pid"], signal.SIGKILL)
+        pytest.fail("the build's process group outlived the process that started it")
+    assert not any(p.name.endswith(".so") for p in (tmp_path / "fresh-cache").rglob("*"))
+
+
+def test_the_package_ships_the_cpp_source_it_builds(package):
+    pkg_dir = Path(package["out"]) / package["name"]
+    assert (pkg_dir / "_callkey.cpp").read_text() == (
+        Path(__file__).resolve().parent.parent / "evoattn" / "export_templates"
+        / "_callkey.cpp").read_text()
+    assert '"_callkey.cpp"' in (Path(package["out"]) / "pyproject.toml").read_text()
