@@ -1,0 +1,109 @@
+"""An exported op's call paths side by side in one process, against SDPA (GPU only).
+
+    python benchmarks/op_paths.py --export DIR [--rounds 9] [--json F]
+
+The cross-check of op_calls.py by other means: per config (two launch-bound ones, both causal
+values and dtypes) it times SDPA and `attention()` on its C++ call path and on its Python path,
+with the kernel and with it switched off (the fallback), the paths switched per timing, in
+interleaved rounds (the order reversed every other round): host µs per call from a plain loop
+of 400 calls with the GPU held busy, and GPU time per call from `triton.testing.do_bench`. It
+prints each row and, per path, the median over rows of the host µs over SDPA.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.hf_model import load_export  # noqa: E402
+
+PATHS = ("sdpa", "kernel_native", "kernel_python", "fallback_native", "fallback_python")
+CONFIGS = ((1, 8, 512, 64), (8, 32, 512, 64))
+
+
+def host_us(fn, n: int = 400) -> float:  # noqa: ANN001
+    """Host time of one call (µs), the mean of n calls queued behind a sleep kernel."""
+    import torch
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(3e8))
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--export", required=True, type=Path)
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    import torch
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    from evaluator.cpu_pin import TimingCpu
+    pkg = load_export(str(a.export))
+    ops = sys.modules[f"{pkg.__name__}.ops"]
+    path = pkg.call_path(wait_s=None)
+    if path != "native":
+        raise SystemExit(f"the C++ call path is not available ({path}): nothing to compare")
+    native = ops._native_call
+    print(f"pinned to CPU {TimingCpu().pick()}")
+    rows = []
+    try:
+        for dtype in (torch.float16, torch.bfloat16):
+            for B, H, S, D in CONFIGS:
+                for causal in (True, False):
+                    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=dtype)
+                               for _ in range(3))
+
+                    def sdpa() -> torch.Tensor:
+                        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+                    def op() -> torch.Tensor:
+                        return pkg.attention(q, k, v, causal=causal)
+
+                    times = {n: {"host": [], "bench": []} for n in PATHS}
+                    for r in range(a.rounds):
+                        for n in (PATHS if r % 2 == 0 else PATHS[::-1]):
+                            pkg.use_kernel(not n.startswith("fallback"))
+                            ops._native_call = native if n.endswith("native") else None
+                            fn = sdpa if n == "sdpa" else op
+                            fn(), fn()
+                            times[n]["host"].append(host_us(fn))
+                            times[n]["bench"].append(do_bench(fn, warmup=25, rep=100) * 1e3)
+                    row = {"cfg": [B, H, S, D, causal], "dtype": str(dtype).split(".")[1]}
+                    for n in PATHS:
+                        row[n] = {m: statistics.median(x) for m, x in times[n].items()}
+                        if n != "sdpa":
+                            row[n]["host_minus_sdpa"] = statistics.median(
+                                [x - y for x, y in zip(times[n]["host"], times["sdpa"]["host"])])
+                    rows.append(row)
+                    print(f"{row['dtype']:9} {str(row['cfg']):26} host us over SDPA "
+                          f"({row['sdpa']['host']:.1f}): "
+                          + " ".join(f"{n} {row[n]['host_minus_sdpa']:+.2f}" for n in PATHS[1:])
+                          + " | do_bench us: "
+                          + " ".join(f"{n} {row[n]['bench']:.1f}" for n in PATHS), flush=True)
+    finally:
+        pkg.use_kernel(True)
+        ops._native_call = native
+    for n in PATHS[1:]:
+        d = [r[n]["host_minus_sdpa"] for r in rows]
+        print(f"{n}: host us over SDPA, median over rows {statistics.median(d):+.2f} "
+              f"({min(d):+.2f} to {max(d):+.2f})")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"package": pkg.__name__, "rows": rows,
+                                            "device": torch.cuda.get_device_name(),
+                                            "torch": torch.__version__}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
