@@ -175,6 +175,37 @@ print(json.dumps({"pid": proc.pid, "running": proc.poll() is None,
     assert not any(p.name.endswith(".so") for p in (tmp_path / "fresh-cache").rglob("*"))
 
 
+def test_a_forked_child_leaves_its_parents_build_alone_and_starts_its_own(package, tmp_path):
+    out = _run(package, """
+import os, sys, time
+from importlib import import_module
+torch.set_num_threads(1)                        # OpenMP's threads do not survive a fork
+native = import_module(pkg.__name__ + "._native")
+q = torch.randn(1, 2, 8, 16)
+pkg.attention(q, q, q, causal=True)             # the parent's build starts
+deadline = time.time() + 60
+while not native._state["procs"] and time.time() < deadline:
+    time.sleep(0.05)
+parent_build = native._state["procs"][0]
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:                                    # the child: its path, then a normal exit
+    os.close(r)
+    before = pkg.call_path()
+    pkg.attention(q, q, q, causal=True)
+    os.write(w, json.dumps([before, pkg.call_path(), len(native._state["procs"]) <= 1]).encode())
+    os.close(w)
+    sys.exit(0)                                 # runs the child's exit handlers
+os.close(w)
+child = json.loads(os.read(r, 4096))
+os.waitpid(pid, 0)
+print(json.dumps({"child": child, "parent_build_running": parent_build.poll() is None}))
+""", env={"EVOATTN_KERNEL_CACHE": str(tmp_path / "fresh-cache")})
+    assert out["parent_build_running"], out
+    before, after, _ = out["child"]
+    assert before == "not started" and after == "building", out
+
+
 def test_the_package_ships_the_cpp_source_it_builds(package):
     pkg_dir = Path(package["out"]) / package["name"]
     assert (pkg_dir / "_callkey.cpp").read_text() == (

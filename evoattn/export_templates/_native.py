@@ -69,8 +69,8 @@ def _load(on_ready: Callable[[Callable[..., Any]], None]) -> None:
         built = _runtime.build_host_module(SOURCE, _loader.cache_root(), BUILD_TIMEOUT_S,
                                            started=_state["procs"].append)
         if not built.ok:
-            raise RuntimeError(f"cannot build {SOURCE.name}: "
-                               f"{built.log.strip().splitlines()[-1:] or 'no log'}")
+            last = (built.log.strip().splitlines() or ["no log"])[-1]
+            raise RuntimeError(f"cannot build {SOURCE.name}: {last}")
         call = _runtime.load_module(built.path).call
     except Exception as e:  # noqa: BLE001 - any failure leaves the Python path in place
         _state["error"] = f"{type(e).__name__}: {e}"
@@ -91,4 +91,16 @@ def _stop_builds() -> None:
                 pass
 
 
+def _forget_in_child() -> None:
+    """A forked child neither stops its parent's build at its exit nor waits for it: it
+    starts its own on its first call, unless the parent's had loaded."""
+    global _lock
+    _lock = threading.Lock()               # another thread may have held it at the fork
+    _state["procs"] = []
+    if _state["call"] is None:
+        _state.update(thread=None, error=None)
+        _ready.clear()
+
+
 atexit.register(_stop_builds)
+os.register_at_fork(after_in_child=_forget_in_child)

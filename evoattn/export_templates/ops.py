@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple
 
@@ -387,6 +388,14 @@ def _start_native() -> None:
 def _set_native(call: Callable[..., torch.Tensor]) -> None:
     global _native_call
     _native_call = call
+
+
+def _after_fork_in_child() -> None:
+    global _native_wanted
+    _native_wanted = _native_call is None and not _GROWING and SPEC is not None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def call_path(wait_s: float | None = 0.0) -> str:
