@@ -134,6 +134,24 @@ def test_the_cpp_path_serves_and_counts_calls_as_the_python_path_does(package):
     assert native["entries"] == ["bytes", "tuple"] and python["entries"] == ["tuple"]
 
 
+_ODD = """
+nested = torch.nested.nested_tensor([torch.randn(2, 8, 16), torch.randn(2, 5, 16)])
+try:
+    pkg.attention(nested, nested, nested, causal=True)
+    raised = None
+except Exception as e:                          # what SDPA or the key says of it: no abort
+    raised = type(e).__name__
+print(json.dumps({"path": pkg.call_path(), "raised": raised}))
+"""
+
+
+def test_a_tensor_the_cpp_key_cannot_read_goes_to_the_python_path(package):
+    native = _run(package, "assert pkg.call_path(wait_s=None) == 'native'\n" + _ODD)
+    python = _run(package, _ODD, env={"EVOATTN_NATIVE": "0"})
+    assert native["path"] == "native"
+    assert native["raised"] == python["raised"], (native, python)
+
+
 def test_where_it_cannot_be_built_calls_take_the_python_path(package):
     out = _run(package, """
 path = pkg.call_path(wait_s=None)

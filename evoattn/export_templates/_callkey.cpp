@@ -7,8 +7,8 @@
 // into one bytes object) or the value itself; then each keyword argument's name and value in
 // the order given; and whether grad mode is on: everything the Python key (ops._key) keeps,
 // so a key never joins calls the Python key would tell apart. Where the key cannot be formed
-// here (a tensor subclass, a tensor passed by name, more arguments than the buffers hold)
-// `key` is None and miss decides with the Python key.
+// here (a tensor subclass, a nested tensor, a tensor passed by name, more arguments than the
+// buffers hold) `key` is None and miss decides with the Python key.
 #include <Python.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -31,6 +31,8 @@ PyObject* make_key(PyObject* args, PyObject* kwargs) {
     PyObject* a = PyTuple_GET_ITEM(args, i);
     if (Py_TYPE(a) == reinterpret_cast<PyTypeObject*>(THPVariableClass)) {  // not Parameter
       const at::Tensor& t = THPVariable_Unpack(a);
+      // nested or symbolic sizes throw on sizes(): such a tensor is the Python key's
+      if (t.is_nested() || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) Py_RETURN_NONE;
       const int64_t dim = t.dim();
       if (n + 2 * dim + 2 > kMaxWords) Py_RETURN_NONE;
       words[n++] = dim;

@@ -401,8 +401,8 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 def call_path(wait_s: float | None = 0.0) -> str:
     """Which path attention() takes per eager call: 'native' (the key, lookup and call in
     C++), 'building' (the C++ path is being built; Python meanwhile), 'not started' (no call
-    yet) or 'python (<why>)'. With wait_s, waits that long for a build to finish (None:
-    until it does); a call starts the build."""
+    yet) or 'python (<why>)'. With wait_s (None: no limit), starts the build if no call has,
+    and waits that long for it to finish."""
     if SPEC is None or _GROWING:
         return "python (this problem's calls are keyed in Python)"
     if wait_s != 0.0:
