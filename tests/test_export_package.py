@@ -256,6 +256,7 @@ def test_pip_install_into_a_fresh_venv_then_import_and_call(exported):
     """, cwd=exported["tmp"], python=python)
     where, err, flags = got.strip().splitlines()[-3:]
     assert where.startswith(purelib) and (Path(where).parent / "kernel" / "best.py").is_file()
+    assert (Path(where).parent / "_callkey.cpp").is_file()     # what its C++ call path builds
     assert float(err) < 1e-6 and flags == "True True"
 
 
