@@ -92,13 +92,13 @@ def _stop_builds() -> None:
 
 
 def _forget_in_child() -> None:
-    """A forked child neither stops its parent's build at its exit nor waits for it: it
-    starts its own on its first call, unless the parent's had loaded."""
+    """A forked child neither stops its parent's build at its exit nor waits for it: where
+    the parent's was still building, the child starts its own on its first call."""
     global _lock
     _lock = threading.Lock()               # another thread may have held it at the fork
     _state["procs"] = []
-    if _state["call"] is None:
-        _state.update(thread=None, error=None)
+    if _state["call"] is None and _state["error"] is None:
+        _state["thread"] = None
         _ready.clear()
 
 
