@@ -334,10 +334,12 @@ load(name=name, sources=[source], build_directory=build_dir, extra_cflags=sys.ar
 
 def build_host_module(source_path: str | os.PathLike[str], cache_dir: str | os.PathLike[str],
                       timeout_s: float,
-                      started: Callable[[subprocess.Popen], None] | None = None) -> BuildResult:
+                      started: Callable[[subprocess.Popen, Path], None] | None = None
+                      ) -> BuildResult:
     """Builds a C++ Python module (its init function named after TORCH_EXTENSION_NAME) with
     cpp_extension in a child process; returns the .so, cached per source, Python, torch and
-    compiler. `started` is given the build's process as it starts (to stop it early)."""
+    compiler. `started` is given the build's process and its temporary directory as it starts
+    (to stop it early and remove what it wrote)."""
     import torch
     t0 = time.monotonic()
     source, err = _read(source_path)
@@ -433,7 +435,8 @@ def _make_tmp(cache_dir: str | os.PathLike[str]) -> Path:
 
 
 def _run_group(cmd: list[str], cwd: Path, timeout_s: float, env: Any,
-               started: Callable[[subprocess.Popen], None] | None = None) -> tuple[bool, str]:
+               started: Callable[[subprocess.Popen, Path], None] | None = None
+               ) -> tuple[bool, str]:
     """Runs cmd in its own process group; kills the whole group on timeout."""
     try:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
@@ -441,7 +444,7 @@ def _run_group(cmd: list[str], cwd: Path, timeout_s: float, env: Any,
     except OSError as e:
         return False, f"cannot start {cmd[0]}: {e}"
     if started is not None:
-        started(proc)
+        started(proc, cwd)
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -127,8 +127,9 @@ def _install(info: KernelInfo) -> list[str]:
             "(`_callkey.cpp`: a call's key, lookup and dispatch, a few µs less per eager call "
             "than the Python path; it needs a C++ compiler and ninja, about 15 s once per torch "
             "and Python): calls take the Python path until it is loaded, and wherever it "
-            "cannot be built. `call_path()` says which path calls take (`call_path(wait_s=None)` "
-            "waits for the build); `EVOATTN_NATIVE=0` turns the C++ path off.", ""]
+            "cannot be built. A process that exits first stops the build; "
+            "`call_path(wait_s=None)` builds it (once for all later processes) and says which "
+            "path calls take; `EVOATTN_NATIVE=0` turns the C++ path off.", ""]
 
 
 _CALLS = {

@@ -182,7 +182,7 @@ deadline = time.time() + 60
 while not native._state["procs"] and time.time() < deadline:
     time.sleep(0.05)
 time.sleep(1.0)                                 # let it start its compiler
-proc = native._state["procs"][0]
+proc = native._state["procs"][0][0]
 print(json.dumps({"pid": proc.pid, "running": proc.poll() is None,
                   "path": pkg.call_path()}))
 """, env={"EVOATTN_KERNEL_CACHE": str(tmp_path / "fresh-cache")})
@@ -198,6 +198,7 @@ print(json.dumps({"pid": proc.pid, "running": proc.poll() is None,
         os.killpg(out["pid"], signal.SIGKILL)
         pytest.fail("the build's process group outlived the process that started it")
     assert not any(p.name.endswith(".so") for p in (tmp_path / "fresh-cache").rglob("*"))
+    assert not list((tmp_path / "fresh-cache").iterdir())      # its temporary directory gone
 
 
 def test_a_forked_child_leaves_its_parents_build_alone_and_starts_its_own(package, tmp_path):
@@ -211,7 +212,7 @@ pkg.attention(q, q, q, causal=True)             # the parent's build starts
 deadline = time.time() + 60
 while not native._state["procs"] and time.time() < deadline:
     time.sleep(0.05)
-parent_build = native._state["procs"][0]
+parent_build = native._state["procs"][0][0]
 r, w = os.pipe()
 pid = os.fork()
 if pid == 0:                                    # the child: its path, then a normal exit

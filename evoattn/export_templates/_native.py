@@ -4,14 +4,18 @@ The module is built once per source, Python, torch and compiler into the kernel 
 _loader.cache_root) by torch.utils.cpp_extension in a child process (a C++ compiler and ninja
 are needed; about 15 s on two cores), in a daemon thread, so no call waits for it: until it is
 loaded, and wherever it cannot be built, calls take the Python path, which decides the same.
-A build still running when the process exits is killed. EVOATTN_NATIVE=0 turns it off.
+A build still running when the process exits is killed and what it wrote removed, so a
+process that exits within the build's time never gets the C++ path: `call_path(wait_s=None)`
+builds it once for all later processes. EVOATTN_NATIVE=0 turns it off.
 """
 from __future__ import annotations
 
 import atexit
 import logging
 import os
+import shutil
 import signal
+import subprocess
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -67,7 +71,7 @@ def status() -> str:
 def _load(on_ready: Callable[[Callable[..., Any]], None]) -> None:
     try:
         built = _runtime.build_host_module(SOURCE, _loader.cache_root(), BUILD_TIMEOUT_S,
-                                           started=_state["procs"].append)
+                                           started=lambda p, d: _state["procs"].append((p, d)))
         if not built.ok:
             last = (built.log.strip().splitlines() or ["no log"])[-1]
             raise RuntimeError(f"cannot build {SOURCE.name}: {last}")
@@ -83,12 +87,18 @@ def _load(on_ready: Callable[[Callable[..., Any]], None]) -> None:
 
 
 def _stop_builds() -> None:
-    for proc in _state["procs"]:
+    """Kills a build still running, with its compiler, and removes what it wrote."""
+    for proc, directory in _state["procs"]:
         if proc.poll() is None:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                continue
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def _forget_in_child() -> None:
