@@ -113,4 +113,5 @@ def _forget_in_child() -> None:
 
 
 atexit.register(_stop_builds)
-os.register_at_fork(after_in_child=_forget_in_child)
+if hasattr(os, "register_at_fork"):        # POSIX only
+    os.register_at_fork(after_in_child=_forget_in_child)

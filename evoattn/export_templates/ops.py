@@ -395,7 +395,8 @@ def _after_fork_in_child() -> None:
     _native_wanted = _native_call is None and not _GROWING and SPEC is not None
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+if hasattr(os, "register_at_fork"):        # POSIX only
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def call_path(wait_s: float | None = 0.0) -> str:
