@@ -228,9 +228,8 @@ def build_fast(source_path: str | os.PathLike[str], cache_dir: str | os.PathLike
     keyed = source + b"".join(b"\0" + n.encode() + b"\0" + t for n, t in extra.items())
     key = cache_key(keyed, "fast", arch, flags, toolchain_id(nvcc))
     final = Path(cache_dir) / key
-    if (final / _FAST_LIB).is_file():
-        return BuildResult(True, str(final / _FAST_LIB), _read_log(final), True,
-                           time.monotonic() - t0)
+    if (hit := _cached(final, _FAST_LIB, t0)) is not None:
+        return hit
     if shutil.which(nvcc) is None:
         return BuildResult(False, None, f"nvcc not found ({nvcc!r})", False, 0.0)
 
@@ -241,9 +240,6 @@ def build_fast(source_path: str | os.PathLike[str], cache_dir: str | os.PathLike
     (tmp / name).write_bytes(source)
     ok, log = _run_group([nvcc, *flags, "-o", _FAST_LIB, name], tmp, timeout_s,
                          os.environ if env is None else env)
-    log = log.replace(str(tmp) + os.sep, "")
-    if ok and not (tmp / _FAST_LIB).is_file():
-        ok, log = False, log + f"\nnvcc exited 0 but wrote no {_FAST_LIB}"
     return _finish(ok, tmp, final, _FAST_LIB, log, t0)
 
 
@@ -297,9 +293,8 @@ def build_extension(source_path: str | os.PathLike[str], cache_dir: str | os.Pat
     final = Path(cache_dir) / key
     mod_name = _EXT_PREFIX + key
     rel_so = f"build/{mod_name}.so"
-    if (final / rel_so).is_file():
-        return BuildResult(True, str(final / rel_so), _read_log(final), True,
-                           time.monotonic() - t0)
+    if (hit := _cached(final, rel_so, t0)) is not None:
+        return hit
 
     tmp = _make_tmp(cache_dir)
     name = _safe_name(Path(source_path).name)
@@ -315,9 +310,6 @@ def build_extension(source_path: str | os.PathLike[str], cache_dir: str | os.Pat
     cmd = [sys.executable, "-c", _EXT_DRIVER, mod_name, str(tmp / "wrapper.cu"),
            str(tmp / "build"), *flags]
     ok, log = _run_group(cmd, tmp, timeout_s, env)
-    log = log.replace(str(tmp) + os.sep, "")
-    if ok and not (tmp / rel_so).is_file():
-        ok, log = False, log + f"\nbuild finished but wrote no {rel_so}"
     return _finish(ok, tmp, final, rel_so, log, t0)
 
 
@@ -351,9 +343,8 @@ def build_host_module(source_path: str | os.PathLike[str], cache_dir: str | os.P
     final = Path(cache_dir) / key
     mod_name = _HOST_PREFIX + key
     rel_so = f"build/{mod_name}.so"
-    if (final / rel_so).is_file():
-        return BuildResult(True, str(final / rel_so), _read_log(final), True,
-                           time.monotonic() - t0)
+    if (hit := _cached(final, rel_so, t0)) is not None:
+        return hit
     tmp = _make_tmp(cache_dir)
     name = "module.cpp"                  # C++, not CUDA: cpp_extension goes by the suffix
     (tmp / name).write_bytes(source)
@@ -361,9 +352,6 @@ def build_host_module(source_path: str | os.PathLike[str], cache_dir: str | os.P
     cmd = [sys.executable, "-c", _HOST_DRIVER, mod_name, str(tmp / name), str(tmp / "build"),
            *_HOST_FLAGS]
     ok, log = _run_group(cmd, tmp, timeout_s, dict(os.environ), started)
-    log = log.replace(str(tmp) + os.sep, "")
-    if ok and not (tmp / rel_so).is_file():
-        ok, log = False, log + f"\nbuild finished but wrote no {rel_so}"
     return _finish(ok, tmp, final, rel_so, log, t0)
 
 
@@ -460,9 +448,21 @@ def _run_group(cmd: list[str], cwd: Path, timeout_s: float, env: Any,
     return True, trim_log(text)
 
 
+def _cached(final: Path, artifact: str, t0: float) -> BuildResult | None:
+    """The cache entry `final`'s result where it holds `artifact`, else None."""
+    if (final / artifact).is_file():
+        return BuildResult(True, str(final / artifact), _read_log(final), True,
+                           time.monotonic() - t0)
+    return None
+
+
 def _finish(ok: bool, tmp: Path, final: Path, artifact: str, log: str,
             t0: float) -> BuildResult:
-    """Moves a finished build into the cache atomically, or discards a failed one."""
+    """Moves a finished build into the cache atomically, or discards a failed one (a build
+    that exited 0 without writing `artifact` failed); the log names files relative to it."""
+    log = log.replace(str(tmp) + os.sep, "")
+    if ok and not (tmp / artifact).is_file():
+        ok, log = False, log + f"\nthe build exited 0 but wrote no {artifact}"
     seconds = time.monotonic() - t0
     if not ok:
         shutil.rmtree(tmp, ignore_errors=True)
