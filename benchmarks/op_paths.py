@@ -27,7 +27,9 @@ CONFIGS = ((1, 8, 512, 64), (8, 32, 512, 64))
 
 
 def host_us(fn, n: int = 400) -> float:  # noqa: ANN001
-    """Host time of one call (µs), the mean of n calls queued behind a sleep kernel."""
+    """Host time of one call (µs), the mean of n calls queued behind a sleep kernel (its own
+    loop and estimator, not host_cost.host_us's median of 40: this script cross-checks that
+    one's figures)."""
     import torch
     torch.cuda.synchronize()
     torch.cuda._sleep(int(3e8))

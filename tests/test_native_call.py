@@ -93,8 +93,7 @@ for name, args, kwargs, grad in variants():
     rows.append((name, seen[-1], pykey))
 same = [[a[0], b[0], a[1] == b[1], a[2] == b[2]] for i, a in enumerate(rows)
         for b in rows[i + 1:] if a[1] is not None and b[1] is not None]
-print(json.dumps({"same": same, "none": [r[0] for r in rows if r[1] is None],
-                  "types": sorted({type(r[1]).__name__ for r in rows})}))
+print(json.dumps({"same": same, "none": [r[0] for r in rows if r[1] is None]}))
 """)
     assert out["none"] == ["a subclass", "a tensor by name"]
     disagree = [(a, b, c, py) for a, b, c, py in out["same"] if c != py]
@@ -198,7 +197,9 @@ print(json.dumps({"pid": proc.pid, "running": proc.poll() is None,
         os.killpg(out["pid"], signal.SIGKILL)
         pytest.fail("the build's process group outlived the process that started it")
     assert not any(p.name.endswith(".so") for p in (tmp_path / "fresh-cache").rglob("*"))
-    assert not list((tmp_path / "fresh-cache").iterdir())      # its temporary directory gone
+    # nor its temporary directory (removed at exit, or by the build's own failure path if
+    # its thread gets that far first: this holds either way)
+    assert not list((tmp_path / "fresh-cache").iterdir())
 
 
 def test_a_forked_child_leaves_its_parents_build_alone_and_starts_its_own(package, tmp_path):
@@ -219,7 +220,7 @@ if pid == 0:                                    # the child: its path, then a no
     os.close(r)
     before = pkg.call_path()
     pkg.attention(q, q, q, causal=True)
-    os.write(w, json.dumps([before, pkg.call_path(), len(native._state["procs"]) <= 1]).encode())
+    os.write(w, json.dumps([before, pkg.call_path()]).encode())
     os.close(w)
     sys.exit(0)                                 # runs the child's exit handlers
 os.close(w)
@@ -228,7 +229,7 @@ os.waitpid(pid, 0)
 print(json.dumps({"child": child, "parent_build_running": parent_build.poll() is None}))
 """, env={"EVOATTN_KERNEL_CACHE": str(tmp_path / "fresh-cache")})
     assert out["parent_build_running"], out
-    before, after, _ = out["child"]
+    before, after = out["child"]
     assert before == "not started" and after == "building", out
 
 
