@@ -3,6 +3,7 @@
     python benchmarks/decode_bw.py --out decode_bw.json                 # every default config
     python benchmarks/decode_bw.py --out b.json --dtype bfloat16 --configs 0,5,10
     python benchmarks/decode_bw.py --out cpu.json --device cpu          # the CPU configs, a check
+    python benchmarks/decode_bw.py --out r.json --rival OTHER.py --no-baselines  # two seeds
 
 A decode call must read the valid cache once: bytes = 2 * sum(cache_seqlens) * Hkv * D *
 element size, plus q and the output (the problem's `bytes_moved`). Per config and function:
@@ -21,7 +22,9 @@ element size, plus q and the output (the problem's `bytes_moved`). Per config an
              3.35 TB/s, H200 4.8 TB/s; --peak-tbps overrides)
 Then the seed's speedup over SDPA-as-transformers-calls-it (`sdpa_hf`) and over FlexAttention
 (`flex`) per config and as geometric means. Baselines that cannot run (flash-attn absent) are
-named with the reason. The JSON holds every number.
+named with the reason. With --rival, a second candidate file is timed beside the seed (the
+same inputs, one process) and the seed's speedup over it reported as over a baseline. The JSON
+holds every number.
 """
 from __future__ import annotations
 
@@ -48,11 +51,12 @@ from benchmarks.host_cost import host_us  # noqa: E402
 EAGER_SET_BYTES = 256 * 2 ** 20      # the eager loop's input copies fill at least this ...
 EAGER_MAX_COPIES = 16                # ... with at most this many copies
 RANDOM = ("q", "k", "v")
+COMPARED = ("sdpa_hf", "flex", "flash_kvcache", "rival")   # the seed's speedup over each
 
 
-def load_seed(path: Path) -> Any:
+def load_seed(path: Path, module_name: str = "decode_candidate") -> Any:
     """Imports a decode candidate file by path; returns its `attention`."""
-    spec = importlib.util.spec_from_file_location("decode_candidate", path)
+    spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise SystemExit(f"{path}: cannot import")
     module = importlib.util.module_from_spec(spec)
@@ -188,7 +192,7 @@ def bench_config(problem: Any, cfg: dict[str, Any], fns: dict[str, Callable[...,
                 if peak_tbps:
                     res[f"{mode}_frac_hbm"] = res[f"{mode}_gbps"] / (peak_tbps * 1e3)
     seed = row["results"].get("seed", {})
-    for base in ("sdpa_hf", "flex", "flash_kvcache"):
+    for base in COMPARED:
         b = row["results"].get(base, {})
         for mode in ("do_bench", "eager", "graph"):
             if seed.get(f"{mode}_us") and b.get(f"{mode}_us"):
@@ -238,6 +242,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10, help="eager and graph rounds")
     ap.add_argument("--no-graph", action="store_true")
     ap.add_argument("--peak-tbps", type=float, default=None)
+    ap.add_argument("--rival", default="", help="another candidate file, timed beside the seed")
+    ap.add_argument("--no-baselines", action="store_true", help="time only the seed (and rival)")
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -250,10 +256,14 @@ def main() -> None:
     peak = args.peak_tbps or devinfo.hbm_tbps(name)
     attention = load_seed(Path(args.seed))
     fns: dict[str, Callable[..., Any]] = {"seed": lambda inp, c: problem.call(attention, inp, c)}
-    fns.update(problem.baselines())
+    if args.rival:
+        rival = load_seed(Path(args.rival), "decode_rival")
+        fns["rival"] = lambda inp, c: problem.call(rival, inp, c)
+    if not args.no_baselines:
+        fns.update(problem.baselines())
     if args.extras:
         fns["sdpa_gqa_mask"] = problem.extra_baselines()["sdpa_gqa_mask"]
-    skipped = problem.skipped_baselines()
+    skipped = {} if args.no_baselines else problem.skipped_baselines()
     dtype = getattr(torch, args.dtype)
     print(f"{name}: HBM {peak} TB/s (datasheet); {args.dtype}; functions {', '.join(fns)}")
     for n, why in skipped.items():
@@ -264,7 +274,7 @@ def main() -> None:
         print_row(row)
         rows.append(row)
     summary: dict[str, Any] = {}
-    for base in ("sdpa_hf", "flex", "flash_kvcache"):
+    for base in COMPARED:
         for mode in ("do_bench", "eager", "graph"):
             vals = [r.get(f"speedup_vs_{base}_{mode}") for r in rows]
             if any(vals):
@@ -274,7 +284,7 @@ def main() -> None:
                            for k, v in summary.items()))
     Path(args.out).write_text(json.dumps({
         "device": name, "hbm_tbps": peak, "dtype": args.dtype, "seed": args.seed,
-        "versions": devinfo.versions(), "skipped_baselines": skipped, "rows": rows,
+        "rival": args.rival or None, "versions": devinfo.versions(), "skipped_baselines": skipped, "rows": rows,
         "summary": summary}, indent=1, default=str))
     print(f"wrote {args.out}")
 
