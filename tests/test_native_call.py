@@ -120,10 +120,18 @@ for name, args, kwargs, grad in variants():
             full["q"], full["k"], full["v"], is_causal=bool(full.get("causal", False)),
             scale=full.get("scale"))
         outs.append(bool(torch.equal(out, ref)))
+q, kv = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)     # GQA: SDPA's enable_gqa
+for _ in range(3):
+    out = pkg.attention(q, kv, kv, causal=True, scale=0.25)
+ref = torch.nn.functional.scaled_dot_product_attention(q, kv, kv, is_causal=True, scale=0.25,
+                                                       enable_gqa=True)
+outs.append(bool(torch.equal(out, ref)))
 with pkg.kernel_off():
     pkg.attention(*next(variants())[1], causal=True)
 print(json.dumps({"path": pkg.call_path(), "equal": outs, "stats": pkg.stats(),
-                  "entries": sorted({type(k[0]).__name__ for k in ops._entries})}))
+                  "entries": sorted({type(k[0]).__name__ for k in ops._entries}),
+                  "n": len(ops._entries), "direct": sum(type(e).__name__ == "_Direct" for e in ops._entries.values()),
+                  "closures": sum(type(e).__name__ == "function" for e in ops._entries.values())}))
 """
 
 
@@ -138,6 +146,10 @@ def test_the_cpp_path_serves_and_counts_calls_as_the_python_path_does(package):
     assert native["stats"]["fallback_reasons"]["kernel switched off"] == 1
     # C++ keys (bytes first) for plain calls, Python keys (tuples) for the two it hands over
     assert native["entries"] == ["bytes", "tuple"] and python["entries"] == ["tuple"]
+    # SDPA called directly (no Python frame on the C++ path) wherever q, k, v come first; the
+    # call passing v by name keeps a counting closure
+    assert native["closures"] == python["closures"] == 1
+    assert native["direct"] == native["n"] - 1 and python["direct"] == python["n"] - 1
 
 
 _ODD = """

@@ -2,13 +2,16 @@
 //
 // call(table, miss, args, kwargs) forms the key of one eager call, looks it up in `table` (a
 // dict: key -> entry) and returns entry(*args, **kwargs); on a miss it asks
-// miss(args, kwargs, key) for the entry first. The key holds, for each positional argument in
-// order, a plain tensor's dim, sizes, strides, dtype, device, layout and requires_grad (packed
-// into one bytes object) or the value itself; then each keyword argument's name and value in
-// the order given; and whether grad mode is on: everything the Python key (ops._key) keeps,
-// so a key never joins calls the Python key would tell apart. Where the key cannot be formed
-// here (a tensor subclass, a nested tensor, a tensor passed by name, more arguments than the
-// buffers hold) `key` is None and miss decides with the Python key.
+// miss(args, kwargs, key) for the entry first. An entry that is a tuple (ops._Direct: a
+// counted fallback) is called here: its count raised, its function called with the call's
+// leading tensors and the values its key fixes, with no Python frame. The key holds, for each
+// positional argument in order, a plain tensor's dim, sizes, strides, dtype, device, layout
+// and requires_grad (packed into one bytes object) or the value itself; then each keyword
+// argument's name and value in the order given; and whether grad mode is on: everything the
+// Python key (ops._key) keeps, so a key never joins calls the Python key would tell apart.
+// Where the key cannot be formed here (a tensor subclass, a nested tensor, a tensor passed by
+// name, more arguments than the buffers hold) `key` is None and miss decides with the Python
+// key.
 #include <Python.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -92,6 +95,38 @@ PyObject* make_key(PyObject* args, PyObject* kwargs) {
   return key;
 }
 
+// entry = (cell, fn, n, values, names): cell[0] += 1, then fn(args[0], ..., args[n-1],
+// *values), the last len(names) values by those names, as ops._Direct.__call__ does. Returns
+// the result, NULL with an error set, or NULL with none where the entry is not laid out so
+// (the caller then calls it as Python would).
+PyObject* call_direct(PyObject* entry, PyObject* args) {
+  constexpr Py_ssize_t kMaxStack = 16;
+  if (PyTuple_GET_SIZE(entry) != 5) return nullptr;
+  PyObject *cell = PyTuple_GET_ITEM(entry, 0), *fn = PyTuple_GET_ITEM(entry, 1);
+  PyObject *count = PyTuple_GET_ITEM(entry, 2), *tail = PyTuple_GET_ITEM(entry, 3);
+  PyObject* names = PyTuple_GET_ITEM(entry, 4);
+  if (!PyList_Check(cell) || PyList_GET_SIZE(cell) != 1 || !PyLong_CheckExact(count) ||
+      !PyTuple_Check(tail) || !PyTuple_CheckExact(names)) {
+    return nullptr;
+  }
+  const Py_ssize_t n = PyLong_AsSsize_t(count), rest = PyTuple_GET_SIZE(tail);
+  const Py_ssize_t named = PyTuple_GET_SIZE(names);
+  if (n < 0 || n > PyTuple_GET_SIZE(args) || n + rest > kMaxStack || named > rest) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  PyObject* stack[kMaxStack];
+  for (Py_ssize_t i = 0; i < n; ++i) stack[i] = PyTuple_GET_ITEM(args, i);
+  for (Py_ssize_t i = 0; i < rest; ++i) stack[n + i] = PyTuple_GET_ITEM(tail, i);
+  PyObject* one = PyLong_FromLong(1);
+  PyObject* counted = one == nullptr ? nullptr : PyNumber_Add(PyList_GET_ITEM(cell, 0), one);
+  Py_XDECREF(one);
+  if (counted == nullptr) return nullptr;
+  if (PyList_SetItem(cell, 0, counted) < 0) return nullptr;   // steals counted, drops the old
+  return PyObject_Vectorcall(fn, stack, static_cast<size_t>(n + rest - named),
+                             named > 0 ? names : nullptr);
+}
+
 PyObject* call(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
   if (argc != 4 || !PyDict_Check(argv[0]) || !PyTuple_Check(argv[2]) ||
       (argv[3] != Py_None && !PyDict_Check(argv[3]))) {
@@ -119,6 +154,13 @@ PyObject* call(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
     }
   }
   Py_DECREF(key);
+  if (PyTuple_Check(entry)) {             // a counted fallback called directly (ops._Direct)
+    PyObject* out = call_direct(entry, args);
+    if (out != nullptr || PyErr_Occurred()) {
+      Py_DECREF(entry);
+      return out;
+    }
+  }
   PyObject* out = PyObject_Call(entry, args,
                                 (kwargs != Py_None && PyDict_GET_SIZE(kwargs) > 0) ? kwargs
                                                                                    : nullptr);

@@ -300,14 +300,19 @@ def _kernel_run(fn: Callable[..., Any], direct: bool
     return run, eager
 
 
-def _counted(reason: str, fallback: Callable[..., torch.Tensor],
-             contiguous: bool) -> Callable[..., torch.Tensor]:
-    """Returns the fallback, counting each call (the op's output is contiguous, like its fake)."""
+def _counted(reason: str, fallback: Callable[..., torch.Tensor], contiguous: bool,
+             args: tuple[Any, ...] = (), bound: problems.Args | None = None
+             ) -> Callable[..., torch.Tensor]:
+    """Returns the fallback, counting each call (the op's output is contiguous, like its fake).
+    Given the call's positional args and bound arguments, where the problem calls its fallback
+    directly (OpSpec.direct) and the call passes q, k, v first: a _Direct."""
     cell = _reason_cell(reason)
     if not contiguous:
-        one_call = SPEC.counting(fallback, cell) if SPEC is not None else None
-        if one_call is not None:
-            return one_call
+        direct = SPEC.direct(fallback, bound) if SPEC is not None and bound else None
+        n = SPEC.leading_tensors if SPEC is not None else 0
+        if direct is not None and len(args) >= n and \
+                all(isinstance(x, torch.Tensor) for x in args[:n]):
+            return _Direct((cell, *direct[:1], n, *direct[1:]))
 
         def run(*args: Any, **kwargs: Any) -> torch.Tensor:
             cell[0] += 1
@@ -318,6 +323,23 @@ def _counted(reason: str, fallback: Callable[..., torch.Tensor],
         cell[0] += 1
         return fallback(*args, **kwargs).contiguous()
     return run_contiguous
+
+
+class _Direct(tuple):
+    """A counted fallback for one call key: (cell, fn, n, values, names) runs cell[0] += 1,
+    then fn on the call's n leading tensors and the values its key fixes, the last
+    len(names) of them by those names. _callkey.cpp makes the same call without entering
+    Python (any tuple entry is one)."""
+
+    __slots__ = ()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        cell, fn, n, values, names = self
+        cell[0] += 1
+        if not names:
+            return fn(*args[:n], *values)
+        k = len(values) - len(names)
+        return fn(*args[:n], *values[:k], **dict(zip(names, values[k:])))
 
 
 def _refuse(reason: str) -> Callable[..., torch.Tensor]:
@@ -425,15 +447,16 @@ def _entry_for(args: tuple[Any, ...], kwargs: dict[str, Any],
     if SPEC.fallback_for is not None and _needs_grad(bound):
         reason = "inputs require grad (the kernel is forward-only)"
         _log_once(reason)
-        return _remember(_entries, entry_key, _counted(reason, SPEC.fallback_for(bound), False))
+        return _remember(_entries, entry_key,
+                         _counted(reason, SPEC.fallback_for(bound), False, args, bound))
     values = SPEC.trim(tuple(bound.values()))   # as the op will get them: the same key
     key = _key(values)
     decision = _decisions.get(key) or _decide(values, key)
     if key not in _decisions:                   # decided for this call only (see _decide)
         return _dispatch
     if decision.fallback is not None:
-        return _remember(_entries, entry_key,
-                         _counted(str(decision.reason), decision.fallback, False))
+        return _remember(_entries, entry_key, _counted(str(decision.reason), decision.fallback,
+                                                       False, args, bound))
     tensors_positional = all(not isinstance(v, torch.Tensor) for v in kwargs.values())
     # A refusal to raise, tensors passed by name, tensor subclasses: the op handles them.
     if decision.reason is not None or not tensors_positional or \
