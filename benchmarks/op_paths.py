@@ -1,6 +1,7 @@
 """An exported op's call paths side by side in one process, against SDPA (GPU only).
 
     python benchmarks/op_paths.py --export DIR [--rounds 9] [--json F]
+    python benchmarks/op_paths.py --export DIR --cpu-tensors [--rounds 15]   # any machine
 
 The cross-check of op_calls.py by other means: per config (two launch-bound ones, both causal
 values and dtypes) it times SDPA and `attention()` on its C++ call path and on its Python path,
@@ -8,6 +9,11 @@ with the kernel and with it switched off (the fallback), the paths switched per 
 interleaved rounds (the order reversed every other round): host µs per call from a plain loop
 of 400 calls with the GPU held busy, and GPU time per call from `triton.testing.do_bench`. It
 prints each row and, per path, the median over rows of the host µs over SDPA.
+
+--cpu-tensors times the fallback's host work alone, with no CUDA launch to vary: SDPA and
+`attention()` (every call refused, so SDPA behind it) on (1, 1, 1, 8) CPU tensors, one thread,
+mean µs of 20,000 calls per timing, the paths in interleaved rounds; per causal value and path,
+the median over rounds of op − SDPA. Run it on the packages to compare, one process each.
 """
 from __future__ import annotations
 
@@ -24,6 +30,8 @@ from benchmarks.hf_model import load_export  # noqa: E402
 
 PATHS = ("sdpa", "kernel_native", "kernel_python", "fallback_native", "fallback_python")
 CONFIGS = ((1, 8, 512, 64), (8, 32, 512, 64))
+CPU_PATHS = ("sdpa", "fallback_native", "fallback_python")
+CPU_CALLS = 20_000
 
 
 def host_us(fn, n: int = 400) -> float:  # noqa: ANN001
@@ -41,11 +49,53 @@ def host_us(fn, n: int = 400) -> float:  # noqa: ANN001
     return dt
 
 
+def cpu_rows(pkg, ops, native, rounds: int) -> list[dict]:  # noqa: ANN001
+    """The --cpu-tensors rows: op − SDPA host µs per call on tiny CPU tensors."""
+    import gc
+
+    import torch
+    import torch.nn.functional as F
+    torch.set_num_threads(1)
+    rows = []
+    for causal in (True, False):
+        q, k, v = (torch.randn(1, 1, 1, 8) for _ in range(3))
+        sdpa = F.scaled_dot_product_attention
+        fns = {"sdpa": lambda: sdpa(q, k, v, is_causal=causal),
+               "op": lambda: pkg.attention(q, k, v, causal=causal)}
+        times: dict[str, list[float]] = {n: [] for n in CPU_PATHS}
+        gc.disable()
+        try:
+            for r in range(rounds):
+                for n in (CPU_PATHS if r % 2 == 0 else CPU_PATHS[::-1]):
+                    ops._native_call = native if n.endswith("native") else None
+                    fn = fns["sdpa" if n == "sdpa" else "op"]
+                    fn(), fn()
+                    t0 = time.perf_counter()
+                    for _ in range(CPU_CALLS):
+                        fn()
+                    times[n].append((time.perf_counter() - t0) / CPU_CALLS * 1e6)
+        finally:
+            gc.enable()
+            ops._native_call = native
+        row = {"cfg": [1, 1, 1, 8, causal], "dtype": "float32", "sdpa_us": statistics.median(
+            times["sdpa"])}
+        for n in CPU_PATHS[1:]:
+            row[n] = {"host_minus_sdpa": statistics.median(
+                [x - y for x, y in zip(times[n], times["sdpa"])])}
+        rows.append(row)
+        print(f"cpu tensors, causal={causal}: SDPA {row['sdpa_us']:.2f} us; op - SDPA "
+              + " ".join(f"{n} {row[n]['host_minus_sdpa']:+.2f}" for n in CPU_PATHS[1:]),
+              flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--export", required=True, type=Path)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--json")
+    ap.add_argument("--cpu-tensors", action="store_true",
+                    help="time the fallback's host work on CPU tensors (no GPU needed)")
     a = ap.parse_args()
     import torch
     import torch.nn.functional as F
@@ -59,6 +109,16 @@ def main() -> None:
         raise SystemExit(f"the C++ call path is not available ({path}): nothing to compare")
     native = ops._native_call
     print(f"pinned to CPU {TimingCpu().pick()}")
+    if a.cpu_tensors:
+        pkg.use_kernel(False)
+        try:
+            rows = cpu_rows(pkg, ops, native, a.rounds)
+        finally:
+            pkg.use_kernel(True)
+        if a.json:
+            Path(a.json).write_text(json.dumps({"package": pkg.__name__, "rows": rows,
+                                                "torch": torch.__version__}, indent=1))
+        return
     rows = []
     try:
         for dtype in (torch.float16, torch.bfloat16):

@@ -251,3 +251,19 @@ def test_the_package_ships_the_cpp_source_it_builds(package):
         Path(__file__).resolve().parent.parent / "evoattn" / "export_templates"
         / "_callkey.cpp").read_text()
     assert '"_callkey.cpp"' in (Path(package["out"]) / "pyproject.toml").read_text()
+
+
+def test_op_paths_times_the_fallbacks_host_work_on_cpu_tensors(package, tmp_path):
+    out = tmp_path / "paths.json"
+    p = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks"
+                                            / "op_paths.py"), "--export", str(package["out"]),
+                        "--cpu-tensors", "--rounds", "2", "--json", str(out)],
+                       capture_output=True, text=True, timeout=BUILD_WAIT_S + 120,
+                       env={**os.environ, "EVOATTN_KERNEL_CACHE": str(package["cache"]),
+                            "EVOATTN_NATIVE": "1"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["cfg"][-1] for r in rows] == [True, False]
+    for r in rows:
+        assert r["sdpa_us"] > 0
+        assert {"fallback_native", "fallback_python"} <= set(r)
