@@ -284,8 +284,8 @@ def main() -> None:
                            for k, v in summary.items()))
     Path(args.out).write_text(json.dumps({
         "device": name, "hbm_tbps": peak, "dtype": args.dtype, "seed": args.seed,
-        "rival": args.rival or None, "versions": devinfo.versions(), "skipped_baselines": skipped, "rows": rows,
-        "summary": summary}, indent=1, default=str))
+        "rival": args.rival or None, "versions": devinfo.versions(),
+        "skipped_baselines": skipped, "rows": rows, "summary": summary}, indent=1, default=str))
     print(f"wrote {args.out}")
 
 
