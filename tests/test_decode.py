@@ -257,6 +257,8 @@ def test_flex_baseline_is_right_on_ragged_lengths() -> None:
 # ---- the seed, in Triton's interpreter (a child process) ----------------------------------------
 FORCE_SPLITS = {"PROGRAMS_PER_SM": "8", "MIN_SPLIT_KEYS": "64", "BLOCK_N_D64": "16",
                 "BLOCK_N_D128": "32"}
+# the fused merge in two levels (groups of 2 splits, then the groups) from 3 splits up
+MERGE_TREE = {**FORCE_SPLITS, "MERGE_GROUP": "2", "MERGE_TREE_AT": "3"}
 ROW_BLOCKS = {"MAX_BLOCK_M": "16", "PROGRAMS_PER_SM": "4", "MIN_SPLIT_KEYS": "64",
               "BLOCK_N_D64": "32"}
 MERGE_KERNEL = {**FORCE_SPLITS, "FUSED_MERGE": "False"}     # the separate merge kernel
@@ -264,7 +266,8 @@ SEED_CONFIGS = [cfg(3, 4, 2, 1, 200), cfg(2, 4, 1, 4, 130), cfg(7, 2, 2, 3, 77, 
                 cfg(5, 6, 2, 16, 40, 64, "edge"), cfg(1, 2, 1, 1, 1), cfg(1, 8, 1, 4, 300),
                 cfg(9, 2, 1, 1, 70, 64, "edge")]
 NO_CAUSAL = ("lim = L - SQ + rows % SQ", "lim = L - 1 + rows * 0")
-NO_TICKET_RESET = ("tl.atomic_xchg(ticket_ptr, 0)", "pass")
+NO_TICKET_RESET = ("tl.atomic_xchg(tickets, 0)  # ready", "pass  # ready")
+NO_GROUP_TICKET_RESET = ("tl.atomic_xchg(tickets + 1 + g, 0)", "pass")
 NO_MERGE_WEIGHTS = ("w = tl.math.exp2(lse - m_sub)", "w = tl.where(lse == float('-inf'), 0.0, 1.0)")
 
 
@@ -323,7 +326,7 @@ def ok(r: dict) -> bool:
 
 @pytest.mark.slow
 def test_seed_is_right_with_splits_row_blocks_and_both_dtypes() -> None:
-    cases = [(k, c, dt, None) for k in ({}, FORCE_SPLITS, ROW_BLOCKS, MERGE_KERNEL)
+    cases = [(k, c, dt, None) for k in ({}, FORCE_SPLITS, MERGE_TREE, ROW_BLOCKS, MERGE_KERNEL)
              for c in SEED_CONFIGS for dt in ("float16", "bfloat16")]
     results = run(cases)
     bad = [(c, r) for c, r in zip(cases, results) if not ok(r)]
@@ -337,11 +340,14 @@ def test_the_seed_checks_catch_a_missing_causal_mask_and_a_bad_merge() -> None:
     cases = [({}, sq1, "float16", NO_CAUSAL), ({}, sq4, "float16", NO_CAUSAL),
              (FORCE_SPLITS, sq1, "float16", NO_MERGE_WEIGHTS),
              (MERGE_KERNEL, sq1, "float16", NO_MERGE_WEIGHTS),
-             (FORCE_SPLITS, sq1, "float16", NO_TICKET_RESET)]
+             (FORCE_SPLITS, sq1, "float16", NO_TICKET_RESET),
+             (MERGE_TREE, sq1, "float16", NO_GROUP_TICKET_RESET),
+             (MERGE_TREE, sq1, "float16", NO_MERGE_WEIGHTS)]
     r = run(cases)
     assert ok(r[0])               # one new token: there is nothing to be causal about
     assert not ok(r[1]) and not ok(r[2]) and not ok(r[3])
     assert not ok(r[4])           # a ticket left counted: the next call merges nothing
+    assert not ok(r[5]) and not ok(r[6])          # the same in a two-level merge
 
 
 @pytest.mark.slow

@@ -19,7 +19,9 @@ Two kernels:
 With a single split the first kernel writes the output itself and no merge runs. With
 FUSED_MERGE (the default) no merge kernel runs either: the last split of each group to finish
 combines the group's partial results inside _split_kv (the same _combine), so a call is one
-launch (1.09x as fast as two launches in call time on an H200, BENCHMARKS.md).
+launch (1.09x as fast as two launches in call time on an H200, BENCHMARKS.md); where
+MERGE_TREE_AT or more splits hold keys, in two levels (groups of MERGE_GROUP splits, then the
+groups: 1.3x call time on an H100 where one program merged 64 splits, BENCHMARKS.md).
 
 Knobs (the lines marked `# evoattn: choice(...)`); every combination is correct (on a GPU, the
 largest tiles with the deepest pipelines may not fit in shared memory: the launch then fails):
@@ -33,6 +35,12 @@ largest tiles with the deepest pipelines may not fit in shared memory: the launc
   FUSED_MERGE                 no merge kernel: the last split of each (batch * key/value head,
                               row block) to finish merges them (a ticket counted atomically),
                               which saves a launch and its wait; the merge kernel otherwise
+  MERGE_TREE_AT, MERGE_GROUP  with FUSED_MERGE, a merge of MERGE_TREE_AT or more splits runs
+                              in two levels: the last split of each group of MERGE_GROUP merges
+                              its group, the last of those merges the groups' results (one
+                              program reading every split's partial result one after another is
+                              what a batch of 1 with many splits waits for at its end; with few
+                              splits the second level costs more than it saves)
   FAST_LAUNCH                 calls of a shape seen before launch the compiled kernels directly
                               through Triton's C launcher, with plain addresses (its argument
                               binding, cache lookup and Python wrapper skipped: tens of
@@ -62,6 +70,8 @@ PROGRAMS_PER_SM = 2  # evoattn: choice(1, 2, 4, 8)
 MIN_SPLIT_KEYS = 512  # evoattn: choice(64, 128, 256, 512, 1024, 2048)
 MERGE_WARPS = 4  # evoattn: choice(1, 2, 4, 8) when(FUSED_MERGE=False)
 FUSED_MERGE = True  # evoattn: choice(True, False)
+MERGE_GROUP = 4  # evoattn: choice(4, 8, 16) when(FUSED_MERGE=True)
+MERGE_TREE_AT = 32  # evoattn: choice(8, 16, 32, 64, 512) when(FUSED_MERGE=True)
 FAST_LAUNCH = True  # evoattn: choice(True, False) when(@target!=cpu)
 
 MAX_SPLITS = 256               # the grid's second axis (at most 65535)
@@ -126,13 +136,16 @@ def _fold(acc, l_i, m_i, q, K, V, kv_base, lo, hi, lim, L, qk_scale,
 @triton.jit(do_not_specialize=["SMAX", "SPLIT", "NUM_SPLITS"])   # they change every step
 def _split_kv(Q, K, V, Lens, O, OPart, LsePart, Count, SMAX, HKV, ROWS, SQ, SPLIT, NUM_SPLITS,
               qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              DIRECT: tl.constexpr, FUSED: tl.constexpr, UPCAST: tl.constexpr,
-              DOT_PRECISION: tl.constexpr):
+              DIRECT: tl.constexpr, FUSED: tl.constexpr, GROUP: tl.constexpr,
+              TREE_AT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Q, O: contiguous (B*Hkv, ROWS, D) views of (B, Hq, Sq, D); K, V: (B*Hkv, SMAX, D);
-    OPart (B*Hkv, NUM_SPLITS, ROWS, D) and LsePart (B*Hkv, NUM_SPLITS, ROWS) float32.
+    OPart (B*Hkv, SLOTS, ROWS, D) and LsePart (B*Hkv, SLOTS, ROWS) float32, SLOTS =
+    NUM_SPLITS + cdiv(NUM_SPLITS, GROUP): a slot per split, then one per group of GROUP splits.
     Grid: (B*Hkv, NUM_SPLITS, row blocks). DIRECT: one split, the output written here.
-    FUSED: the last split of a (batch * key/value head, row block) to finish merges them
-    (Count: one int32 ticket per such group, zero before the call and left zero after it)."""
+    FUSED: the last split of a (batch * key/value head, row block) to finish merges them; with
+    TREE_AT or more splits holding keys, the last of each group of GROUP merges the group into
+    its group slot and the last group merger merges those (Count: 1 + cdiv(NUM_SPLITS, GROUP) int32
+    tickets per (batch * key/value head, row block), zero before the call and left zero)."""
     bh = tl.program_id(0)                       # b * Hkv + key/value head
     split = tl.program_id(1)
     rb = tl.program_id(2)
@@ -171,35 +184,58 @@ def _split_kv(Q, K, V, Lens, O, OPart, LsePart, Count, SMAX, HKV, ROWS, SQ, SPLI
     if DIRECT:
         tl.store(O + row_ptrs, o.to(O.dtype.element_ty), mask=keep_rows)
     else:
-        part = (bh.to(tl.int64) * NUM_SPLITS + split) * ROWS + rows
+        groups = tl.cdiv(NUM_SPLITS, GROUP)
+        slots = NUM_SPLITS + groups
+        part = (bh.to(tl.int64) * slots + split) * ROWS + rows
         tl.store(OPart + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=keep_rows)
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
         tl.store(LsePart + part, lse, mask=rows < ROWS)
         if FUSED:
             used = tl.minimum(tl.cdiv(L, SPLIT), NUM_SPLITS)    # splits that store a result
-            ticket_ptr = Count + bh * tl.num_programs(2) + rb
+            used_groups = tl.cdiv(used, GROUP)
+            tickets = Count + (bh * tl.num_programs(2) + rb) * (1 + groups)  # final, groups
             tl.debug_barrier()                  # every thread's stores before the ticket
-            ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")   # releases them
-            if ticket == used - 1:              # the last: the others' results are visible
-                out = _combine(OPart, LsePart, bh, rows, used, ROWS, NUM_SPLITS, HEAD_DIM,
-                               BLOCK_M)
-                tl.store(O + row_ptrs, out.to(O.dtype.element_ty), mask=keep_rows)
-                tl.atomic_xchg(ticket_ptr, 0)  # ready for the next call
+            if used < TREE_AT:
+                ticket = tl.atomic_add(tickets, 1, sem="acq_rel")   # releases them
+                if ticket == used - 1:          # the last: the others' results are visible
+                    out, _ = _combine(OPart, LsePart, bh, rows, 0, used, ROWS, slots,
+                                      HEAD_DIM, BLOCK_M)
+                    tl.store(O + row_ptrs, out.to(O.dtype.element_ty), mask=keep_rows)
+                    tl.atomic_xchg(tickets, 0)  # ready for the next call
+            else:
+                g = split // GROUP
+                members = tl.minimum(GROUP, used - g * GROUP)
+                ticket = tl.atomic_add(tickets + 1 + g, 1, sem="acq_rel")
+                if ticket == members - 1:       # the group's last: merge it into its slot
+                    out, out_lse = _combine(OPart, LsePart, bh, rows, g * GROUP, members, ROWS,
+                                            slots, HEAD_DIM, BLOCK_M)
+                    part = (bh.to(tl.int64) * slots + NUM_SPLITS + g) * ROWS + rows
+                    tl.store(OPart + part[:, None] * HEAD_DIM + offs_d[None, :], out,
+                             mask=keep_rows)
+                    tl.store(LsePart + part, out_lse, mask=rows < ROWS)
+                    tl.atomic_xchg(tickets + 1 + g, 0)
+                    tl.debug_barrier()
+                    ticket = tl.atomic_add(tickets, 1, sem="acq_rel")
+                    if ticket == used_groups - 1:   # the last group: merge the groups
+                        out, _ = _combine(OPart, LsePart, bh, rows, NUM_SPLITS, used_groups,
+                                          ROWS, slots, HEAD_DIM, BLOCK_M)
+                        tl.store(O + row_ptrs, out.to(O.dtype.element_ty), mask=keep_rows)
+                        tl.atomic_xchg(tickets, 0)
 
 
 @triton.jit
-def _combine(OPart, LsePart, bh, rows, used, ROWS, NUM_SPLITS, HEAD_DIM: tl.constexpr,
+def _combine(OPart, LsePart, bh, rows, first, count, ROWS, SLOTS, HEAD_DIM: tl.constexpr,
              BLOCK_M: tl.constexpr):
-    """Returns the output rows of one (batch * key/value head, row block) from the partial
-    results of its first `used` splits, each weighted by 2^(lse - max lse). The loads bypass
-    L1 (another program of this call wrote them)."""
+    """Returns (output rows, their log2-sum-exp) of one (batch * key/value head, row block)
+    from the partial results in slots first .. first + count - 1, each weighted by
+    2^(lse - max lse). The loads bypass L1 (other programs of this call wrote them)."""
     offs_d = tl.arange(0, HEAD_DIM)
     keep = rows < ROWS
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for s in range(0, used):
-        part = (bh.to(tl.int64) * NUM_SPLITS + s) * ROWS + rows
+    for s in range(first, first + count):
+        part = (bh.to(tl.int64) * SLOTS + s) * ROWS + rows
         lse = tl.load(LsePart + part, mask=keep, other=float("-inf"), cache_modifier=".cg")
         o = tl.load(OPart + part[:, None] * HEAD_DIM + offs_d[None, :], mask=keep[:, None],
                     other=0.0, cache_modifier=".cg")
@@ -210,12 +246,13 @@ def _combine(OPart, LsePart, bh, rows, used, ROWS, NUM_SPLITS, HEAD_DIM: tl.cons
         acc = acc * alpha[:, None] + o * w[:, None]
         l = l * alpha + w
         m = m_new
-    return acc / tl.where(l == 0.0, 1.0, l)[:, None]                    # rows with no key: 0
+    lse = tl.where(l == 0.0, float("-inf"), m + tl.math.log2(tl.where(l == 0.0, 1.0, l)))
+    return acc / tl.where(l == 0.0, 1.0, l)[:, None], lse               # rows with no key: 0
 
 
 @triton.jit(do_not_specialize=["SPLIT", "NUM_SPLITS"])
 def _merge(OPart, LsePart, Lens, O, HKV, ROWS, SPLIT, NUM_SPLITS,
-           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr):
     """Combines the splits holding keys of one (batch, key/value head) and row block."""
     bh = tl.program_id(0)
     rb = tl.program_id(1)
@@ -223,7 +260,8 @@ def _merge(OPart, LsePart, Lens, O, HKV, ROWS, SPLIT, NUM_SPLITS,
     used = tl.minimum(tl.cdiv(L, SPLIT), NUM_SPLITS)       # splits that wrote a result
     rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    out = _combine(OPart, LsePart, bh, rows, used, ROWS, NUM_SPLITS, HEAD_DIM, BLOCK_M)
+    slots = NUM_SPLITS + tl.cdiv(NUM_SPLITS, GROUP)     # the split kernel's layout
+    out, _ = _combine(OPart, LsePart, bh, rows, 0, used, ROWS, slots, HEAD_DIM, BLOCK_M)
     row_ptrs = bh.to(tl.int64) * ROWS * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(O + row_ptrs, out.to(O.dtype.element_ty), mask=(rows < ROWS)[:, None])
 
@@ -350,8 +388,9 @@ def _launch_prepared(launch: _Launch, q: torch.Tensor, k: torch.Tensor, v: torch
     stream = torch._C._cuda_getCurrentRawStream(q.device.index)
     hkv, rows, sq = launch.ints
     count = None
+    groups = triton.cdiv(num_splits, MERGE_GROUP)
     if num_splits > 1 and m is None:          # the merge fused: this stream's tickets
-        count = _tickets(q.device, stream, launch.grid0 * launch.row_blocks)
+        count = _tickets(q.device, stream, launch.grid0 * launch.row_blocks * (1 + groups))
         if count is None:
             return None
     out = torch.empty_like(q)
@@ -359,7 +398,7 @@ def _launch_prepared(launch: _Launch, q: torch.Tensor, k: torch.Tensor, v: torch
     if num_splits == 1:
         o_part = lse_part = o
     else:   # one float32 buffer: the partial outputs, then their log-sum-exps
-        parts = launch.grid0 * num_splits * rows
+        parts = launch.grid0 * (num_splits + groups) * rows
         work = q.new_empty(parts * (q.shape[3] + 1), dtype=torch.float32)
         o_part = work.data_ptr()
         lse_part = o_part + parts * q.shape[3] * 4
@@ -415,27 +454,30 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_seqlens: t
     out = torch.empty(q.shape, dtype=torch.float32 if upcast else q.dtype, device=q.device)
     direct = num_splits == 1
     count = None
+    groups = triton.cdiv(num_splits, MERGE_GROUP)   # merge groups: a slot and a ticket each
     if FUSED_MERGE and not direct:
         stream = torch._C._cuda_getCurrentRawStream(q.device.index) if q.is_cuda else 0
-        count = _tickets(q.device, stream, B * HKV * row_blocks)
+        count = _tickets(q.device, stream, B * HKV * row_blocks * (1 + groups))
         if count is None:         # first call on this stream inside a CUDA-graph capture
             key = None
     fused = count is not None
     if direct:
         o_part = lse_part = out                                # unused
     else:
-        o_part = torch.empty(B * HKV, num_splits, rows, D, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(B * HKV, num_splits, rows, dtype=torch.float32, device=q.device)
+        slots = num_splits + groups
+        o_part = torch.empty(B * HKV, slots, rows, D, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(B * HKV, slots, rows, dtype=torch.float32, device=q.device)
     grid = (B * HKV, num_splits, row_blocks)
     ints = (SMAX, HKV, rows, SQ, split, num_splits)
     constexprs = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct,
-                      FUSED=fused, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32")
+                      FUSED=fused, GROUP=MERGE_GROUP, TREE_AT=MERGE_TREE_AT, UPCAST=upcast,
+                      DOT_PRECISION="ieee" if upcast else "tf32")
     split_kernel = _split_kv[grid](q, k, v, lens, out, o_part, lse_part,
                                    out if count is None else count, *ints, scale * LOG2E,
                                    **constexprs, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     merge_kernel, merge_grid = None, (B * HKV, row_blocks, 1)
     merge_ints = (HKV, rows, split, num_splits)
-    merge_constexprs = dict(HEAD_DIM=D, BLOCK_M=block_m)
+    merge_constexprs = dict(HEAD_DIM=D, BLOCK_M=block_m, GROUP=MERGE_GROUP)
     if not direct and not fused:
         merge_kernel = _merge[merge_grid](o_part, lse_part, lens, out, *merge_ints,
                                           **merge_constexprs, num_warps=MERGE_WARPS)
