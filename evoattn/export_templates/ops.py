@@ -309,10 +309,11 @@ def _counted(reason: str, fallback: Callable[..., torch.Tensor], contiguous: boo
     cell = _reason_cell(reason)
     if not contiguous:
         direct = SPEC.direct(fallback, bound) if SPEC is not None and bound else None
-        n = SPEC.leading_tensors if SPEC is not None else 0
-        if direct is not None and len(args) >= n and \
-                all(isinstance(x, torch.Tensor) for x in args[:n]):
-            return _Direct((cell, *direct[:1], n, *direct[1:]))
+        if direct is not None:
+            fn, values, names = direct
+            n = SPEC.leading_tensors
+            if len(args) >= n and all(isinstance(x, torch.Tensor) for x in args[:n]):
+                return _Direct((cell, fn, n, values, names))
 
         def run(*args: Any, **kwargs: Any) -> torch.Tensor:
             cell[0] += 1
