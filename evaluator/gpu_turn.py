@@ -1,17 +1,21 @@
 """An evaluation's turn on a GPU it shares with other evaluations (a run's `per_gpu` slots).
 
-The turn is an exclusive lock on a file (flock): a child takes it after its baselines'
-set-up, before its references, and keeps it to the end of its timing, so that no other
-evaluation's GPU work runs while it checks and times: another process's kernels slow a
-GPU-bound baseline more than a host-bound candidate, which would bias the ratio (measured:
-with only the timing stage locked, one of four evaluations of the same program read 11% high).
+The turn is an exclusive lock on a file (flock): a child takes it after its set-up (its
+baselines' plans, its inputs and references, its timer) and keeps it to the end of its timing,
+so that no other evaluation's checks or timing run on the GPU while it checks and times:
+another process's kernels slow a GPU-bound baseline more than a host-bound candidate, which
+would bias the ratio (measured: with only the timing stage locked, one of four evaluations of
+the same program read 11% high).
 
 Its timing needs more: no GPU work of any other evaluation at all, not even the set-up a
 waiting child does before its turn (CUDA's start, the baselines' inputs and first calls:
 with that alone beside it, one of five evaluations of the same program read a config 18%
-off). A second lock on `path + ".quiet"` keeps them apart: a child holds it shared from its
-start through its baselines' set-up, and the turn's holder holds it exclusively while it
-times. A set-up that begins during another's timing waits for its end.
+off). A second lock on `path + ".quiet"` keeps them apart: a child holds it shared through
+each step of its set-up (a run's spare child too, before it is told its candidate), and the
+turn's holder holds it exclusively while it times. A timing that is due waits for the step in
+progress, not for the whole set-up: it first takes `path + ".next"` exclusively, which every
+set-up step passes through (shared) before it begins, so no new step starts until the timing
+has ended (flock alone would let back-to-back shared holders starve it).
 
 One exception, during the checks only: while Triton compiles one of the candidate's kernels
 (seconds of CPU work, the GPU idle), the turn passes to a waiting evaluation; it is taken
@@ -35,24 +39,49 @@ class GpuTurn:
         import fcntl
         self._flock, self._sh, self._nb = fcntl.flock, fcntl.LOCK_SH, fcntl.LOCK_NB
         self._ex, self._un = fcntl.LOCK_EX, fcntl.LOCK_UN
-        self._stage = stage
+        self.report = stage               # a spare's turn reports to its candidate's parent
         self._sync: Callable[[], None] = lambda: None
-        self._file = self._quiet = None
+        self._file = self._quiet = self._next = None
         self.held = False
         self.checking = False              # compiles may yield the turn (the check stage)
+        self._setting_up = False
         if path:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             self._file = open(path, "a+")
             self._quiet = open(path + ".quiet", "a+")
-            self._wait(self._quiet, self._sh)      # blocks while another evaluation times
+            self._next = open(path + ".next", "a+")
+            self._begin_step()                     # blocks while another evaluation times
+            self._setting_up = True
 
-    def _wait(self, f: Any, mode: int) -> None:
-        """Takes a lock, reporting stage 'gpu-wait' first when it has to wait for it."""
+    def _begin_step(self) -> bool:
+        """Takes the set-up's shared lock once no timing is running or due; returns whether
+        it waited."""
+        assert self._next is not None and self._quiet is not None
+        waited = self._wait(self._next, self._sh)
+        self._flock(self._next.fileno(), self._un)
+        return self._wait(self._quiet, self._sh) or waited
+
+    def step(self, sync: Callable[[], None], then: str) -> None:
+        """Between two steps of the set-up: a timing that is due runs now (the device
+        synchronised first); the set-up goes on after it (reporting stage `then` again if it
+        waited)."""
+        if self._quiet is None or not self._setting_up:
+            return
+        sync()
+        self._flock(self._quiet.fileno(), self._un)
+        if self._begin_step():
+            self.report(then)
+
+    def _wait(self, f: Any, mode: int) -> bool:
+        """Takes a lock, reporting stage 'gpu-wait' first when it has to wait for it; returns
+        whether it waited."""
         try:
             self._flock(f.fileno(), mode | self._nb)
         except BlockingIOError:
-            self._stage("gpu-wait")
+            self.report("gpu-wait")
             self._flock(f.fileno(), mode)
+            return True
+        return False
 
     def set_up(self, sync: Callable[[], None]) -> None:
         """The set-up is done (its GPU work too: `sync`, the device-wide synchronisation, is
@@ -61,10 +90,13 @@ class GpuTurn:
         if self._quiet is not None:
             sync()
             self._flock(self._quiet.fileno(), self._un)
+            self._setting_up = False
 
     def timing(self) -> None:
-        """From here to release(), no other evaluation's set-up runs on the GPU."""
-        if self._quiet is not None:
+        """From here to release(), no other evaluation's set-up runs on the GPU (one in
+        progress ends its step first)."""
+        if self._quiet is not None and self._next is not None:
+            self._flock(self._next.fileno(), self._ex)
             self._flock(self._quiet.fileno(), self._ex)
 
     def take(self, then: str) -> None:
@@ -72,14 +104,15 @@ class GpuTurn:
         if self._file is not None and not self.held:
             self._wait(self._file, self._ex)
             self.held = True
-        self._stage(then)
+        self.report(then)
 
     def release(self) -> None:
         """Ends the turn (the device synchronised first)."""
         if self._file is not None and self.held:
             self._sync()
-            if self._quiet is not None:
+            if self._quiet is not None and self._next is not None:
                 self._flock(self._quiet.fileno(), self._un)
+                self._flock(self._next.fileno(), self._un)
             self._flock(self._file.fileno(), self._un)
             self.held = False
 

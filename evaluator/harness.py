@@ -1,5 +1,6 @@
-"""The evaluation inside the child: scan, build, baselines, (its turn on a shared GPU:
-evaluator/gpu_turn.py) reference, guard, import, check, time.
+"""The evaluation inside the child: scan, build, baselines, reference, (its turn on a shared
+GPU: evaluator/gpu_turn.py) guard, import, check, time. A run's spare child does the
+candidate-independent part (prepare) first, before it is told its candidate.
 
 Order matters for integrity: references, tolerance probes, the baselines' compiled code and
 the GPU's ceiling all exist before the candidate is imported; freed device memory is then
@@ -58,10 +59,63 @@ class Setup:
         return EvalResult.failure(verdict, reason, duration_s=_now() - self.t_start, **fields)
 
 
-def evaluate(req: EvalRequest, stage: Stage) -> EvalResult:
-    """Returns the verdict on the candidate the request names."""
-    turn = GpuTurn(req.gpu_lock, stage)        # before CUDA starts here
-    s = _setup(req)
+@dataclasses.dataclass
+class Prepared:
+    """What an evaluation sets up before it needs its candidate: the GPU turn's locks, the
+    baselines' plans and compiles, the cases (inputs and references, every dtype) and the
+    timer. A run's spare child (evaluator/worker.py) makes it while another candidate is
+    evaluated, then waits to be told its candidate."""
+
+    turn: GpuTurn
+    s: Setup
+    baselines: dict[str, Callable[..., Any]]
+    rng: random.Random
+    cases: list[Case]
+    others: dict[str, list[Case]]          # the other checked dtypes' cases
+    timer: Any
+
+
+def prepare(req: EvalRequest, stage: Stage, turn: GpuTurn | None = None,
+            s: Setup | None = None) -> Prepared:
+    """Sets up everything that does not depend on the candidate, holding the set-up's shared
+    lock on a shared GPU (never while another evaluation times), no candidate code loaded.
+    `turn`, `s`: the evaluation's own, where it began before (its scan and build)."""
+    turn = turn or GpuTurn(req.gpu_lock, stage)        # before CUDA starts here
+    s = s or _setup(req)
+    # The baselines' set-up (cuDNN's plans, FlexAttention's compiles: seconds of CPU work)
+    # before this evaluation's turn on a shared GPU, so that it overlaps another's turn.
+    sync = _sync(req)
+    # In steps: between two, another evaluation's timing that is due goes first.
+    stage("baselines")
+    baselines = _warm_baselines(s, lambda: turn.step(sync, "baselines"))
+    stage("reference")
+    rng = random.Random(int(req.secret_seed))
+    cases = _cases(s, rng, s.dtype_name, lambda: turn.step(sync, "reference"))
+    # Checked only, after the timed dtype passes; their references also exist before any
+    # candidate code runs.
+    others = {d: _cases(s, rng, d, lambda: turn.step(sync, "reference"))
+              for d in s.dtypes[1:]}
+    # Binds the clocks before any candidate code. Before the poisoning: setting up the GPU spin
+    # captures a CUDA graph, and torch empties the allocator cache when a capture begins.
+    stage("timer")
+    timer = GpuTimer(req.cache_dir or None) if req.on_gpu else CpuTimer()
+    turn.set_up(sync)
+    return Prepared(turn, s, baselines, rng, cases, others, timer)
+
+
+def evaluate(req: EvalRequest, stage: Stage, prepared: Prepared | None = None) -> EvalResult:
+    """Returns the verdict on the candidate the request names; `prepared`: what a spare child
+    set up for it before it was named (for a request whose same_set_up(req) holds)."""
+    turn: GpuTurn | None = None
+    if prepared is not None:
+        if not prepared.s.req.same_set_up(req):
+            return EvalResult.failure(Verdict.EVALUATOR_FAULT, "the spare process was prepared "
+                                      "for another request", problem=req.problem)
+        prepared.turn.report = stage
+        s = _named(prepared.s, req)
+    else:
+        turn = GpuTurn(req.gpu_lock, stage)    # before CUDA starts here
+        s = _setup(req)
     bad = _static_scan(s)
     if bad:
         return bad
@@ -80,23 +134,12 @@ def evaluate(req: EvalRequest, stage: Stage) -> EvalResult:
     except LoadFailure as e:
         verdict = Verdict.BUILD_ERROR if e.kind == "build" else Verdict.LOAD_ERROR
         return s.fail(verdict, e.reason, build_log=e.log)
-    # The baselines' set-up (cuDNN's plans, FlexAttention's compiles: seconds of CPU work)
-    # before this evaluation's turn on a shared GPU, so that it overlaps another's turn.
-    stage("baselines")
-    baselines = _warm_baselines(s)
-    turn.set_up(_sync(req))
-    turn.take("reference")
-    rng = random.Random(int(req.secret_seed))
-    cases = _cases(s, rng, s.dtype_name)
-    # Checked only, after the timed dtype passes; their references also exist before any
-    # candidate code runs.
-    others = {d: _cases(s, rng, d) for d in s.dtypes[1:]}
-    stage("ceiling")
+    if prepared is None:
+        prepared = prepare(req, stage, turn, s)
+    turn, baselines, rng, timer = prepared.turn, prepared.baselines, prepared.rng, prepared.timer
+    cases, others = prepared.cases, prepared.others
+    turn.take("ceiling")
     ceiling = _ceiling(s)
-    # Binds the clocks before any candidate code. Before the poisoning: setting up the GPU spin
-    # captures a CUDA graph, and torch empties the allocator cache when a capture begins.
-    stage("timer")
-    timer = GpuTimer(req.cache_dir or None) if req.on_gpu else CpuTimer()
     cpu = TimingCpu(req.timing_cpus) if req.on_gpu and req.pin_cpu else None
     if req.on_gpu:
         devinfo.poison_allocator([c.out_bytes for c in cases + sum(others.values(), [])])
@@ -193,6 +236,16 @@ def _setup(req: EvalRequest) -> Setup:
                  tol, path.parent, info, common, _now())
 
 
+def _named(s: Setup, req: EvalRequest) -> Setup:
+    """Returns a spare's set-up for the candidate `req` names, its clock starting now."""
+    path = Path(req.candidate).resolve()
+    return dataclasses.replace(s, req=req, root=path.parent,
+                               common={**s.common, "candidate": path.name,
+                                       "timing": req.timing, "baseline": req.baseline,
+                                       "device_info": dict(s.common["device_info"])},
+                               t_start=_now())
+
+
 def _static_scan(s: Setup) -> EvalResult | None:
     """Refuses library attention in any of the candidate's files (no candidate code runs)."""
     if s.req.policy != "kernel-only":
@@ -210,14 +263,19 @@ def _static_scan(s: Setup) -> EvalResult | None:
     return None
 
 
-def _cases(s: Setup, rng: random.Random, dtype_name: str) -> list[Case]:
-    """Returns the benchmark configs, then the domain shapes, with inputs in one dtype."""
+def _cases(s: Setup, rng: random.Random, dtype_name: str,
+           between: Callable[[], None] = lambda: None) -> list[Case]:
+    """Returns the benchmark configs, then the domain shapes, with inputs in one dtype
+    (`between`: called after each)."""
     import torch
     device = torch.device(s.req.device)
     dtype = getattr(torch, dtype_name)
-    return [prepare_case(s.problem, cfg, i >= len(s.configs), dtype, device, rng,
-                         s.req.trials, s.tol)
-            for i, cfg in enumerate(s.configs + s.domain)]
+    out = []
+    for i, cfg in enumerate(s.configs + s.domain):
+        out.append(prepare_case(s.problem, cfg, i >= len(s.configs), dtype, device, rng,
+                                s.req.trials, s.tol))
+        between()
+    return out
 
 
 def _check(s: Setup, guard: "_Guard", run: Callable[..., Any], dtype_name: str,
@@ -237,11 +295,12 @@ def _check_failure(s: Setup, dtype_name: str, checked: Checked) -> EvalResult | 
     return s.fail(verdict, reason, configs=checked.results[:len(s.configs)])
 
 
-def _warm_baselines(s: Setup) -> dict[str, Callable[..., Any]]:
+def _warm_baselines(s: Setup, between: Callable[[], None] = lambda: None
+                    ) -> dict[str, Callable[..., Any]]:
     """Calls each baseline once per timed config before any candidate code runs, so that what
     they compile (FlexAttention) or plan (cuDNN) is ready, and compiled into caches candidates
     cannot write. On inputs of their own (only shapes, dtypes and layouts matter here), made
-    and freed one config at a time."""
+    and freed one config at a time (`between`: called after each)."""
     if s.req.check_only or s.req.baseline_times is not None:
         return {}
     import torch
@@ -255,6 +314,7 @@ def _warm_baselines(s: Setup) -> dict[str, Callable[..., Any]]:
             for fn in baselines.values():
                 fn(inputs, cfg)
             del inputs
+            between()
     return baselines
 
 

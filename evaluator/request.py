@@ -103,6 +103,13 @@ class EvalRequest:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
 
+    def same_set_up(self, other: "EvalRequest") -> bool:
+        """Returns True if an evaluation set up for this request (harness.prepare: inputs,
+        references, the baselines' plans, made before a run's spare child knows its candidate)
+        serves `other`: they agree on every field that set-up reads."""
+        return all(getattr(self, f) == getattr(other, f) for f in _SET_UP_FIELDS) and \
+            (self.baseline_times is None) == (other.baseline_times is None)
+
     @property
     def on_gpu(self) -> bool:
         return self.device == "cuda"
@@ -153,3 +160,6 @@ class EvalRequest:
 
 
 DEFAULTS = EvalRequest()
+_SET_UP_FIELDS = ("problem", "device", "configs", "dtypes", "trials", "tolerance_factor",
+                  "tolerance_floor", "max_abs", "check_only", "cache_dir", "secret_seed",
+                  "gpu_lock")

@@ -40,15 +40,17 @@ class Channel:
             data = data[n:]
 
 
-def serve(fd: int, message: dict) -> None:
-    """Evaluates one request ({"nonce", "request"}), sends the result on fd, and exits."""
+def serve(fd: int, message: dict, prepared: object = None) -> None:
+    """Evaluates one request ({"nonce", "request"}), sends the result on fd, and exits.
+    `prepared`: what this process set up as a spare (harness.prepare)."""
     chan = Channel(fd, message["nonce"])
     from .harness import evaluate
     from .request import EvalRequest
     from .types import EvalResult, Verdict
     try:
         request = EvalRequest.from_json(message["request"])
-        result = evaluate(request, lambda stage: chan.send("stage", stage))
+        result = evaluate(request, lambda stage: chan.send("stage", stage),
+                          prepared)  # type: ignore[arg-type]
     except BaseException as e:  # noqa: BLE001 - the harness itself failed; still answer
         import traceback
         traceback.print_exc()
@@ -57,6 +59,32 @@ def serve(fd: int, message: dict) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)                        # skip candidate atexit hooks and destructors
+
+
+SPARE_UNPREPARED = 75                  # a spare's exit code when its set-up failed
+
+
+def serve_spare(fd: int, template: dict, go: str) -> None:
+    """A run's spare: sets up what the template request ({"request"}) needs before any
+    candidate is named (harness.prepare), then waits on the FIFO `go` for its candidate's
+    message ({"nonce", "request"}) and evaluates it. Exits without a result when the parent
+    closes `go` first (it had no candidate for it), and with SPARE_UNPREPARED when the
+    set-up failed (the parent then starts the candidate in a fresh process)."""
+    from .harness import prepare
+    from .request import EvalRequest
+    try:
+        prepared = prepare(EvalRequest.from_json(template["request"]), lambda stage: None)
+    except BaseException:  # noqa: BLE001 - no candidate yet: not a verdict on anyone
+        import traceback
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(SPARE_UNPREPARED)
+    with open(go, "rb") as f:          # blocks until the parent writes or closes
+        line = f.readline()
+    os.unlink(go)
+    if not line.endswith(b"\n"):
+        os._exit(0)
+    serve(fd, json.loads(line), prepared)
 
 
 def main() -> None:

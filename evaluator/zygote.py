@@ -6,8 +6,11 @@ own, moves into the candidate's directory, takes the candidate's environment,
 keeps only its log and its result FIFO open, and runs `worker.serve`. The zygote
 itself was started with the scrubbed child environment, so it holds no secrets.
 
+A job with a "go" FIFO forks a run's spare (worker.serve_spare): it sets up what needs no
+candidate, then reads its candidate's request from that FIFO.
+
 Protocol (one JSON object or word per line):
-    parent -> zygote   {"workdir", "env", "fifo", "log", "request"}   (request: a file path)
+    parent -> zygote   {"workdir", "env", "fifo", "log", "request"[, "go"]}   (paths)
     zygote -> parent   "ready" | "pid N" | "exit N STATUS" | "error TEXT"
 """
 from __future__ import annotations
@@ -41,6 +44,9 @@ def _child(job: dict, zygote_pid: int) -> None:
         with open(job["request"]) as f:
             request = json.load(f)
         os.unlink(job["request"])      # the nonce lives only in this process from here on
+        if job.get("go"):              # a spare: set up first, told its candidate later
+            from .worker import serve_spare
+            serve_spare(keep, request, job["go"])
         from .worker import serve
         serve(keep, request)
     except BaseException as e:  # noqa: BLE001 - report on the log, then die without a result

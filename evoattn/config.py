@@ -103,6 +103,10 @@ class EvaluatorConfig:
     # checks, Triton's compiles hand the turn on, and nothing else runs on the GPU while
     # one times. Faster only where set-ups and compiles are a large share (BENCHMARKS.md).
     per_gpu: int = 1
+    # On a GPU, each slot keeps a spare process that sets up the next candidate's evaluation
+    # (CUDA, the baselines' plans, inputs and references: seconds) while one is evaluated;
+    # never while another evaluation times (evaluator/gpu_turn.py). No effect with a station.
+    spare: bool = True
     # The fitness mode's target interval (relative half-width, 95%) for a plain candidate,
     # and whether it is timed in graph mode too. A candidate that would become a best is
     # re-measured against it head to head at the request's width (1%), in every mode.

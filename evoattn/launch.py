@@ -22,6 +22,14 @@ from typing import Any
 _ZYGOTE_START_S = 180.0
 
 
+def private_dir(work: str) -> Path:
+    """Returns (made) the directory in a candidate's `work` for its log and its channels, out
+    of reach of the program's own file names (which cannot begin with a dot: program.py)."""
+    own = Path(work) / ".evoattn"
+    own.mkdir(exist_ok=True)
+    return own
+
+
 class LaunchError(Exception):
     """The zygote could not start a child (the caller falls back to a fresh interpreter)."""
 
@@ -65,11 +73,21 @@ class PopenChild:
 class ZygoteChild:
     """A candidate process forked by the zygote; its exit status comes from the zygote."""
 
-    def __init__(self, zygote: "Zygote", pid: int, rfd: int, keepalive_fd: int) -> None:
+    def __init__(self, zygote: "Zygote", pid: int, rfd: int, keepalive_fd: int,
+                 go_fd: int | None = None) -> None:
         self.zygote = zygote
         self.pid = pid
         self.result_fd = rfd
         self._keepalive = keepalive_fd     # our own writer: the FIFO never reads as EOF
+        self._go = go_fd                   # a spare's: where its candidate's request goes
+
+    def go(self, request: dict[str, Any]) -> None:
+        """Tells a spare its candidate: one line on its go FIFO, whose end stays open (the
+        line stays readable) until close(); closed without a line, the spare exits."""
+        assert self._go is not None
+        data = (json.dumps(request) + "\n").encode()
+        while data:
+            data = data[os.write(self._go, data):]
 
     def returncode(self) -> int | None:
         status = self.zygote.exit_status(self.pid)
@@ -84,6 +102,9 @@ class ZygoteChild:
     def close(self) -> None:
         os.close(self.result_fd)
         os.close(self._keepalive)
+        if self._go is not None:
+            os.close(self._go)
+            self._go = None
 
 
 class Zygote:
@@ -115,18 +136,25 @@ class Zygote:
         return self.proc.poll()
 
     def launch(self, request: dict[str, Any], work: str, env: dict[str, str],
-               log_path: Path) -> ZygoteChild:
-        """Forks a child for this request; raises LaunchError if the zygote fails."""
-        req_path = Path(work) / "request.json"
+               log_path: Path, spare: bool = False) -> ZygoteChild:
+        """Forks a child for this request; raises LaunchError if the zygote fails.
+        `spare`: the child sets up for the request, then waits for ZygoteChild.go()."""
+        own = private_dir(work)
+        req_path = own / "request.json"
         fd = os.open(req_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(request, f)
-        fifo = Path(work) / "result.fifo"
+        fifo = own / "result.fifo"
         os.mkfifo(fifo, 0o600)
         rfd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
         keep = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
         job = {"workdir": work, "env": env, "fifo": str(fifo), "log": str(log_path),
                "request": str(req_path)}
+        go = None
+        if spare:
+            job["go"] = str(own / "go.fifo")
+            os.mkfifo(job["go"], 0o600)
+            go = os.open(job["go"], os.O_RDWR)    # a writer from the start: its open never waits
         try:
             assert self.proc.stdin is not None
             self.proc.stdin.write((json.dumps(job) + "\n").encode())
@@ -137,10 +165,12 @@ class Zygote:
                 if line is None:
                     raise LaunchError("the zygote did not answer")
                 if line.startswith("pid "):
-                    return ZygoteChild(self, int(line.split()[1]), rfd, keep)
+                    return ZygoteChild(self, int(line.split()[1]), rfd, keep, go)
         except (OSError, LaunchError, ValueError) as e:
             os.close(rfd)
             os.close(keep)
+            if go is not None:
+                os.close(go)
             req_path.unlink(missing_ok=True)
             raise LaunchError(f"zygote launch failed: {e}") from None
 

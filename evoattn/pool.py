@@ -195,7 +195,8 @@ def make_evaluator(cfg: Any, request: EvalRequest, secret_names: tuple[str, ...]
 
     def make(device: str) -> Any:
         return slot_evaluator(request, device, secret_names, ev.run_factor, ev.run_floor_s,
-                              refresh, plain, share, blocks.get(device, ()))
+                              refresh, plain, share, blocks.get(device, ()),
+                              spare=ev.spare and device != "cpu")
     if request.device == "cpu":
         return LocalPool(["cpu"], make)
     return LocalPool(gpus, make,
@@ -206,16 +207,16 @@ def make_evaluator(cfg: Any, request: EvalRequest, secret_names: tuple[str, ...]
 def slot_evaluator(request: EvalRequest, device: str, secret_names: tuple[str, ...],
                    factor: float, floor_s: float, station_refresh_s: float | None = None,
                    plain: dict[str, Any] | None = None, share: int = 1,
-                   timing_cpus: tuple[int, ...] = ()) -> Any:
+                   timing_cpus: tuple[int, ...] = (), spare: bool = False) -> Any:
     """Returns the evaluator of one slot: its children see only `device` (a GPU id), take
     turns on it with the other `share` - 1 slots of that GPU, time on the fastest of
     `timing_cpus` (empty: of any CPU), and its station (when station_refresh_s is set) times
     the baselines for them; `plain`: the request fields of a candidate evaluated without a
-    rival."""
+    rival; `spare`: keep a spare child setting up the next candidate (SandboxSettings)."""
     sandbox = SandboxSettings(secret_env_names=secret_names,
                               visible_device=None if device == "cpu" else device,
                               station_refresh_s=station_refresh_s, gpu_share=share,
-                              timing_cpus=tuple(timing_cpus))
+                              timing_cpus=tuple(timing_cpus), spare=spare)
     return _Calibrated(SubprocessEvaluator(request, sandbox, plain), factor, floor_s)
 
 

@@ -23,13 +23,14 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from evaluator import program
 from evaluator.request import EvalRequest
 from evaluator.types import EvalResult, Verdict
+from evaluator.worker import SPARE_UNPREPARED
 
-from .launch import LaunchError, PopenChild, Zygote, pid_alive
+from .launch import LaunchError, PopenChild, Zygote, ZygoteChild, pid_alive, private_dir
 from .station import Station, StationError
 
 _ENV_KEEP = re.compile(r"^(PATH|LD_LIBRARY_PATH|LANG|LC_\w+|CUDA_\w+|NVIDIA_\w+|TRITON_\w+|"
@@ -40,6 +41,8 @@ _ENV_SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH|COOKIE|SESSION
                          re.IGNORECASE)
 _STARTUP_S = 120.0   # importing torch and CUDA initialisation, before the build starts
 GPU_WAIT_SLACK_S = 10.0   # a turn's end: the kill of a child past its deadline, its exit
+SPARES = 2                # spare children a slot keeps (SandboxSettings.spare): one set up,
+                          # one setting up while a candidate checks
 
 
 def child_env(base: dict[str, str], workdir: str, cache_dir: str, device: str,
@@ -81,6 +84,11 @@ class SandboxSettings:
     # The CPUs the children's timing picks its CPU from (evaluator/cpu_pin.py); empty: any
     # of theirs. A machine's GPUs get disjoint blocks.
     timing_cpus: tuple[int, ...] = ()
+    # Keep a spare child forked from the zygote that sets up the next candidate's evaluation
+    # (CUDA, the baselines' plans, inputs and references) while this one is evaluated; its
+    # set-up never overlaps another evaluation's timing (a GPU lock, evaluator/gpu_turn.py).
+    # A run's slots on a GPU use one; without the zygote or with a station, none is kept.
+    spare: bool = False
 
     def gpu_wait_s(self, run_timeout_s: float) -> float:
         """How long a child may wait for its turn: each other sharer's turn (its run stage,
@@ -106,7 +114,8 @@ class SubprocessEvaluator:
         os.makedirs(cache, exist_ok=True)
         self.sandbox = dataclasses.replace(sandbox, cache_dir=cache)
         self.request = dataclasses.replace(request, cache_dir=cache)
-        if sandbox.gpu_share > 1 and request.device == "cuda":
+        self._spares = sandbox.spare and sandbox.zygote and sandbox.station_refresh_s is None
+        if (sandbox.gpu_share > 1 and request.device == "cuda") or self._spares:
             self.request = dataclasses.replace(self.request, gpu_lock=gpu_lock_path(
                 cache, sandbox.visible_device or "default"))
         if sandbox.timing_cpus:
@@ -120,6 +129,8 @@ class SubprocessEvaluator:
         self._closed = False
         self._abort = threading.Event()
         self._station: Station | None = None
+        self._spare_queue: list[_Spare] = []     # oldest (most likely set up) first
+        self._spare_lock = threading.Lock()
         if sandbox.station_refresh_s is not None:
             env = child_env(dict(os.environ), "", cache, request.device, sandbox.secret_env_names)
             if sandbox.visible_device is not None and request.device == "cuda":
@@ -169,7 +180,7 @@ class SubprocessEvaluator:
                 pass
 
     def close(self) -> None:
-        """Stops the zygote and the station, if they were started."""
+        """Stops the zygote, its spare child and the station, if they were started."""
         with self._zygote_lock:
             self._closed = True
         self._stop_zygote()
@@ -186,10 +197,56 @@ class SubprocessEvaluator:
         return env
 
     def _stop_zygote(self) -> None:
+        self._drop_spare()                     # the zygote's child
         with self._zygote_lock:
             if self._zygote is not None:
                 self._zygote.close()
                 self._zygote = None
+
+    def _spare_template(self) -> EvalRequest:
+        """The request a spare prepares for: a plain candidate's, its secret drawn now."""
+        return dataclasses.replace(self.request, **self.plain, secret_seed=secrets.randbits(62))
+
+    def _fork_spare(self, only_if_none: bool = False) -> None:
+        """Forks a spare child for a later candidate, up to SPARES of them (`only_if_none`: if
+        there is none)."""
+        if not self._spares or self._zygote_failed or self._abort.is_set():
+            return
+        with self._spare_lock:
+            if len(self._spare_queue) >= (1 if only_if_none else SPARES):
+                return
+        work = tempfile.mkdtemp(prefix="evoattn-")
+        template = self._spare_template()
+        log_path = private_dir(work) / "child.log"
+        try:
+            child = self._ready_zygote().launch({"nonce": "", "request": template.to_json()},
+                                                work, self.child_environment(work), log_path,
+                                                spare=True)
+        except LaunchError:
+            shutil.rmtree(work, ignore_errors=True)
+            return                              # the candidate's own launch will say why
+        with self._spare_lock:
+            self._spare_queue.append(_Spare(child, work, template))
+
+    def _take_spare(self, req: EvalRequest) -> "_Spare | None":
+        """Returns the oldest spare that is alive and set up for `req` (secret and directory
+        aside, which the caller takes from it); drops those that are not."""
+        while True:
+            with self._spare_lock:
+                if not self._spare_queue:
+                    return None
+                spare = self._spare_queue.pop(0)
+            probe = dataclasses.replace(req, secret_seed=spare.template.secret_seed,
+                                        cache_dir=spare.template.cache_dir)
+            if spare.child.returncode() is None and spare.template.same_set_up(probe):
+                return spare
+            spare.discard()
+
+    def _drop_spare(self) -> None:
+        with self._spare_lock:
+            spares, self._spare_queue = self._spare_queue, []
+        for spare in spares:
+            spare.discard()
 
     def _ready_zygote(self) -> Zygote:
         """Returns the zygote, started if it is not running."""
@@ -204,8 +261,11 @@ class SubprocessEvaluator:
 
     def _evaluate_once(self, source: str, suffix: str, label: str,
                        rival: str | None = None) -> EvalResult:
-        work = tempfile.mkdtemp(prefix="evoattn-")
         t0 = time.monotonic()
+        base = self.request if rival is not None else dataclasses.replace(self.request,
+                                                                          **self.plain)
+        spare = self._take_spare(base) if self._spares else None
+        work = spare.work if spare is not None else tempfile.mkdtemp(prefix="evoattn-")
         try:
             try:
                 main = program.write(source, work, f"candidate{suffix}")
@@ -214,19 +274,20 @@ class SubprocessEvaluator:
             except (program.ProgramError, OSError) as e:
                 return EvalResult.failure(Verdict.LOAD_ERROR, f"cannot write the program: {e}",
                                           problem=self.request.problem, candidate=label)
-            req = self.request if rival is not None else dataclasses.replace(self.request,
-                                                                             **self.plain)
-            req = dataclasses.replace(req, candidate=str(main),
+            req = dataclasses.replace(base, candidate=str(main),
                                       allowed_dirs=(work, os.path.join(self.sandbox.cache_dir,
                                                                        "triton")),
-                                      secret_seed=secrets.randbits(62),
+                                      secret_seed=spare.template.secret_seed if spare else
+                                      secrets.randbits(62),
                                       rival=str(rival_main or ""))
             # A duel times the baselines beside both programs; otherwise the station's times.
             req = req if rival is not None else self._with_station(req)
-            result, stages = self._run_child(req, work)
+            result, stages = self._run_child(req, work, spare)
             return dataclasses.replace(result, candidate=label, stage_s=stages,
                                        duration_s=round(time.monotonic() - t0, 3))
         finally:
+            if spare is not None:
+                spare.discard()                 # (its child has ended: closes its handle)
             shutil.rmtree(work, ignore_errors=True)
 
     def _with_station(self, req: EvalRequest) -> EvalRequest:
@@ -259,20 +320,32 @@ class SubprocessEvaluator:
                       "fresh interpreter", file=sys.stderr)
         return PopenChild(message, work, env, log_path)
 
-    def _run_child(self, req: EvalRequest, work: str) -> tuple[EvalResult, dict[str, float]]:
-        """Returns the child's result and the wall seconds spent in each stage it reported."""
+    def _run_child(self, req: EvalRequest, work: str,
+                   spare: "_Spare | None" = None) -> tuple[EvalResult, dict[str, float]]:
+        """Returns the child's result and the wall seconds spent in each stage it reported;
+        `spare`: a prepared child for it, told its candidate here (else one is started)."""
         s = self.sandbox
         env = self.child_environment(work)
-        log_path = Path(work) / "child.log"
+        log_path = private_dir(work) / "child.log"
         nonce = secrets.token_hex(16)
         marks: list[tuple[str, float]] = [("start", time.monotonic())]   # zygote start too
-        child = self._launch({"nonce": nonce, "request": req.to_json()}, work, env, log_path)
-        watch = _Watch(child, req, s, self._zygote if s.zygote else None, self._abort)
+        message = {"nonce": nonce, "request": req.to_json()}
+        if spare is not None:
+            spare.child.go(message)
+            child = spare.child
+        else:
+            child = self._launch(message, work, env, log_path)
+        self._fork_spare(only_if_none=True)    # the next candidate's, set up meanwhile
+        # More once this child's timing is over: their set-up (which waits for the end of any
+        # timing) then overlaps the next candidate's checks, not its timing.
+        watch = _Watch(child, req, s, self._zygote if s.zygote else None, self._abort,
+                       self._fork_spare)
         try:
             result, reason = watch.follow(nonce, marks)
         finally:
             child.kill()
-            child.close()
+            if spare is None:
+                child.close()
         stages = _stage_seconds(marks, time.monotonic())
         tail = _tail(log_path)
         common = dict(log_tail=tail, problem=req.problem, timing=req.timing,
@@ -285,14 +358,37 @@ class SubprocessEvaluator:
                                   **common), stages
 
 
+@dataclasses.dataclass
+class _Spare:
+    """A spare child (evaluator/worker.serve_spare), its directory and what it prepares for."""
+
+    child: ZygoteChild
+    work: str
+    template: EvalRequest
+    closed: bool = False
+
+    def discard(self) -> None:
+        """Ends the child (unless it is evaluating: its caller kills it), closes its handle
+        and removes its directory; once."""
+        if self.closed:
+            return
+        self.closed = True
+        self.child.kill()
+        self.child.close()
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
 class _Watch:
     """Follows one child: its messages, its deadlines, its memory, and the evaluator's health."""
 
     def __init__(self, child: Any, req: EvalRequest, s: SandboxSettings,
-                 zygote: Zygote | None, abort: threading.Event) -> None:
+                 zygote: Zygote | None, abort: threading.Event,
+                 timed: Callable[[], None] = lambda: None) -> None:
+        """`timed`: called once the child is past its timing (or has answered)."""
         self.child, self.req, self.s, self.zygote = child, req, s, zygote
         self.abort = abort
         self.stage = "start"
+        self._timed: Callable[[], None] | None = timed
 
     def follow(self, nonce: str, marks: list[tuple[str, float]]
                ) -> tuple[dict[str, Any] | None, tuple[Verdict, str] | None]:
@@ -338,19 +434,27 @@ class _Watch:
                     now, was = time.monotonic(), self.stage
                     self.stage = str(msg["payload"])[:40]
                     marks.append((self.stage, now))
+                    if was == "time" != self.stage:
+                        self._past_timing()
+                    if was == "build" != self.stage:  # the run: everything after the build
+                        deadline = now + req.run_timeout_s
                     if self.stage == "build":
                         deadline = now + req.build_timeout_s
-                    elif self.stage == "baselines":   # everything after the build
-                        deadline = now + req.run_timeout_s
                     elif self.stage == "gpu-wait":    # the others' turns: not its own time
                         left = deadline - now
                         deadline = now + self.s.gpu_wait_s(req.run_timeout_s)
                     elif was == "gpu-wait":
                         deadline = now + left
                 elif msg["type"] == "result":
+                    self._past_timing()
                     return msg["payload"], None    # the first result wins
             if dead and not chunk:
                 return None, self._death_fault()
+
+    def _past_timing(self) -> None:
+        if self._timed is not None:
+            timed, self._timed = self._timed, None
+            timed()
 
     def _fault(self) -> str | None:
         """Returns why the evaluator itself failed (its zygote died), or None."""
@@ -370,6 +474,9 @@ class _Watch:
         if code == -signal.SIGKILL or (code is None and not pid_alive(self.child.pid)):
             return Verdict.EVALUATOR_FAULT, (f"the candidate's process was killed from outside "
                                              f"(SIGKILL) in stage '{self.stage}'")
+        if code == SPARE_UNPREPARED and self.stage == "start":
+            return Verdict.EVALUATOR_FAULT, "the spare process's set-up failed before it " \
+                "was told its candidate"
         return self._fault_verdict()
 
     def _fault_verdict(self) -> tuple[Verdict, str] | None:

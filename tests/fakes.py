@@ -77,10 +77,11 @@ def attention(q, k, v, causal=False, scale=None):
 
 
 def sandboxed(*, cache_dir: str = "", zygote: bool | None = None,
-              max_host_mem_bytes: int | None = None, **request: object) -> SubprocessEvaluator:
+              max_host_mem_bytes: int | None = None, spare: bool = False,
+              **request: object) -> SubprocessEvaluator:
     """Returns a real sandboxed evaluator: request fields and sandbox settings by keyword."""
     from evaluator.request import EvalRequest
-    sandbox: dict[str, object] = {"cache_dir": cache_dir}
+    sandbox: dict[str, object] = {"cache_dir": cache_dir, "spare": spare}
     if zygote is not None:
         sandbox["zygote"] = zygote
     if max_host_mem_bytes is not None:

@@ -13,6 +13,7 @@ import os
 import random
 import re
 import secrets
+from typing import Iterator
 from pathlib import Path
 
 import pytest
@@ -393,10 +394,14 @@ GPU_CONFIGS = ({"B": 2, "H": 4, "S": 512, "D": 64, "causal": False},
                {"B": 2, "H": 4, "S": 512, "D": 64, "causal": True})
 
 
-@pytest.fixture(scope="module")
-def gpu_eval(cache_dir: str) -> SubprocessEvaluator:
-    return sandboxed(device="cuda", cache_dir=cache_dir,
-                                            configs=GPU_CONFIGS, reps=20, warmup=3)
+@pytest.fixture(scope="module", params=["fresh", "spare"])
+def gpu_eval(cache_dir: str, request: pytest.FixtureRequest) -> Iterator[SubprocessEvaluator]:
+    """A fresh child per candidate (`evoattn eval`), or a run's spare children, set up before
+    they are told their candidate."""
+    ev = sandboxed(device="cuda", cache_dir=cache_dir, configs=GPU_CONFIGS, reps=20, warmup=3,
+                   spare=request.param == "spare")
+    yield ev
+    ev.close()
 
 
 @gpu

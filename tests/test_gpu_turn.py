@@ -1,5 +1,6 @@
-"""A shared GPU's turns: held from the references to the end of timing, yielded while Triton
-compiles during the checks only, the device synchronised before it is yielded."""
+"""A shared GPU's turns: held from the end of the set-up to the end of timing, yielded while
+Triton compiles during the checks only, the device synchronised before it is yielded; a set-up
+in steps, each of which lets a due timing go first."""
 from __future__ import annotations
 
 import fcntl
@@ -73,6 +74,36 @@ def test_a_set_up_waits_while_another_evaluation_times(tmp_path: Path) -> None:
     t.join(timeout=10)
     quiet.close()
     assert made and not _free(Path(str(path) + ".quiet"))
+
+
+def test_a_due_timing_waits_for_a_set_up_s_step_not_the_whole_set_up(tmp_path: Path) -> None:
+    """Another evaluation (a run's spare) sets up in steps; a timing that falls due runs after
+    the step in progress, and that set-up's next step waits for the timing to end."""
+    import threading
+    path = tmp_path / "gpu.lock"
+    theirs: list[str] = []
+    setting_up = GpuTurn(str(path), theirs.append)        # its set-up, in progress
+    mine = GpuTurn(str(path), lambda s: None)
+    mine.set_up(lambda: None)
+    mine.take("time")
+    due = threading.Thread(target=mine.timing)
+    due.start()
+    due.join(timeout=0.5)
+    assert due.is_alive()                                  # the step in progress goes on
+    synced: list[int] = []
+    step = threading.Thread(target=lambda: setting_up.step(lambda: synced.append(1),
+                                                          "reference"))
+    step.start()
+    due.join(timeout=10)
+    assert not due.is_alive() and synced == [1]            # in at the step's end
+    step.join(timeout=0.5)
+    assert step.is_alive() and theirs == ["gpu-wait"]      # the next step waits ...
+    mine.release()
+    step.join(timeout=10)
+    assert not step.is_alive() and theirs == ["gpu-wait", "reference"]   # ... for its end
+    assert not _free(Path(str(path) + ".quiet"))
+    setting_up.set_up(lambda: None)
+    assert _free(Path(str(path) + ".quiet")) and _free(Path(str(path) + ".next"))
 
 
 def test_the_compile_hooks_are_triton_s_own(tmp_path: Path) -> None:

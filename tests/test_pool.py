@@ -274,10 +274,19 @@ def test_slots_per_gpu_share_each_gpu_its_lock_and_the_run_s_plain_protocol(
         assert set(cpus[0]) | set(cpus[2]) == os.sched_getaffinity(0)
     finally:
         pool.close()
+    # One slot per GPU: its spare children's set-up keeps out of its timing by the same lock
     alone = make_evaluator(RunConfig(evaluator=EvaluatorConfig(per_gpu=1)),
                            EvalRequest(device="cuda"), ())
     try:
-        assert alone.slots == 2 and all(not ev.evaluator.request.gpu_lock
-                                        for ev in alone._evaluators)
+        assert alone.slots == 2 and [os.path.basename(ev.evaluator.request.gpu_lock)
+                                     for ev in alone._evaluators] == ["gpu-4.lock", "gpu-6.lock"]
+        assert all(ev.evaluator._spares for ev in alone._evaluators)
     finally:
         alone.close()
+    bare = make_evaluator(RunConfig(evaluator=EvaluatorConfig(per_gpu=1, spare=False)),
+                          EvalRequest(device="cuda"), ())
+    try:
+        assert all(not ev.evaluator.request.gpu_lock and not ev.evaluator._spares
+                   for ev in bare._evaluators)
+    finally:
+        bare.close()

@@ -9,6 +9,7 @@ import json
 import signal
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,8 @@ from evoattn import sandbox
 from evoattn.sandbox import child_env, detect_target
 from fakes import sandboxed
 from evaluator.types import Verdict
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_child_env_drops_secrets_and_keeps_the_allow_list() -> None:
@@ -258,8 +261,9 @@ def test_a_child_sets_up_its_baselines_then_waits_for_its_turn_on_a_shared_gpu(
         ev.close()
     r = out[0]
     assert r.verdict is Verdict.PASS, r.reason
-    order = list(r.stage_s)
-    assert order.index("baselines") < order.index("gpu-wait") < order.index("reference")
+    order = list(r.stage_s)      # its references are set-up too: made before its turn
+    assert order.index("baselines") < order.index("reference") < order.index("gpu-wait") < \
+        order.index("load")
     assert r.stage_s["gpu-wait"] > 2.0
     assert sandbox.run_deadline(r, 10.0, 1.0, 1e9) == pytest.approx(
         10 * sum(v for k, v in r.stage_s.items() if k not in ("start", "build", "gpu-wait")))
@@ -290,7 +294,7 @@ def test_a_plain_candidate_takes_the_run_s_looser_protocol_and_a_duel_the_reques
                                      sandbox.SandboxSettings(cache_dir=str(tmp_path)),
                                      plain={"width": 0.02, "graph": False, "heat": False})
     seen: list = []
-    ev._run_child = lambda req, work: (seen.append(req), (  # type: ignore[method-assign]
+    ev._run_child = lambda req, work, spare: (seen.append(req), (  # type: ignore[method-assign]
         sandbox.EvalResult.failure(Verdict.CRASH, "not run"), {}))[1]
     ev.evaluate("x = 1\n", ".py")
     ev.evaluate("x = 1\n", ".py", rival="x = 2\n")
@@ -339,3 +343,112 @@ def test_the_station_times_baselines_by_the_plain_candidates_protocol(tmp_path) 
         assert ev.request.heat is True                                   # duels keep it
     finally:
         ev.close()
+
+
+def _spared(tmp_path, **request) -> sandbox.SubprocessEvaluator:  # noqa: ANN001, ANN003
+    return sandboxed(device="cpu", cache_dir=str(tmp_path / "cache"), policy="allow-library",
+                     reps=2, warmup=1, spare=True, **request)
+
+
+def test_a_spare_child_sets_up_the_next_evaluation_before_its_candidate_is_named(
+        tmp_path) -> None:  # noqa: ANN001
+    """A run's slot keeps a spare: forked while one candidate is evaluated, it makes its
+    inputs, references and baselines' plans, then evaluates the next candidate it is told,
+    with the same verdicts as a fresh child; closing the evaluator ends it."""
+    ev = _spared(tmp_path)
+    wrong = "import torch\n\ndef attention(q, k, v, causal=False, scale=None):\n    return q\n"
+    try:
+        first = ev.evaluate(_OK, ".py")
+        assert first.verdict is Verdict.PASS, first.reason
+        assert "reference" in first.stage_s                    # set up in its own time
+        assert len(ev._spare_queue) == sandbox.SPARES      # one forked at its start, one after
+        spare = ev._spare_queue[0]                         # its timing
+        assert spare.child.returncode() is None
+        assert spare.template.gpu_lock and ev.request.gpu_lock == spare.template.gpu_lock
+        second = ev.evaluate(_OK, ".py")
+        assert second.verdict is Verdict.PASS, second.reason
+        assert not {"baselines", "reference"} & second.stage_s.keys(), second.stage_s
+        assert spare.closed and not os.path.exists(spare.work)   # used once, then gone
+        assert ev.evaluate(wrong, ".py").verdict is Verdict.INCORRECT
+        last = ev._spare_queue[-1]
+        assert spare not in ev._spare_queue
+    finally:
+        ev.close()
+    assert not _running(last.child.pid) and not os.path.exists(last.work)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_spare_set_up_for_another_request_or_dead_is_not_used(tmp_path) -> None:  # noqa: ANN001
+    from evaluator.request import EvalRequest
+    base = EvalRequest(device="cpu", secret_seed=7)
+    assert base.same_set_up(dataclasses.replace(base, width=0.02, graph=False, candidate="x"))
+    for change in ({"trials": 2}, {"secret_seed": 8}, {"dtypes": ("bfloat16",)},
+                   {"baseline_times": {}}):
+        assert not base.same_set_up(dataclasses.replace(base, **change)), change
+    ev = _spared(tmp_path)
+    try:
+        assert ev.evaluate(_OK, ".py").verdict is Verdict.PASS
+        stale = ev._spare_queue[0]
+        ev.request = dataclasses.replace(ev.request, trials=2)   # set up with 3 trials
+        r = ev.evaluate(_OK, ".py")
+        assert r.verdict is Verdict.PASS and "reference" in r.stage_s
+        assert stale.closed and not _running(stale.child.pid)
+        for dead in ev._spare_queue:
+            os.kill(dead.child.pid, signal.SIGKILL)
+        r = ev.evaluate(_OK, ".py")
+        assert r.verdict is Verdict.PASS and "reference" in r.stage_s, r.reason
+    finally:
+        ev.close()
+
+
+def test_a_spare_whose_set_up_fails_is_replaced_not_blamed_on_a_candidate(
+        tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    import time
+    from evaluator.worker import SPARE_UNPREPARED
+    ev = _spared(tmp_path)
+    real = ev._spare_template
+    monkeypatch.setattr(ev, "_spare_template", lambda: dataclasses.replace(
+        real(), problem=str(tmp_path / "no_such_problem.py")))
+    try:
+        assert ev.evaluate(_OK, ".py").verdict is Verdict.PASS
+        until = time.monotonic() + 60
+        while any(b.child.returncode() is None for b in ev._spare_queue) and \
+                time.monotonic() < until:
+            time.sleep(0.05)
+        assert [b.child.returncode() for b in ev._spare_queue] == [SPARE_UNPREPARED] * 2
+        r = ev.evaluate(_OK, ".py")
+        assert r.verdict is Verdict.PASS and "reference" in r.stage_s, r.reason
+    finally:
+        ev.close()
+
+
+def test_a_spare_dies_with_the_tool_however_it_ends(tmp_path) -> None:  # noqa: ANN001
+    """SIGKILL of the parent while its spare waits for a candidate: nothing stays."""
+    import subprocess
+    import sys
+    import time
+    script = (f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]\n"
+              "from fakes import sandboxed\n"
+              f"ev = sandboxed(device='cpu', cache_dir={str(tmp_path / 'cache')!r}, "
+              "policy='allow-library', reps=2, warmup=1, spare=True)\n"
+              f"print(ev.evaluate({_OK!r}, '.py').verdict.value, ev._spare_queue[0].child.pid, "
+              "ev._zygote.proc.pid, flush=True)\n"
+              "import time; time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        verdict, spare, zygote = proc.stdout.readline().split()
+        assert verdict == "pass" and _running(int(spare)) and _running(int(zygote))
+    finally:
+        proc.kill()
+        proc.wait()
+    until = time.monotonic() + 20
+    while (_running(int(spare)) or _running(int(zygote))) and time.monotonic() < until:
+        time.sleep(0.1)
+    assert not _running(int(spare)) and not _running(int(zygote))
