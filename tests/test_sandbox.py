@@ -452,3 +452,25 @@ def test_a_spare_dies_with_the_tool_however_it_ends(tmp_path) -> None:  # noqa: 
     while (_running(int(spare)) or _running(int(zygote))) and time.monotonic() < until:
         time.sleep(0.1)
     assert not _running(int(spare)) and not _running(int(zygote))
+
+
+def test_a_spare_s_candidate_finds_no_request_or_channel_left_in_its_directory(
+        tmp_path) -> None:  # noqa: ANN001
+    """The spare read its set-up request (with the secret seed of its inputs) and its
+    candidate's request at once, and removed both files and the go FIFO (its result FIFO is
+    the process's own fd 3 anyway)."""
+    probe = ("import os\nimport torch\n\n"
+             "left = [os.path.join(d, f) for d, _, fs in os.walk('.') for f in fs\n"
+             "        if f.endswith('.json') or f == 'go.fifo']\n"
+             "if left:\n    raise RuntimeError(f'left behind: {left}')\n\n"
+             "def attention(q, k, v, causal=False, scale=None):\n"
+             "    return torch.nn.functional.scaled_dot_product_attention(q, k, v, "
+             "is_causal=causal, scale=scale)\n")
+    ev = _spared(tmp_path)
+    try:
+        ev.evaluate(_OK, ".py")                   # forks the spares
+        r = ev.evaluate(probe, ".py")
+    finally:
+        ev.close()
+    assert r.verdict is Verdict.PASS, r.reason
+    assert "reference" not in r.stage_s           # it ran in a spare
