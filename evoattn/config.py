@@ -103,7 +103,7 @@ class EvaluatorConfig:
     # checks, Triton's compiles hand the turn on, and nothing else runs on the GPU while
     # one times. Faster only where set-ups and compiles are a large share (BENCHMARKS.md).
     per_gpu: int = 1
-    # On a GPU, each slot keeps a spare process that sets up the next candidate's evaluation
+    # On a GPU, each slot keeps spare processes that set up the next candidates' evaluations
     # (CUDA, the baselines' plans, inputs and references: seconds) while one is evaluated;
     # never while another evaluation times (evaluator/gpu_turn.py). No effect with a station.
     spare: bool = True

@@ -212,7 +212,7 @@ def slot_evaluator(request: EvalRequest, device: str, secret_names: tuple[str, .
     turns on it with the other `share` - 1 slots of that GPU, time on the fastest of
     `timing_cpus` (empty: of any CPU), and its station (when station_refresh_s is set) times
     the baselines for them; `plain`: the request fields of a candidate evaluated without a
-    rival; `spare`: keep a spare child setting up the next candidate (SandboxSettings)."""
+    rival; `spare`: keep spare children setting up the next candidates (SandboxSettings)."""
     sandbox = SandboxSettings(secret_env_names=secret_names,
                               visible_device=None if device == "cpu" else device,
                               station_refresh_s=station_refresh_s, gpu_share=share,

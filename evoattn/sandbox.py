@@ -84,10 +84,10 @@ class SandboxSettings:
     # The CPUs the children's timing picks its CPU from (evaluator/cpu_pin.py); empty: any
     # of theirs. A machine's GPUs get disjoint blocks.
     timing_cpus: tuple[int, ...] = ()
-    # Keep a spare child forked from the zygote that sets up the next candidate's evaluation
-    # (CUDA, the baselines' plans, inputs and references) while this one is evaluated; its
-    # set-up never overlaps another evaluation's timing (a GPU lock, evaluator/gpu_turn.py).
-    # A run's slots on a GPU use one; without the zygote or with a station, none is kept.
+    # Keep spare children (SPARES), forked from the zygote, that set up the next candidates'
+    # evaluations (CUDA, the baselines' plans, inputs and references) while one is evaluated;
+    # a set-up never overlaps another evaluation's timing (a GPU lock, evaluator/gpu_turn.py).
+    # A run's slots on a GPU keep them; without the zygote or with a station, none is kept.
     spare: bool = False
 
     def gpu_wait_s(self, run_timeout_s: float) -> float:
@@ -180,7 +180,7 @@ class SubprocessEvaluator:
                 pass
 
     def close(self) -> None:
-        """Stops the zygote, its spare child and the station, if they were started."""
+        """Stops the zygote, its spare children and the station, if they were started."""
         with self._zygote_lock:
             self._closed = True
         self._stop_zygote()
@@ -197,7 +197,7 @@ class SubprocessEvaluator:
         return env
 
     def _stop_zygote(self) -> None:
-        self._drop_spare()                     # the zygote's child
+        self._drop_spares()                    # the zygote's children
         with self._zygote_lock:
             if self._zygote is not None:
                 self._zygote.close()
@@ -229,20 +229,19 @@ class SubprocessEvaluator:
             self._spare_queue.append(_Spare(child, work, template))
 
     def _take_spare(self, req: EvalRequest) -> "_Spare | None":
-        """Returns the oldest spare that is alive and set up for `req` (secret and directory
-        aside, which the caller takes from it); drops those that are not."""
+        """Returns the oldest spare that is alive and set up for `req` (its secret seed
+        aside, which the caller takes from it, as its directory); drops those that are not."""
         while True:
             with self._spare_lock:
                 if not self._spare_queue:
                     return None
                 spare = self._spare_queue.pop(0)
-            probe = dataclasses.replace(req, secret_seed=spare.template.secret_seed,
-                                        cache_dir=spare.template.cache_dir)
+            probe = dataclasses.replace(req, secret_seed=spare.template.secret_seed)
             if spare.child.returncode() is None and spare.template.same_set_up(probe):
                 return spare
             spare.discard()
 
-    def _drop_spare(self) -> None:
+    def _drop_spares(self) -> None:
         with self._spare_lock:
             spares, self._spare_queue = self._spare_queue, []
         for spare in spares:
@@ -368,8 +367,7 @@ class _Spare:
     closed: bool = False
 
     def discard(self) -> None:
-        """Ends the child (unless it is evaluating: its caller kills it), closes its handle
-        and removes its directory; once."""
+        """Ends the child, closes its handle and removes its directory; once."""
         if self.closed:
             return
         self.closed = True
