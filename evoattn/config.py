@@ -106,6 +106,7 @@ class EvaluatorConfig:
     # On a GPU, each slot keeps spare processes that set up the next candidates' evaluations
     # (CUDA, the baselines' plans, inputs and references: seconds) while one is evaluated;
     # never while another evaluation times (evaluator/gpu_turn.py). No effect with a station.
+    # A candidate out of GPU memory beside them is evaluated again without (sandbox.py).
     spare: bool = True
     # The fitness mode's target interval (relative half-width, 95%) for a plain candidate,
     # and whether it is timed in graph mode too. A candidate that would become a best is

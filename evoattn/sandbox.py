@@ -153,7 +153,27 @@ class SubprocessEvaluator:
                                            f"{result.reason})")
             return dataclasses.replace(again, flags=again.flags + (
                 f"evaluated again after an evaluator fault: {result.reason}",))
+        if result.verdict is Verdict.OOM and self._spares and not self._abort.is_set() and \
+                not result.reason.startswith("host memory"):
+            return self._without_spares(result, source, suffix, label, rival)
         return result
+
+    def _without_spares(self, result: EvalResult, source: str, suffix: str, label: str,
+                        rival: str | None) -> EvalResult:
+        """A candidate out of GPU memory beside this slot's spares (which hold memory of their
+        own) is evaluated again with none. If it fits alone, the spares were the cause: this
+        slot keeps none from now on (said once); if not, the verdict stands."""
+        self._spares = False
+        self._drop_spares()
+        again = self._evaluate_once(source, suffix, label, rival)
+        if again.verdict is Verdict.OOM:
+            self._spares = True
+            return again
+        import sys
+        print("evoattn: a candidate ran out of GPU memory beside this slot's spare processes "
+              "and not alone; the slot keeps none from now on (evaluator.spare)", file=sys.stderr)
+        return dataclasses.replace(again, flags=again.flags + (
+            f"evaluated again without spare processes: {result.reason}",))
 
     def calibrate(self, seed: EvalResult, factor: float, floor_s: float) -> float:
         """Derives the run deadline from the seed's evaluation, and takes the GPU's matmul

@@ -474,3 +474,42 @@ def test_a_spare_s_candidate_finds_no_request_or_channel_left_in_its_directory(
         ev.close()
     assert r.verdict is Verdict.PASS, r.reason
     assert "reference" not in r.stage_s           # it ran in a spare
+
+
+def test_a_candidate_out_of_memory_beside_the_spares_is_evaluated_again_without_them(
+        tmp_path) -> None:  # noqa: ANN001
+    """Spares hold device memory of their own: a candidate that runs out of it beside them is
+    evaluated again alone, and if it fits then, the slot keeps no spares from then on. Here the
+    candidate "runs out" while another spare waits (its go FIFO exists)."""
+    import glob
+    import tempfile as tf
+    pattern = os.path.join(tf.gettempdir(), "evoattn-*", ".evoattn", "go.fifo")
+    crowded = ("import glob\nimport torch\n\n"
+               "def attention(q, k, v, causal=False, scale=None):\n"
+               f"    if glob.glob({pattern!r}):\n"
+               "        raise torch.OutOfMemoryError('CUDA out of memory (spares beside it)')\n"
+               "    return torch.nn.functional.scaled_dot_product_attention(q, k, v, "
+               "is_causal=causal, scale=scale)\n")
+    ev = _spared(tmp_path)
+    try:
+        ev.evaluate(_OK, ".py")                           # forks the spares
+        assert glob.glob(pattern)
+        r = ev.evaluate(crowded, ".py")
+        assert r.verdict is Verdict.PASS, r.reason
+        assert any("without spare processes" in f for f in r.flags)
+        assert not ev._spares and not ev._spare_queue and not glob.glob(pattern)
+        hog = "import torch\n\ndef attention(q, k, v, causal=False, scale=None):\n" \
+              "    raise torch.OutOfMemoryError('CUDA out of memory')\n"
+        assert ev.evaluate(hog, ".py").verdict is Verdict.OOM    # alone too: the verdict
+    finally:
+        ev.close()
+    ev = _spared(tmp_path)
+    try:
+        ev.evaluate(_OK, ".py")
+        r = ev.evaluate(hog, ".py")                     # out of memory alone as well
+        assert r.verdict is Verdict.OOM and not r.flags
+        assert ev._spares                                 # the spares were not the cause:
+        ev.evaluate(_OK, ".py")
+        assert ev._spare_queue                            # kept from the next candidate on
+    finally:
+        ev.close()
