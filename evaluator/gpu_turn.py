@@ -27,8 +27,9 @@ kernel releases the lock however the process ends. No path: nothing is locked.
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 Stage = Callable[[str], None]
 
@@ -98,6 +99,22 @@ class GpuTurn:
         if self._quiet is not None and self._next is not None:
             self._flock(self._next.fileno(), self._ex)
             self._flock(self._quiet.fileno(), self._ex)
+
+    @contextlib.contextmanager
+    def alone(self) -> Iterator[None]:
+        """Inside, as in a timing, no other evaluation's set-up runs on the GPU (for a
+        measurement outside the timing; the device synchronised before the end)."""
+        if self._quiet is None or self._next is None:
+            yield
+            return
+        self._flock(self._next.fileno(), self._ex)
+        self._flock(self._quiet.fileno(), self._ex)
+        try:
+            yield
+        finally:
+            self._sync()
+            self._flock(self._quiet.fileno(), self._un)
+            self._flock(self._next.fileno(), self._un)
 
     def take(self, then: str) -> None:
         """Takes the turn (stage 'gpu-wait' while it waits), then reports stage `then`."""

@@ -139,7 +139,7 @@ def evaluate(req: EvalRequest, stage: Stage, prepared: Prepared | None = None) -
     turn, baselines, rng, timer = prepared.turn, prepared.baselines, prepared.rng, prepared.timer
     cases, others = prepared.cases, prepared.others
     turn.take("ceiling")
-    ceiling = _ceiling(s)
+    ceiling = _ceiling(s, turn)
     cpu = TimingCpu(req.timing_cpus) if req.on_gpu and req.pin_cpu else None
     if req.on_gpu:
         devinfo.poison_allocator([c.out_bytes for c in cases + sum(others.values(), [])])
@@ -344,12 +344,17 @@ def trusted_compile_caches(cache_dir: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _ceiling(s: Setup) -> float | None:
-    """The GPU's measured matmul ceiling (given by a run's station, else measured here)."""
+def _ceiling(s: Setup, turn: GpuTurn) -> float | None:
+    """The GPU's measured matmul ceiling (given by the request: a run's seed measured it for
+    the later candidates), else measured here, alone on a shared GPU (as a timing: a spare's
+    set-up beside it would make it read low, and the implausibility check rests on it)."""
     import torch
     if not s.req.on_gpu or s.dtype == torch.float32:
         return None
-    ceiling = s.req.ceiling_tflops or devinfo.measured_matmul_tflops(s.dtype)
+    ceiling = s.req.ceiling_tflops
+    if not ceiling:
+        with turn.alone():
+            ceiling = devinfo.measured_matmul_tflops(s.dtype)
     s.common["device_info"]["measured_matmul_tflops"] = round(ceiling, 1)
     return ceiling
 

@@ -106,6 +106,39 @@ def test_a_due_timing_waits_for_a_set_up_s_step_not_the_whole_set_up(tmp_path: P
     assert _free(Path(str(path) + ".quiet")) and _free(Path(str(path) + ".next"))
 
 
+def test_a_measurement_alone_waits_for_a_set_up_s_step_and_holds_the_next_back(
+        tmp_path: Path) -> None:
+    """The seed's GPU ceiling is measured alone, as a timing is: not beside a spare's set-up."""
+    import threading
+    path = tmp_path / "gpu.lock"
+    theirs: list[str] = []
+    setting_up = GpuTurn(str(path), theirs.append)
+    mine = GpuTurn(str(path), lambda s: None)
+    synced: list[str] = []
+    mine.set_up(lambda: synced.append("mine"))
+    inside = threading.Event()
+    leave = threading.Event()
+
+    def measure() -> None:
+        with mine.alone():
+            inside.set()
+            leave.wait(10)
+    t = threading.Thread(target=measure)
+    t.start()
+    assert not inside.wait(0.5)                         # the step in progress goes first
+    step = threading.Thread(target=lambda: setting_up.step(lambda: None, "reference"))
+    step.start()
+    assert inside.wait(10)
+    step.join(timeout=0.5)
+    assert step.is_alive() and theirs == ["gpu-wait"]    # no step while it measures
+    leave.set()
+    t.join(timeout=10)
+    step.join(timeout=10)
+    assert not step.is_alive() and theirs[-1] == "reference" and synced[-1] == "mine"
+    setting_up.set_up(lambda: None)
+    assert _free(Path(str(path) + ".quiet")) and _free(Path(str(path) + ".next"))
+
+
 def test_the_compile_hooks_are_triton_s_own(tmp_path: Path) -> None:
     from triton import knobs
     keep = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
@@ -122,6 +155,8 @@ def test_without_a_path_nothing_is_locked_and_the_stages_still_report(tmp_path: 
     stages: list[str] = []
     turn = GpuTurn("", stages.append)
     turn.set_up(lambda: None)
+    with turn.alone():
+        pass
     turn.timing()
     turn.take("reference")
     turn.checking = True
