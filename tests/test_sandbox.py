@@ -345,6 +345,14 @@ def test_the_station_times_baselines_by_the_plain_candidates_protocol(tmp_path) 
         ev.close()
 
 
+def _sdpa_candidate(at_import: str = "", in_call: str = "") -> str:
+    """An honest candidate (SDPA under allow-library) with lines of its own at import and at
+    the top of each call."""
+    return ("import torch\n" + at_import + "\n\ndef attention(q, k, v, causal=False, "
+            "scale=None):\n" + in_call + "    return torch.nn.functional."
+            "scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)\n")
+
+
 def _spared(tmp_path, **request) -> sandbox.SubprocessEvaluator:  # noqa: ANN001, ANN003
     return sandboxed(device="cpu", cache_dir=str(tmp_path / "cache"), policy="allow-library",
                      reps=2, warmup=1, spare=True, **request)
@@ -441,7 +449,10 @@ def test_a_spare_dies_with_the_tool_however_it_ends(tmp_path) -> None:  # noqa: 
               f"print(ev.evaluate({_OK!r}, '.py').verdict.value, ev._spare_queue[0].child.pid, "
               "ev._zygote.proc.pid, flush=True)\n"
               "import time; time.sleep(600)\n")
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    left = tmp_path / "tmp"            # what a killed tool cannot remove stays in the test's
+    left.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, TMPDIR=str(left)))
     try:
         verdict, spare, zygote = proc.stdout.readline().split()
         assert verdict == "pass" and _running(int(spare)) and _running(int(zygote))
@@ -459,13 +470,11 @@ def test_a_spare_s_candidate_finds_no_request_or_channel_left_in_its_directory(
     """The spare read its set-up request (with the secret seed of its inputs) and its
     candidate's request at once, and removed both files and the go FIFO (its result FIFO is
     the process's own fd 3 anyway)."""
-    probe = ("import os\nimport torch\n\n"
-             "left = [os.path.join(d, f) for d, _, fs in os.walk('.') for f in fs\n"
-             "        if f.endswith('.json') or f == 'go.fifo']\n"
-             "if left:\n    raise RuntimeError(f'left behind: {left}')\n\n"
-             "def attention(q, k, v, causal=False, scale=None):\n"
-             "    return torch.nn.functional.scaled_dot_product_attention(q, k, v, "
-             "is_causal=causal, scale=scale)\n")
+    probe = _sdpa_candidate(
+        at_import="import os\n"
+                  "left = [os.path.join(d, f) for d, _, fs in os.walk('.') for f in fs\n"
+                  "        if f.endswith('.json') or f == 'go.fifo']\n"
+                  "if left:\n    raise RuntimeError(f'left behind: {left}')\n")
     ev = _spared(tmp_path)
     try:
         ev.evaluate(_OK, ".py")                   # forks the spares
@@ -477,19 +486,19 @@ def test_a_spare_s_candidate_finds_no_request_or_channel_left_in_its_directory(
 
 
 def test_a_candidate_out_of_memory_beside_the_spares_is_evaluated_again_without_them(
-        tmp_path) -> None:  # noqa: ANN001
+        tmp_path, monkeypatch) -> None:  # noqa: ANN001
     """Spares hold device memory of their own: a candidate that runs out of it beside them is
     evaluated again alone, and if it fits then, the slot keeps no spares from then on. Here the
     candidate "runs out" while another spare waits (its go FIFO exists)."""
     import glob
-    import tempfile as tf
-    pattern = os.path.join(tf.gettempdir(), "evoattn-*", ".evoattn", "go.fifo")
-    crowded = ("import glob\nimport torch\n\n"
-               "def attention(q, k, v, causal=False, scale=None):\n"
-               f"    if glob.glob({pattern!r}):\n"
-               "        raise torch.OutOfMemoryError('CUDA out of memory (spares beside it)')\n"
-               "    return torch.nn.functional.scaled_dot_product_attention(q, k, v, "
-               "is_causal=causal, scale=scale)\n")
+    work = tmp_path / "work"                              # this evaluator's directories only
+    work.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(work))
+    pattern = os.path.join(str(work), "evoattn-*", ".evoattn", "go.fifo")
+    crowded = _sdpa_candidate(
+        at_import="import glob\n",
+        in_call=f"    if glob.glob({pattern!r}):\n"
+                "        raise torch.OutOfMemoryError('CUDA out of memory (spares beside it)')\n")
     ev = _spared(tmp_path)
     try:
         ev.evaluate(_OK, ".py")                           # forks the spares
