@@ -95,8 +95,8 @@ class ZygoteChild:
 
     def kill(self) -> None:
         _killpg(self.pid)
-        deadline = time.monotonic() + 10
-        while self.returncode() is None and time.monotonic() < deadline:
+        deadline = time.monotonic() + 10       # until the zygote reports the exit (if alive)
+        while self.returncode() is None and self.zygote.alive() and time.monotonic() < deadline:
             time.sleep(0.02)
 
     def close(self) -> None:

@@ -257,7 +257,7 @@ class SubprocessEvaluator:
                     return None
                 spare = self._spare_queue.pop(0)
             probe = dataclasses.replace(req, secret_seed=spare.template.secret_seed)
-            if spare.child.returncode() is None and spare.template.same_set_up(probe):
+            if spare.alive() and spare.template.same_set_up(probe):
                 return spare
             spare.discard()
 
@@ -385,6 +385,11 @@ class _Spare:
     work: str
     template: EvalRequest
     closed: bool = False
+
+    def alive(self) -> bool:
+        """Whether the child still waits (its zygote reports its exit only while it lives)."""
+        child = self.child
+        return child.zygote.alive() and child.returncode() is None and pid_alive(child.pid)
 
     def discard(self) -> None:
         """Ends the child, closes its handle and removes its directory; once."""

@@ -416,6 +416,28 @@ def test_a_spare_set_up_for_another_request_or_dead_is_not_used(tmp_path) -> Non
         ev.close()
 
 
+def test_spares_gone_with_their_zygote_between_candidates_are_not_waited_for(
+        tmp_path) -> None:  # noqa: ANN001
+    """The zygote killed from outside between two candidates takes its spares with it (and
+    reports no exits): the next candidate starts on a new zygote at once, not at a deadline."""
+    import time
+    ev = _spared(tmp_path)
+    try:
+        assert ev.evaluate(_OK, ".py").verdict is Verdict.PASS
+        spares = list(ev._spare_queue)
+        os.kill(ev._zygote.proc.pid, signal.SIGKILL)
+        until = time.monotonic() + 20
+        while any(_running(sp.child.pid) for sp in spares) and time.monotonic() < until:
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        r = ev.evaluate(_OK, ".py")
+        assert r.verdict is Verdict.PASS and "reference" in r.stage_s, r.reason
+        assert not r.flags                       # not an evaluator fault, evaluated again
+        assert time.monotonic() - t0 < 15 and all(sp.closed for sp in spares)   # no waits
+    finally:
+        ev.close()
+
+
 def test_a_spare_whose_set_up_fails_is_replaced_not_blamed_on_a_candidate(
         tmp_path, monkeypatch) -> None:  # noqa: ANN001
     import time
