@@ -1,4 +1,5 @@
-"""An evaluation's turn on a GPU it shares with other evaluations (a run's `per_gpu` slots).
+"""An evaluation's turn on a GPU it shares with other evaluations (a run's `per_gpu` slots
+and their spare children).
 
 The turn is an exclusive lock on a file (flock): a child takes it after its set-up (its
 baselines' plans, its inputs and references, its timer) and keeps it to the end of its timing,

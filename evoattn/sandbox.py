@@ -306,8 +306,9 @@ class SubprocessEvaluator:
                                        duration_s=round(time.monotonic() - t0, 3))
         finally:
             if spare is not None:
-                spare.discard()                 # (its child has ended: closes its handle)
-            shutil.rmtree(work, ignore_errors=True)
+                spare.discard()                 # its handle, and `work`, its directory
+            else:
+                shutil.rmtree(work, ignore_errors=True)
 
     def _with_station(self, req: EvalRequest) -> EvalRequest:
         """Adds the station's baseline times and ceiling; without a station, or once it has

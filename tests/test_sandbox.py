@@ -394,6 +394,7 @@ def _running(pid: int) -> bool:
 
 
 def test_a_spare_set_up_for_another_request_or_dead_is_not_used(tmp_path) -> None:  # noqa: ANN001
+    import time
     from evaluator.request import EvalRequest
     base = EvalRequest(device="cpu", secret_seed=7)
     assert base.same_set_up(dataclasses.replace(base, width=0.02, graph=False, candidate="x"))
@@ -408,10 +409,15 @@ def test_a_spare_set_up_for_another_request_or_dead_is_not_used(tmp_path) -> Non
         r = ev.evaluate(_OK, ".py")
         assert r.verdict is Verdict.PASS and "reference" in r.stage_s
         assert stale.closed and not _running(stale.child.pid)
-        for dead in ev._spare_queue:
-            os.kill(dead.child.pid, signal.SIGKILL)
+        dead = list(ev._spare_queue)
+        for spare in dead:
+            os.kill(spare.child.pid, signal.SIGKILL)
+        until = time.monotonic() + 20
+        while any(_running(sp.child.pid) for sp in dead) and time.monotonic() < until:
+            time.sleep(0.05)
         r = ev.evaluate(_OK, ".py")
         assert r.verdict is Verdict.PASS and "reference" in r.stage_s, r.reason
+        assert not r.flags                       # a fresh child at once, no fault and retry
     finally:
         ev.close()
 
