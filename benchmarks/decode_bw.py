@@ -10,7 +10,15 @@ element size, plus q and the output (the problem's `bytes_moved`). Per config an
   check      two calls' outputs against the float32 reference, within the evaluator's tolerance
              (2x the error of a flash kernel's rounding, plus 1e-5); a function that fails
              is reported and not timed
-  do_bench   triton.testing.do_bench (L2 flushed before every call; median), the GPU time
+  do_bench   triton.testing.do_bench (L2 flushed before every call; median), the GPU time.
+             Its flush writes zeros over 256 MB, so every timed call starts with L2 full of
+             dirty lines and pays their write-back (~7 µs on an H200): a decode step, whose
+             previous kernels mostly read weights, does not
+  clean      the GPU time by CUDA events, each call after a flush that reads 512 MB (L2 left
+             holding clean lines of another buffer): the kernel time with nothing to write back
+  stream     (one row per config) a plain streaming read of the same bytes (torch.sum of a
+             contiguous float16 buffer, float32 accumulation) timed as `clean`: what a
+             kernel that only reads gets at this size, the reference for the fraction of HBM
   eager      back-to-back calls bracketed by synchronisations, by the host clock, each call on
              its own copy of q, k, v (copies together >= 256 MB, so L2 holds none): what an
              eager decode loop pays, launch overhead included
@@ -52,6 +60,7 @@ EAGER_SET_BYTES = 256 * 2 ** 20      # the eager loop's input copies fill at lea
 EAGER_MAX_COPIES = 16                # ... with at most this many copies
 RANDOM = ("q", "k", "v")
 COMPARED = ("sdpa_hf", "flex", "flash_kvcache", "rival")   # the seed's speedup over each
+MODES = ("do_bench", "clean", "eager", "graph")
 
 
 def load_seed(path: Path, module_name: str = "decode_candidate") -> Any:
@@ -138,14 +147,51 @@ def do_bench_us(fn: Callable[[], Any], on_gpu: bool, rep_ms: int) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")) * 1e3
 
 
+class CleanFlush:
+    """Clean-L2 event timing (the `clean` mode): a read of FLUSH_BYTES before every call."""
+
+    FLUSH_BYTES = 512 * 2 ** 20
+
+    def __init__(self) -> None:
+        self.buf = torch.ones(self.FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
+        self.sink = torch.empty((), dtype=torch.float32, device="cuda")
+
+    def flush(self) -> None:
+        torch.sum(self.buf, dim=0, out=self.sink)
+
+    def us(self, fn: Callable[[], Any], reps: int = 100) -> float:
+        """Returns the median GPU time in µs of fn over reps calls, each after a flush."""
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for _ in range(5):
+            self.flush()
+            fn()
+        sync()
+        for start, end in zip(starts, ends):
+            self.flush()
+            start.record()
+            fn()
+            end.record()
+        sync()
+        return statistics.median(a.elapsed_time(b) for a, b in zip(starts, ends)) * 1e3
+
+    def stream_us(self, nbytes: float) -> float:
+        """Returns the `clean` time of a plain read of nbytes (the `stream` reference)."""
+        data = torch.ones(int(nbytes) // 2, dtype=torch.float16, device="cuda")
+        sink = torch.empty((), dtype=torch.float32, device="cuda")
+        us = self.us(lambda: torch.sum(data, dim=0, dtype=torch.float32, out=sink))
+        del data
+        return us
+
+
 def geomean(xs: list[float]) -> float | None:
     xs = [x for x in xs if x and x > 0]
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
 
 def bench_config(problem: Any, cfg: dict[str, Any], fns: dict[str, Callable[..., Any]],
-                 dtype: Any, device: Any, args: argparse.Namespace, peak_tbps: float | None
-                 ) -> dict[str, Any]:
+                 dtype: Any, device: Any, args: argparse.Namespace, peak_tbps: float | None,
+                 clean: CleanFlush | None = None) -> dict[str, Any]:
     """Checks, then times, every function on one config; returns its row."""
     on_gpu = device.type == "cuda"
     gen = torch.Generator(device=device).manual_seed(1234)
@@ -161,6 +207,11 @@ def bench_config(problem: Any, cfg: dict[str, Any], fns: dict[str, Callable[...,
                            "flops": problem.flops(cfg), "sum_lengths": sum(lengths(cfg)),
                            "torch_err": torch_err, "bound": bound, "eager_sets": len(sets),
                            "results": {}}
+    if clean is not None:
+        row["stream_us"] = clean.stream_us(nbytes)
+        row["stream_gbps"] = nbytes / (row["stream_us"] * 1e-6) / 1e9
+        if peak_tbps:
+            row["stream_frac_hbm"] = row["stream_gbps"] / (peak_tbps * 1e3)
     for name, fn in fns.items():
         res: dict[str, Any] = {}
         row["results"][name] = res
@@ -178,6 +229,8 @@ def bench_config(problem: Any, cfg: dict[str, Any], fns: dict[str, Callable[...,
             continue
         bound_fn = (lambda f: lambda s: f(s, cfg))(fn)
         res["do_bench_us"] = do_bench_us(lambda: bound_fn(inputs), on_gpu, args.rep_ms)
+        if clean is not None:
+            res["clean_us"] = clean.us(lambda: bound_fn(inputs))
         res["eager_us"] = eager_us(bound_fn, sets, args.rounds)
         if on_gpu:
             res["host_us"] = host_us(lambda: bound_fn(inputs))
@@ -185,7 +238,7 @@ def bench_config(problem: Any, cfg: dict[str, Any], fns: dict[str, Callable[...,
             res["graph_us"], why = graph_us(bound_fn, sets, args.rounds)
             if why:
                 res["graph_error"] = why
-        for mode in ("do_bench", "eager", "graph"):
+        for mode in MODES:
             us = res.get(f"{mode}_us")
             if us:
                 res[f"{mode}_gbps"] = nbytes / (us * 1e-6) / 1e9
@@ -194,7 +247,7 @@ def bench_config(problem: Any, cfg: dict[str, Any], fns: dict[str, Callable[...,
     seed = row["results"].get("seed", {})
     for base in COMPARED:
         b = row["results"].get(base, {})
-        for mode in ("do_bench", "eager", "graph"):
+        for mode in MODES:
             if seed.get(f"{mode}_us") and b.get(f"{mode}_us"):
                 row[f"speedup_vs_{base}_{mode}"] = b[f"{mode}_us"] / seed[f"{mode}_us"]
     del inputs, sets, ref
@@ -206,13 +259,18 @@ def bench_config(problem: Any, cfg: dict[str, Any], fns: dict[str, Callable[...,
 def print_row(row: dict[str, Any]) -> None:
     print(f"\n{row['label']}: {row['bytes'] / 1e6:.1f} MB moved at least "
           f"(sum of lengths {row['sum_lengths']}), tolerance {row['bound']:.2e}")
+    if row.get("stream_us"):
+        print(f"  {'stream read':14s} clean {row['stream_us']:9.1f} us "
+              f"{row['stream_gbps']:7.0f} GB/s"
+              + (f" ({100 * row['stream_frac_hbm']:4.1f}% HBM)" if row.get("stream_frac_hbm")
+                 else "") + ": a plain read of the same bytes")
     for name, r in row["results"].items():
         if not r.get("ok"):
             why = r.get("error") or f"error {r['err']:.3g} > {row['bound']:.3g}"
             print(f"  {name:14s} NOT CORRECT: {why}")
             continue
         cells = []
-        for mode in ("do_bench", "eager", "graph"):
+        for mode in MODES:
             us = r.get(f"{mode}_us")
             if us is None:
                 cells.append(f"{mode} -")
@@ -269,13 +327,14 @@ def main() -> None:
     for n, why in skipped.items():
         print(f"  skipped baseline {n}: {why}")
     rows = []
+    clean = CleanFlush() if device.type == "cuda" else None
     for cfg in configs:
-        row = bench_config(problem, cfg, fns, dtype, device, args, peak)
+        row = bench_config(problem, cfg, fns, dtype, device, args, peak, clean)
         print_row(row)
         rows.append(row)
     summary: dict[str, Any] = {}
     for base in COMPARED:
-        for mode in ("do_bench", "eager", "graph"):
+        for mode in MODES:
             vals = [r.get(f"speedup_vs_{base}_{mode}") for r in rows]
             if any(vals):
                 summary[f"geomean_speedup_vs_{base}_{mode}"] = geomean([v for v in vals if v])

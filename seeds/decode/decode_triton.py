@@ -41,6 +41,8 @@ largest tiles with the deepest pipelines may not fit in shared memory: the launc
                               program reading every split's partial result one after another is
                               what a batch of 1 with many splits waits for at its end; with few
                               splits the second level costs more than it saves)
+  MERGE_UNROLL                a merge issues the loads of this many splits' partial results
+                              at once (one round trip to L2 for each, not one per split)
   FAST_LAUNCH                 calls of a shape seen before launch the compiled kernels directly
                               through Triton's C launcher, with plain addresses (its argument
                               binding, cache lookup and Python wrapper skipped: tens of
@@ -72,6 +74,7 @@ MERGE_WARPS = 4  # evoattn: choice(1, 2, 4, 8) when(FUSED_MERGE=False)
 FUSED_MERGE = True  # evoattn: choice(True, False)
 MERGE_GROUP = 4  # evoattn: choice(4, 8, 16) when(FUSED_MERGE=True)
 MERGE_TREE_AT = 32  # evoattn: choice(8, 16, 32, 64, 512) when(FUSED_MERGE=True)
+MERGE_UNROLL = 2  # evoattn: choice(1, 2, 4, 8)
 FAST_LAUNCH = True  # evoattn: choice(True, False) when(@target!=cpu)
 
 MAX_SPLITS = 256               # the grid's second axis (at most 65535)
@@ -137,7 +140,8 @@ def _fold(acc, l_i, m_i, q, K, V, kv_base, lo, hi, lim, L, qk_scale,
 def _split_kv(Q, K, V, Lens, O, OPart, LsePart, Count, SMAX, HKV, ROWS, SQ, SPLIT, NUM_SPLITS,
               qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               DIRECT: tl.constexpr, FUSED: tl.constexpr, GROUP: tl.constexpr,
-              TREE_AT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+              TREE_AT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              UNROLL: tl.constexpr):
     """Q, O: contiguous (B*Hkv, ROWS, D) views of (B, Hq, Sq, D); K, V: (B*Hkv, SMAX, D);
     OPart (B*Hkv, SLOTS, ROWS, D) and LsePart (B*Hkv, SLOTS, ROWS) float32, SLOTS =
     NUM_SPLITS + cdiv(NUM_SPLITS, GROUP): a slot per split, then one per group of GROUP splits.
@@ -199,7 +203,7 @@ def _split_kv(Q, K, V, Lens, O, OPart, LsePart, Count, SMAX, HKV, ROWS, SQ, SPLI
                 ticket = tl.atomic_add(tickets, 1, sem="acq_rel")   # releases them
                 if ticket == used - 1:          # the last: the others' results are visible
                     out, _ = _combine(OPart, LsePart, bh, rows, 0, used, ROWS, slots,
-                                      HEAD_DIM, BLOCK_M)
+                                      HEAD_DIM, BLOCK_M, UNROLL)
                     tl.store(O + row_ptrs, out.to(O.dtype.element_ty), mask=keep_rows)
                     tl.atomic_xchg(tickets, 0)  # ready for the next call
             else:
@@ -208,7 +212,7 @@ def _split_kv(Q, K, V, Lens, O, OPart, LsePart, Count, SMAX, HKV, ROWS, SQ, SPLI
                 ticket = tl.atomic_add(tickets + 1 + g, 1, sem="acq_rel")
                 if ticket == members - 1:       # the group's last: merge it into its slot
                     out, out_lse = _combine(OPart, LsePart, bh, rows, g * GROUP, members, ROWS,
-                                            slots, HEAD_DIM, BLOCK_M)
+                                            slots, HEAD_DIM, BLOCK_M, UNROLL)
                     part = (bh.to(tl.int64) * slots + NUM_SPLITS + g) * ROWS + rows
                     tl.store(OPart + part[:, None] * HEAD_DIM + offs_d[None, :], out,
                              mask=keep_rows)
@@ -218,41 +222,47 @@ def _split_kv(Q, K, V, Lens, O, OPart, LsePart, Count, SMAX, HKV, ROWS, SQ, SPLI
                     ticket = tl.atomic_add(tickets, 1, sem="acq_rel")
                     if ticket == used_groups - 1:   # the last group: merge the groups
                         out, _ = _combine(OPart, LsePart, bh, rows, NUM_SPLITS, used_groups,
-                                          ROWS, slots, HEAD_DIM, BLOCK_M)
+                                          ROWS, slots, HEAD_DIM, BLOCK_M, UNROLL)
                         tl.store(O + row_ptrs, out.to(O.dtype.element_ty), mask=keep_rows)
                         tl.atomic_xchg(tickets, 0)
 
 
 @triton.jit
 def _combine(OPart, LsePart, bh, rows, first, count, ROWS, SLOTS, HEAD_DIM: tl.constexpr,
-             BLOCK_M: tl.constexpr):
+             BLOCK_M: tl.constexpr, UNROLL: tl.constexpr):
     """Returns (output rows, their log2-sum-exp) of one (batch * key/value head, row block)
     from the partial results in slots first .. first + count - 1, each weighted by
-    2^(lse - max lse). The loads bypass L1 (other programs of this call wrote them)."""
+    2^(lse - max lse). The loads bypass L1 (other programs of this call wrote them); UNROLL
+    slots' loads are issued together, so one merge waits for count / UNROLL round trips to
+    L2, not count (a slot past the last reads as lse -inf, weight 0)."""
     offs_d = tl.arange(0, HEAD_DIM)
     keep = rows < ROWS
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for s in range(first, first + count):
-        part = (bh.to(tl.int64) * SLOTS + s) * ROWS + rows
-        lse = tl.load(LsePart + part, mask=keep, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(OPart + part[:, None] * HEAD_DIM + offs_d[None, :], mask=keep[:, None],
-                    other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, lse)
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m - m_sub)
-        w = tl.math.exp2(lse - m_sub)
-        acc = acc * alpha[:, None] + o * w[:, None]
-        l = l * alpha + w
-        m = m_new
+    end = first + count
+    for s0 in range(first, end, UNROLL):
+        for j in tl.static_range(UNROLL):
+            here = keep & (tl.full([BLOCK_M], s0 + j, tl.int32) < end)
+            part = (bh.to(tl.int64) * SLOTS + s0 + j) * ROWS + rows
+            lse = tl.load(LsePart + part, mask=here, other=float("-inf"), cache_modifier=".cg")
+            o = tl.load(OPart + part[:, None] * HEAD_DIM + offs_d[None, :], mask=here[:, None],
+                        other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m, lse)
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m - m_sub)
+            w = tl.math.exp2(lse - m_sub)
+            acc = acc * alpha[:, None] + o * w[:, None]
+            l = l * alpha + w
+            m = m_new
     lse = tl.where(l == 0.0, float("-inf"), m + tl.math.log2(tl.where(l == 0.0, 1.0, l)))
     return acc / tl.where(l == 0.0, 1.0, l)[:, None], lse               # rows with no key: 0
 
 
 @triton.jit(do_not_specialize=["SPLIT", "NUM_SPLITS"])
 def _merge(OPart, LsePart, Lens, O, HKV, ROWS, SPLIT, NUM_SPLITS,
-           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr):
+           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr,
+           UNROLL: tl.constexpr):
     """Combines the splits holding keys of one (batch, key/value head) and row block."""
     bh = tl.program_id(0)
     rb = tl.program_id(1)
@@ -261,7 +271,8 @@ def _merge(OPart, LsePart, Lens, O, HKV, ROWS, SPLIT, NUM_SPLITS,
     rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     slots = NUM_SPLITS + tl.cdiv(NUM_SPLITS, GROUP)     # the split kernel's layout
-    out, _ = _combine(OPart, LsePart, bh, rows, 0, used, ROWS, slots, HEAD_DIM, BLOCK_M)
+    out, _ = _combine(OPart, LsePart, bh, rows, 0, used, ROWS, slots, HEAD_DIM, BLOCK_M,
+                      UNROLL)
     row_ptrs = bh.to(tl.int64) * ROWS * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(O + row_ptrs, out.to(O.dtype.element_ty), mask=(rows < ROWS)[:, None])
 
@@ -471,13 +482,13 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_seqlens: t
     ints = (SMAX, HKV, rows, SQ, split, num_splits)
     constexprs = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct,
                       FUSED=fused, GROUP=MERGE_GROUP, TREE_AT=MERGE_TREE_AT, UPCAST=upcast,
-                      DOT_PRECISION="ieee" if upcast else "tf32")
+                      DOT_PRECISION="ieee" if upcast else "tf32", UNROLL=MERGE_UNROLL)
     split_kernel = _split_kv[grid](q, k, v, lens, out, o_part, lse_part,
                                    out if count is None else count, *ints, scale * LOG2E,
                                    **constexprs, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     merge_kernel, merge_grid = None, (B * HKV, row_blocks, 1)
     merge_ints = (HKV, rows, split, num_splits)
-    merge_constexprs = dict(HEAD_DIM=D, BLOCK_M=block_m, GROUP=MERGE_GROUP)
+    merge_constexprs = dict(HEAD_DIM=D, BLOCK_M=block_m, GROUP=MERGE_GROUP, UNROLL=MERGE_UNROLL)
     if not direct and not fused:
         merge_kernel = _merge[merge_grid](o_part, lse_part, lens, out, *merge_ints,
                                           **merge_constexprs, num_warps=MERGE_WARPS)
