@@ -5,6 +5,10 @@
     from PACKAGE import hf; hf.register()    # Hugging Face: attn_implementation="evoattn"
 
 `stats()` counts calls that ran the kernel and calls that fell back to PyTorch SDPA;
+`use_kernel(False)` or `with kernel_off():` makes every call fall back (to time the kernel's
+own share of a model);
+`call_path()` says whether eager calls run their per-call work in C++ yet (built in the
+background from the first call; `call_path(wait_s=None)` waits for it);
 `VERIFIED` is what the kernel was verified on (device, capability, dtypes, head dims).
 """
 from __future__ import annotations
@@ -12,7 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from . import _loader, hf
-from .ops import META, NAMESPACE, attention, reset_stats, stats
+from .ops import (META, NAMESPACE, attention, call_path, kernel_enabled, kernel_off,
+                  reset_stats, stats, use_kernel)
 
 VERIFIED: dict[str, Any] = META["verified"]
 PROBLEM: str = META["problem"]
@@ -26,5 +31,5 @@ def load_kernel_module(libraries: dict[str, str] | None = None) -> Any:
     return _loader.import_main(META, libraries)
 
 
-__all__ = ["attention", "hf", "stats", "reset_stats", "load_kernel_module", "VERIFIED", "PROBLEM",
-           "PROGRAM_ID", "NAMESPACE", "META"]
+__all__ = ["attention", "call_path", "hf", "stats", "reset_stats", "use_kernel", "kernel_off", "kernel_enabled",
+           "load_kernel_module", "VERIFIED", "PROBLEM", "PROGRAM_ID", "NAMESPACE", "META"]

@@ -38,11 +38,15 @@ class KernelUnavailable(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-    """The kernel's entry function and the input layouts it takes as they lie (its main
-    module's INPUT_LAYOUTS: "strided" for any strides, "gqa" for k, v with fewer heads)."""
+    """The kernel's entry function, the input layouts it takes as they lie (its main
+    module's INPUT_LAYOUTS: "strided" for any strides, "gqa" for k, v with fewer heads), and
+    its main module's `prepare` (the entry's signature; after a call, it returns what runs
+    later calls of the same shapes, strides, dtypes, device and other values, or None), which
+    the evaluator checked and timed as the op calls it."""
 
     fn: Callable[..., Any]
     layouts: frozenset[str] = frozenset()
+    prepare: Callable[..., Any] | None = None
 
 
 def cache_root() -> Path:
@@ -84,7 +88,9 @@ def _load(meta: dict[str, Any], arch: str) -> Kernel:
         fn = getattr(module, meta["entry"], None)
         if not callable(fn):
             raise KernelUnavailable(f"{main.name} defines no function {meta['entry']}()")
-        return Kernel(fn, frozenset(getattr(module, "INPUT_LAYOUTS", ())))
+        prepare = getattr(module, "prepare", None)
+        return Kernel(fn, frozenset(getattr(module, "INPUT_LAYOUTS", ())),
+                      prepare if callable(prepare) else None)
     if meta["form"] == "cuda-fast":
         return Kernel(_fast_entry(_runtime.load_fast(_build_fast(meta["main"], arch, meta),
                                                      "evoattn_sdpa")))

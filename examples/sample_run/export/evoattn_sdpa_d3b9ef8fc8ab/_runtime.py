@@ -9,7 +9,8 @@ rules wherever it runs. It holds:
   builds      fast form (a plain .cu with an `extern "C"` entry, built by nvcc into `lib.so`,
               called through ctypes) and extension form (a .cu defining
               `torch::Tensor attention(...)`, built by torch.utils.cpp_extension), both in a
-              child process, so no build changes this process's environment;
+              child process, so no build changes this process's environment; and a
+              host module (a C++ Python module using torch's headers, no CUDA), the same way;
   loading     a built library, a built extension, a Python main file with its libraries.
 Builds happen in a temporary directory inside the cache and are moved into `cache_dir/<key>/`
 with one `os.replace`, so a killed build never leaves a half-written entry. A candidate's bad
@@ -227,9 +228,8 @@ def build_fast(source_path: str | os.PathLike[str], cache_dir: str | os.PathLike
     keyed = source + b"".join(b"\0" + n.encode() + b"\0" + t for n, t in extra.items())
     key = cache_key(keyed, "fast", arch, flags, toolchain_id(nvcc))
     final = Path(cache_dir) / key
-    if (final / _FAST_LIB).is_file():
-        return BuildResult(True, str(final / _FAST_LIB), _read_log(final), True,
-                           time.monotonic() - t0)
+    if (hit := _cached(final, _FAST_LIB, t0)) is not None:
+        return hit
     if shutil.which(nvcc) is None:
         return BuildResult(False, None, f"nvcc not found ({nvcc!r})", False, 0.0)
 
@@ -240,9 +240,6 @@ def build_fast(source_path: str | os.PathLike[str], cache_dir: str | os.PathLike
     (tmp / name).write_bytes(source)
     ok, log = _run_group([nvcc, *flags, "-o", _FAST_LIB, name], tmp, timeout_s,
                          os.environ if env is None else env)
-    log = log.replace(str(tmp) + os.sep, "")
-    if ok and not (tmp / _FAST_LIB).is_file():
-        ok, log = False, log + f"\nnvcc exited 0 but wrote no {_FAST_LIB}"
     return _finish(ok, tmp, final, _FAST_LIB, log, t0)
 
 
@@ -296,9 +293,8 @@ def build_extension(source_path: str | os.PathLike[str], cache_dir: str | os.Pat
     final = Path(cache_dir) / key
     mod_name = _EXT_PREFIX + key
     rel_so = f"build/{mod_name}.so"
-    if (final / rel_so).is_file():
-        return BuildResult(True, str(final / rel_so), _read_log(final), True,
-                           time.monotonic() - t0)
+    if (hit := _cached(final, rel_so, t0)) is not None:
+        return hit
 
     tmp = _make_tmp(cache_dir)
     name = _safe_name(Path(source_path).name)
@@ -314,14 +310,53 @@ def build_extension(source_path: str | os.PathLike[str], cache_dir: str | os.Pat
     cmd = [sys.executable, "-c", _EXT_DRIVER, mod_name, str(tmp / "wrapper.cu"),
            str(tmp / "build"), *flags]
     ok, log = _run_group(cmd, tmp, timeout_s, env)
-    log = log.replace(str(tmp) + os.sep, "")
-    if ok and not (tmp / rel_so).is_file():
-        ok, log = False, log + f"\nbuild finished but wrote no {rel_so}"
     return _finish(ok, tmp, final, rel_so, log, t0)
 
 
-def load_extension(path: str) -> Any:
-    """Imports a built extension module from its .so path."""
+_HOST_PREFIX = "evoattn_host_"
+_HOST_FLAGS = ["-O3"]                     # cpp_extension.load passes no optimisation level
+_HOST_DRIVER = """\
+import sys
+from torch.utils.cpp_extension import load
+name, source, build_dir = sys.argv[1:4]
+load(name=name, sources=[source], build_directory=build_dir, extra_cflags=sys.argv[4:],
+     verbose=False)
+"""
+
+
+def build_host_module(source_path: str | os.PathLike[str], cache_dir: str | os.PathLike[str],
+                      timeout_s: float,
+                      started: Callable[[subprocess.Popen, Path], None] | None = None
+                      ) -> BuildResult:
+    """Builds a C++ Python module (its init function named after TORCH_EXTENSION_NAME) with
+    cpp_extension in a child process; returns the .so, cached per source, Python, torch and
+    compiler. `started` is given the build's process and its temporary directory as it starts
+    (to stop it early and remove what it wrote)."""
+    import torch
+    t0 = time.monotonic()
+    source, err = _read(source_path)
+    if source is None:
+        return BuildResult(False, None, err, False, 0.0)
+    toolchain = hashlib.sha256(f"{sys.version}\ntorch {torch.__version__}\n"
+                               f"{os.environ.get('CXX', 'c++')}".encode()).hexdigest()[:12]
+    key = cache_key(source, "host", "", _HOST_FLAGS, toolchain)
+    final = Path(cache_dir) / key
+    mod_name = _HOST_PREFIX + key
+    rel_so = f"build/{mod_name}.so"
+    if (hit := _cached(final, rel_so, t0)) is not None:
+        return hit
+    tmp = _make_tmp(cache_dir)
+    name = "module.cpp"                  # C++, not CUDA: cpp_extension goes by the suffix
+    (tmp / name).write_bytes(source)
+    (tmp / "build").mkdir()
+    cmd = [sys.executable, "-c", _HOST_DRIVER, mod_name, str(tmp / name), str(tmp / "build"),
+           *_HOST_FLAGS]
+    ok, log = _run_group(cmd, tmp, timeout_s, dict(os.environ), started)
+    return _finish(ok, tmp, final, rel_so, log, t0)
+
+
+def load_module(path: str) -> Any:
+    """Imports a built module (an extension or a host module) from its .so path."""
     import importlib.machinery
     import importlib.util
 
@@ -336,6 +371,12 @@ def load_extension(path: str) -> Any:
         loader.exec_module(module)
     except ImportError as e:
         raise LoadError(f"cannot import {path}: {e}") from None
+    return module
+
+
+def load_extension(path: str) -> Any:
+    """Imports a built extension module from its .so path."""
+    module = load_module(path)
     if not hasattr(module, "attention"):
         raise LoadError(f"{path} defines no attention()")
     return module
@@ -381,14 +422,17 @@ def _make_tmp(cache_dir: str | os.PathLike[str]) -> Path:
     return Path(tempfile.mkdtemp(prefix=".tmp-", dir=cache_dir))
 
 
-def _run_group(cmd: list[str], cwd: Path, timeout_s: float,
-               env: Any) -> tuple[bool, str]:
+def _run_group(cmd: list[str], cwd: Path, timeout_s: float, env: Any,
+               started: Callable[[subprocess.Popen, Path], None] | None = None
+               ) -> tuple[bool, str]:
     """Runs cmd in its own process group; kills the whole group on timeout."""
     try:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     except OSError as e:
         return False, f"cannot start {cmd[0]}: {e}"
+    if started is not None:
+        started(proc, cwd)
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -404,9 +448,21 @@ def _run_group(cmd: list[str], cwd: Path, timeout_s: float,
     return True, trim_log(text)
 
 
+def _cached(final: Path, artifact: str, t0: float) -> BuildResult | None:
+    """The cache entry `final`'s result where it holds `artifact`, else None."""
+    if (final / artifact).is_file():
+        return BuildResult(True, str(final / artifact), _read_log(final), True,
+                           time.monotonic() - t0)
+    return None
+
+
 def _finish(ok: bool, tmp: Path, final: Path, artifact: str, log: str,
             t0: float) -> BuildResult:
-    """Moves a finished build into the cache atomically, or discards a failed one."""
+    """Moves a finished build into the cache atomically, or discards a failed one (a build
+    that exited 0 without writing `artifact` failed); the log names files relative to it."""
+    log = log.replace(str(tmp) + os.sep, "")
+    if ok and not (tmp / artifact).is_file():
+        ok, log = False, log + f"\nthe build exited 0 but wrote no {artifact}"
     seconds = time.monotonic() - t0
     if not ok:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -47,7 +47,8 @@ def refusal(verified: dict[str, Any], spec: OpSpec, args: Args) -> str | None:
             return (f"GPU compute capability {cap}; verified on "
                     f"{', '.join(verified['capabilities']) or 'none recorded'}")
     dtype = str(first.dtype).replace("torch.", "")
-    if dtype not in verified["dtypes"] or any(t.dtype != first.dtype for t in tensors):
+    floats = [t for t in tensors if t.is_floating_point()]    # decode's lengths are int32
+    if dtype not in verified["dtypes"] or any(t.dtype != first.dtype for t in floats):
         return f"dtype {dtype} (verified: {', '.join(verified['dtypes'])}, all inputs alike)"
     if verified["head_dims"] and first.shape[-1] not in verified["head_dims"]:
         return (f"head dim {first.shape[-1]} (verified: "

@@ -4,37 +4,56 @@
     hf.register()                 # AttentionInterface.register("evoattn", hf.attention_forward)
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="evoattn")
 
-transformers passes q, k, v as (B, H, S, D) (k, v with fewer heads under GQA) and wants
-(B, S, H, D) back. `register` also registers the mask builder, so that a call with nothing
-to mask but causality gets no mask (as SDPA does) and a padded batch gets its mask. A call
-the kernel's problem covers goes through the op (whose guard may still fall back); anything
-else runs transformers' own SDPA path, counted as a fallback: an attention mask, query and
-key lengths that differ (decoding with a cache), dropout while training, output_attentions,
-softcap, a position bias, attention sinks, a paged cache.
+    decode_pkg.hf.register(prefill=sdpa_pkg)   # a decode kernel's prompts: a prefill kernel's
+
+transformers passes q, k, v as (B, H, S, D) views of (B, S, H, D) projections (k, v with fewer
+heads under GQA) and wants (B, S, H, D) back: eagerly, a kernel that lays its output out as q
+(the default seed) gives one that transposes back without a copy, as SDPA's does (under
+torch.compile the op's output is contiguous, and transposing it back copies). `register` also
+registers the mask builder, so that a call with nothing to mask but causality gets no mask (as
+SDPA does) and a padded batch gets its mask. A call the kernel's problem covers goes through
+the op (whose guard may still fall back); anything else runs transformers' own SDPA path,
+counted as a fallback: an attention mask, query and key lengths that differ (decoding with a
+cache), dropout while training, output_attentions, softcap, a position bias, attention sinks, a
+paged cache.
 
 Per problem: `sdpa` and `gqa` take causal and non-causal prefill, k and v passed as they are
 (the op gives them to a kernel that takes GQA and strides, and contiguous, repeated copies to
 one that does not); `sliding_window` takes the model's `sliding_window` (a
 plain causal call is a window as long as the sequence); `masked` serves unmasked causal calls
 through an explicit causal mask, and no padding mask (its contract excludes the fully masked
-rows that left padding makes); `strided` and user problems have no transformers mapping.
+rows that left padding makes); `decode` serves 1 to 16 new tokens over the dynamic or the
+static cache of a batch with no padding, its mask function handing the layers the cache's
+lengths instead of a mask (decode.py says which); `strided` and user problems have no
+transformers mapping.
 """
 from __future__ import annotations
 
+import functools
+import importlib
 from typing import Any
 
 import torch
 
-from . import ops
+from . import decode, ops
 
 NAME = "evoattn"
 _UNSUPPORTED_KWARGS = ("output_attentions", "softcap", "position_bias", "cache", "s_aux", "sinks")
 
 
-def register(name: str = NAME) -> str:
-    """Registers the attention function (and its mask function) with transformers; returns name."""
+def register(name: str = NAME, prefill: Any = None) -> str:
+    """Registers the attention function (and its mask function) with transformers; returns name.
+
+    prefill: another exported package of the sdpa or gqa problem (the package, its name or
+    its hf module), whose attention function takes the calls this kernel does not, instead of
+    transformers' SDPA: a decode package's prompts go to a prefill kernel. That package
+    counts those calls (its stats()); they are not this package's fallbacks."""
     from transformers import AttentionInterface
-    AttentionInterface.register(name, attention_forward)
+    forward = attention_forward
+    if prefill is not None:
+        forward = functools.partial(_attention, then=_prefill_forward(prefill))
+        functools.update_wrapper(forward, attention_forward)
+    AttentionInterface.register(name, forward)
     try:
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError:       # transformers before 4.53: masks follow the sdpa path already
@@ -43,19 +62,48 @@ def register(name: str = NAME) -> str:
     return name
 
 
+def _prefill_forward(prefill: Any) -> Any:
+    """Returns the attention function of `prefill` (a package or its hf module), checked."""
+    hf = prefill if hasattr(prefill, "attention_forward") else \
+        importlib.import_module(f"{getattr(prefill, '__name__', prefill)}.hf")
+    problem = hf.ops.META["problem"]
+    if hf.ops is ops:
+        raise ValueError("register(prefill=...): a package cannot take its own calls")
+    if problem not in ("sdpa", "gqa"):
+        raise ValueError(f"register(prefill=...): {hf.ops.NAMESPACE} is a {problem} kernel; "
+                         "prompts need an sdpa or gqa one")
+    return hf.attention_forward
+
+
 def _mask_function() -> Any:
     """Returns the mask builder: SDPA's, except that a call with nothing to mask but causality
     gets None (is_causal covers it) also under torch.compile, where transformers' own SDPA
     builder always materialises the mask (its skip reads values a graph cannot); for the
     sliding_window problem, also None for a plain unpadded sliding window the kernel computes.
     The rule is transformers' eager one: no padding mask, no mask pattern beyond causality,
-    and as many keys as queries starting at key 0 (the same positions, so top-left causal)."""
-    from transformers.masking_utils import sdpa_mask
+    and as many keys as queries starting at key 0 (the same positions, so top-left causal).
+    For the decode problem, a causal mask its kernel computes becomes the cache's lengths
+    (decode.mask_lengths), which the attention layers take in its place."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
     window = ops.META["problem"] == "sliding_window"
+    lengths = ops.META["problem"] == "decode"
 
     def mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0,
              kv_offset: int = 0, attention_mask: Any = None, local_size: Any = None,
              allow_is_causal_skip: bool = True, **kwargs: Any) -> Any:
+        if lengths:
+            if decode.is_lengths(attention_mask):   # made before a compiled forward by generate
+                return attention_mask
+            # a static cache's steps ask for a mask always (allow_is_causal_skip=False), so that
+            # a compiled step sees one kind of mask; cache_seqlens is always one kind
+            lens = decode.mask_lengths(
+                batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask,
+                (allow_is_causal_skip or isinstance(q_offset, torch.Tensor))
+                and local_size is None
+                and kwargs.get("mask_function", causal_mask_function) is causal_mask_function,
+                kwargs.get("device"))
+            if lens is not None:
+                return lens
         plain = (allow_is_causal_skip and attention_mask is None
                  and (local_size is None or window)
                  and isinstance(kv_offset, int) and kv_offset == 0 and q_length == kv_length)
@@ -75,6 +123,17 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       sliding_window: int | None = None, is_causal: bool | None = None,
                       **kwargs: Any) -> tuple[torch.Tensor, None]:
     """Returns (attention output (B, S, H, D), None), as transformers' attention functions do."""
+    return _attention(module, query, key, value, attention_mask, scaling, dropout,
+                      sliding_window, is_causal, **kwargs)
+
+
+def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, attention_mask: Any, scaling: float | None = None,
+               dropout: float = 0.0, sliding_window: int | None = None,
+               is_causal: bool | None = None, then: Any = None,
+               **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """attention_forward; a call the kernel does not take goes to `then` (another package's
+    attention function) if given, else to transformers' SDPA path, counted."""
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     reason = _refusal(module, query, key, attention_mask, dropout, kwargs)
@@ -84,6 +143,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if out is not None:
             return out.transpose(1, 2).contiguous(), None
         reason = f"{ops.META['problem']}: this call's pattern is not the kernel's"
+    if decode.is_lengths(attention_mask):            # the mask the lengths stand for
+        attention_mask = decode.visible(query, key, attention_mask)
+    if then is not None:
+        return then(module, query, key, value, attention_mask, scaling=scaling,
+                    dropout=dropout, sliding_window=sliding_window, is_causal=is_causal,
+                    **kwargs)
     ops.note_fallback(reason)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -95,13 +160,13 @@ def _refusal(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
              attention_mask: Any, dropout: float, kwargs: dict[str, Any]) -> str | None:
     if ops.SPEC is None or ops.SPEC.fallback_for is None:
         return f"problem {ops.META['problem']} has no transformers mapping"
-    if attention_mask is not None:
+    if attention_mask is not None and not decode.is_lengths(attention_mask):
         return "an attention mask (padding or a pattern)"
     if dropout and module.training:
         return "dropout while training"
     if any(kwargs.get(k) not in (None, False) for k in _UNSUPPORTED_KWARGS):
         return "output_attentions, softcap, a position bias, sinks or a paged cache"
-    if query.shape[2] != key.shape[2]:
+    if query.shape[2] != key.shape[2] and ops.META["problem"] != "decode":
         return "query and key lengths differ (decoding with a cache)"
     return None
 
@@ -112,6 +177,8 @@ def _through_op(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: to
     """Returns the op's output (B, H, S, D) for this problem, or None if it does not apply."""
     problem = ops.META["problem"]
     causal = causal and q.shape[2] > 1
+    if problem == "decode":                          # a step over transformers' cache
+        return decode.hf_call(ops.attention, q, k, v, mask, scale, causal)
     if problem in ("sdpa", "gqa"):
         return ops.attention(q, k, v, causal, scale)   # positional: the shortest call key
     if problem not in ("sliding_window", "masked"):

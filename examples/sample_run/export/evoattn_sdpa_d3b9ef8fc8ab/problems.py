@@ -47,10 +47,28 @@ class OpSpec:
     fallback_for: Callable[[Args], Callable[..., torch.Tensor]] | None   # SDPA for such a call
     flags: Callable[[Args], dict[str, Any]]       # values checked against the verified sets
     repeats_kv: bool = False      # the kernel's contract has k, v with q's heads: GQA repeats
+    # Tensors whose dim 2 grows call after call (a generation's cache): one decision serves
+    # every length up to the next power of two while they stay contiguous (see ops.py).
+    growing: tuple[str, ...] = ()
+    # (fallback, a call's arguments) -> (fn, values, names) with fallback(q, k, v, ...) equal
+    # to fn(q, k, v, *values) for that call, the last len(names) values passed by those names,
+    # where the problem has such an fn: attention()'s eager fallback then calls fn itself,
+    # with no Python frame between (ops._Direct)
+    direct: Callable[[Callable[..., torch.Tensor], Args],
+                     tuple[Callable[..., torch.Tensor], tuple, tuple[str, ...]] | None] = \
+        lambda fallback, args: None
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.params)
+
+    @property
+    def leading_tensors(self) -> int:
+        """How many parameters, from the first, are tensors (q, k, v: 3)."""
+        n = 0
+        while n < len(self.params) and self.params[n].is_tensor:
+            n += 1
+        return n
 
     def trim(self, values: tuple[Any, ...]) -> tuple[Any, ...]:
         """Returns the values without trailing defaults, as PyTorch's dispatcher hands them to
@@ -187,6 +205,18 @@ def _gqa_aware(a: Args) -> Callable[..., torch.Tensor]:
     return _sdpa_gqa if a["k"].shape[1] != a["q"].shape[1] else _sdpa
 
 
+def _direct_sdpa(fallback: Callable[..., torch.Tensor], a: Args
+                 ) -> tuple[Callable[..., torch.Tensor], tuple, tuple[str, ...]] | None:
+    """_sdpa or _sdpa_gqa as one SDPA call: attn_mask, dropout_p and is_causal positional,
+    scale and enable_gqa (keyword-only) by name where they are not SDPA's defaults."""
+    if fallback is not _sdpa and fallback is not _sdpa_gqa:
+        return None
+    named = {"scale": a.get("scale"), "enable_gqa": fallback is _sdpa_gqa}
+    named = {n: x for n, x in named.items() if x is not None and x is not False}
+    return (F.scaled_dot_product_attention, (None, 0.0, a.get("causal", False), *named.values()),
+            tuple(named))
+
+
 def _window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
             scale: float | None = None) -> torch.Tensor:
     keep = _keep(q.shape[2], q.device, lambda i, j: (j <= i) & (j > i - window))
@@ -217,7 +247,7 @@ def _causal_spec(repeats_kv: bool) -> OpSpec:
         call_kernel=lambda fn, q, k, v, causal=False, scale=None: fn(
             q, k, v, causal=causal, scale=_scale_of(q, scale)),
         fallback_for=_gqa_aware, flags=lambda a: {"causal": bool(a["causal"])},
-        repeats_kv=repeats_kv)
+        repeats_kv=repeats_kv, direct=_direct_sdpa)
 
 
 def _param_spec(param: str, fallback: Callable[..., torch.Tensor]) -> OpSpec:
@@ -259,4 +289,7 @@ def spec_for(meta: dict[str, Any]) -> OpSpec | None:
         return _param_spec("stride", _strided)
     if problem == "masked":
         return _masked_spec()
+    if problem == "decode":
+        from .decode import spec
+        return spec()
     return None
