@@ -16,7 +16,9 @@ each step of its set-up (a run's spare child too, before it is told its candidat
 turn's holder holds it exclusively while it times. A timing that is due waits for the step in
 progress, not for the whole set-up: it first takes `path + ".next"` exclusively, which every
 set-up step passes through (shared) before it begins, so no new step starts until the timing
-has ended (flock alone would let back-to-back shared holders starve it).
+has ended (flock alone would let back-to-back shared holders starve it). A fresh child puts
+its shared lock down while it builds its candidate (CPU work: nvcc, for seconds to minutes,
+after CUDA's start) and takes it again before its set-up's GPU work.
 
 One exception, during the checks only: while Triton compiles one of the candidate's kernels
 (seconds of CPU work, the GPU idle), the turn passes to a waiting evaluation; it is taken
@@ -47,6 +49,7 @@ class GpuTurn:
         self.held = False
         self.checking = False              # compiles may yield the turn (the check stage)
         self._setting_up = False
+        self._put_aside = False            # aside(): the set-up's lock put down for a build
         if path:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             self._file = open(path, "a+")
@@ -71,6 +74,26 @@ class GpuTurn:
             return
         sync()
         self._flock(self._quiet.fileno(), self._un)
+        if self._begin_step():
+            self.report(then)
+
+    def aside(self, sync: Callable[[], None]) -> None:
+        """A set-up that has begun puts its shared lock down for CPU-only work (a fresh
+        child's build: nvcc, seconds to minutes), so that another evaluation's timing need not
+        wait for it; resume() takes it again before the set-up's next GPU work. Between the
+        two, this process runs nothing on the GPU (`sync` first)."""
+        if self._quiet is None or not self._setting_up or self._put_aside:
+            return
+        sync()
+        self._flock(self._quiet.fileno(), self._un)
+        self._put_aside = True
+
+    def resume(self, then: str) -> None:
+        """Takes the set-up's shared lock again after aside() (waiting, as a set-up step does,
+        for a timing in progress or due; reporting stage `then` again if it waited)."""
+        if not self._put_aside:
+            return
+        self._put_aside = False
         if self._begin_step():
             self.report(then)
 

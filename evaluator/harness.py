@@ -120,6 +120,8 @@ def evaluate(req: EvalRequest, stage: Stage, prepared: Prepared | None = None) -
     if bad:
         return bad
     stage("build")
+    if turn is not None:        # a fresh child: its build (CPU only) holds no lock
+        turn.aside(_sync(req))
     rival_loader = None
     try:
         if req.rival:
@@ -135,6 +137,8 @@ def evaluate(req: EvalRequest, stage: Stage, prepared: Prepared | None = None) -
         verdict = Verdict.BUILD_ERROR if e.kind == "build" else Verdict.LOAD_ERROR
         return s.fail(verdict, e.reason, build_log=e.log)
     if prepared is None:
+        assert turn is not None
+        turn.resume("build")
         prepared = prepare(req, stage, turn, s)
     turn, baselines, rng, timer = prepared.turn, prepared.baselines, prepared.rng, prepared.timer
     cases, others = prepared.cases, prepared.others

@@ -166,6 +166,84 @@ def test_without_a_path_nothing_is_locked_and_the_stages_still_report(tmp_path: 
     assert stages == ["reference"]
 
 
+def test_a_set_up_put_aside_for_a_build_lets_a_timing_run_and_waits_for_it_after(
+        tmp_path: Path) -> None:
+    import threading
+    path = tmp_path / "gpu.lock"
+    quiet = Path(str(path) + ".quiet")
+    stages: list[str] = []
+    events: list[str] = []
+    turn = GpuTurn(str(path), stages.append)
+    assert not _free(quiet)                         # its set-up began: shared
+    turn.aside(lambda: events.append("sync"))
+    assert _free(quiet) and events == ["sync"]      # the build holds nothing
+    turn.aside(lambda: events.append("sync"))       # once only
+    assert events == ["sync"]
+    timing = open(quiet, "a+")                      # another evaluation times meanwhile
+    fcntl.flock(timing.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    back = threading.Thread(target=turn.resume, args=("build",))
+    back.start()
+    back.join(timeout=0.5)
+    assert back.is_alive() and stages == ["gpu-wait"]   # the set-up waits for that timing
+    fcntl.flock(timing.fileno(), fcntl.LOCK_UN)
+    timing.close()
+    back.join(timeout=10)
+    assert not back.is_alive() and stages == ["gpu-wait", "build"] and not _free(quiet)
+    turn.resume("build")                            # nothing put aside: nothing to do
+    assert stages == ["gpu-wait", "build"]
+    turn.set_up(lambda: None)
+    turn.aside(lambda: events.append("sync"))       # a set-up that is done (a spare's)
+    assert _free(quiet) and events == ["sync"]
+
+
+_PROBE = """
+import fcntl, json, sys
+from evaluator import harness
+from evaluator.request import EvalRequest
+lock, cand, cache = sys.argv[1:4]
+seen = {}
+def free(p):
+    with open(p, "a+") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        return True
+real_build, real_prepare = harness.build_candidate, harness.prepare
+def build(*a, **k):
+    seen["build"] = free(lock + ".quiet")
+    return real_build(*a, **k)
+def prepare(*a, **k):
+    seen["prepare"] = free(lock + ".quiet")
+    return real_prepare(*a, **k)
+harness.build_candidate, harness.prepare = build, prepare
+req = EvalRequest(device="cpu", candidate=cand, cache_dir=cache, gpu_lock=lock, reps=2,
+                  warmup=1, policy="allow-library")
+r = harness.evaluate(req, lambda s: None)
+print(json.dumps({**seen, "verdict": r.verdict.value}))
+"""
+
+
+def test_a_fresh_child_builds_without_the_set_up_lock_and_sets_up_with_it(tmp_path: Path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    cand = tmp_path / "c.py"
+    cand.write_text("import torch\n\ndef attention(q, k, v, causal=False, scale=None):\n"
+                    "    return torch.nn.functional.scaled_dot_product_attention("
+                    "q, k, v, is_causal=causal, scale=scale)\n")
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, "-c", _PROBE, str(tmp_path / "l" / "gpu.lock"),
+                           str(cand), str(tmp_path / "cache")], capture_output=True, text=True,
+                          cwd=root, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen == {"build": True, "prepare": False, "verdict": "pass"}
+
+
 _SALT = iter(range(1, 1 << 30))
 
 
