@@ -197,25 +197,19 @@ def test_a_set_up_put_aside_for_a_build_lets_a_timing_run_and_waits_for_it_after
 
 
 _PROBE = """
-import fcntl, json, sys
+import json, sys
+from pathlib import Path
 from evaluator import harness
 from evaluator.request import EvalRequest
+from test_gpu_turn import _free
 lock, cand, cache = sys.argv[1:4]
 seen = {}
-def free(p):
-    with open(p, "a+") as f:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-        return True
 real_build, real_prepare = harness.build_candidate, harness.prepare
 def build(*a, **k):
-    seen["build"] = free(lock + ".quiet")
+    seen["build"] = _free(Path(lock + ".quiet"))
     return real_build(*a, **k)
 def prepare(*a, **k):
-    seen["prepare"] = free(lock + ".quiet")
+    seen["prepare"] = _free(Path(lock + ".quiet"))
     return real_prepare(*a, **k)
 harness.build_candidate, harness.prepare = build, prepare
 req = EvalRequest(device="cpu", candidate=cand, cache_dir=cache, gpu_lock=lock, reps=2,
@@ -235,7 +229,7 @@ def test_a_fresh_child_builds_without_the_set_up_lock_and_sets_up_with_it(tmp_pa
     cand.write_text("import torch\n\ndef attention(q, k, v, causal=False, scale=None):\n"
                     "    return torch.nn.functional.scaled_dot_product_attention("
                     "q, k, v, is_causal=causal, scale=scale)\n")
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
     proc = subprocess.run([sys.executable, "-c", _PROBE, str(tmp_path / "l" / "gpu.lock"),
                            str(cand), str(tmp_path / "cache")], capture_output=True, text=True,
                           cwd=root, env=env, timeout=300)
