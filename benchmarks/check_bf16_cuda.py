@@ -53,7 +53,7 @@ DTYPES = ("float16", "bfloat16")          # float16 first: its route is the one 
 EXTRA = [(1, 1, 1, 128, False), (1, 3, 77, 128, True), (2, 2, 1000, 64, True),
          (1, 2, 1300, 128, False), (1, 2, 1300, 128, True), (2, 3, 1100, 128, True),
          (4, 16, 1000, 128, True), (4, 24, 700, 64, False), (4, 24, 700, 64, True),
-         (1, 4, 4099, 128, True), (1, 4, 4099, 64, False)]
+         (1, 4, 4099, 128, True), (1, 4, 4099, 128, False), (1, 4, 4099, 64, False)]
 # Kernel-name fragments, most specific first: the route a call took.
 ROUTES = (("wgmma_ws_kernel", "wgmma-ws"), ("wgmma_flash_kernel", "wgmma"),
           ("cuda_core_flash_kernel", "cuda-core"), ("mma_flash_kernel", "mma"),
