@@ -32,22 +32,28 @@
 // shared tile per consumer warpgroup and one TMA store that runs on under the next work item,
 // instead of st.global from registers; 0: never, and no shared tile; a ring of WS_STAGES too
 // deep for 227 KB of shared memory at a head dim whose path is on fails the build),
-// HEAD_MAJOR_D64 / _D128 (block order per head dim), RESCALE_SLACK (0: O and the row sums are
-// rescaled at every tile; 8: FlashAttention-4's conditional rescaling, the softmax keeps a row's
-// reference max while a tile's max exceeds it by at most 8 in log2 units, so p <= 2^8, and a
-// warp whose rows all kept theirs skips O's rescale; exact, as O and the row sums share the
-// reference). The knobs' when(...) conditions name the
-// routing knobs of seeds/sdpa/flash_hybrid.py, which loads this file as a companion: there a
-// knob of a head dim the routing keeps on Triton runs no call and is left alone by the mutator.
+// HEAD_MAJOR_D64 / _D128 (block order per head dim), RESCALE_SLACK (a warp skips O's rescale when
+// none of its rows' reference max moved; 0: a row's reference is its running max, as in
+// FlashAttention-2/3; 8: FlashAttention-4's conditional rescaling, the reference stays while a
+// tile's max exceeds it by at most 8 in log2 units, so p <= 2^8 and far more tiles skip, at a cost
+// in precision: the largest p of a row is no longer exactly 1, and its rounding to 16 bits doubled
+// the error on some configs, to the edge of the tolerance), EXP2_POLY_EVERY (0: every exponential
+// on the MUFU; N: one score in N by a polynomial on the FMA pipe instead, FlashAttention-4's
+// offload, exp2_poly below). The knobs' when(...) conditions name the routing knobs of
+// seeds/sdpa/flash_hybrid.py, which loads this file as a companion: there a knob of a head dim the
+// routing keeps on Triton runs no call and is left alone by the mutator.
 // On its own this file has no routing knobs, and a condition on a knob it lacks always holds.
 // The softmax has a masked and an unmasked variant chosen per tile (a branch around the whole
 // tile): with the masks inside one loop, ptxas if-converted them into every tile and placed the
 // wait for P v before the softmax, so OVERLAP overlapped nothing. Defaults, as measured
-// (BENCHMARKS.md): D=64 on the cp.async path (the hybrid seed runs D=64 on Triton), D=128
-// warp-specialised, persistent, causal items from the counter, with the intra-warpgroup
-// overlap, conditional rescaling and the TMA-store epilogue up to S=4096: together 1.10x the
-// setting without the three on the four D=128 default configs (CUDA-graph time, H200), where
-// the overlap alone gained 4% and the rescaling alone 2%.
+// (BENCHMARKS.md; CUDA-graph time against the previous setting, H100): both head dims
+// warp-specialised and persistent, causal items from the counter, 128-key tiles; D=64 1.04x
+// the cp.async path with 64-key tiles over the ten D=64 configs (the hybrid seed runs only
+// short non-causal D=64 calls here, the others on Triton); D=128 with the intra-warpgroup
+// overlap (10% over none, with the skipped rescales) and the TMA-store epilogue up to S=4096
+// (1.4% over up to 1024): 1.06x the previous setting. RESCALE_SLACK=8 gained 3% more at D=128,
+// at the precision cost above; one exponential in 8 off the MUFU lost 3% at D=128, and at D=64
+// taking them all off (a timing experiment, wrong results) gained only 8%.
 // Any S >= 1, D in {64, 128}, fp32 accumulation. Needs the sm_90a target for wgmma (the
 // evaluator builds with -gencode=arch=compute_90a,code=sm_90a on H100/H200). Built for
 // another target (plain sm_90, or PTX JIT-compiled from an older one), the code the GPU runs
@@ -117,23 +123,24 @@
 // evoattn: companion cuda_core_flash.cuh
 #include "cuda_core_flash.cuh"  // the CUDA-core fallback (float32, misaligned pointers)
 
-#define NUM_WARPGROUPS 2  // evoattn: choice(1, 2) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0)
-#define BLOCK_N_D64 64  // evoattn: choice(64, 128) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0)
+#define NUM_WARPGROUPS 2  // evoattn: choice(1, 2) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_SHORT!=0)
+#define BLOCK_N_D64 128  // evoattn: choice(64, 128) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_SHORT!=0)
 #define BLOCK_N_D128 128  // evoattn: choice(64, 128) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
-#define OVERLAP_D64 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0)
+#define OVERLAP_D64 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_SHORT!=0)
 #define OVERLAP_D128 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
-#define WARP_SPECIALIZE_D64 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0)
+#define WARP_SPECIALIZE_D64 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_SHORT!=0)
 #define WARP_SPECIALIZE_D128 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
-#define WS_STAGES 2  // evoattn: choice(2, 3, 4) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0)
-#define SETMAXNREG 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0)
-#define PINGPONG 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0)
-#define HEAD_MAJOR_D64 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0)
+#define WS_STAGES 2  // evoattn: choice(2, 3, 4) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_SHORT!=0)
+#define SETMAXNREG 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_SHORT!=0)
+#define PINGPONG 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_SHORT!=0)
+#define HEAD_MAJOR_D64 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_SHORT!=0)
 #define HEAD_MAJOR_D128 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
-#define PERSISTENT_D64 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0)
+#define PERSISTENT_D64 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_SHORT!=0)
 #define PERSISTENT_D128 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
 #define PERSISTENT_DYNAMIC 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64_CAUSAL=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0)
-#define TMA_STORE_MAX_S 4096  // evoattn: choice(0, 1024, 2048, 4096, 65536) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0)
-#define RESCALE_SLACK 8  // evoattn: choice(0, 8) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0)
+#define TMA_STORE_MAX_S 4096  // evoattn: choice(0, 1024, 2048, 4096, 65536) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_SHORT!=0)
+#define RESCALE_SLACK 0  // evoattn: choice(0, 8) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_SHORT!=0)
+#define EXP2_POLY_EVERY 0  // evoattn: choice(0, 8, 4, 2) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_SHORT!=0)
 
 #define FB_BLOCK_M 32    // fallback tiles; fixed, not knobs
 #define FB_BLOCK_N 32
@@ -390,6 +397,28 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   return y;
 }
 
+// 2^x on the FMA and integer pipes instead of the MUFU (FlashAttention-4's offload of part of
+// the softmax's exponentials): x = j + f with j = round(x) (the 1.5 * 2^23 shift) and f in
+// [-1/2, 1/2], 2^f by a degree-3 polynomial (fitted for relative error on Chebyshev nodes:
+// at most 7.6e-5, below a float16 half-ulp), and j added to the exponent bits. x is clamped
+// at -126 (-inf for a masked score): the exponent then stays >= 0, so the result is a float
+// in [0, 2^-126] there (below, it would wrap into NaN).
+__device__ __forceinline__ float exp2_poly(float x) {
+  x = fmaxf(x, -126.f);
+  const float t = x + 12582912.f;             // round(x) in the low mantissa bits
+  const float f = x - (t - 12582912.f);
+  const float p = fmaf(fmaf(fmaf(0.055191804f, f, 0.24261291f), f, 0.69325727f), f, 0.99992788f);
+  // (bits(t) - bits(1.5 * 2^23)) << 23 == bits(t) << 23 modulo 2^32
+  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+}
+
+// Score i of a lane's fragments takes exp2_poly when EXP2_POLY_EVERY divides i + 1 (one in
+// EXP2_POLY_EVERY; 0: none), else the MUFU. i is a constant in the unrolled loops that call it.
+__device__ __forceinline__ float exp2_score(int i, float x) {
+  return EXP2_POLY_EVERY > 0 && (i + 1) % (EXP2_POLY_EVERY > 0 ? EXP2_POLY_EVERY : 1) == 0
+             ? exp2_poly(x) : exp2_ftz(x);
+}
+
 // Online softmax of one 64 x BN score tile (this lane's fragments s, keys n0 .. n0+BN-1): the
 // scores in log2 units (s * scale_log2), keys past S and (causal) past the row masked to -inf;
 // updates the running row max m_run and this lane's partial row sums l_run, and leaves
@@ -427,9 +456,10 @@ __device__ __forceinline__ void softmax_impl(float (&s)[BN / 2], int n0, int S, 
     mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
     if constexpr (!MASKED) mx[h] *= scale_log2;   // max(s) * scale = max(s * scale), scale >= 0
     const float m_new = fmaxf(m_run[h], mx[h]);
-    // RESCALE_SLACK: the reference max stays while the tile's max exceeds it by at most that
-    // (p <= 2^RESCALE_SLACK); the difference is NaN or +inf while nothing has been seen.
-    const bool keep = RESCALE_SLACK > 0 && m_new - m_run[h] <= (float)RESCALE_SLACK;
+    // The reference max stays while the tile's max exceeds it by at most RESCALE_SLACK (0:
+    // while it does not grow; p <= 2^RESCALE_SLACK); the difference is NaN or +inf while
+    // nothing has been seen.
+    const bool keep = m_new - m_run[h] <= (float)RESCALE_SLACK;
     const float m_ref = keep ? m_run[h] : m_new;
     m_use[h] = m_ref == -INFINITY ? 0.f : m_ref;   // nothing seen yet: p = 0, alpha = 0
     alpha[h] = keep ? 1.f : exp2_ftz(m_run[h] - m_use[h]);
@@ -439,7 +469,7 @@ __device__ __forceinline__ void softmax_impl(float (&s)[BN / 2], int n0, int S, 
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) {
     const float m = m_use[(i >> 1) & 1];
-    const float p = MASKED ? exp2_ftz(s[i] - m) : exp2_ftz(fmaf(s[i], scale_log2, -m));
+    const float p = exp2_score(i, MASKED ? s[i] - m : fmaf(s[i], scale_log2, -m));
     s[i] = p;
     l_run[(i >> 1) & 1] += p;
   }
@@ -458,11 +488,11 @@ __device__ __forceinline__ void softmax_tile(float (&s)[BN / 2], int n0, int S, 
     softmax_impl<BN, false>(s, n0, S, causal, row_a, row_b, t, scale_log2, m_run, l_run, alpha);
 }
 
-// With RESCALE_SLACK a warp whose rows all kept their reference max (alpha exactly 1) skips
-// the multiplies (a warp-uniform branch; every lane of the warp calls this).
+// A warp whose rows all kept their reference max (alpha exactly 1) skips the multiplies (a
+// warp-uniform branch; every lane of the warp calls this).
 template <int D>
 __device__ __forceinline__ void rescale(float (&o)[D / 2], const float (&alpha)[2]) {
-  if (RESCALE_SLACK > 0 && !__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) return;
+  if (!__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) return;
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
 }
@@ -704,7 +734,9 @@ constexpr int WS_THREADS = WG_THREADS * (NUM_WARPGROUPS + 1);
 // (65536 / 384, which ptxas uses whenever the kernel has setmaxnreg), a pool of 64512 =
 // 128 * 24 + 256 * 240. With one consumer warpgroup (256 threads, up to 255 registers each)
 // there is nothing to move, and an .inc below the starting count is not allowed: off.
-constexpr bool USE_SETMAXNREG = SETMAXNREG && NUM_WARPGROUPS == 2;
+// (A function, not a constant: a build where neither head dim takes this path never calls it,
+// where an unused constant would draw nvcc's warning #177.)
+__host__ __device__ constexpr bool use_setmaxnreg() { return SETMAXNREG && NUM_WARPGROUPS == 2; }
 
 template <int D, int BN> struct WsSmem {
   static constexpr uint32_t Q_BYTES = BLOCK_M * D * 2;
@@ -920,7 +952,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
   __syncthreads();                            // the last block-wide barrier
 
   if (wg_all == 0) {                          // ---- producer warpgroup
-    if (USE_SETMAXNREG) set_max_regs_dec<24>();
+    if (use_setmaxnreg()) set_max_regs_dec<24>();
     if (tid == 0) {
       // The k and v tiles of all this block's work items go through one ring: the block's
       // r-th tile (counting over its items in order) goes into stage r % WS_STAGES once the
@@ -982,7 +1014,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
   }
 
   // ---- consumer warpgroups
-  if (USE_SETMAXNREG) set_max_regs_inc<240>();
+  if (use_setmaxnreg()) set_max_regs_inc<240>();
   const int wg = wg_all - 1;
   const int ctid = tid - WG_THREADS;
   const int warp = (ctid % WG_THREADS) / 32, lane = ctid % 32;
@@ -1139,7 +1171,8 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
 
 // cuTensorMapEncodeTiled from the driver, found once through the runtime (no -lcuda needed);
 // nullptr if the driver has none. A function-local static: initialised once, thread-safe.
-static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+// Unused (and not warned about) in a build where neither head dim is warp-specialised.
+[[maybe_unused]] static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static const PFN_cuTensorMapEncodeTiled_v12000 fn = []() {
     void* ptr = nullptr;
     cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
