@@ -473,18 +473,19 @@ def test_flash_triton_gpu_settings_are_correct_or_fail_cleanly():
 def hybrid_gpu_cases() -> list[dict[str, Any]]:
     """The hybrid's two kernels per head dim, the CUDA kernel's persistent path (the default at
     D=128) on shapes where a block takes several work items (more items than SMs), and the
-    settings around it: persistence at D=64, none at D=128, ping-pong, no overlap and no
-    conditional rescaling (both on by default), the TMA-store epilogue (on up to S=4096 by
-    default) switched off, and Triton's ordinary launch (FAST_LAUNCH off) against its prepared
-    one."""
+    settings around it: D=64 on the cp.async path, no persistence at D=128, ping-pong, no
+    overlap (on by default) with half the exponentials on the FMA pipe, the TMA-store epilogue
+    (on up to S=4096 by default) switched off, and Triton's ordinary launch (FAST_LAUNCH off)
+    against its prepared one."""
     both = {"CUDA_D64": True, "CUDA_D64_CAUSAL": True, "CUDA_D128": True, "CUDA_D128_CAUSAL": True}
     settings = [{},
                 {"CUDA_D128": False, "CUDA_D128_CAUSAL": False},
                 both,
-                {**both, "PERSISTENT_D64": 1, "WARP_SPECIALIZE_D64": 1},
+                {**both, "PERSISTENT_D64": 0, "WARP_SPECIALIZE_D64": 0,
+                 "wgmma_flash.cu:BLOCK_N_D64": 64},
                 {**both, "PERSISTENT_D128": 0, "PINGPONG": 1, "TMA_STORE_MAX_S": 0},
                 {**both, "PINGPONG": 1, "OVERLAP_D128": 0, "PERSISTENT_DYNAMIC": 0},
-                {**both, "RESCALE_SLACK": 0, "OVERLAP_D128": 0, "TMA_STORE_MAX_S": 1024},
+                {**both, "OVERLAP_D128": 0, "TMA_STORE_MAX_S": 1024, "EXP2_POLY_EVERY": 2},
                 {"FAST_LAUNCH": False, "CUDA_D128": False}]
     shapes = [((2, 3, 1000, 64), "float16"), ((1, 2, 77, 128), "bfloat16"),
               ((4, 16, 1000, 128), "float16"), ((4, 24, 700, 64), "bfloat16"),

@@ -32,14 +32,9 @@
 // shared tile per consumer warpgroup and one TMA store that runs on under the next work item,
 // instead of st.global from registers; 0: never, and no shared tile; a ring of WS_STAGES too
 // deep for 227 KB of shared memory at a head dim whose path is on fails the build),
-// HEAD_MAJOR_D64 / _D128 (block order per head dim), RESCALE_SLACK (a warp skips O's rescale when
-// none of its rows' reference max moved; 0: a row's reference is its running max, as in
-// FlashAttention-2/3; 8: FlashAttention-4's conditional rescaling, the reference stays while a
-// tile's max exceeds it by at most 8 in log2 units, so p <= 2^8 and far more tiles skip, at a cost
-// in precision: the largest p of a row is no longer exactly 1, and its rounding to 16 bits doubled
-// the error on some configs, to the edge of the tolerance), EXP2_POLY_EVERY (0: every exponential
-// on the MUFU; N: one score in N by a polynomial on the FMA pipe instead, FlashAttention-4's
-// offload, exp2_poly below). The knobs' when(...) conditions name the routing knobs of
+// HEAD_MAJOR_D64 / _D128 (block order per head dim), EXP2_POLY_EVERY (0: every exponential on the
+// MUFU; N: one score in N by a polynomial on the FMA pipe instead, FlashAttention-4's offload,
+// exp2_poly below). The knobs' when(...) conditions name the routing knobs of
 // seeds/sdpa/flash_hybrid.py, which loads this file as a companion: there a knob of a head dim the
 // routing keeps on Triton runs no call and is left alone by the mutator.
 // On its own this file has no routing knobs, and a condition on a knob it lacks always holds.
@@ -51,8 +46,12 @@
 // the cp.async path with 64-key tiles over the ten D=64 configs (the hybrid seed runs only
 // short non-causal D=64 calls here, the others on Triton); D=128 with the intra-warpgroup
 // overlap (10% over none, with the skipped rescales) and the TMA-store epilogue up to S=4096
-// (1.4% over up to 1024): 1.06x the previous setting. RESCALE_SLACK=8 gained 3% more at D=128,
-// at the precision cost above; one exponential in 8 off the MUFU lost 3% at D=128, and at D=64
+// (1.4% over up to 1024): 1.06x the previous setting. A warp skips O's rescale when no row's
+// max grew (exact). FlashAttention-4's slack (a row keeps a stale max while a tile's is at
+// most 2^8 above it, so far more tiles skip) gained 3% more at D=128 but is not offered: the
+// largest p of a row is then no longer exactly 1, its rounding to 16 bits doubled the error on
+// some configs to the edge of the tolerance, and in a default search such children failed
+// their checks now and then. One exponential in 8 off the MUFU lost 3% at D=128; at D=64
 // taking them all off (a timing experiment, wrong results) gained only 8%.
 // Any S >= 1, D in {64, 128}, fp32 accumulation. Needs the sm_90a target for wgmma (the
 // evaluator builds with -gencode=arch=compute_90a,code=sm_90a on H100/H200). Built for
@@ -139,7 +138,6 @@
 #define PERSISTENT_D128 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
 #define PERSISTENT_DYNAMIC 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64_CAUSAL=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0)
 #define TMA_STORE_MAX_S 4096  // evoattn: choice(0, 1024, 2048, 4096, 65536) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_SHORT!=0)
-#define RESCALE_SLACK 0  // evoattn: choice(0, 8) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_SHORT!=0)
 #define EXP2_POLY_EVERY 0  // evoattn: choice(0, 8, 4, 2) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_SHORT!=0)
 
 #define FB_BLOCK_M 32    // fallback tiles; fixed, not knobs
@@ -456,14 +454,10 @@ __device__ __forceinline__ void softmax_impl(float (&s)[BN / 2], int n0, int S, 
     mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
     if constexpr (!MASKED) mx[h] *= scale_log2;   // max(s) * scale = max(s * scale), scale >= 0
     const float m_new = fmaxf(m_run[h], mx[h]);
-    // The reference max stays while the tile's max exceeds it by at most RESCALE_SLACK (0:
-    // while it does not grow; p <= 2^RESCALE_SLACK); the difference is NaN or +inf while
-    // nothing has been seen.
-    const bool keep = m_new - m_run[h] <= (float)RESCALE_SLACK;
-    const float m_ref = keep ? m_run[h] : m_new;
-    m_use[h] = m_ref == -INFINITY ? 0.f : m_ref;   // nothing seen yet: p = 0, alpha = 0
-    alpha[h] = keep ? 1.f : exp2_ftz(m_run[h] - m_use[h]);
-    m_run[h] = m_ref;
+    m_use[h] = m_new == -INFINITY ? 0.f : m_new;   // nothing seen yet: p = 0, alpha = 0
+    // a row whose max did not grow keeps its scale exactly (rescale() skips such warps)
+    alpha[h] = m_new == m_run[h] ? 1.f : exp2_ftz(m_run[h] - m_use[h]);
+    m_run[h] = m_new;
     l_run[h] *= alpha[h];
   }
 #pragma unroll
@@ -1226,9 +1220,9 @@ static int launch_ws(const void* q, const void* k, const void* v, void* out, int
     return (int)err;
   }
   if (tensor_map_encoder() == nullptr) return (int)cudaErrorNotSupported;   // driver too old
-  // The TMA-store epilogue for sequences up to TMA_STORE_MAX_S (with OVERLAP_D128 and
-  // RESCALE_SLACK on, it gained 1.7% at D=128 over the four default configs against up to
-  // S=1024; without them it had lost 5-6% at S=4096).
+  // The TMA-store epilogue for sequences up to TMA_STORE_MAX_S (with OVERLAP_D128 on and the
+  // skipped rescales, up to S=4096 gained 1.4% at D=128 over the four default configs against
+  // up to S=1024, H100; without them it had lost 5-6% at S=4096).
   const int tma_store = TMA_STORE_MAX_S > 0 && S <= TMA_STORE_MAX_S;
   CUtensorMap tq, tk, tv, to{};               // to: the output's, used only with tma_store
   if (!make_tensor_map<T>(&tq, q, BH, S, D, BLOCK_M) || !make_tensor_map<T>(&tk, k, BH, S, D, BN) ||
