@@ -41,18 +41,18 @@
 // The softmax has a masked and an unmasked variant chosen per tile (a branch around the whole
 // tile): with the masks inside one loop, ptxas if-converted them into every tile and placed the
 // wait for P v before the softmax, so OVERLAP overlapped nothing. Defaults, as measured
-// (BENCHMARKS.md; CUDA-graph time against the previous setting, H100): both head dims
-// warp-specialised and persistent, causal items from the counter, 128-key tiles; D=64 1.04x
-// the cp.async path with 64-key tiles over the ten D=64 configs (the hybrid seed runs only
-// short non-causal D=64 calls here, the others on Triton); D=128 with the intra-warpgroup
-// overlap (10% over none, with the skipped rescales) and the TMA-store epilogue up to S=4096
-// (1.4% over up to 1024): 1.06x the previous setting. A warp skips O's rescale when no row's
-// max grew (exact). FlashAttention-4's slack (a row keeps a stale max while a tile's is at
-// most 2^8 above it, so far more tiles skip) gained 3% more at D=128 but is not offered: the
-// largest p of a row is then no longer exactly 1, its rounding to 16 bits doubled the error on
-// some configs to the edge of the tolerance, and in a default search such children failed
-// their checks now and then. One exponential in 8 off the MUFU lost 3% at D=128; at D=64
-// taking them all off (a timing experiment, wrong results) gained only 8%.
+// (BENCHMARKS.md; CUDA-graph time, H100, python benchmarks/wgmma_variants.py): both head dims
+// warp-specialised and persistent, causal items from the counter, 128-key tiles; D=64 1.08x the
+// cp.async path with 64-key tiles over the ten D=64 configs (the hybrid seed runs only short
+// non-causal D=64 calls here, the others on Triton); D=128 with the intra-warpgroup overlap (10%
+// over none, with the skipped rescales) and the TMA-store epilogue up to S=4096 (1.4-2% over up to
+// 1024): 1.06-1.07x the previous setting. A warp skips O's rescale when no row's max grew (exact).
+// FlashAttention-4's slack (a row keeps a stale max while a tile's is at most 2^8 above it, so far
+// more tiles skip) gained 3% more at D=128 but is not offered: the largest p of a row is then no
+// longer exactly 1, its rounding to 16 bits doubled the error on some configs to the edge of the
+// tolerance, and in a default search such children failed their checks now and then. One
+// exponential in 8 off the MUFU lost 3% at D=128; at D=64 taking them all off (a timing experiment,
+// wrong results) gained only 8%.
 // Any S >= 1, D in {64, 128}, fp32 accumulation. Needs the sm_90a target for wgmma (the
 // evaluator builds with -gencode=arch=compute_90a,code=sm_90a on H100/H200). Built for
 // another target (plain sm_90, or PTX JIT-compiled from an older one), the code the GPU runs
