@@ -205,14 +205,21 @@ def test_the_real_cuda_companion_builds_with_the_header_it_includes(tmp_path):
     assert set(libs) == {"wgmma_flash.cu"} and Path(libs["wgmma_flash.cu"]).is_file(), log
 
 
+def _route_flags(hybrid, monkeypatch, flag: str) -> list[bool]:  # noqa: ANN001
+    """The `flag` ('small' or 'short') of each route the hybrid decides from now on (every
+    call then runs a stand-in for Triton)."""
+    seen: list[bool] = []
+    monkeypatch.setattr(hybrid, "_cuda_wanted",
+                        lambda device, dtype, d, causal, small=False, short=False:
+                        seen.append({"small": small, "short": short}[flag]) or False)
+    monkeypatch.setattr(hybrid._triton, "attention", lambda *args: None)
+    return seen
+
+
 def test_the_small_call_route_counts_a_calls_work(hybrid, monkeypatch):
     """CUDA_D64_SMALL compares B·H·Sq·Sk with its threshold (decided once per route key)."""
     import torch
-    seen = []
-    monkeypatch.setattr(hybrid, "_cuda_wanted",
-                        lambda device, dtype, d, causal, small=False, short=False:
-                        seen.append(small) or False)
-    monkeypatch.setattr(hybrid._triton, "attention", lambda *args: None)
+    seen = _route_flags(hybrid, monkeypatch, "small")
     monkeypatch.setattr(hybrid, "CUDA_D64_SMALL", 8 * 512 * 512)
     for B in (1, 2):
         x = torch.empty(B, 8, 512, 64)
@@ -223,11 +230,7 @@ def test_the_small_call_route_counts_a_calls_work(hybrid, monkeypatch):
 def test_the_short_call_route_takes_non_causal_calls_that_fill_the_gpu(hybrid, monkeypatch):
     """CUDA_D64_SHORT: non-causal, at most that many keys, and a 128-row item per SM."""
     import torch
-    seen = []
-    monkeypatch.setattr(hybrid, "_cuda_wanted",
-                        lambda device, dtype, d, causal, small=False, short=False:
-                        seen.append(short) or False)
-    monkeypatch.setattr(hybrid._triton, "attention", lambda *args: None)
+    seen = _route_flags(hybrid, monkeypatch, "short")
     monkeypatch.setattr(hybrid._triton, "_num_sms", lambda device: 132)
     monkeypatch.setattr(hybrid, "CUDA_D64_SHORT", 1024)
     calls = [((8, 32, 512), False, True),      # 1024 items of 128 rows, 512 keys
