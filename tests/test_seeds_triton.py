@@ -491,7 +491,8 @@ def hybrid_gpu_cases() -> list[dict[str, Any]]:
               ((4, 16, 1000, 128), "float16"), ((4, 24, 700, 64), "bfloat16"),
               ((1, 2, 300, 64), "float32"),
               ((1, 4, 1500, 128), "float16"),   # past a TMA_STORE_MAX_S of 1024
-              ((1, 2, 4200, 128), "float16")]   # past its default: the st.global epilogue
+              ((1, 2, 4200, 128), "float16"),   # past its default: the st.global epilogue
+              ((4, 33, 500, 64), "bfloat16")]   # CUDA_D64_SHORT's route: 528 items, S <= 512
     return [case("flash_hybrid", shape, dtype, causal, 0.125, knobs=k)
             for k in settings for shape, dtype in shapes for causal in (False, True)]
 

@@ -482,7 +482,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[BN / 2], int n0, int S, 
     softmax_impl<BN, false>(s, n0, S, causal, row_a, row_b, t, scale_log2, m_run, l_run, alpha);
 }
 
-// A warp whose rows all kept their reference max (alpha exactly 1) skips the multiplies (a
+// A warp none of whose rows' maximum grew (alpha exactly 1 for each) skips the multiplies (a
 // warp-uniform branch; every lane of the warp calls this).
 template <int D>
 __device__ __forceinline__ void rescale(float (&o)[D / 2], const float (&alpha)[2]) {
@@ -1221,8 +1221,8 @@ static int launch_ws(const void* q, const void* k, const void* v, void* out, int
   }
   if (tensor_map_encoder() == nullptr) return (int)cudaErrorNotSupported;   // driver too old
   // The TMA-store epilogue for sequences up to TMA_STORE_MAX_S (with OVERLAP_D128 on and the
-  // skipped rescales, up to S=4096 gained 1.4% at D=128 over the four default configs against
-  // up to S=1024, H100; without them it had lost 5-6% at S=4096).
+  // skipped rescales, up to S=4096 gained 1.4-2% at D=128 over the four default configs
+  // against up to S=1024, H100; without them it had lost 5-6% at S=4096).
   const int tma_store = TMA_STORE_MAX_S > 0 && S <= TMA_STORE_MAX_S;
   CUtensorMap tq, tk, tv, to{};               // to: the output's, used only with tma_store
   if (!make_tensor_map<T>(&tq, q, BH, S, D, BLOCK_M) || !make_tensor_map<T>(&tk, k, BH, S, D, BN) ||
