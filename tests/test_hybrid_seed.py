@@ -21,7 +21,7 @@ HYBRID = SEEDS / "flash_hybrid.py"
 TRITON_SEED = SEEDS / "flash_triton.py"
 CUDA_SEED = SEEDS / "wgmma_flash.cu"
 ROUTING = {"CUDA_D64", "CUDA_D64_CAUSAL", "CUDA_D128", "CUDA_D128_CAUSAL"}
-ROUTING_KNOBS = ROUTING | {"CUDA_D64_SMALL", "CUDA_D64_SHORT"}
+ROUTING_KNOBS = ROUTING | {"CUDA_D64_SMALL", "CUDA_D64_FILL_KEYS"}
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 
 # A stand-in for the wgmma source: the same entry point, returning B + 6 without touching CUDA.
@@ -74,11 +74,11 @@ def test_the_mutator_leaves_the_knobs_of_kernels_that_run_no_call():
 
     triton_d128 = {k for k in in_triton if "D128" in k}
     cuda_d64 = {k for k in in_cuda if k.endswith("_D64")}
-    # the defaults on an H100/H200: D=128 runs CUDA, D=64 both (short non-causal calls CUDA)
+    # the defaults on an H100/H200: D=128 runs CUDA, D=64 both (calls that fill the GPU CUDA)
     assert dead(source, "sm90") == triton_d128
-    # without the short calls D=64 runs Triton only: the CUDA kernel's D=64 knobs go dead
-    no_short = set_knobs(source, {"CUDA_D64_SHORT": "0"})
-    assert dead(no_short, "sm90") == triton_d128 | cuda_d64
+    # without the filling calls D=64 runs Triton only: the CUDA kernel's D=64 knobs go dead
+    no_fill = set_knobs(source, {"CUDA_D64_FILL_KEYS": "0"})
+    assert dead(no_fill, "sm90") == triton_d128 | cuda_d64
     # elsewhere every call runs Triton: every CUDA and routing knob is dead; on the CPU also
     # the Triton knobs whose code only a GPU runs (TMA, warp specialisation, the fast launch)
     assert dead(source, "sm80") == in_cuda | ROUTING_KNOBS
@@ -89,7 +89,7 @@ def test_the_mutator_leaves_the_knobs_of_kernels_that_run_no_call():
     assert dead(all_cuda, "sm90") == in_triton
     # the small head-dim-64 calls to CUDA, the large ones still on Triton: both kernels' D=64
     # knobs are live
-    small_cuda = set_knobs(no_short, {"CUDA_D64_SMALL": "4194304"})
+    small_cuda = set_knobs(no_fill, {"CUDA_D64_SMALL": "4194304"})
     assert dead(small_cuda, "sm90") == triton_d128
 
 
@@ -169,7 +169,7 @@ def test_the_cuda_companion_is_not_built_where_no_call_would_run_it(tmp_path, mo
                                 target)[0] == {}
     (tmp_path / "b").mkdir()                      # routing knobs all off: no call runs CUDA
     off = _program_with_stub(tmp_path / "b", {**{k: "False" for k in ROUTING},
-                                              "CUDA_D64_SHORT": "0"})
+                                              "CUDA_D64_FILL_KEYS": "0"})
     assert build_companions(off, off.read_text(), tmp_path, 60, "sm_90a", "sm90")[0] == {}
 
 
@@ -206,12 +206,12 @@ def test_the_real_cuda_companion_builds_with_the_header_it_includes(tmp_path):
 
 
 def _route_flags(hybrid, monkeypatch, flag: str) -> list[bool]:  # noqa: ANN001
-    """The `flag` ('small' or 'short') of each route the hybrid decides from now on (every
+    """The `flag` ('small' or 'fills') of each route the hybrid decides from now on (every
     call then runs a stand-in for Triton)."""
     seen: list[bool] = []
     monkeypatch.setattr(hybrid, "_cuda_wanted",
-                        lambda device, dtype, d, causal, small=False, short=False:
-                        seen.append({"small": small, "short": short}[flag]) or False)
+                        lambda device, dtype, d, causal, small=False, fills=False:
+                        seen.append({"small": small, "fills": fills}[flag]) or False)
     monkeypatch.setattr(hybrid._triton, "attention", lambda *args: None)
     return seen
 
@@ -227,25 +227,26 @@ def test_the_small_call_route_counts_a_calls_work(hybrid, monkeypatch):
     assert seen == [True, False]
 
 
-def test_the_short_call_route_takes_non_causal_calls_that_fill_the_gpu(hybrid, monkeypatch):
-    """CUDA_D64_SHORT: non-causal, at most that many keys, and a 128-row item per SM."""
+def test_the_fill_route_takes_calls_that_give_every_sm_a_work_item(hybrid, monkeypatch):
+    """CUDA_D64_FILL_KEYS: at most that many keys and a 128-row item per SM, causal or not."""
     import torch
-    seen = _route_flags(hybrid, monkeypatch, "short")
+    seen = _route_flags(hybrid, monkeypatch, "fills")
     monkeypatch.setattr(hybrid._triton, "_num_sms", lambda device: 132)
-    monkeypatch.setattr(hybrid, "CUDA_D64_SHORT", 1024)
+    monkeypatch.setattr(hybrid, "CUDA_D64_FILL_KEYS", 1024)
     calls = [((8, 32, 512), False, True),      # 1024 items of 128 rows, 512 keys
-             ((8, 32, 512), True, False),      # causal
+             ((8, 32, 512), True, True),       # causal too
              ((4, 32, 1024), False, True),
-             ((2, 32, 2048), False, False),    # more keys than CUDA_D64_SHORT
+             ((2, 32, 2048), True, False),     # more keys than CUDA_D64_FILL_KEYS
              ((1, 8, 512), False, False),      # 32 items for 132 SMs
+             ((1, 8, 512), True, False),
              ((1, 33, 512), False, True)]      # 132 items
     for (B, H, S), causal, _ in calls:
         hybrid._ROUTES.clear()
         x = torch.empty(B, H, S, 64)
         hybrid.attention(x, x, x, causal=causal)
     assert seen == [want for _, _, want in calls]
-    # the route is kept per key, and `short` is part of it: the short call's twin asks nothing
-    hybrid.attention(*(torch.empty(8, 32, 512, 64),) * 3)      # short, as the last call
+    # the route is kept per key, and `fills` is part of it: the filling call's twin asks nothing
+    hybrid.attention(*(torch.empty(1, 33, 512, 64),) * 3)      # fills, as the last call
     assert len(seen) == len(calls)
-    hybrid.attention(*(torch.empty(2, 32, 2048, 64),) * 3)     # not short: a key of its own
+    hybrid.attention(*(torch.empty(1, 32, 512, 64),) * 3)      # 128 items: a key of its own
     assert seen[len(calls):] == [False]

@@ -471,9 +471,11 @@ def test_flash_triton_gpu_settings_are_correct_or_fail_cleanly():
 
 
 def hybrid_gpu_cases() -> list[dict[str, Any]]:
-    """The hybrid's two kernels per head dim, the CUDA kernel's persistent path (the default at
-    D=128) on shapes where a block takes several work items (more items than SMs), and the
-    settings around it: D=64 on the cp.async path, no persistence at D=128, ping-pong, no
+    """The hybrid's two kernels per head dim, the CUDA kernel's persistent path (the default) on
+    shapes where a block takes several work items (more items than SMs; each case calls twice,
+    so a causal call's second launch reuses its stream's item counter, which the first must have
+    put back to 0), and the settings around it: D=64 on the cp.async path and with two consumer
+    warpgroups instead of three, no persistence at D=128, ping-pong, no
     overlap (on by default) with half the exponentials on the FMA pipe, the TMA-store epilogue
     (on up to S=4096 by default) switched off, and Triton's ordinary launch (FAST_LAUNCH off)
     against its prepared one."""
@@ -483,6 +485,7 @@ def hybrid_gpu_cases() -> list[dict[str, Any]]:
                 both,
                 {**both, "PERSISTENT_D64": 0, "WARP_SPECIALIZE_D64": 0,
                  "wgmma_flash.cu:BLOCK_N_D64": 64},
+                {**both, "WIDE_D64": 0, "HEAD_MAJOR_D64": 1},
                 {**both, "PERSISTENT_D128": 0, "PINGPONG": 1, "TMA_STORE_MAX_S": 0},
                 {**both, "PINGPONG": 1, "OVERLAP_D128": 0, "PERSISTENT_DYNAMIC": 0},
                 {**both, "OVERLAP_D128": 0, "TMA_STORE_MAX_S": 1024, "EXP2_POLY_EVERY": 2},
@@ -492,7 +495,8 @@ def hybrid_gpu_cases() -> list[dict[str, Any]]:
               ((1, 2, 300, 64), "float32"),
               ((1, 4, 1500, 128), "float16"),   # past a TMA_STORE_MAX_S of 1024
               ((1, 2, 4200, 128), "float16"),   # past its default: the st.global epilogue
-              ((4, 33, 500, 64), "bfloat16")]   # CUDA_D64_SHORT's route: 528 items, S <= 512
+              ((4, 33, 500, 64), "bfloat16"),   # CUDA_D64_FILL_KEYS's route: 528 items
+              ((8, 16, 1000, 64), "float16")]   # 1024 items: several per block
     return [case("flash_hybrid", shape, dtype, causal, 0.125, knobs=k)
             for k in settings for shape, dtype in shapes for causal in (False, True)]
 

@@ -7,14 +7,15 @@
   wgmma_flash.cu    the FlashAttention-3-style wgmma kernel for sm_90a (its own knobs), built
                     with nvcc by whoever loads this file (the evaluator, an exported package)
                     and handed over in EVOATTN_LIBRARIES; without it every call runs Triton.
-The defaults send head dim 128 to CUDA, and 64 too where the call is short and non-causal
-(CUDA_D64_SHORT); other head-dim-64 calls stay on Triton, which measured faster there. A
+The defaults send head dim 128 to CUDA, and 64 too where the call gives every SM a work item
+(CUDA_D64_FILL_KEYS); smaller head-dim-64 calls stay on Triton, whose smaller tiles and grid
+measured faster there. A
 knob whose code no call runs at these routing values and this GPU (its when(...) conditions)
 is left alone by the mutator.
 """
 # evoattn: companion flash_triton.py
-# evoattn: companion wgmma_flash.cu when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_SHORT!=0)
-# evoattn: companion cuda_core_flash.cuh when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_SHORT!=0)
+# evoattn: companion wgmma_flash.cu when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
+# evoattn: companion cuda_core_flash.cuh when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
 from __future__ import annotations
 
 import ctypes
@@ -33,9 +34,9 @@ CUDA_D128 = True  # evoattn: choice(True, False) when(@target=sm90)
 CUDA_D128_CAUSAL = True  # evoattn: choice(True, False) when(@target=sm90)
 # ... and D=64 calls of at most this work (B*H*Sq*Sk): a cheaper host launch
 CUDA_D64_SMALL = 0  # evoattn: choice(0, 4194304, 16777216, 67108864) when(@target=sm90)
-# ... and non-causal D=64 calls of at most this many keys with a 128-row work item per SM
-# (B*H*ceil(Sq/128) >= SMs), where the CUDA kernel's persistent, overlapped epilogue pays
-CUDA_D64_SHORT = 512  # evoattn: choice(0, 512, 1024, 2048) when(@target=sm90)
+# ... and D=64 calls of at most this many keys that give every SM a 128-row work item
+# (B*H*ceil(Sq/128) >= SMs), causal or not (0: none)
+CUDA_D64_FILL_KEYS = 65536  # evoattn: choice(0, 512, 2048, 65536) when(@target=sm90)
 
 _CUDA_DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 # The codes the CUDA entry returns itself, named in errors (others are raised by number).
@@ -82,12 +83,12 @@ def _cuda_entry():  # noqa: ANN202
 
 
 def _cuda_wanted(device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool,
-                 small: bool = False, short: bool = False) -> bool:
+                 small: bool = False, fills: bool = False) -> bool:
     """Returns True when such a call goes to the CUDA kernel (its knob is set and it can run)."""
     if device.type != "cuda" or _triton._interpreting() or dtype not in _CUDA_DTYPES:
         return False
     if head_dim == 64:
-        wanted = small or short or (CUDA_D64_CAUSAL if causal else CUDA_D64)
+        wanted = small or fills or (CUDA_D64_CAUSAL if causal else CUDA_D64)
     elif head_dim == 128:
         wanted = CUDA_D128_CAUSAL if causal else CUDA_D128
     else:
@@ -95,15 +96,14 @@ def _cuda_wanted(device: torch.device, dtype: torch.dtype, head_dim: int, causal
     return wanted and _is_sm90(device) and _cuda_entry() is not None
 
 
-_ROUTES: dict[tuple, bool] = {}   # (device, dtype, D, causal, small, short) -> CUDA?
+_ROUTES: dict[tuple, bool] = {}   # (device, dtype, D, causal, small, fills) -> CUDA?
 
 
 def _route(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
     (B, H, Sq), Sk = q.shape[:3], k.shape[2]
     small = B * H * Sq * Sk <= CUDA_D64_SMALL
-    short = (not causal and Sk <= CUDA_D64_SHORT
-             and B * H * -(-Sq // 128) >= _triton._num_sms(q.device))
-    key = (q.device, q.dtype, q.shape[-1], causal, small, short)
+    fills = Sk <= CUDA_D64_FILL_KEYS and B * H * -(-Sq // 128) >= _triton._num_sms(q.device)
+    key = (q.device, q.dtype, q.shape[-1], causal, small, fills)
     route = _ROUTES.get(key)
     if route is None:
         route = _ROUTES[key] = _cuda_wanted(*key)

@@ -27,7 +27,8 @@
 // q k^T of tile j and P v of tile j-1 in flight together and the softmax of tile j run while
 // P v is on the tensor cores; the cp.async path then uses a three-stage k/v ring),
 // WARP_SPECIALIZE_D64 / _D128 (per head dim: the cp.async path above, or the warp-specialised
-// path below with its knobs WS_STAGES, SETMAXNREG, PINGPONG, PERSISTENT_D64 / _D128,
+// path below with its knobs WS_STAGES, SETMAXNREG, PINGPONG, WIDE_D64 (three consumer
+// warpgroups, 192-row blocks, at D=64), PERSISTENT_D64 / _D128,
 // PERSISTENT_DYNAMIC, and TMA_STORE_MAX_S: calls with S up to it write O with stmatrix into a
 // shared tile per consumer warpgroup and one TMA store that runs on under the next work item,
 // instead of st.global from registers; 0: never, and no shared tile; a ring of WS_STAGES too
@@ -42,11 +43,13 @@
 // tile): with the masks inside one loop, ptxas if-converted them into every tile and placed the
 // wait for P v before the softmax, so OVERLAP overlapped nothing. Defaults, as measured
 // (BENCHMARKS.md; CUDA-graph time, H100, python benchmarks/wgmma_variants.py): both head dims
-// warp-specialised and persistent, causal items from the counter, 128-key tiles; D=64 1.08x the
-// cp.async path with 64-key tiles over the ten D=64 configs (the hybrid seed runs only short
-// non-causal D=64 calls here, the others on Triton); D=128 with the intra-warpgroup overlap (10%
-// over none, with the skipped rescales) and the TMA-store epilogue up to S=4096 (1.4-2% over up to
-// 1024): 1.06-1.07x the previous setting. A warp skips O's rescale when no row's max grew (exact).
+// warp-specialised and persistent, causal items from the counter, 128-key tiles; D=64 with three
+// consumer warpgroups (WIDE_D64: 1.03x two over the ten D=64 configs) and the row blocks of all
+// heads heaviest first (HEAD_MAJOR_D64=0: causal 1.19-1.26x head by head at S >= 2048), 1.10x
+// the previous setting and ahead of Triton wherever a call gives every SM a work item (the
+// hybrid seed sends those here, smaller ones to Triton); D=128 with the intra-warpgroup overlap
+// (10% over none, with the skipped rescales) and the TMA-store epilogue up to S=4096 (1.4-2% over
+// up to 1024): 1.06-1.07x the setting before. A warp skips O's rescale when no row's max grew (exact).
 // FlashAttention-4's slack (a row keeps a stale max while a tile's is at most 2^8 above it, so far
 // more tiles skip) gained 3% more at D=128 but is not offered: the largest p of a row is then no
 // longer exactly 1, its rounding to 16 bits doubled the error on some configs to the edge of the
@@ -118,27 +121,29 @@
 #include <cuda_bf16.h>
 #include <math.h>
 #include <stdint.h>
+#include <mutex>
 #include <type_traits>
 // evoattn: companion cuda_core_flash.cuh
 #include "cuda_core_flash.cuh"  // the CUDA-core fallback (float32, misaligned pointers)
 
-#define NUM_WARPGROUPS 2  // evoattn: choice(1, 2) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_SHORT!=0)
-#define BLOCK_N_D64 128  // evoattn: choice(64, 128) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_SHORT!=0)
+#define NUM_WARPGROUPS 2  // evoattn: choice(1, 2) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
+#define BLOCK_N_D64 128  // evoattn: choice(64, 128) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
 #define BLOCK_N_D128 128  // evoattn: choice(64, 128) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
-#define OVERLAP_D64 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_SHORT!=0)
+#define OVERLAP_D64 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
 #define OVERLAP_D128 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
-#define WARP_SPECIALIZE_D64 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_SHORT!=0)
+#define WARP_SPECIALIZE_D64 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
+#define WIDE_D64 1  // evoattn: choice(0, 1) when(@target=sm90) when(WARP_SPECIALIZE_D64=1) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
 #define WARP_SPECIALIZE_D128 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
-#define WS_STAGES 2  // evoattn: choice(2, 3, 4) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_SHORT!=0)
-#define SETMAXNREG 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_SHORT!=0)
-#define PINGPONG 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_SHORT!=0)
-#define HEAD_MAJOR_D64 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_SHORT!=0)
+#define WS_STAGES 2  // evoattn: choice(2, 3, 4) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
+#define SETMAXNREG 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
+#define PINGPONG 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
+#define HEAD_MAJOR_D64 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
 #define HEAD_MAJOR_D128 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
-#define PERSISTENT_D64 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_SHORT!=0)
+#define PERSISTENT_D64 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
 #define PERSISTENT_D128 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
 #define PERSISTENT_DYNAMIC 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64_CAUSAL=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0)
-#define TMA_STORE_MAX_S 4096  // evoattn: choice(0, 1024, 2048, 4096, 65536) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_SHORT!=0)
-#define EXP2_POLY_EVERY 0  // evoattn: choice(0, 8, 4, 2) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_SHORT!=0)
+#define TMA_STORE_MAX_S 4096  // evoattn: choice(0, 1024, 2048, 4096, 65536) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
+#define EXP2_POLY_EVERY 0  // evoattn: choice(0, 8, 4, 2) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
 
 #define FB_BLOCK_M 32    // fallback tiles; fixed, not knobs
 #define FB_BLOCK_N 32
@@ -723,24 +728,38 @@ static int launch_wgmma(const void* q, const void* k, const void* v, void* out, 
 // at a 1024-byte aligned address. Rows past S read as zeros (the tensor map's bounds), so a
 // partial key block needs only the score mask.
 
-constexpr int WS_THREADS = WG_THREADS * (NUM_WARPGROUPS + 1);
-// setmaxnreg 24 / 240 is sized for two consumer warpgroups: 384 threads start at 168 registers
-// (65536 / 384, which ptxas uses whenever the kernel has setmaxnreg), a pool of 64512 =
-// 128 * 24 + 256 * 240. With one consumer warpgroup (256 threads, up to 255 registers each)
-// there is nothing to move, and an .inc below the starting count is not allowed: off.
-// (A function, not a constant: a build where neither head dim takes this path never calls it,
-// where an unused constant would draw nvcc's warning #177.)
-__host__ __device__ constexpr bool use_setmaxnreg() { return SETMAXNREG && NUM_WARPGROUPS == 2; }
+// Consumer warpgroups of the warp-specialised kernel at head dim D: NUM_WARPGROUPS, or with
+// WIDE_D64 three at D=64 (FlashAttention-3's 192-row tile for head dim 64: a third warpgroup's
+// softmax to overlap with the others' matrix products, where a 64 x 64 output leaves registers
+// to spare). (Functions, not constants: a build where neither head dim takes this path never
+// calls them, where an unused constant would draw nvcc's warning #177.)
+template <int D> __host__ __device__ constexpr int ws_consumers() {
+  return D == 64 && WIDE_D64 ? 3 : NUM_WARPGROUPS;
+}
+template <int D> __host__ __device__ constexpr int ws_block_m() { return 64 * ws_consumers<D>(); }
+template <int D> __host__ __device__ constexpr int ws_threads() {
+  return WG_THREADS * (ws_consumers<D>() + 1);
+}
+// setmaxnreg moves registers from the producer warpgroup to the consumers: 24 / 240 for two
+// consumer warpgroups (384 threads start at 168 registers, 65536 / 384, which ptxas uses
+// whenever the kernel has setmaxnreg; a pool of 64512 = 128 * 24 + 256 * 240), 32 / 160 for
+// three (512 threads start at 128; 65536 = 128 * 32 + 384 * 160). With one consumer warpgroup
+// (256 threads, up to 255 registers each) there is nothing to move, and an .inc below the
+// starting count is not allowed: off.
+template <int NW> __host__ __device__ constexpr bool use_setmaxnreg() {
+  return SETMAXNREG && (NW == 2 || NW == 3);
+}
 
 template <int D, int BN> struct WsSmem {
-  static constexpr uint32_t Q_BYTES = BLOCK_M * D * 2;
+  static constexpr int NW = ws_consumers<D>();
+  static constexpr uint32_t Q_BYTES = ws_block_m<D>() * D * 2;
   static constexpr uint32_t KV_BYTES = BN * D * 2;
   static constexpr uint32_t STAGE_BYTES = 2 * KV_BYTES;
   // TMA_STORE_MAX_S > 0: the output tile, 64 rows x D per consumer warpgroup, after the stages
   static constexpr uint32_t O_OFFSET = Q_BYTES + WS_STAGES * STAGE_BYTES;
   static constexpr uint32_t O_WG_BYTES = 64 * D * 2;
   static constexpr uint32_t BAR_OFFSET =
-      O_OFFSET + (TMA_STORE_MAX_S > 0 ? NUM_WARPGROUPS * O_WG_BYTES : 0);
+      O_OFFSET + (TMA_STORE_MAX_S > 0 ? NW * O_WG_BYTES : 0);
   // barriers: q_full, q_empty, then per stage k_full, v_full, k_empty, v_empty (8 bytes each),
   // then the item slot (4 bytes, offset from q_full)
   static constexpr uint32_t ITEM_SLOT = 8 * (2 + 4 * WS_STAGES);
@@ -896,7 +915,7 @@ __device__ __forceinline__ void store_rows_tma(const CUtensorMap* map, uint32_t 
 }
 
 template <typename T, int D, int BN, bool OV>
-__global__ void __launch_bounds__(WS_THREADS, 1)
+__global__ void __launch_bounds__(ws_threads<D>(), 1)
 wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                 const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
                 T* __restrict__ out, int BH, int S,
@@ -905,7 +924,9 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
   constexpr bool BF16 = std::is_same<T, __nv_bfloat16>::value;
   using L = WsSmem<D, BN>;
   constexpr int PANELS = D / 64;
-  constexpr uint32_t CONSUMERS = WG_THREADS * NUM_WARPGROUPS;
+  constexpr int NW = ws_consumers<D>();
+  constexpr int BLOCK_M = ws_block_m<D>();   // this path's row block (shadows the cp.async one)
+  constexpr uint32_t CONSUMERS = WG_THREADS * NW;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t sbase = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t sq = sbase;
@@ -946,7 +967,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
   __syncthreads();                            // the last block-wide barrier
 
   if (wg_all == 0) {                          // ---- producer warpgroup
-    if (use_setmaxnreg()) set_max_regs_dec<24>();
+    if (use_setmaxnreg<NW>()) set_max_regs_dec<NW == 2 ? 24 : 32>();
     if (tid == 0) {
       // The k and v tiles of all this block's work items go through one ring: the block's
       // r-th tile (counting over its items in order) goes into stage r % WS_STAGES once the
@@ -1003,18 +1024,28 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
       if (n > 0) mbar_wait(bar_qe, (n - 1) & 1);
       *item_slot = n_items;                   // no more items
       mbar_arrive(bar_q);
+      if (item_counter) {
+        // This block draws no more items: count it; the launch's last block puts the counter
+        // (item_counter[0], and this count, [1]) back to 0 for the stream's next launch. Every
+        // block's last atomicAdd on [0] precedes its count, so none comes after the reset.
+        __threadfence();
+        if (atomicAdd(item_counter + 1, 1) == (int)gridDim.x - 1) {
+          item_counter[0] = 0;
+          item_counter[1] = 0;
+        }
+      }
     }
     return;
   }
 
   // ---- consumer warpgroups
-  if (use_setmaxnreg()) set_max_regs_inc<240>();
+  if (use_setmaxnreg<NW>()) set_max_regs_inc<NW == 2 ? 240 : 160>();
   const int wg = wg_all - 1;
   const int ctid = tid - WG_THREADS;
   const int warp = (ctid % WG_THREADS) / 32, lane = ctid % 32;
   const int g = lane / 4, t = lane % 4;
   const uint32_t q_addr = sq + wg * 64 * 128;
-  const bool pingpong = PINGPONG && NUM_WARPGROUPS == 2;
+  const bool pingpong = PINGPONG && NW == 2;
   const uint32_t so_wg = sbase + L::O_OFFSET + wg * L::O_WG_BYTES;   // the TMA store's tile
   const bool leader = ctid % WG_THREADS == 0;                        // ... and its storer
 
@@ -1199,6 +1230,50 @@ static bool make_tensor_map(CUtensorMap* map, const void* base, int BH, int S, i
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// A zeroed pair of ints in device memory for the dynamic schedule's counter of a launch on
+// `stream` (the next item, the blocks done; the kernel's last block zeroes them again), or
+// nullptr with the error cleared. Launches on one stream run in order, so each stream keeps
+// one pair, allocated and zeroed once (stream-ordered: never a device-wide synchronisation)
+// and found again by (device, stream): no allocation or memset per call, which had cost a
+// causal call about 8 us of host time. Launches on different streams may overlap, so they
+// never share a pair; while `stream` captures a graph (which may later be launched on any
+// stream) and when the table is full, the launch gets a pair of its own, freed after it
+// (`owned`). A stream destroyed with work pending whose handle a new stream gets at once
+// could share its pair: torch keeps its streams for the life of the process.
+[[maybe_unused]] static int* stream_counter(cudaStream_t stream, bool& owned) {
+  constexpr int SLOTS = 64;
+  struct Slot { int dev; cudaStream_t stream; int* ptr; };
+  static Slot slots[SLOTS];
+  static int used = 0;
+  static std::mutex lock;
+  owned = false;
+  int dev = 0;
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaStreamIsCapturing(stream, &capturing) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> guard(lock);
+  const bool keep = capturing == cudaStreamCaptureStatusNone && used < SLOTS;
+  if (capturing == cudaStreamCaptureStatusNone)
+    for (int i = 0; i < used; ++i)
+      if (slots[i].dev == dev && slots[i].stream == stream) return slots[i].ptr;
+  int* ptr = nullptr;
+  if (cudaMallocAsync(reinterpret_cast<void**>(&ptr), 2 * sizeof(int), stream) != cudaSuccess) {
+    (void)cudaGetLastError();                 // no stream-ordered allocator (some virtualised GPUs)
+    return nullptr;
+  }
+  if (cudaMemsetAsync(ptr, 0, 2 * sizeof(int), stream) != cudaSuccess) {
+    (void)cudaGetLastError();
+    (void)cudaFreeAsync(ptr, stream);
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  if (keep) slots[used++] = {dev, stream, ptr};
+  else owned = true;
+  return ptr;
+}
+
 template <typename T, int D, int BN, bool OV>
 static int launch_ws(const void* q, const void* k, const void* v, void* out, int BH, int S,
                      int causal, float scale, cudaStream_t stream) {
@@ -1225,6 +1300,7 @@ static int launch_ws(const void* q, const void* k, const void* v, void* out, int
   // against up to S=1024, H100; without them it had lost 5-6% at S=4096).
   const int tma_store = TMA_STORE_MAX_S > 0 && S <= TMA_STORE_MAX_S;
   CUtensorMap tq, tk, tv, to{};               // to: the output's, used only with tma_store
+  constexpr int BLOCK_M = ws_block_m<D>();
   if (!make_tensor_map<T>(&tq, q, BH, S, D, BLOCK_M) || !make_tensor_map<T>(&tk, k, BH, S, D, BN) ||
       !make_tensor_map<T>(&tv, v, BH, S, D, BN) ||
       (tma_store && !make_tensor_map<T>(&to, out, BH, S, D, 64)))
@@ -1243,27 +1319,15 @@ static int launch_ws(const void* q, const void* k, const void* v, void* out, int
     blocks = items < sms ? items : sms;
   }
   if (items + blocks > 0x7fffffffLL) return (int)cudaErrorInvalidConfiguration;
-  // The work-item counter of a dynamic schedule: stream-ordered, one per launch, so launches on
-  // other streams never share it (an allocation, a 4-byte memset and a free per call, a few
-  // microseconds). Where the stream-ordered allocator is missing (some virtualised GPUs) or
-  // fails, the call takes the fixed stride instead, with the error cleared.
-  int* counter = nullptr;
-  if (persistent && causal && PERSISTENT_DYNAMIC) {
-    if (cudaMallocAsync(reinterpret_cast<void**>(&counter), sizeof(int), stream) != cudaSuccess) {
-      (void)cudaGetLastError();
-      counter = nullptr;
-    } else if (cudaMemsetAsync(counter, 0, sizeof(int), stream) != cudaSuccess) {
-      (void)cudaGetLastError();
-      (void)cudaFreeAsync(counter, stream);
-      (void)cudaGetLastError();
-      counter = nullptr;
-    }
-  }
-  wgmma_ws_kernel<T, D, BN, OV><<<(unsigned)blocks, WS_THREADS, smem, stream>>>(
+  // The work-item counter of a dynamic schedule (see stream_counter); where none can be had, the
+  // call takes the fixed stride instead.
+  bool owned = false;
+  int* counter = persistent && causal && PERSISTENT_DYNAMIC ? stream_counter(stream, owned) : nullptr;
+  wgmma_ws_kernel<T, D, BN, OV><<<(unsigned)blocks, ws_threads<D>(), smem, stream>>>(
       tq, tk, tv, to, (T*)out, BH, S, causal, scale * LOG2E, counter, tma_store);
   err = cudaGetLastError();
-  if (counter != nullptr && cudaFreeAsync(counter, stream) != cudaSuccess) {
-    (void)cudaGetLastError();                 // a leaked 4 bytes, not a failed call
+  if (owned && cudaFreeAsync(counter, stream) != cudaSuccess) {
+    (void)cudaGetLastError();                 // a leaked 8 bytes, not a failed call
   }
   return (int)err;
 }
