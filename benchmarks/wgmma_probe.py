@@ -115,8 +115,10 @@ WS_INTERACTIONS = ({"PERSISTENT_D64": "1", "PERSISTENT_D128": "1"},
                    {"PERSISTENT_D64": "1", "PERSISTENT_D128": "1", "PERSISTENT_DYNAMIC": "0"},
                    {"PERSISTENT_D64": "1", "PERSISTENT_D128": "1", "PINGPONG": "1"},
                    {"PERSISTENT_D64": "1", "PERSISTENT_D128": "1", "OVERLAP_D64": "1",
-                    "OVERLAP_D128": "0", "WS_STAGES": "3", "TMA_STORE_MAX_S": "0"},
-                   {"PINGPONG": "1", "WS_STAGES": "3", "TMA_STORE_MAX_S": "0"})
+                    "OVERLAP_D128": "0", "WS_STAGES_D64": "3", "WS_STAGES_D128": "3",
+                    "TMA_STORE_MAX_S": "0"},
+                   {"PINGPONG": "1", "WS_STAGES_D64": "3", "WS_STAGES_D128": "3",
+                    "TMA_STORE_MAX_S": "0"})
 
 
 def probe_settings(knobs) -> list[dict[str, str]]:

@@ -65,15 +65,16 @@ def test_probe_knows_which_ring_depths_fit_in_shared_memory(tmp_path):
             "BLOCK_N_D64": "128", "BLOCK_N_D128": "128", "TMA_STORE_MAX_S": "0"}
     cases = [  # (knobs, D, fits)
         # D=128, 128-key tiles: q 32 KB + 64 KB per stage; 3 stages fit in 227 KB, 4 do not
-        ({**base, "WS_STAGES": "3"}, 128, True),
-        ({**base, "WS_STAGES": "4"}, 128, False),
-        ({**base, "WS_STAGES": "4"}, 64, True),
-        ({**base, "WS_STAGES": "4", "BLOCK_N_D128": "64"}, 128, True),
+        ({**base, "WS_STAGES_D128": "3"}, 128, True),
+        ({**base, "WS_STAGES_D128": "4"}, 128, False),
+        # D=64 with three consumer warpgroups: q 24 KB + 32 KB per stage; 4 fit
+        ({**base, "WS_STAGES_D64": "4"}, 64, True),
+        ({**base, "WS_STAGES_D128": "4", "BLOCK_N_D128": "64"}, 128, True),
         # the TMA-store epilogue adds a 32 KB output tile: 2 stages still fit, 3 no longer do
-        ({**base, "WS_STAGES": "2", "TMA_STORE_MAX_S": "1024"}, 128, True),
-        ({**base, "WS_STAGES": "3", "TMA_STORE_MAX_S": "1024"}, 128, False),
+        ({**base, "WS_STAGES_D128": "2", "TMA_STORE_MAX_S": "1024"}, 128, True),
+        ({**base, "WS_STAGES_D128": "3", "TMA_STORE_MAX_S": "1024"}, 128, False),
         # the cp.async path has its own fixed ring: never refused
-        ({**base, "WS_STAGES": "4", "WARP_SPECIALIZE_D128": "0"}, 128, True),
+        ({**base, "WS_STAGES_D128": "4", "WARP_SPECIALIZE_D128": "0"}, 128, True),
     ]
 
     def build(i: int):
@@ -101,14 +102,16 @@ def test_probe_knows_which_ring_depths_fit_in_shared_memory(tmp_path):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def test_a_ring_too_deep_for_a_block_fails_the_build_only_where_its_path_is_on(tmp_path):
-    """WS_STAGES is shared by both head dims: three stages with the TMA-store tile do not fit at
-    D=128 (a build error naming the knob, instead of a failed launch on every GPU call), and
-    four fit at D=64 while D=128 takes the cp.async path (that path is then not instantiated)."""
+    """Three stages with the TMA-store tile do not fit at D=128 (a build error naming the knob,
+    instead of a failed launch on every GPU call); four fit at D=64; and a ring too deep for
+    D=128 builds while D=128 takes the cp.async path (that path is then not instantiated)."""
     probe = _probe_module()
     source = SEED.read_text()
-    cases = [({"WS_STAGES": "3", "WARP_SPECIALIZE_D128": "1", "TMA_STORE_MAX_S": "1024"}, False),
-             ({"WS_STAGES": "2", "WARP_SPECIALIZE_D128": "1", "TMA_STORE_MAX_S": "1024"}, True),
-             ({"WS_STAGES": "4", "WARP_SPECIALIZE_D128": "0", "WARP_SPECIALIZE_D64": "1",
+    cases = [({"WS_STAGES_D128": "3", "WARP_SPECIALIZE_D128": "1", "TMA_STORE_MAX_S": "1024"},
+              False),
+             ({"WS_STAGES_D128": "2", "WARP_SPECIALIZE_D128": "1", "TMA_STORE_MAX_S": "1024",
+               "WS_STAGES_D64": "4"}, True),
+             ({"WS_STAGES_D128": "4", "WARP_SPECIALIZE_D128": "0", "WARP_SPECIALIZE_D64": "1",
                "BLOCK_N_D64": "128"}, True)]
     for i, (vals, builds) in enumerate(cases):
         seed = tmp_path / f"seed_{i}.cu"
@@ -120,7 +123,7 @@ def test_a_ring_too_deep_for_a_block_fails_the_build_only_where_its_path_is_on(t
             capture_output=True, text=True, timeout=600)
         assert (proc.returncode == 0) is builds, (vals, proc.stderr[-2000:])
         if not builds:
-            assert "WS_STAGES too deep" in proc.stderr
+            assert "WS_STAGES_D* too deep" in proc.stderr
 
 
 class SeedBuild(NamedTuple):

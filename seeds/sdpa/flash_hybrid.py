@@ -40,8 +40,8 @@ CUDA_D64_FILL_KEYS = 65536  # evoattn: choice(0, 512, 2048, 65536) when(@target=
 
 _CUDA_DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 # The codes the CUDA entry returns itself, named in errors (others are raised by number).
-_CUDA_ERRORS = {1: "cudaErrorInvalidValue: a shape, or too much shared memory (WS_STAGES too "
-                   "deep: at D=128 only 2 fit beside TMA_STORE_MAX_S's tile)",
+_CUDA_ERRORS = {1: "cudaErrorInvalidValue: a shape, or too much shared memory (WS_STAGES_D128 "
+                   "too deep: only 2 fit beside TMA_STORE_MAX_S's tile)",
                 9: "cudaErrorInvalidConfiguration: too many work items for one grid",
                 98: "cudaErrorInvalidDeviceFunction: built without sm_90a code",
                 801: "cudaErrorNotSupported: the driver has no cuTensorMapEncodeTiled"}

@@ -27,11 +27,11 @@
 // q k^T of tile j and P v of tile j-1 in flight together and the softmax of tile j run while
 // P v is on the tensor cores; the cp.async path then uses a three-stage k/v ring),
 // WARP_SPECIALIZE_D64 / _D128 (per head dim: the cp.async path above, or the warp-specialised
-// path below with its knobs WS_STAGES, SETMAXNREG, PINGPONG, WIDE_D64 (three consumer
-// warpgroups, 192-row blocks, at D=64), PERSISTENT_D64 / _D128,
+// path below with its knobs WS_STAGES_D64 / _D128 (the k/v ring's depth), SETMAXNREG, PINGPONG,
+// WIDE_D64 (three consumer warpgroups, 192-row blocks, at D=64), PERSISTENT_D64 / _D128,
 // PERSISTENT_DYNAMIC, and TMA_STORE_MAX_S: calls with S up to it write O with stmatrix into a
 // shared tile per consumer warpgroup and one TMA store that runs on under the next work item,
-// instead of st.global from registers; 0: never, and no shared tile; a ring of WS_STAGES too
+// instead of st.global from registers; 0: never, and no shared tile; a ring too
 // deep for 227 KB of shared memory at a head dim whose path is on fails the build),
 // HEAD_MAJOR_D64 / _D128 (block order per head dim), EXP2_POLY_EVERY (0: every exponential on the
 // MUFU; N: one score in N by a polynomial on the FMA pipe instead, FlashAttention-4's offload,
@@ -134,7 +134,8 @@
 #define WARP_SPECIALIZE_D64 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
 #define WIDE_D64 1  // evoattn: choice(0, 1) when(@target=sm90) when(WARP_SPECIALIZE_D64=1) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
 #define WARP_SPECIALIZE_D128 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
-#define WS_STAGES 2  // evoattn: choice(2, 3, 4) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
+#define WS_STAGES_D64 2  // evoattn: choice(2, 3, 4) when(@target=sm90) when(WARP_SPECIALIZE_D64=1) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
+#define WS_STAGES_D128 2  // evoattn: choice(2, 3, 4) when(@target=sm90) when(WARP_SPECIALIZE_D128=1) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
 #define SETMAXNREG 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
 #define PINGPONG 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
 #define HEAD_MAJOR_D64 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
@@ -699,10 +700,10 @@ static int launch_wgmma(const void* q, const void* k, const void* v, void* out, 
 
 // ---- warp-specialised path (WARP_SPECIALIZE_D*=1): a TMA producer and an mbarrier ring ----
 //
-// FlashAttention-3's structure. The block has NUM_WARPGROUPS + 1 warpgroups: warpgroup 0 is the
+// FlashAttention-3's structure. The block has ws_consumers<D>() + 1 warpgroups: warpgroup 0 is the
 // producer, and one thread of it issues every load as a TMA bulk tensor copy (q once per work item,
-// then the k and v tiles of each key block into a ring of WS_STAGES stages); the consumer
-// warpgroups 1..NUM_WARPGROUPS compute as above, 64 query rows each. Nothing block-wide
+// then the k and v tiles of each key block into a ring of WS_STAGES_D* stages); the consumer
+// warpgroups 1..ws_consumers<D>() compute as above, 64 query rows each. Nothing block-wide
 // synchronises the loop: per stage, the k and v tiles each have a "full" mbarrier (the producer
 // arms it with the tile's byte count, and the TMA completes it) and an "empty" mbarrier that every
 // consumer thread arrives on once its wgmma reading the tile has completed (k after q k^T, v after
@@ -740,6 +741,9 @@ template <int D> __host__ __device__ constexpr int ws_block_m() { return 64 * ws
 template <int D> __host__ __device__ constexpr int ws_threads() {
   return WG_THREADS * (ws_consumers<D>() + 1);
 }
+template <int D> __host__ __device__ constexpr int ws_stages() {
+  return D == 64 ? WS_STAGES_D64 : WS_STAGES_D128;
+}
 // setmaxnreg moves registers from the producer warpgroup to the consumers: 24 / 240 for two
 // consumer warpgroups (384 threads start at 168 registers, 65536 / 384, which ptxas uses
 // whenever the kernel has setmaxnreg; a pool of 64512 = 128 * 24 + 256 * 240), 32 / 160 for
@@ -756,13 +760,14 @@ template <int D, int BN> struct WsSmem {
   static constexpr uint32_t KV_BYTES = BN * D * 2;
   static constexpr uint32_t STAGE_BYTES = 2 * KV_BYTES;
   // TMA_STORE_MAX_S > 0: the output tile, 64 rows x D per consumer warpgroup, after the stages
-  static constexpr uint32_t O_OFFSET = Q_BYTES + WS_STAGES * STAGE_BYTES;
+  static constexpr int STAGES = ws_stages<D>();
+  static constexpr uint32_t O_OFFSET = Q_BYTES + STAGES * STAGE_BYTES;
   static constexpr uint32_t O_WG_BYTES = 64 * D * 2;
   static constexpr uint32_t BAR_OFFSET =
       O_OFFSET + (TMA_STORE_MAX_S > 0 ? NW * O_WG_BYTES : 0);
   // barriers: q_full, q_empty, then per stage k_full, v_full, k_empty, v_empty (8 bytes each),
   // then the item slot (4 bytes, offset from q_full)
-  static constexpr uint32_t ITEM_SLOT = 8 * (2 + 4 * WS_STAGES);
+  static constexpr uint32_t ITEM_SLOT = 8 * (2 + 4 * STAGES);
   static constexpr size_t bytes = BAR_OFFSET + ITEM_SLOT + 8 + 1024;
 };
 
@@ -927,6 +932,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
   constexpr int NW = ws_consumers<D>();
   constexpr int BLOCK_M = ws_block_m<D>();   // this path's row block (shadows the cp.async one)
   constexpr uint32_t CONSUMERS = WG_THREADS * NW;
+  constexpr int STAGES = ws_stages<D>();     // the k/v ring's depth
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t sbase = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t sq = sbase;
@@ -956,7 +962,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
   if (tid == 0) {
     mbar_init(bar_q, 1);
     mbar_init(bar_qe, CONSUMERS);
-    for (int st = 0; st < WS_STAGES; ++st) {
+    for (int st = 0; st < STAGES; ++st) {
       mbar_init(bar_k(st), 1);
       mbar_init(bar_v(st), 1);
       mbar_init(bar_ke(st), CONSUMERS);
@@ -970,15 +976,15 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
     if (use_setmaxnreg<NW>()) set_max_regs_dec<NW == 2 ? 24 : 32>();
     if (tid == 0) {
       // The k and v tiles of all this block's work items go through one ring: the block's
-      // r-th tile (counting over its items in order) goes into stage r % WS_STAGES once the
-      // tile WS_STAGES before it there has been consumed. k runs one tile ahead of v, as the
+      // r-th tile (counting over its items in order) goes into stage r % STAGES once the
+      // tile STAGES before it there has been consumed. k runs one tile ahead of v, as the
       // consumers need them. An item's q tile is loaded after its first k tile, once the
       // consumers have released the previous item's q (after their last q k^T), together with
       // the item's index in item_slot. Items: blockIdx.x first, then every gridDim.x-th
       // (static), or with an item_counter the next one not yet taken (dynamic: a block that
       // drew short causal items takes more). Past the last item the slot gets n_items and
       // bar_q a plain arrival, which tells the consumers to stop.
-      // ring: the tiles of earlier items, modulo 2 * WS_STAGES (stage and phase repeat with that
+      // ring: the tiles of earlier items, modulo 2 * STAGES (stage and phase repeat with that
       // period; a running count could outgrow int); filled: the ring has been round once.
       int ring = 0, n = 0;                    // n: items done
       bool filled = false;
@@ -991,7 +997,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
         auto load = [&](int it, const CUtensorMap* map, uint32_t dst, uint32_t full,
                         uint32_t empty) {
           const int r = ring + it;
-          if (filled || r >= WS_STAGES) mbar_wait(empty, ((r / WS_STAGES) + 1) & 1);
+          if (filled || r >= STAGES) mbar_wait(empty, ((r / STAGES) + 1) & 1);
           mbar_expect_tx(full, L::KV_BYTES);
 #pragma unroll
           for (int p = 0; p < PANELS; ++p)
@@ -999,7 +1005,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
         };
         for (int it = 0; it <= ntiles; ++it) {
           if (it < ntiles) {
-            const int st = (ring + it) % WS_STAGES;
+            const int st = (ring + it) % STAGES;
             load(it, &tm_k, sk(st), bar_k(st), bar_ke(st));
           }
           if (it == 0) {
@@ -1013,12 +1019,12 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
               tma_load(sq + p * BLOCK_M * 128, &tm_q, 64 * p, m0, bh, bar_q);
           }
           if (it > 0) {
-            const int st = (ring + it - 1) % WS_STAGES;
+            const int st = (ring + it - 1) % STAGES;
             load(it - 1, &tm_v, sv(st), bar_v(st), bar_ve(st));
           }
         }
-        filled = filled || ring + ntiles >= WS_STAGES;
-        ring = (ring + ntiles) % (2 * WS_STAGES);
+        filled = filled || ring + ntiles >= STAGES;
+        ring = (ring + ntiles) % (2 * STAGES);
         item = next;
       }
       if (n > 0) mbar_wait(bar_qe, (n - 1) & 1);
@@ -1050,7 +1056,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
   const bool leader = ctid % WG_THREADS == 0;                        // ... and its storer
 
   for (int ring = 0, n = 0;; ++n) {            // as the producer counts them (ring modulo
-                                              // 2 * WS_STAGES)
+                                              // 2 * STAGES)
     // Every consumer thread waits for each item's q (the barrier's phases go in order) and
     // releases it once: after its last q k^T, or at once if it has no tile to compute.
     mbar_wait(bar_q, n & 1);
@@ -1064,8 +1070,8 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
     const bool wg_live = wg_row0 < S;
     const int wg_ntiles = !wg_live ? 0 : causal ? min(ntiles, (wg_row0 + 63) / BN + 1) : ntiles;
     // The ring stage and phase of this item's tile `it`.
-    auto stage = [&](int it) { return (ring + it) % WS_STAGES; };
-    auto phase = [&](int it) { return (uint32_t)(((ring + it) / WS_STAGES) & 1); };
+    auto stage = [&](int it) { return (ring + it) % STAGES; };
+    auto phase = [&](int it) { return (uint32_t)(((ring + it) / STAGES) & 1); };
     // PINGPONG turns: warpgroup w issues its matrix products after a bar.sync on barrier 1 + w
     // and then lets the other one go (bar.arrive on its barrier). Every consumer warpgroup
     // takes ntiles turns per item (idle ones too), and warpgroup 1 gives warpgroup 0 the first
@@ -1185,7 +1191,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
       else
         store_rows<T, D>(out + (long long)bh * S * D, o, l_run, row_a, row_b, t, S);
     }
-    ring = (ring + ntiles) % (2 * WS_STAGES);
+    ring = (ring + ntiles) % (2 * STAGES);
   }
   if (TMA_STORE_MAX_S > 0 && tma_store && leader)
     bulk_wait_all();                          // the block's shared memory outlives its stores
@@ -1277,12 +1283,12 @@ static bool make_tensor_map(CUtensorMap* map, const void* base, int BH, int S, i
 template <typename T, int D, int BN, bool OV>
 static int launch_ws(const void* q, const void* k, const void* v, void* out, int BH, int S,
                      int causal, float scale, cudaStream_t stream) {
-  static_assert(WS_STAGES >= 2 && WS_STAGES <= 4, "WS_STAGES must be 2, 3 or 4");
+  static_assert(ws_stages<D>() >= 2 && ws_stages<D>() <= 4, "WS_STAGES_D* must be 2, 3 or 4");
 #ifndef WGF_ALLOW_OVERSIZED_SMEM   // the probe builds settings that do not fit, to report them
   // A ring too deep for a Hopper block (227 KB of dynamic shared memory) fails the build, not
   // every call on the GPU: instantiated only for a head dim whose WARP_SPECIALIZE_D* is on.
   static_assert(WsSmem<D, BN>::bytes <= 232448,
-                "WS_STAGES too deep for this head dim's tiles (BLOCK_N_D*, TMA_STORE_MAX_S): "
+                "WS_STAGES_D* too deep for this head dim's tiles (BLOCK_N_D*, TMA_STORE_MAX_S): "
                 "the warp-specialised kernel's shared memory exceeds 227 KB");
 #endif
   const size_t smem = WsSmem<D, BN>::bytes;
