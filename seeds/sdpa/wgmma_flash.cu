@@ -49,7 +49,8 @@
 // the previous setting and ahead of Triton wherever a call gives every SM a work item (the
 // hybrid seed sends those here, smaller ones to Triton); D=128 with the intra-warpgroup overlap
 // (10% over none, with the skipped rescales) and the TMA-store epilogue up to S=4096 (1.4-2% over
-// up to 1024): 1.06-1.07x the setting before. A warp skips O's rescale when no row's max grew (exact).
+// up to 1024): 1.06-1.07x the setting before. A warp skips O's rescale when no row's max grew
+// (exact).
 // FlashAttention-4's slack (a row keeps a stale max while a tile's is at most 2^8 above it, so far
 // more tiles skip) gained 3% more at D=128 but is not offered: the largest p of a row is then no
 // longer exactly 1, its rounding to 16 bits doubled the error on some configs to the edge of the
@@ -1245,7 +1246,7 @@ static bool make_tensor_map(CUtensorMap* map, const void* base, int BH, int S, i
 // never share a pair; while `stream` captures a graph (which may later be launched on any
 // stream) and when the table is full, the launch gets a pair of its own, freed after it
 // (`owned`). A stream destroyed with work pending whose handle a new stream gets at once
-// could share its pair: torch keeps its streams for the life of the process.
+// could share its pair: torch takes its streams from pools it keeps for the life of the process.
 [[maybe_unused]] static int* stream_counter(cudaStream_t stream, bool& owned) {
   constexpr int SLOTS = 64;
   struct Slot { int dev; cudaStream_t stream; int* ptr; };
@@ -1255,7 +1256,8 @@ static bool make_tensor_map(CUtensorMap* map, const void* base, int BH, int S, i
   owned = false;
   int dev = 0;
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaStreamIsCapturing(stream, &capturing) != cudaSuccess) {
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaStreamIsCapturing(stream, &capturing) != cudaSuccess) {
     (void)cudaGetLastError();
     return nullptr;
   }
@@ -1328,7 +1330,8 @@ static int launch_ws(const void* q, const void* k, const void* v, void* out, int
   // The work-item counter of a dynamic schedule (see stream_counter); where none can be had, the
   // call takes the fixed stride instead.
   bool owned = false;
-  int* counter = persistent && causal && PERSISTENT_DYNAMIC ? stream_counter(stream, owned) : nullptr;
+  int* counter =
+      persistent && causal && PERSISTENT_DYNAMIC ? stream_counter(stream, owned) : nullptr;
   wgmma_ws_kernel<T, D, BN, OV><<<(unsigned)blocks, ws_threads<D>(), smem, stream>>>(
       tq, tk, tv, to, (T*)out, BH, S, causal, scale * LOG2E, counter, tma_store);
   err = cudaGetLastError();
