@@ -91,6 +91,12 @@ def test_the_mutator_leaves_the_knobs_of_kernels_that_run_no_call():
     # knobs are live
     small_cuda = set_knobs(no_fill, {"CUDA_D64_SMALL": "4194304"})
     assert dead(small_cuda, "sm90") == triton_d128
+    # D=64 on the cp.async path: the warp-specialised path's D=64 knobs (its consumer
+    # warpgroups and ring depth) go dead with it; D=128's ring stays live
+    cp_async64 = set_knobs(source, {"WARP_SPECIALIZE_D64": "0"})
+    assert dead(cp_async64, "sm90") == triton_d128 | {"WIDE_D64", "WS_STAGES_D64"}
+    cp_async128 = set_knobs(source, {"WARP_SPECIALIZE_D128": "0"})
+    assert dead(cp_async128, "sm90") == triton_d128 | {"WS_STAGES_D128"}
 
 
 def test_routing_sends_only_sm90_half_precision_calls_whose_knob_is_set(hybrid, monkeypatch):
