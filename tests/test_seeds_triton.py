@@ -475,10 +475,10 @@ def hybrid_gpu_cases() -> list[dict[str, Any]]:
     shapes where a block takes several work items (more items than SMs; each case calls twice,
     so a causal call's second launch reuses its stream's item counter, which the first must have
     put back to 0), and the settings around it: D=64 on the cp.async path and with two consumer
-    warpgroups instead of three, no persistence at D=128, ping-pong, no
-    overlap (on by default) with half the exponentials on the FMA pipe, the TMA-store epilogue
-    (on up to S=4096 by default) switched off, and Triton's ordinary launch (FAST_LAUNCH off)
-    against its prepared one."""
+    warpgroups instead of three, no persistence at D=128, ping-pong, no overlap (on by default)
+    with half the exponentials on the FMA pipe, the TMA-store epilogue (on up to S=4096 by
+    default) switched off, and Triton's ordinary launch (FAST_LAUNCH off) against its prepared
+    one."""
     both = {"CUDA_D64": True, "CUDA_D64_CAUSAL": True, "CUDA_D128": True, "CUDA_D128_CAUSAL": True}
     settings = [{},
                 {"CUDA_D128": False, "CUDA_D128_CAUSAL": False},

@@ -46,11 +46,10 @@
 // warp-specialised and persistent, causal items from the counter, 128-key tiles; D=64 with three
 // consumer warpgroups (WIDE_D64: 1.03x two over the ten D=64 configs) and the row blocks of all
 // heads heaviest first (HEAD_MAJOR_D64=0: causal 1.19-1.26x head by head at S >= 2048), 1.10x
-// the previous setting and ahead of Triton wherever a call gives every SM a work item (the
+// two warpgroups head by head and ahead of Triton wherever a call gives every SM a work item (the
 // hybrid seed sends those here, smaller ones to Triton); D=128 with the intra-warpgroup overlap
 // (10% over none, with the skipped rescales) and the TMA-store epilogue up to S=4096 (1.4-2% over
-// up to 1024): 1.06-1.07x the setting before. A warp skips O's rescale when no row's max grew
-// (exact).
+// up to 1024, 9% over none). A warp skips O's rescale when no row's max grew (exact).
 // FlashAttention-4's slack (a row keeps a stale max while a tile's is at most 2^8 above it, so far
 // more tiles skip) gained 3% more at D=128 but is not offered: the largest p of a row is then no
 // longer exactly 1, its rounding to 16 bits doubled the error on some configs to the edge of the
