@@ -8,17 +8,19 @@
     make_evaluator(...)  what a run config asks for: the local pool, or a Dask cluster
 
 Every pool has the same face: `slots`, `submit(source, suffix, label) -> Future[EvalResult]`,
-`calibrate(seed_result)` and `close()`. A pool runs jobs in the order they were submitted;
-the search commits results in its own order, so how fast a slot is never changes a run.
+`calibrate(seed_result)` and `close()`. A pool starts jobs in the order they were submitted,
+except that a job whose CPU build is still running lets later jobs that are ready go first;
+the search commits results in its own order, so neither that nor how fast a slot is ever
+changes a run.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
 import os
-import queue
 import subprocess
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 from evaluator.cpu_pin import gpu_block
@@ -78,9 +80,13 @@ class _Job:
     rival: str | None = None                # a duel's rival program
 
 
+PREFETCH = 2
+
+
 class LocalPool:
-    """One slot per device id, each a thread driving its own evaluator, taking jobs in order;
-    `prebuild` starts each CUDA job's builds on CPU threads at submission."""
+    """One slot per device id, each a thread driving its own evaluator, taking the first job
+    that is ready; `prebuild` starts each CUDA job's builds on CPU threads at submission, and
+    such a job is ready once they are done."""
 
     def __init__(self, devices: Sequence[str], make: Callable[[str], Any],
                  prebuild: Prebuilder | None = None, per_device: int = 1) -> None:
@@ -89,30 +95,50 @@ class LocalPool:
         self.devices = list(devices)
         self.gpus = len(self.devices)
         self._prebuild = prebuild
-        self.prefetch = prebuild is not None    # the search keeps one more job queued
+        # The search keeps this many more jobs queued than there are slots: their builds
+        # start that much ahead, and one still building lets a ready one go first.
+        self.prefetch = PREFETCH if prebuild is not None else 0
         slots = [d for d in self.devices for _ in range(max(1, per_device))]
         self.slots = len(slots)
         self._evaluators = [make(d) for d in slots]
-        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._jobs: list[_Job] = []
+        self._ready = threading.Condition()
         self._threads = [threading.Thread(target=self._serve, args=(ev,), daemon=True,
                                           name=f"evoattn-slot-{d}-{i}")
                          for i, (ev, d) in enumerate(zip(self._evaluators, slots))]
         self._closed = False
         for t in self._threads:
             t.start()
-        if self.slots > 1:            # the others' zygotes start while the first slot works
-            for ev in self._evaluators:
-                prestart = getattr(ev, "prestart", None)
-                if prestart is not None:
-                    threading.Thread(target=prestart, daemon=True,
-                                     name="evoattn-prestart").start()
 
     def submit(self, source: str, suffix: str, label: str,
                rival: str | None = None) -> cf.Future[EvalResult]:
         fut: cf.Future[EvalResult] = cf.Future()
         build = self._prebuild.submit(source, suffix) if self._prebuild is not None else None
-        self._jobs.put(_Job(fut, source, suffix, label, build, rival))
+        with self._ready:
+            self._jobs.append(_Job(fut, source, suffix, label, build, rival))
+            self._ready.notify_all()
+        if build is not None:
+            build.add_done_callback(lambda _: self._wake())
         return fut
+
+    def _wake(self) -> None:
+        with self._ready:
+            self._ready.notify_all()
+
+    def _next_job(self) -> tuple[_Job | None, float]:
+        """Waits for the first queued job that is ready; returns it (None once the pool is
+        closed) and the seconds this slot waited while jobs were queued, none ready."""
+        waited = 0.0
+        with self._ready:
+            while not self._closed:
+                for i, job in enumerate(self._jobs):
+                    if job.build is None or job.build.done():
+                        return self._jobs.pop(i), waited
+                t0 = time.monotonic()
+                self._ready.wait(timeout=1.0 if self._jobs else None)
+                if self._jobs:
+                    waited += time.monotonic() - t0
+        return None, waited
 
     def calibrate(self, seed: EvalResult) -> None:
         for ev in self._evaluators:
@@ -121,11 +147,14 @@ class LocalPool:
 
     def close(self) -> None:
         """Stops the slots: queued jobs are dropped, running children are killed."""
-        self._closed = True
+        with self._ready:
+            self._closed = True
+            dropped, self._jobs = self._jobs, []
+            self._ready.notify_all()
+        for job in dropped:
+            job.future.cancel()
         if self._prebuild is not None:
             self._prebuild.close()
-        for _ in self._threads:
-            self._jobs.put(None)
         for ev in self._evaluators:
             abort = getattr(ev, "abort", None)
             if abort is not None:
@@ -138,21 +167,35 @@ class LocalPool:
                 close()
 
     def _serve(self, evaluator: Any) -> None:
+        # Each slot's zygote starts at once, while another slot works or the seed's build
+        # runs, and from this thread, which lives as long as the pool: Linux kills a child
+        # that asked to die with its parent when the thread that started it ends.
+        prestart = getattr(evaluator, "prestart", None)
+        if prestart is not None and (self.slots > 1 or self._prebuild is not None):
+            prestart()
         while True:
-            job = self._jobs.get()
-            if job is None or self._closed:
-                if job is not None:
-                    job.future.cancel()
+            job, waited = self._next_job()   # built first: the child finds its libraries cached
+            if job is None:
                 return
             if not job.future.set_running_or_notify_cancel():
                 continue
-            if job.build is not None:      # the child then finds the libraries cached
-                cf.wait([job.build])
             try:
-                job.future.set_result(evaluator.evaluate(job.source, job.suffix, job.label,
-                                                         **_duel(job.rival)))
+                job.future.set_result(_with_wait(evaluator.evaluate(
+                    job.source, job.suffix, job.label, **_duel(job.rival)), waited))
             except BaseException as e:  # noqa: BLE001 - delivered to whoever waits on it
                 job.future.set_exception(e)
+
+
+def _with_wait(result: EvalResult, waited: float) -> EvalResult:
+    """Counts the slot's wait for CPU builds (started at submission) in the result of the job
+    it then took: a stage of its own ("build wait") and part of its duration."""
+    if waited < BUILD_WAIT_SHOWN_S:
+        return result
+    return dataclasses.replace(result, stage_s={"build wait": round(waited, 3), **result.stage_s},
+                               duration_s=round(result.duration_s + waited, 3))
+
+
+BUILD_WAIT_SHOWN_S = 0.01
 
 
 def visible_gpus(chosen: Sequence[int] | None = None) -> list[str]:

@@ -6,8 +6,8 @@ the iteration to SQLite in one transaction.
 
 Several iterations are in flight at once: a window of `window` iterations (by default
 `slots + lookahead`; slots: the evaluations the evaluator runs at once, `per_gpu` per GPU;
-lookahead: LLM requests sent ahead, or one when the pool builds ahead so that the next
-candidate's build overlaps the GPU's work). Iterations are prepared in order, each right
+lookahead: LLM requests sent ahead, or the pool's `prefetch` when it builds ahead so that
+the next candidates' builds overlap the GPU's work). Iterations are prepared in order, each right
 after the commit of the iteration `window` places before it, and committed in order whatever
 order their evaluations finish in; every random choice is drawn here from one seeded RNG. So
 a given seed, window and evaluation results give the same run, however many slots evaluate
@@ -241,8 +241,8 @@ class Search:
     def _fill(self, window: collections.deque[_InFlight], pop: Population, next_iter: int,
               pool: cf.ThreadPoolExecutor | None) -> int:
         """Prepares iterations until the window is full; returns the next iteration number."""
-        # A pool that builds ahead (nvcc on CPU cores) gets one iteration more than its slots
-        # even without LLM lookahead: that proposal's build overlaps the GPU work of the others.
+        # A pool that builds ahead (nvcc on CPU cores) gets `prefetch` iterations more than its
+        # slots even without LLM lookahead: their builds overlap the GPU work of the others.
         ahead = self.lookahead or int(getattr(self.evaluator, "prefetch", 0))
         depth = self.window or max(1, self.evaluator.slots) + ahead
         while next_iter <= self.cfg.iterations and len(window) < depth and not self._llm_stop:

@@ -21,7 +21,7 @@ from evoattn.prebuild import Prebuilder
 from evoattn.sandbox import SandboxSettings
 from evoattn.search import Search
 from evoattn.store import RunStore
-from fakes import TOY_SEED, FakeEvaluator
+from fakes import TOY_SEED, FakeEvaluator, sandboxed
 
 
 class _EnvProbe:
@@ -171,6 +171,102 @@ class _Blocked:
         if label == "first":
             assert self.release.wait(60)
         return EvalResult(Verdict.PASS, "ok", 1.0, ())
+
+
+class _SlowBuilds:
+    """Stands in for the Prebuilder: a job whose source names a build gets a future that
+    finishes `seconds` after its submission; other jobs get none."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.timers: list[threading.Timer] = []
+
+    def submit(self, source: str, suffix: str) -> Any:
+        if "build" not in source:
+            return None
+        import concurrent.futures as cf
+        fut: cf.Future[None] = cf.Future()
+        timer = threading.Timer(self.seconds, fut.set_result, (None,))
+        self.timers.append(timer)
+        timer.start()
+        return fut
+
+    def close(self) -> None:
+        for t in self.timers:
+            t.cancel()
+
+
+class _Quick:
+    """A fake slot evaluator that records the order it is given jobs in."""
+
+    def __init__(self) -> None:
+        self.order: list[str] = []
+
+    def evaluate(self, source: str, suffix: str, label: str) -> EvalResult:
+        self.order.append(label)
+        return EvalResult(Verdict.PASS, "ok", 1.0, (), duration_s=0.5, stage_s={"time": 0.5})
+
+
+def test_a_job_still_building_lets_a_ready_one_go_first_and_the_wait_is_counted() -> None:
+    slot = _Quick()
+    pool = LocalPool(["0"], lambda d: slot, _SlowBuilds(0.8))   # type: ignore[arg-type]
+    try:
+        built = pool.submit("# build\n", ".py", "built")
+        plain = pool.submit("x = 1\n", ".py", "plain")
+        built_result, plain_result = built.result(timeout=30), plain.result(timeout=30)
+    finally:
+        pool.close()
+    assert slot.order == ["plain", "built"]
+    assert 0.5 <= built_result.stage_s["build wait"] < 5     # nothing else was ready
+    assert built_result.stage_s["time"] == 0.5
+    assert built_result.duration_s == pytest.approx(0.5 + built_result.stage_s["build wait"],
+                                                    abs=0.01)
+    assert plain_result.stage_s == {"time": 0.5} and plain_result.duration_s == 0.5
+
+
+def test_closing_the_pool_cancels_the_jobs_still_waiting_for_their_build() -> None:
+    pool = LocalPool(["0"], lambda d: _Quick(), _SlowBuilds(30))   # type: ignore[arg-type]
+    waiting = pool.submit("# build\n", ".py", "built")
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    pool.close()
+    assert waiting.cancelled() and time.monotonic() - t0 < 5
+
+
+SDPA_CALL = """\
+import torch
+
+
+def attention(q, k, v, causal=False, scale=None):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                            scale=scale)
+"""
+
+
+@pytest.mark.parametrize("slots, builds", [(2, False), (1, True)])
+def test_zygotes_started_ahead_outlive_the_thread_that_asked_for_them(
+        tmp_path: Path, slots: int, builds: bool) -> None:
+    # Started from a thread that then ended, a zygote was killed with it (PR_SET_PDEATHSIG
+    # follows the thread) and its slot went on in fresh interpreters, without spares.
+    evs = [sandboxed(device="cpu", cache_dir=str(tmp_path / str(i)), zygote=True, reps=2,
+                     warmup=1, policy="allow-library") for i in range(slots)]
+    given = iter(evs)
+    pool = LocalPool(["cpu"] * slots, lambda d: next(given),
+                     _SlowBuilds(0) if builds else None)   # type: ignore[arg-type]
+    try:
+        deadline = time.monotonic() + 120
+        while any(ev._zygote is None for ev in evs):
+            assert time.monotonic() < deadline, "a zygote was not started ahead"
+            time.sleep(0.1)
+        zygotes = [ev._zygote for ev in evs]
+        time.sleep(1.0)
+        assert all(z.alive() for z in zygotes)
+        results = [pool.submit(SDPA_CALL, ".py", f"sdpa{i}") for i in range(slots)]
+        assert all(r.result(timeout=300).correct for r in results)
+        assert [ev._zygote for ev in evs] == zygotes
+        assert not any(ev._zygote_failed for ev in evs)
+    finally:
+        pool.close()
 
 
 @pytest.mark.skipif(not runtime.shutil.which("nvcc"), reason="needs nvcc (the CUDA toolkit)")
