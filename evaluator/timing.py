@@ -336,7 +336,7 @@ class GpuTimer(_Timer):
         sets = InputSets(inputs, random_names, plan.call_sets(per_call), refill, refill_all)
         call_s = self._call_mode(fns, sets, plan, keep, rng, kept, converged, per_call)
         call = {n: statistics.median(v) for n, v in call_s.items()}
-        host = {n: self._host_us(fn, inputs, call[n]) for n, fn in fns.items()}
+        host = {n: self._host_us(fn, inputs, host_launch[n][1]) for n, fn in fns.items()}
         graph_s, graph_err = self._graph_mode(fns, sets, plan, keep, kept, converged) \
             if plan.graph else ({}, {n: "not measured" for n in fns})
         del sets
@@ -428,10 +428,11 @@ class GpuTimer(_Timer):
         del out
         return max(0, int(peak))
 
-    def _host_us(self, fn: Fn, inputs: dict[str, Any], call_ms: float) -> float:
+    def _host_us(self, fn: Fn, inputs: dict[str, Any], launch_ms: float) -> float:
         """Returns the median host time of one call (µs) while a sleep kernel holds the GPU
-        (at first for twice the time the calls take back to back; longer if they outlast it)."""
-        sleep_ms = max(2.0, 2 * HOST_CALLS * call_ms)
+        (at first for three times as long as the calls take to return in the cross-check,
+        longer if they outlast it: the sleep covers the launches, not the calls' GPU time)."""
+        sleep_ms = max(2.0, 3 * HOST_CALLS * launch_ms)
         for _ in range(3):
             self.sync()
             self.sleep(int(sleep_ms * self.cycles_per_ms))
