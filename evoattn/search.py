@@ -7,11 +7,12 @@ the iteration to SQLite in one transaction.
 Several iterations are in flight at once: a window of `window` iterations (by default
 `slots + lookahead`; slots: the evaluations the evaluator runs at once, `per_gpu` per GPU;
 lookahead: LLM requests sent ahead, or the pool's `prefetch` when it builds ahead so that
-the next candidates' builds overlap the GPU's work). Iterations are prepared in order, each right
-after the commit of the iteration `window` places before it, and committed in order whatever
-order their evaluations finish in; every random choice is drawn here from one seeded RNG. So
-a given seed, window and evaluation results give the same run, however many slots evaluate
-it and however fast each one is (the default window grows with the slots, and so changes it).
+the next candidates' builds overlap the GPU's work). Iterations are prepared in order, each
+right after the commit of the iteration `window` places before it, and committed in order
+whatever order their evaluations finish in; every random choice is drawn here from one seeded
+RNG. So a given seed, window and evaluation results give the same run, however many slots
+evaluate it and however fast each one is (the default window grows with the slots, and so
+changes it).
 
 A stop (other than Ctrl-C) first commits the window up to its last iteration holding an LLM
 call already made, so no paid answer is lost. An LlmError from a mutator (the LLM cannot serve
