@@ -126,17 +126,18 @@ class LocalPool:
             self._ready.notify_all()
 
     def _next_job(self) -> tuple[_Job | None, float]:
-        """Waits for the first queued job that is ready; returns it (None once the pool is
-        closed) and the seconds this slot waited while jobs were queued, none ready."""
+        """Waits for the first queued job that is ready (or cancelled: dropped at once, not
+        after its build); returns it (None once the pool is closed) and the seconds this slot
+        waited while jobs were queued, none ready."""
         waited = 0.0
         with self._ready:
             while not self._closed:
                 for i, job in enumerate(self._jobs):
-                    if job.build is None or job.build.done():
+                    if job.build is None or job.build.done() or job.future.cancelled():
                         return self._jobs.pop(i), waited
-                t0 = time.monotonic()
-                self._ready.wait(timeout=1.0 if self._jobs else None)
-                if self._jobs:
+                t0, queued = time.monotonic(), bool(self._jobs)
+                self._ready.wait(timeout=1.0 if queued else None)   # a cancel does not notify
+                if queued:
                     waited += time.monotonic() - t0
         return None, waited
 

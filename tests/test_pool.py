@@ -224,6 +224,19 @@ def test_a_job_still_building_lets_a_ready_one_go_first_and_the_wait_is_counted(
     assert plain_result.stage_s == {"time": 0.5} and plain_result.duration_s == 0.5
 
 
+def test_a_cancelled_job_still_building_does_not_keep_its_slot_waiting() -> None:
+    slot = _Quick()
+    pool = LocalPool(["0"], lambda d: slot, _SlowBuilds(30))   # type: ignore[arg-type]
+    try:
+        gone = pool.submit("# build\n", ".py", "gone")
+        assert gone.cancel()
+        time.sleep(1.5)                       # the slot drops it instead of waiting for it
+        later = pool.submit("x = 1\n", ".py", "later").result(timeout=30)
+    finally:
+        pool.close()
+    assert slot.order == ["later"] and "build wait" not in later.stage_s
+
+
 def test_closing_the_pool_cancels_the_jobs_still_waiting_for_their_build() -> None:
     pool = LocalPool(["0"], lambda d: _Quick(), _SlowBuilds(30))   # type: ignore[arg-type]
     waiting = pool.submit("# build\n", ".py", "built")
