@@ -80,7 +80,8 @@ class _Job:
     rival: str | None = None                # a duel's rival program
 
 
-PREFETCH = 2
+PREFETCH = 2                  # jobs queued beyond the slots where builds run ahead
+BUILD_WAIT_SHOWN_S = 0.01     # a shorter wait for builds is not shown as a stage
 
 
 class LocalPool:
@@ -194,9 +195,6 @@ def _with_wait(result: EvalResult, waited: float) -> EvalResult:
         return result
     return dataclasses.replace(result, stage_s={"build wait": round(waited, 3), **result.stage_s},
                                duration_s=round(result.duration_s + waited, 3))
-
-
-BUILD_WAIT_SHOWN_S = 0.01
 
 
 def visible_gpus(chosen: Sequence[int] | None = None) -> list[str]:

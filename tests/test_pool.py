@@ -259,8 +259,8 @@ def attention(q, k, v, causal=False, scale=None):
 @pytest.mark.parametrize("slots, builds", [(2, False), (1, True)])
 def test_zygotes_started_ahead_outlive_the_thread_that_asked_for_them(
         tmp_path: Path, slots: int, builds: bool) -> None:
-    # Started from a thread that then ended, a zygote was killed with it (PR_SET_PDEATHSIG
-    # follows the thread) and its slot went on in fresh interpreters, without spares.
+    # A zygote started from a thread that then ends is killed with it (PR_SET_PDEATHSIG follows
+    # the thread), and its slot would go on in fresh interpreters, without spares.
     evs = [sandboxed(device="cpu", cache_dir=str(tmp_path / str(i)), zygote=True, reps=2,
                      warmup=1, policy="allow-library") for i in range(slots)]
     given = iter(evs)
