@@ -250,8 +250,8 @@ def test_bfloat16_instantiations_run_bf16_wgmma_and_round_to_bf16(seed_builds):
 
 @pytest.mark.parametrize("args, message", [
     (["--set", "NO_SUCH_KNOB=1"], "no such knob"),
-    (["--set", "HEAD_MAJOR_D64=7"], "not among its choices"),
-    (["--set", "HEAD_MAJOR_D64"], "expected NAME=VALUE"),
+    (["--set", "SECTION_MB_D64=7"], "not among its choices"),
+    (["--set", "SECTION_MB_D64"], "expected NAME=VALUE"),
     (["--config", "4,16,x"], "expected four positive integers"),
 ])
 def test_ncu_seed_rejects_bad_arguments_with_one_line(args, message):

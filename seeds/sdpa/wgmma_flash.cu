@@ -15,8 +15,8 @@
 //               FlashAttention does), B = v from shared memory (transposed read, see below).
 // Causal (top-left: query i sees keys 0..i): key tiles after the block's last row are never
 // loaded, a warpgroup skips tiles after its own last row, and the mask is applied only to
-// tiles that cross the diagonal or the end of the sequence. Heavy causal row blocks first
-// (within each head when HEAD_MAJOR_D*, the default).
+// tiles that cross the diagonal or the end of the sequence. Heavy causal row blocks first,
+// within sections of heads whose k and v fit in a share of L2 (SECTION_MB_D*, block_coords).
 // float32 inputs, pointers that are not 16-byte aligned, and GPUs that are not 9.x take the
 // CUDA-core fallback (FA1-style, cuda_core_flash.cuh, shared with mma_flash.cu and fused.cu).
 //
@@ -33,7 +33,7 @@
 // shared tile per consumer warpgroup and one TMA store that runs on under the next work item,
 // instead of st.global from registers; 0: never, and no shared tile; a ring too
 // deep for 227 KB of shared memory at a head dim whose path is on fails the build),
-// HEAD_MAJOR_D64 / _D128 (block order per head dim), EXP2_POLY_EVERY (0: every exponential on the
+// SECTION_MB_D64 / _D128 (block order per head dim, block_coords), EXP2_POLY_EVERY (0: every exponential on the
 // MUFU; N: one score in N by a polynomial on the FMA pipe instead, FlashAttention-4's offload,
 // exp2_poly below). The knobs' when(...) conditions name the routing knobs of
 // seeds/sdpa/flash_hybrid.py, which loads this file as a companion: there a knob of a head dim the
@@ -44,12 +44,13 @@
 // wait for P v before the softmax, so OVERLAP overlapped nothing. Defaults, as measured
 // (BENCHMARKS.md; CUDA-graph time, H100, python benchmarks/wgmma_variants.py): both head dims
 // warp-specialised and persistent, causal items from the counter, 128-key tiles; D=64 with three
-// consumer warpgroups (WIDE_D64: 1.03x two over the ten D=64 configs) and the row blocks of all
-// heads heaviest first (HEAD_MAJOR_D64=0: causal 1.19-1.26x head by head at S >= 2048), 1.10x
-// two warpgroups head by head and ahead of Triton wherever a call gives every SM a work item (the
+// consumer warpgroups (WIDE_D64: 1.03x two over the ten D=64 configs) and the row blocks of
+// 32 MB of heads heaviest first (every head of the default configs: causal 1.19-1.26x head by
+// head at S >= 2048), 1.10x two warpgroups head by head and ahead of Triton wherever a call gives every SM a work item (the
 // hybrid seed sends those here, smaller ones to Triton); D=128 with the intra-warpgroup overlap
-// (10% over none, with the skipped rescales) and the TMA-store epilogue up to S=4096 (1.4-2% over
-// up to 1024, 9% over none). A warp skips O's rescale when no row's max grew (exact).
+// (10% over none, with the skipped rescales), the TMA-store epilogue up to S=4096 (1.4-2% over
+// up to 1024, 9% over none) and sections of 16 MB of heads (causal 1.07x head by head, all
+// heads at once 0.72x on (16,16,1024,128): their k and v then come from HBM in every round). A warp skips O's rescale when no row's max grew (exact).
 // FlashAttention-4's slack (a row keeps a stale max while a tile's is at most 2^8 above it, so far
 // more tiles skip) gained 3% more at D=128 but is not offered: the largest p of a row is then no
 // longer exactly 1, its rounding to 16 bits doubled the error on some configs to the edge of the
@@ -138,8 +139,8 @@
 #define WS_STAGES_D128 2  // evoattn: choice(2, 3, 4) when(@target=sm90) when(WARP_SPECIALIZE_D128=1) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
 #define SETMAXNREG 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
 #define PINGPONG 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
-#define HEAD_MAJOR_D64 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
-#define HEAD_MAJOR_D128 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
+#define SECTION_MB_D64 32  // evoattn: choice(0, 8, 16, 32, 64, 128) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
+#define SECTION_MB_D128 16  // evoattn: choice(0, 8, 16, 32, 64, 128) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
 #define PERSISTENT_D64 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
 #define PERSISTENT_D128 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
 #define PERSISTENT_DYNAMIC 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64_CAUSAL=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0)
@@ -498,20 +499,35 @@ __device__ __forceinline__ void rescale(float (&o)[D / 2], const float (&alpha)[
 }
 
 // Work item `b`'s query row block `mb` (of n_mblocks) and flat head `bh` (of BH); without
-// persistence, item b is block b. Row blocks run
-// last first (causal: the longest first). Head-major (HEAD_MAJOR_D*): a head's row blocks are
-// consecutive blocks, so the blocks resident together share a few heads' k and v in L2, and
-// the longest first holds within each head only (the last heads' long blocks end the grid);
-// otherwise consecutive blocks take consecutive heads.
-template <int D>
-__device__ __forceinline__ void block_coords(int b, int n_mblocks, int BH, int& mb, int& bh) {
-  if (D == 64 ? HEAD_MAJOR_D64 : HEAD_MAJOR_D128) {
-    mb = n_mblocks - 1 - b % n_mblocks;
-    bh = b / n_mblocks;
-  } else {
+// persistence, item b is block b. The heads are taken in sections of `section` heads (the last
+// may have fewer); within a section the row blocks run last first (causal: the longest first),
+// each row block of every head of the section before the next. One head per section: a head's
+// row blocks are consecutive, so the blocks resident together share a few heads' k and v in
+// L2, but the longest first holds within each head only (the last heads' long blocks end the
+// grid, a tail of up to one row block's keys). All heads in one section: the longest first
+// over the whole grid, but every head's k and v is read in every round of row blocks, from HBM
+// once they outgrow L2. Sections of as many heads as whose k and v fit in SECTION_MB_D*
+// megabytes (heads_per_section) keep both: FlashAttention-3's scheduler groups heads by L2 so.
+__device__ __forceinline__ void block_coords(int b, int n_mblocks, int BH, int section, int& mb,
+                                             int& bh) {
+  if (section >= BH) {                        // one section: the arithmetic of one division
     mb = n_mblocks - 1 - b / BH;
     bh = b % BH;
+    return;
   }
+  const int first = b / (section * n_mblocks) * section;   // the section's first head
+  const int heads = min(section, BH - first);
+  const int i = b - first * n_mblocks;                       // the item within its section
+  mb = n_mblocks - 1 - i / heads;
+  bh = first + i % heads;
+}
+
+// Heads per section of the block order (block_coords) for a call of BH heads of S rows: as
+// many heads as whose k and v (16-bit) fit in SECTION_MB_D* megabytes, at least one (0: one).
+template <int D> static int heads_per_section(int BH, int S) {
+  const long long budget = (long long)(D == 64 ? SECTION_MB_D64 : SECTION_MB_D128) << 20;
+  const long long heads = budget / (2LL * S * D * 2);
+  return heads < 1 ? 1 : heads > BH ? BH : (int)heads;
 }
 
 // 1 / (the full row sum) of this lane's two rows (0 for an empty row): the quad's 4 lanes
@@ -549,7 +565,8 @@ __device__ __forceinline__ void store_rows(T* ob_t, const float (&o)[D / 2],
 template <typename T, int D, int BN, bool OV>
 __global__ void __launch_bounds__(THREADS, 1)
 wgmma_flash_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                   T* __restrict__ out, int BH, int S, int causal, float scale_log2) {
+                   T* __restrict__ out, int BH, int S, int causal, float scale_log2,
+                   int section) {
 #if WGF_SM90A
   constexpr bool BF16 = std::is_same<T, __nv_bfloat16>::value;
   using L = WgSmem<D, BN, OV>;
@@ -561,7 +578,7 @@ wgmma_flash_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __
 
   const int n_mblocks = (S + BLOCK_M - 1) / BLOCK_M;
   int mb, bh;
-  block_coords<D>((int)blockIdx.x, n_mblocks, BH, mb, bh);
+  block_coords((int)blockIdx.x, n_mblocks, BH, section, mb, bh);
   const int m0 = mb * BLOCK_M;
   const int tid = threadIdx.x;
   // The warpgroup index through a shuffle: ptxas then knows it is warp-uniform, and so are
@@ -694,7 +711,8 @@ static int launch_wgmma(const void* q, const void* k, const void* v, void* out, 
   const long long blocks = (long long)((S + BLOCK_M - 1) / BLOCK_M) * BH;
   if (blocks > 0x7fffffffLL) return (int)cudaErrorInvalidConfiguration;
   wgmma_flash_kernel<T, D, BN, OV><<<(unsigned)blocks, THREADS, smem, stream>>>(
-      (const T*)q, (const T*)k, (const T*)v, (T*)out, BH, S, causal, scale * LOG2E);
+      (const T*)q, (const T*)k, (const T*)v, (T*)out, BH, S, causal, scale * LOG2E,
+      heads_per_section<D>(BH, S));
   return (int)cudaGetLastError();
 }
 
@@ -924,7 +942,8 @@ __global__ void __launch_bounds__(ws_threads<D>(), 1)
 wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                 const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
                 T* __restrict__ out, int BH, int S,
-                int causal, float scale_log2, int* __restrict__ item_counter, int tma_store) {
+                int causal, float scale_log2, int* __restrict__ item_counter, int tma_store,
+                int section) {
 #if WGF_SM90A
   constexpr bool BF16 = std::is_same<T, __nv_bfloat16>::value;
   using L = WsSmem<D, BN>;
@@ -954,7 +973,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
   // Work item `item` of this block: its row block's first row m0, flat head bh, and key tiles.
   auto item_coords = [&](int item, int& m0, int& bh, int& ntiles) {
     int mb;
-    block_coords<D>(item, n_mblocks, BH, mb, bh);
+    block_coords(item, n_mblocks, BH, section, mb, bh);
     m0 = mb * BLOCK_M;
     ntiles = ((causal ? min(S, m0 + BLOCK_M) : S) + BN - 1) / BN;
   };
@@ -1332,7 +1351,8 @@ static int launch_ws(const void* q, const void* k, const void* v, void* out, int
   int* counter =
       persistent && causal && PERSISTENT_DYNAMIC ? stream_counter(stream, owned) : nullptr;
   wgmma_ws_kernel<T, D, BN, OV><<<(unsigned)blocks, ws_threads<D>(), smem, stream>>>(
-      tq, tk, tv, to, (T*)out, BH, S, causal, scale * LOG2E, counter, tma_store);
+      tq, tk, tv, to, (T*)out, BH, S, causal, scale * LOG2E, counter, tma_store,
+      heads_per_section<D>(BH, S));
   err = cudaGetLastError();
   if (owned && cudaFreeAsync(counter, stream) != cudaSuccess) {
     (void)cudaGetLastError();                 // a leaked 8 bytes, not a failed call
