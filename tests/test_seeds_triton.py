@@ -475,18 +475,21 @@ def hybrid_gpu_cases() -> list[dict[str, Any]]:
     shapes where a block takes several work items (more items than SMs; each case calls twice,
     so a causal call's second launch reuses its stream's item counter, which the first must have
     put back to 0), and the settings around it: D=64 on the cp.async path and with two consumer
-    warpgroups instead of three, no persistence at D=128, ping-pong, no overlap (on by default)
-    with half the exponentials on the FMA pipe, the TMA-store epilogue (on up to S=4096 by
-    default) switched off, and Triton's ordinary launch (FAST_LAUNCH off) against its prepared
-    one."""
+    warpgroups instead of three (non-causal calls head by head, causal ones in sections of 8 MB
+    of heads: several, the last one short, on the D=64 shapes), no persistence at D=128 (causal
+    calls one head at a time), ping-pong, no overlap (on by default) with half the exponentials
+    on the FMA pipe, the TMA-store epilogue (on up to S=4096 by default) switched off, and
+    Triton's ordinary launch (FAST_LAUNCH off) against its prepared one. The defaults take the
+    causal D=128 heads of (4,16,1000,128) in two sections."""
     both = {"CUDA_D64": True, "CUDA_D64_CAUSAL": True, "CUDA_D128": True, "CUDA_D128_CAUSAL": True}
     settings = [{},
                 {"CUDA_D128": False, "CUDA_D128_CAUSAL": False},
                 both,
                 {**both, "PERSISTENT_D64": 0, "WARP_SPECIALIZE_D64": 0,
                  "wgmma_flash.cu:BLOCK_N_D64": 64},
-                {**both, "WIDE_D64": 0, "HEAD_MAJOR_D64": 1},
-                {**both, "PERSISTENT_D128": 0, "PINGPONG": 1, "TMA_STORE_MAX_S": 0},
+                {**both, "WIDE_D64": 0, "HEAD_MAJOR_D64": 1, "SECTION_MB_D64": 8},
+                {**both, "PERSISTENT_D128": 0, "PINGPONG": 1, "TMA_STORE_MAX_S": 0,
+                 "SECTION_MB_D128": 0},
                 {**both, "PINGPONG": 1, "OVERLAP_D128": 0, "PERSISTENT_DYNAMIC": 0},
                 {**both, "OVERLAP_D128": 0, "TMA_STORE_MAX_S": 1024, "EXP2_POLY_EVERY": 2},
                 {"FAST_LAUNCH": False, "CUDA_D128": False}]

@@ -16,7 +16,7 @@
 // Causal (top-left: query i sees keys 0..i): key tiles after the block's last row are never
 // loaded, a warpgroup skips tiles after its own last row, and the mask is applied only to
 // tiles that cross the diagonal or the end of the sequence. Heavy causal row blocks first,
-// within sections of heads whose k and v fit in a share of L2 (SECTION_MB_D*, block_coords).
+// within sections of heads whose k and v fit in a share of L2 (block_coords).
 // float32 inputs, pointers that are not 16-byte aligned, and GPUs that are not 9.x take the
 // CUDA-core fallback (FA1-style, cuda_core_flash.cuh, shared with mma_flash.cu and fused.cu).
 //
@@ -33,7 +33,8 @@
 // shared tile per consumer warpgroup and one TMA store that runs on under the next work item,
 // instead of st.global from registers; 0: never, and no shared tile; a ring too
 // deep for 227 KB of shared memory at a head dim whose path is on fails the build),
-// SECTION_MB_D64 / _D128 (block order per head dim, block_coords), EXP2_POLY_EVERY (0: every exponential on the
+// HEAD_MAJOR_D64 / _D128 and SECTION_MB_D64 / _D128 (the block order per head dim of non-causal
+// and of causal calls, block_coords), EXP2_POLY_EVERY (0: every exponential on the
 // MUFU; N: one score in N by a polynomial on the FMA pipe instead, FlashAttention-4's offload,
 // exp2_poly below). The knobs' when(...) conditions name the routing knobs of
 // seeds/sdpa/flash_hybrid.py, which loads this file as a companion: there a knob of a head dim the
@@ -44,13 +45,15 @@
 // wait for P v before the softmax, so OVERLAP overlapped nothing. Defaults, as measured
 // (BENCHMARKS.md; CUDA-graph time, H100, python benchmarks/wgmma_variants.py): both head dims
 // warp-specialised and persistent, causal items from the counter, 128-key tiles; D=64 with three
-// consumer warpgroups (WIDE_D64: 1.03x two over the ten D=64 configs) and the row blocks of
-// 32 MB of heads heaviest first (every head of the default configs: causal 1.19-1.26x head by
-// head at S >= 2048), 1.10x two warpgroups head by head and ahead of Triton wherever a call gives every SM a work item (the
-// hybrid seed sends those here, smaller ones to Triton); D=128 with the intra-warpgroup overlap
-// (10% over none, with the skipped rescales), the TMA-store epilogue up to S=4096 (1.4-2% over
-// up to 1024, 9% over none) and sections of 16 MB of heads (causal 1.07x head by head, all
-// heads at once 0.72x on (16,16,1024,128): their k and v then come from HBM in every round). A warp skips O's rescale when no row's max grew (exact).
+// consumer warpgroups (WIDE_D64: 1.03x two over the ten D=64 configs) and the row blocks of all
+// heads heaviest first (causal: of 32 MB of heads, every head of the default configs; causal
+// 1.19-1.26x head by head at S >= 2048), 1.10x two warpgroups head by head and ahead of Triton
+// wherever a call gives every SM a work item (the hybrid seed sends those here, smaller ones to
+// Triton); D=128 with the intra-warpgroup overlap (10% over none, with the skipped rescales),
+// the TMA-store epilogue up to S=4096 (1.4-2% over up to 1024, 9% over none), non-causal calls
+// head by head, and causal calls in sections of 16 MB of heads (1.03-1.07x head by head; all
+// heads at once lost 26% at (16,16,1024,128); sections for non-causal calls too lost 10% there
+// with L2 flushed before each call). A warp skips O's rescale when no row's max grew (exact).
 // FlashAttention-4's slack (a row keeps a stale max while a tile's is at most 2^8 above it, so far
 // more tiles skip) gained 3% more at D=128 but is not offered: the largest p of a row is then no
 // longer exactly 1, its rounding to 16 bits doubled the error on some configs to the edge of the
@@ -139,11 +142,13 @@
 #define WS_STAGES_D128 2  // evoattn: choice(2, 3, 4) when(@target=sm90) when(WARP_SPECIALIZE_D128=1) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
 #define SETMAXNREG 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
 #define PINGPONG 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
-#define SECTION_MB_D64 32  // evoattn: choice(0, 8, 16, 32, 64, 128) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
-#define SECTION_MB_D128 16  // evoattn: choice(0, 8, 16, 32, 64, 128) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
+#define HEAD_MAJOR_D64 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
+#define HEAD_MAJOR_D128 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D128=True)
+#define SECTION_MB_D64 32  // evoattn: choice(0, 8, 16, 32, 64, 128) when(@target=sm90) when(CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
+#define SECTION_MB_D128 16  // evoattn: choice(0, 8, 16, 32, 64, 128) when(@target=sm90) when(CUDA_D128_CAUSAL=True)
 #define PERSISTENT_D64 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
 #define PERSISTENT_D128 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
-#define PERSISTENT_DYNAMIC 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64_CAUSAL=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0)
+#define PERSISTENT_DYNAMIC 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64_CAUSAL=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
 #define TMA_STORE_MAX_S 4096  // evoattn: choice(0, 1024, 2048, 4096, 65536) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
 #define EXP2_POLY_EVERY 0  // evoattn: choice(0, 8, 4, 2) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
 
@@ -522,9 +527,12 @@ __device__ __forceinline__ void block_coords(int b, int n_mblocks, int BH, int s
   bh = first + i % heads;
 }
 
-// Heads per section of the block order (block_coords) for a call of BH heads of S rows: as
-// many heads as whose k and v (16-bit) fit in SECTION_MB_D* megabytes, at least one (0: one).
-template <int D> static int heads_per_section(int BH, int S) {
+// Heads per section of the block order (block_coords) for a call of BH heads of S rows. A
+// non-causal call's items are equal, so its order matters for L2 alone: one head at a time with
+// HEAD_MAJOR_D*, else all at once. A causal call: as many heads as whose k and v (16-bit) fit
+// in SECTION_MB_D* megabytes, at least one (0: one).
+template <int D> static int heads_per_section(int BH, int S, int causal) {
+  if (!causal) return (D == 64 ? HEAD_MAJOR_D64 : HEAD_MAJOR_D128) ? 1 : BH;
   const long long budget = (long long)(D == 64 ? SECTION_MB_D64 : SECTION_MB_D128) << 20;
   const long long heads = budget / (2LL * S * D * 2);
   return heads < 1 ? 1 : heads > BH ? BH : (int)heads;
@@ -712,7 +720,7 @@ static int launch_wgmma(const void* q, const void* k, const void* v, void* out, 
   if (blocks > 0x7fffffffLL) return (int)cudaErrorInvalidConfiguration;
   wgmma_flash_kernel<T, D, BN, OV><<<(unsigned)blocks, THREADS, smem, stream>>>(
       (const T*)q, (const T*)k, (const T*)v, (T*)out, BH, S, causal, scale * LOG2E,
-      heads_per_section<D>(BH, S));
+      heads_per_section<D>(BH, S, causal));
   return (int)cudaGetLastError();
 }
 
@@ -1352,7 +1360,7 @@ static int launch_ws(const void* q, const void* k, const void* v, void* out, int
       persistent && causal && PERSISTENT_DYNAMIC ? stream_counter(stream, owned) : nullptr;
   wgmma_ws_kernel<T, D, BN, OV><<<(unsigned)blocks, ws_threads<D>(), smem, stream>>>(
       tq, tk, tv, to, (T*)out, BH, S, causal, scale * LOG2E, counter, tma_store,
-      heads_per_section<D>(BH, S));
+      heads_per_section<D>(BH, S, causal));
   err = cudaGetLastError();
   if (owned && cudaFreeAsync(counter, stream) != cudaSuccess) {
     (void)cudaGetLastError();                 // a leaked 8 bytes, not a failed call
