@@ -32,14 +32,11 @@ def tflops(flops: float, ms: float | None) -> float | None:
     return flops / (ms * 1e-3) / 1e12 if ms and ms > 0 else None
 
 
-def speedup_ci(cand: Times, base: Times | None, mode: str, base_samples: list[float] | None,
-               cand_samples: list[float] | None) -> tuple[float, float] | None:
-    """Returns the 95% interval of base / cand in `mode`: paired over the rounds both were
-    timed in, or (measured apart) from each side's own interval."""
+def speedup_ci(cand: Times, base: Times | None, mode: str) -> tuple[float, float] | None:
+    """Returns the 95% interval of base / cand in `mode` from each side's own interval (the
+    two measured apart)."""
     if base is None or not cand.in_mode(mode) or not base.in_mode(mode):
         return None
-    if base_samples and cand_samples:
-        return stats.ratio(base_samples, cand_samples, paired=True)[1]
     return stats.ratio_of_intervals(base.in_mode(mode), base.ci_in_mode(mode),  # type: ignore[arg-type]
                                     cand.in_mode(mode), cand.ci_in_mode(mode))  # type: ignore[arg-type]
 
@@ -81,15 +78,20 @@ def score(checked: ConfigResult, cand: Times, baselines: dict[str, Times],
           given: bool = False) -> ConfigResult:
     """Returns the checked config with its times, baselines and speedup in `mode`.
 
-    `samples` (mode -> function -> per-round times) makes the speedup's interval a paired
-    one; `given`: the baselines were timed in another process (never paired)."""
+    `samples` (mode -> function -> per-round times) makes the speedup the median of the
+    rounds' ratios, with a paired interval; without them (or with `given`: the baselines
+    were timed in another process) it is baseline_ms / ms."""
     ms = cand.in_mode(mode)
     name, base_ms = pick_baseline(policy, baselines, mode)
     speed = base_ms / ms if ms and base_ms else None
     flops_per_s = tflops(flops, ms)
     by_name = (samples or {}).get(mode, {}) if not given else {}
-    ci = speedup_ci(cand, baselines.get(name), mode, by_name.get(f"baseline:{name}"),
-                    by_name.get("candidate")) if speed else None
+    base_samples, cand_samples = by_name.get(f"baseline:{name}"), by_name.get("candidate")
+    ci = None
+    if speed and base_samples and cand_samples:   # timed in the same rounds: paired
+        speed, ci = stats.ratio(base_samples, cand_samples, paired=True)
+    elif speed:
+        ci = speedup_ci(cand, baselines.get(name), mode)
     return dataclasses.replace(
         checked, ms=ms, baseline_ms=base_ms, baseline_name=name, tflops=flops_per_s,
         baseline_tflops=tflops(flops, base_ms), speedup=speed, speedup_ci=ci,

@@ -1,12 +1,16 @@
-"""Noise as data: medians with bootstrap confidence intervals, ratios of medians, and the
-geometric mean of ratios with its interval.
+"""Noise as data: medians with bootstrap confidence intervals, ratios, and the geometric mean
+of ratios with its interval.
 
 A timing is a distribution: each function is measured in rounds, interleaved with the
 functions it is compared with, and the median over rounds counts. Its interval is a
 percentile bootstrap of the median (95%). A ratio of two functions measured in the same
-rounds resamples the rounds jointly (paired: a slow round slows both, and cancels); a ratio of
-functions measured apart (another process) resamples each side alone. The bootstrap's own
-random numbers come from a fixed seed, so the same samples always give the same interval.
+rounds is the median of the rounds' own ratios, its interval a bootstrap over the rounds
+(paired: a slow round slows both, and cancels). Where a host switches between a fast and a
+slow state from one batch to the next, each function's own median can land in either state,
+and their ratio with it; the rounds' ratios mostly compare like with like, so their median
+does not. A ratio of functions measured apart (another process) is the ratio of the medians,
+each side resampled alone. The bootstrap's own random numbers come from a fixed seed, so the
+same samples always give the same interval.
 """
 from __future__ import annotations
 
@@ -45,16 +49,21 @@ def median_ci(samples: Sequence[float]) -> Interval | None:
 
 
 def ratio(num: Sequence[float], den: Sequence[float], paired: bool) -> tuple[float, Interval | None]:
-    """Returns median(num) / median(den) and its 95% bootstrap interval.
+    """Returns num / den and its 95% bootstrap interval.
 
-    Paired (both measured in the same interleaved rounds, same length): rounds are resampled
-    jointly; otherwise each side is resampled alone."""
+    Paired (both measured in the same interleaved rounds, same length): the median of the
+    rounds' ratios, the rounds resampled; otherwise median(num) / median(den), each side
+    resampled alone."""
+    if paired and len(num) == len(den) and num:
+        rounds = [a / b for a, b in zip(num, den)]
+        point = statistics.median(rounds)
+        if len(rounds) < 2:
+            return point, None
+        picks = _picks(len(rounds), len(rounds) * 1000 + len(rounds))
+        return point, _quantiles(_resampled_medians(rounds, picks))
     point = statistics.median(num) / statistics.median(den)
     if len(num) < 2 or len(den) < 2:
         return point, None
-    if paired and len(num) == len(den):
-        picks = _picks(len(num), len(num) * 1000 + len(den))
-        return point, _quantiles(_resampled_medians(num, picks) / _resampled_medians(den, picks))
     top = _resampled_medians(num, _picks(len(num), len(num) * 1000 + len(den)))
     bottom = _resampled_medians(den, _picks(len(den), len(den) * 1000 + len(num) + 1))
     return point, _quantiles(top / bottom)

@@ -64,9 +64,12 @@ class Speedup:
     baseline_ms: float | None
     candidate_ms: float | None
     fitness_term: bool                  # this mode and baseline are what fitness uses
+    paired: float | None = None         # the fitness term's speedup over its paired rounds
 
     @property
     def speedup(self) -> float | None:
+        if self.paired is not None:
+            return self.paired
         if not self.baseline_ms or not self.candidate_ms:
             return None
         return self.baseline_ms / self.candidate_ms
@@ -181,9 +184,10 @@ def speedups(result: EvalResult) -> tuple[Speedup, ...]:
             continue
         for name, base in c.baseline_times.items():
             for mode in TIMING_MODES:
+                term = mode == result.timing and name == c.baseline_name
                 rows.append(Speedup(label(c.params), name, mode, base.in_mode(mode),
-                                    c.times.in_mode(mode),
-                                    mode == result.timing and name == c.baseline_name))
+                                    c.times.in_mode(mode), term,
+                                    c.speedup if term else None))
     return tuple(rows)
 
 

@@ -212,8 +212,7 @@ def _summary(console: Console, outcome: Any, search: Any, plan: RunPlan,
                       f"{outcome.elapsed_s:.0f} s (this session{whole}); during the search "
                       f"{seed.fitness:.4f} -> {best.fitness:.4f}")
         for c in duel.configs:
-            rival_ms = c.rival_times.in_mode(duel.timing) if c.rival_times else None
-            before = c.baseline_ms / rival_ms if c.baseline_ms and rival_ms else None
+            before = c.speedup / c.gain if c.speedup and c.gain else None   # base / rival
             rows.append((c.params, before, c.speedup, c.baseline_name or duel.baseline))
     else:
         console.print(f"seed fitness {seed.fitness:.4f} -> best fitness "

@@ -47,6 +47,45 @@ def test_pairing_cancels_what_both_functions_see_in_a_round() -> None:
     assert stats.rel_half_width(point, apart) > 5 * stats.rel_half_width(point, paired)
 
 
+def test_a_paired_ratio_is_the_median_of_the_rounds_ratios() -> None:
+    # A host that flips between a fast and a slow state (x1.25) from one batch to the next;
+    # candidate and baseline are equally fast. In 20 rounds both batches saw the same state,
+    # in 7 only the baseline's was slow, in 3 only the candidate's. Each function's own median
+    # then lands in a different state (the baseline's between the two, the candidate's fast),
+    # so their ratio reads 1.12; the rounds' ratios are mostly 1.
+    rng = random.Random(5)
+    states = [(1.0, 1.0)] * 12 + [(1.25, 1.25)] * 8 + [(1.25, 1.0)] * 7 + [(1.0, 1.25)] * 3
+    base = [20.0 * b * (1 + rng.gauss(0, 0.003)) for b, _ in states]
+    cand = [20.0 * c * (1 + rng.gauss(0, 0.003)) for _, c in states]
+    assert statistics.median(base) / statistics.median(cand) > 1.08   # what medians would say
+    point, (lo, hi) = stats.ratio(base, cand, paired=True)
+    assert point == pytest.approx(1.0, abs=0.01)
+    assert lo <= 1.0 <= hi
+    # Measured apart, the rounds do not pair: each side's median, each resampled alone.
+    assert stats.ratio(base, cand, paired=False)[0] == pytest.approx(
+        statistics.median(base) / statistics.median(cand))
+
+
+def test_a_config_s_speedup_is_its_paired_ratio_where_rounds_were_shared() -> None:
+    from evaluator.scoring import score
+    from evaluator.types import ConfigResult, Times
+    states = [1.0] * 5 + [1.25] * 6           # the baseline's batches: its median slow
+    flips = [1.0] * 5 + [1.25] * 3 + [1.0] * 3   # the candidate's, same rounds: its median fast
+    cand_s = [10.0 * f for f in flips]
+    base_s = [10.0 * s for s in states]
+    cand = Times(call_ms=statistics.median(cand_s))
+    base = Times(call_ms=statistics.median(base_s))
+    checked = ConfigResult(params={"B": 1}, dtype="float16", verdict=Verdict.PASS)
+    rounds = {"call": {"candidate": cand_s, "baseline:sdpa": base_s}}
+    paired = score(checked, cand, {"sdpa": base}, {}, "call", "best", 1e9, None, samples=rounds)
+    apart = score(checked, cand, {"sdpa": base}, {}, "call", "best", 1e9, None, samples=rounds,
+                  given=True)
+    ratios = sorted(b / c for b, c in zip(base_s, cand_s))
+    assert paired.speedup == pytest.approx(ratios[len(ratios) // 2]) == pytest.approx(1.0)
+    assert apart.speedup == pytest.approx(base.call_ms / cand.call_ms) == pytest.approx(1.25)
+    assert paired.speedup_ci is not None and paired.speedup_ci[0] <= 1.0
+
+
 def test_the_geometric_mean_interval_comes_from_the_configs_intervals() -> None:
     lo, hi = stats.geomean_ci([1.0, 1.0, 1.0, 1.0], [(0.98, 1.02)] * 4)
     assert lo == pytest.approx(0.99, abs=0.002) and hi == pytest.approx(1.01, abs=0.002)
