@@ -54,7 +54,7 @@ def ratio(num: Sequence[float], den: Sequence[float], paired: bool) -> tuple[flo
     Paired (both measured in the same interleaved rounds, same length): the median of the
     rounds' ratios, the rounds resampled; otherwise median(num) / median(den), each side
     resampled alone."""
-    if paired and len(num) == len(den) and num:
+    if paired and len(num) == len(den) and num and min(den) > 0:
         rounds = [a / b for a, b in zip(num, den)]
         point = statistics.median(rounds)
         if len(rounds) < 2:

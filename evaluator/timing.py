@@ -37,10 +37,10 @@ host_us The host time of one call while the GPU is busy (a long sleep kernel que
 Rounds interleave the functions (candidate and baselines alternate, their order reversed
 every round), so all see the GPU and the host in the same state; the median over rounds
 counts, and its 95% bootstrap interval travels with it; a speedup is the median of the
-rounds' own ratios (evaluator/stats.py). The fitness
-mode's rounds adapt: after a floor, measuring stops once `converged` (given by the caller:
-the fitness ratio's interval is narrow enough) or at the plan's cap; the other modes get a
-fixed few rounds. Launch-bound configs thus get more rounds, long ones fewer.
+rounds' own ratios (evaluator/stats.py). The fitness mode's rounds adapt: after a floor,
+measuring stops once `converged` (given by the caller: the fitness ratio's interval is narrow
+enough) or at the plan's cap; the other modes get a fixed few rounds. Launch-bound configs thus
+get more rounds, long ones fewer.
 
 CPU (Triton's interpreter): kernel and call modes by the host clock, host_us the same as a
 call, no graph mode; every such figure is labelled a CPU timing.
