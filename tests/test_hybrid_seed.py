@@ -97,6 +97,13 @@ def test_the_mutator_leaves_the_knobs_of_kernels_that_run_no_call():
     assert dead(cp_async64, "sm90") == triton_d128 | {"WIDE_D64", "WS_STAGES_D64"}
     cp_async128 = set_knobs(source, {"WARP_SPECIALIZE_D128": "0"})
     assert dead(cp_async128, "sm90") == triton_d128 | {"WS_STAGES_D128"}
+    # causal D=128 calls on Triton: the CUDA kernel's causal order (sections) goes dead, its
+    # non-causal order stays live; non-causal ones on Triton: the other way round
+    order128 = {"HEAD_MAJOR_D128", "SECTION_MB_D128"}
+    no_causal128 = set_knobs(source, {"CUDA_D128_CAUSAL": "False"})
+    assert dead(no_causal128, "sm90") & order128 == {"SECTION_MB_D128"}
+    no_plain128 = set_knobs(source, {"CUDA_D128": "False"})
+    assert dead(no_plain128, "sm90") & order128 == {"HEAD_MAJOR_D128"}
 
 
 def test_routing_sends_only_sm90_half_precision_calls_whose_knob_is_set(hybrid, monkeypatch):
