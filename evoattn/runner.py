@@ -114,6 +114,7 @@ def plan_run(config_path: str | None, iterations: int | None, output: str | None
 
 def _search(plan: RunPlan, store: Any, evaluator: Any, quiet: bool, console: Console) -> int:
     from .export import export_run
+    from .mutators.history import StoreHistory
     from .mutators.knobs import KnobMutator
     from .progress import EventLog, LiveView
     from .search import Search
@@ -122,14 +123,15 @@ def _search(plan: RunPlan, store: Any, evaluator: Any, quiet: bool, console: Con
     meter = None
     mutators: list[tuple[Any, float]] = []
     target = detect_target(plan.device)   # the @target fact: lets knob conditions rule out code
+    history = StoreHistory(plan.run_dir)
     for m in cfg.mutators:
         if m.kind == "knobs":     # every evaluated program is committed before the next proposal
             mutators.append((KnobMutator(cfg.population.crossover_rate,
                                          is_known=store.has_program,
-                                         facts={"target": target} if target else None),
+                                         facts={"target": target} if target else None,
+                                         history=history),
                              m.weight))
         else:
-            from .mutators.history import StoreHistory
             from .mutators.llm import CostMeter, LlmMutator
             if meter is None:     # a resumed run keeps counting its earlier calls and spend
                 meter = CostMeter(cfg.llm.budget_usd)

@@ -110,6 +110,16 @@ class RunReads:
         return [Attempt(it, mut, outcome, reason, chg, fit)
                 for it, mut, outcome, fit, chg, reason in reversed(rows.fetchall())]
 
+    def recent_changes(self, mutator: str, limit: int) -> list[str]:
+        """Returns the changes a mutator proposed in the run's latest iterations (evaluated or
+        not), newest first."""
+        change = "change" if "change" in self._columns("rejections") else "''"
+        rows = self._conn.execute(
+            "SELECT iteration, change FROM programs WHERE mutator = ? UNION ALL "
+            f"SELECT iteration, {change} FROM rejections WHERE mutator = ? "
+            "ORDER BY 1 DESC LIMIT ?", (mutator, mutator, limit))
+        return [c for _, c in rows.fetchall() if c]
+
     def stored_config(self) -> dict[str, Any]:
         """Returns the config dict the run was created with."""
         row = self._conn.execute("SELECT value FROM meta WHERE key = 'config'").fetchone()

@@ -1,7 +1,8 @@
 """The knob grammar: finding, rewriting, mutating and crossing tunable choices."""
 from __future__ import annotations
 
-from evoattn.mutators.knobs import KnobMutator, active, find_knobs, set_knobs, space_size
+from evoattn.mutators.knobs import (KnobMutator, active, find_knobs, set_knobs, space_size,
+                                   turned)
 from evoattn.types import MutationRequest, Program, program_id
 
 from fakes import TOY_SEED
@@ -161,3 +162,58 @@ def test_a_condition_on_a_knob_the_file_lacks_leaves_the_knob_live() -> None:
            'B = 1  # evoattn: choice(1, 2) when(A_TYPO=2)\n'
            'C = 1  # evoattn: choice(1, 2) when(A=2)\n')
     assert {k.name for k in active(find_knobs(src), {"target": "sm90"})} == {"A", "B"}
+
+
+WIDE = "import torch\n" + "".join(f"K{i:02d} = False  # evoattn: choice(True, False)\n"
+                                  for i in range(24))
+
+
+class _Tried:
+    """A history that keeps what the mutator proposed, as the store would once committed."""
+
+    def __init__(self) -> None:
+        self.kept: list[str] = []
+
+    def recent_changes(self, mutator: str, limit: int) -> list[str]:
+        return self.kept[::-1][:limit]
+
+
+def test_turned_reads_knob_changes_from_change_lines() -> None:
+    keys = {"BLOCK_M", "STAGES", "wgmma_flash.cu:BLOCK_N", "SPLIT"}
+    got = turned(["BLOCK_M: 64 -> 128, STAGES: 2 -> 3",
+                  "crossover: wgmma_flash.cu:BLOCK_N: 64 -> 128", "BLOCK_M: 128 -> 64",
+                  "@@ -1,2 +1,2 @@\n-SPLIT = 1\n+SPLIT = 2", ""], keys)
+    assert got == {"BLOCK_M": 2, "STAGES": 1, "wgmma_flash.cu:BLOCK_N": 1}
+
+
+def test_with_history_every_knob_is_turned_before_any_twice() -> None:
+    parent = _prog(WIDE)
+    keys = {k.key for k in find_knobs(WIDE)}
+    for seed0 in (0, 100, 200):
+        history = _Tried()
+        m = KnobMutator(0.0, history=history)
+        for i in range(len(keys)):
+            p = m.propose(MutationRequest(parent=parent, inspirations=(), seed=seed0 + i,
+                                          iteration=i))
+            assert p.source is not None
+            history.kept.append(p.change)
+        counts = turned(history.kept, keys)
+        assert set(counts) == keys              # 24 proposals turned all 24 knobs
+        # without the history the same draws leave knobs untried
+        blind = KnobMutator(0.0)
+        changes = [blind.propose(MutationRequest(parent=parent, inspirations=(), seed=seed0 + i,
+                                                 iteration=i)).change for i in range(len(keys))]
+        assert set(turned(changes, keys)) < keys
+
+
+def test_the_preference_gives_way_when_the_least_tried_settings_are_known() -> None:
+    two = "A = 1  # evoattn: choice(1, 2)\nB = 1  # evoattn: choice(1, 2)\n"
+    history = _Tried()
+    history.kept = ["A: 1 -> 2"]
+    # every child that turns B (the untried knob) is already known: being evaluated
+    known = {program_id(set_knobs(two, {"B": "2"})),
+             program_id(set_knobs(two, {"A": "2", "B": "2"}))}
+    m = KnobMutator(0.0, is_known=lambda pid: pid in known, history=history)
+    for seed in range(5):
+        p = m.propose(MutationRequest(parent=_prog(two), inspirations=(), seed=seed, iteration=2))
+        assert p.source == set_knobs(two, {"A": "2"}), p.rejected_reason

@@ -57,6 +57,12 @@ class StoreHistory:
             return [_resolved(a, st) for a in raw if _about_an_answer(a)][-limit:]
 
 
+    def recent_changes(self, mutator: str, limit: int) -> list[str]:
+        from evoattn.store import RunStore
+        with RunStore.open_readonly(self.run_dir) as st:
+            return st.recent_changes(mutator, limit)
+
+
 def _about_an_answer(a: Attempt) -> bool:
     if a.outcome == "rejected":
         return not _NOT_ABOUT_AN_ANSWER.match(a.reason)

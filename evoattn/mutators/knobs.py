@@ -3,11 +3,18 @@
 The knob grammar, `when(...)` conditions included, is evaluator/knobs.py. A gated knob whose
 condition fails in the parent changes nothing that runs, so the mutator neither mutates nor
 crosses it (an evaluation spent there would time the parent again).
+
+Coverage first: given the run's history, a mutation's first knob is one of the live knobs its
+latest proposals turned least often (untried ones first), so each knob is turned once before
+any is turned twice. Drawn uniformly, some of a few dozen knobs go untried for a whole short
+run: with 44 live knobs and about 70 knob changes, each knob is missed with probability
+(1 - 1/44)^70, about 0.2. The counts are the run's, not the parent's: a search's parents
+change often (a neutral child ties its parent), so a parent's own children are too few.
 """
 from __future__ import annotations
 
 import random
-from typing import Callable
+from typing import Callable, Iterable, Protocol
 
 from evaluator.knobs import Knob, active, find_knobs, set_knobs, space_size
 
@@ -39,17 +46,26 @@ def parse_settings(label: str, source: str, items: tuple[str, ...] | list[str]) 
     return values
 
 
+class Changes(Protocol):
+    """Where the changes the run's proposals made are read from (StoreHistory)."""
+
+    def recent_changes(self, mutator: str, limit: int) -> list[str]: ...
+
+
 class KnobMutator:
     """Mutates one or two knobs (neighbours preferred) or crosses knobs with another elite."""
 
     name = "knobs"
 
     def __init__(self, crossover_rate: float = 0.2, is_known: Callable[[str], bool] | None = None,
-                 attempts: int = 20, facts: dict[str, str] | None = None) -> None:
+                 attempts: int = 20, facts: dict[str, str] | None = None,
+                 history: Changes | None = None, history_limit: int = 400) -> None:
         self.crossover_rate = crossover_rate
         self.is_known = is_known or (lambda pid: False)
         self.attempts = attempts
         self.facts = dict(facts or {})         # e.g. {"target": "sm90"}: see when(...) above
+        self.history = history                 # the run's earlier proposals: coverage first
+        self.history_limit = history_limit
 
     def propose(self, request: MutationRequest) -> Proposal:
         """Returns a child with changed knob values, or a rejection saying why none was found."""
@@ -64,10 +80,15 @@ class KnobMutator:
             ((p, pk) for p in request.inspirations if p.id != parent.id
              for pk in [find_knobs(p.source)] if {k.key for k in pk} == keys), (None, []))
         live = active(knobs, self.facts)      # knobs whose code runs some call
-        for _ in range(self.attempts):
+        tried = (turned(self.history.recent_changes(self.name, self.history_limit), keys)
+                 if self.history is not None else {})
+        for attempt in range(self.attempts):
             use_cross = partner is not None and rng.random() < self.crossover_rate
+            # the later half of the attempts drops the preference: the least-tried knobs'
+            # settings may all be known already (children still being evaluated)
             values = (self._crossover(knobs, live, partner_knobs, rng) if use_cross
-                      else self._mutate(knobs, live, rng))
+                      else self._mutate(knobs, live, rng,
+                                        tried if attempt < self.attempts // 2 else None))
             changed = {k.key: (k.value, values[k.key]) for k in knobs
                        if values.get(k.key, k.value) != k.value}
             if not changed:
@@ -84,10 +105,16 @@ class KnobMutator:
                                         f"in {self.attempts} attempts")
 
     @staticmethod
-    def _mutate(knobs: list[Knob], live: list[Knob], rng: random.Random) -> dict[str, str]:
+    def _mutate(knobs: list[Knob], live: list[Knob], rng: random.Random,
+                tried: dict[str, int] | None = None) -> dict[str, str]:
         values = {k.key: k.value for k in knobs}
         n = 1 if rng.random() < 0.6 else 2 if rng.random() < 0.75 else 3
-        for k in rng.sample(live, k=min(n, len(live))):
+        picked = rng.sample(live, k=min(n, len(live)))
+        if tried and live:                    # the first knob: one the run turned least
+            fewest = min(tried.get(k.key, 0) for k in live)
+            first = rng.choice([k for k in live if tried.get(k.key, 0) == fewest])
+            picked = [first] + [k for k in picked if k.key != first.key][:len(picked) - 1]
+        for k in picked:
             others = [c for c in k.choices if c != k.value]
             if not others:
                 continue
@@ -106,3 +133,17 @@ class KnobMutator:
         keys = {k.key for k in live}
         return {k.key: (theirs[k.key] if k.key in keys and rng.random() < 0.5 else k.value)
                 for k in knobs}
+
+
+def turned(changes: Iterable[str], keys: set[str]) -> dict[str, int]:
+    """Returns how many of these changes turned each knob, read from their lines
+    ("[crossover: ]KEY: OLD -> NEW, KEY: OLD -> NEW"); a change not in that form (an LLM's
+    diff) counts for no knob."""
+    counts: dict[str, int] = {}
+    for change in changes:
+        text = change.removeprefix("crossover: ")
+        for part in text.split(", "):
+            key = part.rsplit(" -> ", 1)[0].rpartition(": ")[0]
+            if " -> " in part and key in keys:
+                counts[key] = counts.get(key, 0) + 1
+    return counts
