@@ -56,7 +56,6 @@ class StoreHistory:
             raw = st.recent_attempts(parent_id, limit * 3)
             return [_resolved(a, st) for a in raw if _about_an_answer(a)][-limit:]
 
-
     def recent_changes(self, mutator: str, limit: int) -> list[str]:
         from evoattn.store import RunStore
         with RunStore.open_readonly(self.run_dir) as st:

@@ -53,7 +53,8 @@ class Changes(Protocol):
 
 
 class KnobMutator:
-    """Mutates one or two knobs (neighbours preferred) or crosses knobs with another elite."""
+    """Mutates one to three knobs (neighbours preferred, the run's least-turned first) or
+    crosses knobs with another elite."""
 
     name = "knobs"
 
