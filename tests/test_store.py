@@ -165,6 +165,26 @@ def test_a_parents_attempts_are_its_children_and_rejections_in_order(store, tmp_
     conn.close()
 
 
+def test_recent_changes_are_a_mutators_proposals_newest_first(store, tmp_path):
+    commit(store, 0, make("seed", None, 1.0, 0))
+    commit(store, 1, make("a", "seed", 0.0, 1, Verdict.INCORRECT))
+    store.commit_iteration(iteration=2, program=None, rejection=("seed", "knobs", "duplicate"),
+                           llm_usage=None, rng_state=random.Random(2).getstate(),
+                           population_snapshot={}, rejection_change="change r")
+    store.commit_iteration(iteration=3, program=None, rejection=("seed", "llm:m", "not found"),
+                           llm_usage=None, rng_state=random.Random(3).getstate(),
+                           population_snapshot={}, rejection_change="-x\n+y")
+    commit(store, 4, make("b", "a", 1.5, 4))                   # any parent's child counts
+    assert store.recent_changes("knobs", 10) == ["change b", "change r", "change a"]
+    assert store.recent_changes("knobs", 2) == ["change b", "change r"]
+    assert store.recent_changes("llm:m", 10) == ["-x\n+y"]
+    store.close()
+    with sqlite3.connect(tmp_path / "run" / "run.sqlite") as conn:   # a run made before
+        conn.execute("ALTER TABLE rejections DROP COLUMN change")    # rejections kept changes
+    with RunStore.open_readonly(tmp_path / "run") as old:
+        assert old.recent_changes("knobs", 10) == ["change b", "change a"]
+
+
 def test_lineage_runs_from_seed_to_program(store):
     chain = [make("seed", None, 1.0, 0), make("c1", "seed", 1.1, 1), make("x", "seed", 1.2, 2),
              make("c2", "c1", 1.3, 3), make("c3", "c2", 1.4, 4)]
