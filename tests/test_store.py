@@ -49,6 +49,14 @@ def commit(store: RunStore, iteration: int, program: Program | None = None, **kw
                            population_snapshot=kw.pop("snapshot", {"islands": [[iteration]]}))
 
 
+def reject(store: RunStore, iteration: int, mutator: str, reason: str, change: str) -> None:
+    """Commits an iteration whose proposal for the seed was rejected, with the change it made."""
+    store.commit_iteration(iteration=iteration, program=None,
+                           rejection=("seed", mutator, reason), llm_usage=None,
+                           rng_state=random.Random(iteration).getstate(),
+                           population_snapshot={}, rejection_change=change)
+
+
 @pytest.fixture
 def store(tmp_path):
     s = RunStore.open(tmp_path / "run", CONFIG, create=True)
@@ -139,9 +147,7 @@ def test_llm_totals_and_rejections(store):
 def test_a_parents_attempts_are_its_children_and_rejections_in_order(store, tmp_path):
     commit(store, 0, make("seed", None, 1.0, 0))
     commit(store, 1, make("a", "seed", 0.0, 1, Verdict.INCORRECT))
-    store.commit_iteration(iteration=2, program=None, rejection=("seed", "llm:m", "not found"),
-                           llm_usage=None, rng_state=random.Random(2).getstate(),
-                           population_snapshot={}, rejection_change="-x\n+y")
+    reject(store, 2, "llm:m", "not found", "-x\n+y")
     commit(store, 3, make("b", "seed", 1.5, 3))
     commit(store, 4, make("c", "b", 1.6, 4))                   # another parent's child
     got = [(a.iteration, a.mutator, a.outcome, a.reason, a.change, a.fitness)
@@ -168,12 +174,8 @@ def test_a_parents_attempts_are_its_children_and_rejections_in_order(store, tmp_
 def test_recent_changes_are_a_mutators_proposals_newest_first(store, tmp_path):
     commit(store, 0, make("seed", None, 1.0, 0))
     commit(store, 1, make("a", "seed", 0.0, 1, Verdict.INCORRECT))
-    store.commit_iteration(iteration=2, program=None, rejection=("seed", "knobs", "duplicate"),
-                           llm_usage=None, rng_state=random.Random(2).getstate(),
-                           population_snapshot={}, rejection_change="change r")
-    store.commit_iteration(iteration=3, program=None, rejection=("seed", "llm:m", "not found"),
-                           llm_usage=None, rng_state=random.Random(3).getstate(),
-                           population_snapshot={}, rejection_change="-x\n+y")
+    reject(store, 2, "knobs", "duplicate", "change r")
+    reject(store, 3, "llm:m", "not found", "-x\n+y")
     commit(store, 4, make("b", "a", 1.5, 4))                   # any parent's child counts
     assert store.recent_changes("knobs", 10) == ["change b", "change r", "change a"]
     assert store.recent_changes("knobs", 2) == ["change b", "change r"]
