@@ -186,7 +186,7 @@ def test_turned_reads_knob_changes_from_change_lines() -> None:
     assert got == {"BLOCK_M": 2, "STAGES": 1, "wgmma_flash.cu:BLOCK_N": 1}
 
 
-def test_with_history_every_knob_is_turned_before_any_twice() -> None:
+def test_with_history_each_mutation_turns_an_untried_knob_while_there_is_one() -> None:
     parent = _prog(WIDE)
     keys = {k.key for k in find_knobs(WIDE)}
     for seed0 in (0, 100, 200):

@@ -5,11 +5,12 @@ condition fails in the parent changes nothing that runs, so the mutator neither 
 crosses it (an evaluation spent there would time the parent again).
 
 Coverage first: given the run's history, a mutation's first knob is one of the live knobs its
-latest proposals turned least often (untried ones first), so each knob is turned once before
-any is turned twice. Drawn uniformly, some of a few dozen knobs go untried for a whole short
-run: with 44 live knobs and about 70 knob changes, each knob is missed with probability
-(1 - 1/44)^70, about 0.2. The counts are the run's, not the parent's: a search's parents
-change often (a neutral child ties its parent), so a parent's own children are too few.
+latest proposals turned least often: while some live knob is untried, each mutation turns one
+(the one or two others it may turn are drawn at random). Drawn at random, some of a few dozen
+knobs go untried for a whole short run: with 44 live knobs and about 70 knob changes, each knob
+is missed with probability (1 - 1/44)^70, about 0.2. The counts are the run's, not the parent's:
+a search's parents change often (a neutral child ties its parent), so a parent's own children
+are too few.
 """
 from __future__ import annotations
 
@@ -97,9 +98,7 @@ class KnobMutator:
             child = set_knobs(parent.source, values)
             if self.is_known(program_id(child)):
                 continue
-            what = ", ".join(f"{n}: {a} -> {b}" for n, (a, b) in changed.items())
-            return Proposal(parent.id, self.name, child,
-                            change=("crossover: " if use_cross else "") + what,
+            return Proposal(parent.id, self.name, child, change=describe(changed, use_cross),
                             second_parent_id=partner.id if use_cross and partner else None)
         return Proposal(parent.id, self.name, None,
                         rejected_reason=f"no unevaluated knob setting found near the parent "
@@ -136,15 +135,22 @@ class KnobMutator:
                 for k in knobs}
 
 
+_CROSS, _SEP, _ARROW = "crossover: ", ", ", " -> "
+
+
+def describe(changed: dict[str, tuple[str, str]], crossover: bool) -> str:
+    """Returns a proposal's change line: "[crossover: ]KEY: OLD -> NEW, KEY: OLD -> NEW"."""
+    what = _SEP.join(f"{key}: {old}{_ARROW}{new}" for key, (old, new) in changed.items())
+    return (_CROSS if crossover else "") + what
+
+
 def turned(changes: Iterable[str], keys: set[str]) -> dict[str, int]:
-    """Returns how many of these changes turned each knob, read from their lines
-    ("[crossover: ]KEY: OLD -> NEW, KEY: OLD -> NEW"); a change not in that form (an LLM's
-    diff) counts for no knob."""
+    """Returns how many of these change lines (describe's) turned each knob; a change not in
+    that form (an LLM's diff) counts for no knob."""
     counts: dict[str, int] = {}
     for change in changes:
-        text = change.removeprefix("crossover: ")
-        for part in text.split(", "):
-            key = part.rsplit(" -> ", 1)[0].rpartition(": ")[0]
-            if " -> " in part and key in keys:
+        for part in change.removeprefix(_CROSS).split(_SEP):
+            key = part.rsplit(_ARROW, 1)[0].rpartition(": ")[0]
+            if _ARROW in part and key in keys:
                 counts[key] = counts.get(key, 0) + 1
     return counts
