@@ -118,6 +118,8 @@ def run_case(case: dict[str, Any], device: str, workdir: Path, index: int) -> di
         result["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         return result
     recorder = _Recorder.install(module) if case.get("record") else None
+    if case.get("route"):             # the hybrid's other kernel may not run this case
+        _forbid(module, "_cuda_strided_call" if case["route"] == "triton" else "_triton")
     for _ in range(calls):
         q, k, v = (make_input(case, heads, gen, dtype, device)
                    for heads in (H, case.get("kv_heads", H), case.get("kv_heads", H)))
@@ -189,6 +191,17 @@ class _Recorder:
             self.pointers.append([getattr(a, "base", a).data_ptr() for a in args[:3]])
             return launch(*args, **kwargs)
         return run
+
+
+def _forbid(module: Any, name: str) -> None:
+    """Makes a hybrid seed's Triton kernel (name "_triton") or its CUDA kernel's strided call
+    raise when called, so a case routed the other way fails."""
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"routed to {name}")
+    if name == "_triton":
+        module._triton.attention = module._triton.prepare = refuse
+    else:
+        setattr(module, name, refuse)
 
 
 def reference(q: Any, k: Any, v: Any, causal: bool, scale: float | None) -> Any:
@@ -504,13 +517,34 @@ def hybrid_gpu_cases() -> list[dict[str, Any]]:
             for k in settings for shape, dtype in shapes for causal in (False, True)]
 
 
+def hybrid_view_cases() -> list[dict[str, Any]]:
+    """transformers' (B, S, H, D) views and k, v with fewer heads on the CUDA kernel (Triton
+    forbidden): both head dims, odd lengths, past TMA_STORE_MAX_S (the st.global epilogue at
+    the output's strides), the TMA store off, no persistence; and a head dim whose path is not
+    warp-specialised, where they go to Triton (the CUDA call forbidden)."""
+    both = {"CUDA_D64": True, "CUDA_D64_CAUSAL": True, "CUDA_D128": True, "CUDA_D128_CAUSAL": True}
+    cuda = [((2, 8, 1000, 128), "bfloat16", "bshd", 2), ((2, 8, 777, 128), "float16", "bhsd", 2),
+            ((1, 4, 4200, 128), "float16", "bshd", 4), ((3, 6, 129, 128), "float16", "bshd", 6),
+            ((4, 16, 1000, 64), "float16", "bshd", 4), ((2, 4, 300, 64), "bfloat16", "bshd", 1)]
+    out = [case("flash_hybrid", shape, dtype, causal, 0.125, layout=layout, kv_heads=kv,
+                knobs=knobs, route="cuda")
+           for knobs in ({}, both, {**both, "TMA_STORE_MAX_S": 0, "PERSISTENT_D128": 0,
+                                    "WIDE_D64": 0})
+           for shape, dtype, layout, kv in cuda for causal in (False, True)
+           if knobs or shape[-1] == 128 or shape[0] * shape[1] * -(-shape[2] // 128) >= 132]
+    out += [case("flash_hybrid", (2, 4, 300, 64), "float16", causal, layout="bshd", kv_heads=2,
+                 knobs={**both, "WARP_SPECIALIZE_D64": 0}, route="triton")
+            for causal in (False, True)]
+    return out
+
+
 @pytest.mark.gpu
 def test_flash_hybrid_gpu_paths_are_correct():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    assert_all_pass(run_cases(contract_cases("flash_hybrid") + hybrid_gpu_cases(),
-                              device="cuda", timeout_s=900))
+    assert_all_pass(run_cases(contract_cases("flash_hybrid") + hybrid_gpu_cases()
+                              + hybrid_view_cases(), device="cuda", timeout_s=900))
 
 
 if __name__ == "__main__":

@@ -3,10 +3,12 @@
 
   flash_triton.py   the FlashAttention-2/3-style Triton kernel (its own knobs): every call on
                     other GPUs, in float32, in Triton's CPU interpreter, on views or GQA
-                    inputs (no copies), and those CUDA_* keep
+                    inputs the CUDA kernel does not take (no copies), and those CUDA_* keep
   wgmma_flash.cu    the FlashAttention-3-style wgmma kernel for sm_90a (its own knobs), built
                     with nvcc by whoever loads this file (the evaluator, an exported package)
                     and handed over in EVOATTN_LIBRARIES; without it every call runs Triton.
+                    Its warp-specialised path also reads views (transformers' (B, S, H, D)
+                    storage) and k, v with fewer heads than q where they lie.
 The defaults send head dim 128 to CUDA, and 64 too where the call gives every SM a work item
 (CUDA_D64_FILL_KEYS); smaller head-dim-64 calls stay on Triton, whose smaller tiles and grid
 measured faster there. A
@@ -46,8 +48,9 @@ _CUDA_ERRORS = {1: "cudaErrorInvalidValue: a shape, or too much shared memory (W
                 98: "cudaErrorInvalidDeviceFunction: built without sm_90a code",
                 801: "cudaErrorNotSupported: the driver has no cuTensorMapEncodeTiled"}
 _LIBRARIES: dict = globals().get("EVOATTN_LIBRARIES", {})   # set by the loader, see above
-INPUT_LAYOUTS = ("strided", "gqa")  # see flash_triton.py: the CUDA kernel takes dense inputs,
-# so calls on views or on k, v with fewer heads run Triton, which reads them where they lie
+INPUT_LAYOUTS = ("strided", "gqa")  # views and k, v with fewer heads, read where they lie: by
+# the CUDA kernel where its head dim's path takes them (_viewable), else by Triton
+_NOT_TAKEN = 1000    # what the CUDA kernel's strided entry returns when it launched nothing
 
 
 def _sibling(name: str):  # noqa: ANN202
@@ -82,6 +85,20 @@ def _cuda_entry():  # noqa: ANN202
     return fn
 
 
+@functools.lru_cache(maxsize=None)
+def _strided_entry(device: torch.device, head_dim: int):  # noqa: ANN202
+    """The CUDA entry for views and grouped k/v where it takes aligned calls of this head dim on
+    this device (evoattn_sdpa_strided_ready), else None (also for a build without one)."""
+    lib = ctypes.CDLL(_LIBRARIES["wgmma_flash.cu"])
+    fn, ready = (getattr(lib, f"evoattn_sdpa_strided{x}", None) for x in ("", "_ready"))
+    with torch.cuda.device(device):
+        if fn is None or ready is None or not ready(head_dim):
+            return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_void_p] * 2
+    return fn
+
+
 def _cuda_wanted(device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool,
                  small: bool = False, fills: bool = False) -> bool:
     """Returns True when such a call goes to the CUDA kernel (its knob is set and it can run)."""
@@ -110,14 +127,24 @@ def _route(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
     return route
 
 
-def _cuda_call(q: torch.Tensor, is_causal: bool, sm_scale: float):  # noqa: ANN202
-    """The CUDA kernel's call for dense inputs like q (see _dense), on the current stream."""
-    entry, index, fixed = _cuda_entry(), q.device.index, (
-        *q.shape, _CUDA_DTYPES[q.dtype], int(is_causal), sm_scale)
+def _cuda_call(q: torch.Tensor, is_causal: bool, sm_scale: float, k: torch.Tensor | None = None,
+               v: torch.Tensor | None = None):  # noqa: ANN202
+    """The CUDA kernel's call for inputs like q (dense, see _dense) or, given k and v, for inputs
+    with their shapes and strides (see _viewable), on the current stream. A strided call the
+    kernel does not take (pointers not 16-byte aligned) runs Triton."""
+    index, code = q.device.index, _CUDA_DTYPES[q.dtype]
+    strides = None                                    # kept alive by the call below
+    if k is None:
+        entry, fixed = _cuda_entry(), (*q.shape, code, int(is_causal), sm_scale)
+    else:
+        entry, (B, H, S, D) = _strided_entry(q.device, q.shape[-1]), q.shape
+        strides = (ctypes.c_longlong * 12)(*(x for t in (q, k, v, torch.empty_like(q))
+                                               for x in t.stride()[:3]))
+        fixed = (B, H, k.shape[1], S, D, code, int(is_causal), sm_scale, ctypes.addressof(strides))
     current, stream = torch._C._cuda_getDevice, torch._C._cuda_getCurrentRawStream
 
     def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-             scale: float | None = None) -> torch.Tensor:
+             scale: float | None = None, _keep=strides) -> torch.Tensor:  # noqa: ANN001
         out = torch.empty_like(q)
         args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *fixed)
         if index == current():
@@ -125,20 +152,35 @@ def _cuda_call(q: torch.Tensor, is_causal: bool, sm_scale: float):  # noqa: ANN2
         else:
             with torch.cuda.device(index):
                 rc = entry(*args, stream(index))
+        if rc == _NOT_TAKEN:
+            return _triton.attention(q, k, v, is_causal, sm_scale)
         if rc != 0:
             raise RuntimeError(f"flash_hybrid: CUDA error {rc} ({_CUDA_ERRORS.get(rc, 'cudaGetErrorString')}) "
-                               f"for {tuple(q.shape)} {q.dtype} causal={is_causal}")
+                               f"for {tuple(q.shape)} k {tuple(k.shape)} strides {q.stride()} "
+                               f"{q.dtype} causal={is_causal}")
         return out
     return call
+
+
+def _cuda_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+              scale: float):  # noqa: ANN202
+    """The CUDA kernel's call for inputs like these, or None where they run Triton."""
+    if not _route(q, k, causal):
+        return None
+    if _dense(q, k, v):
+        return _cuda_call(q, causal, scale)
+    return _cuda_call(q, causal, scale, k, v) if _viewable(q, k, v) else None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               causal: bool = False, scale: float | None = None) -> torch.Tensor:
     """Returns softmax(q kᵀ·scale [+ top-left causal mask]) v for (B, H, S, D) inputs, from
-    the CUDA kernel where the CUDA_* knobs send the call, else from the Triton kernel."""
+    the CUDA kernel where the CUDA_* knobs send the call and it takes the inputs' layout, else
+    from the Triton kernel."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if _route(q, k, bool(causal)) and _dense(q, k, v):
-        return _cuda_call(q, bool(causal), float(scale))(q, k, v)
+    call = _cuda_for(q, k, v, bool(causal), float(scale))
+    if call is not None:
+        return call(q, k, v)
     return _triton.attention(q, k, v, causal, scale)
 
 
@@ -147,8 +189,9 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
     """attention() for later calls with this one's shapes, strides, dtypes, device, causal and
     scale, without its routing (None where Triton prepared nothing)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if _route(q, k, bool(causal)) and _dense(q, k, v):
-        return _cuda_call(q, bool(causal), float(scale))
+    call = _cuda_for(q, k, v, bool(causal), float(scale))
+    if call is not None:
+        return call
     return _triton.prepare(q, k, v, causal, scale)
 
 
@@ -157,3 +200,21 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return (q.shape == k.shape == v.shape and q.dtype == k.dtype == v.dtype
             and q.device == k.device == v.device
             and q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
+
+
+def _viewable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the CUDA kernel's strided entry takes these inputs where they lie: q (B, H, S, D),
+    k and v (B, Hkv, S, D) with H a multiple of Hkv (transformers' views of (B, S, H, D) storage,
+    grouped k/v), of one dtype and device, every last dim dense, every other stride a nonzero
+    multiple of 16 bytes, every pointer 16-byte aligned, on a build and GPU that take them."""
+    if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device
+            and q.dim() == 4 and k.shape == v.shape and k.dim() == 4):
+        return False
+    B, H, S, D = q.shape
+    if k.shape[0] != B or k.shape[2] != S or k.shape[3] != D or H % k.shape[1]:
+        return False
+    for t in (q, k, v):
+        st = t.stride()
+        if st[3] != 1 or t.data_ptr() % 16 or any(x < 8 or x % 8 for x in st[:3]):
+            return False
+    return _strided_entry(q.device, D) is not None

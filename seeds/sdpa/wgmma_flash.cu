@@ -552,11 +552,11 @@ __device__ __forceinline__ void row_inverse_sums(const float (&l_run)[2], float 
 
 // Full row sums across the quad, then normalises the warpgroup's output fragments o and
 // stores this lane's two rows (row_a, row_b; rows >= S are not stored) of the (S, D) slice
-// `ob`, two dims (4 bytes) per store.
+// `ob` whose rows lie `rs` elements apart, two dims (4 bytes) per store.
 template <typename T, int D>
 __device__ __forceinline__ void store_rows(T* ob_t, const float (&o)[D / 2],
                                            const float (&l_run)[2], int row_a, int row_b, int t,
-                                           int S) {
+                                           int S, long long rs) {
   float inv[2];
   row_inverse_sums(l_run, inv);
   uint32_t* ob = reinterpret_cast<uint32_t*>(ob_t);
@@ -564,9 +564,9 @@ __device__ __forceinline__ void store_rows(T* ob_t, const float (&o)[D / 2],
   for (int dt = 0; dt < D / 8; ++dt) {
     const int w = (dt * 8 + 2 * t) / 2;       // 32-bit word within the row
     if (row_a < S)
-      ob[((long long)row_a * D) / 2 + w] = pack2<T>(o[4 * dt] * inv[0], o[4 * dt + 1] * inv[0]);
+      ob[(row_a * rs) / 2 + w] = pack2<T>(o[4 * dt] * inv[0], o[4 * dt + 1] * inv[0]);
     if (row_b < S)
-      ob[((long long)row_b * D) / 2 + w] = pack2<T>(o[4 * dt + 2] * inv[1], o[4 * dt + 3] * inv[1]);
+      ob[(row_b * rs) / 2 + w] = pack2<T>(o[4 * dt + 2] * inv[1], o[4 * dt + 3] * inv[1]);
   }
 }
 
@@ -697,7 +697,7 @@ wgmma_flash_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __
       wg_pv<D, BN, BF16>(o, p, stage(ntiles - 1) + L::KV_BYTES);
   }
 
-  if (wg_live) store_rows<T, D>(out + (long long)bh * S * D, o, l_run, row_a, row_b, t, S);
+  if (wg_live) store_rows<T, D>(out + (long long)bh * S * D, o, l_run, row_a, row_b, t, S, D);
 #else
   __trap();   // built without sm_90a: never launched (run() asks wgmma_built() first)
 #endif
@@ -841,14 +841,15 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 #endif
 }
 
-// One panel (64 columns x rows) of slice z, rows from y, into `dst`; completes on `bar`.
-__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int x, int y, int z,
-                                         uint32_t bar) {
+// One panel (64 columns x rows) of head h of batch b, rows from y, into `dst`; completes on
+// `bar`.
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int x, int y, int h,
+                                         int b, uint32_t bar) {
 #if WGF_SM90A
   asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3, %4}], [%5];\n"
-      ::"r"(dst), "l"((uint64_t)map), "r"(x), "r"(y), "r"(z), "r"(bar) : "memory");
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+      ::"r"(dst), "l"((uint64_t)map), "r"(x), "r"(y), "r"(h), "r"(b), "r"(bar) : "memory");
 #endif
 }
 // Named barriers 1 and 2 (0 is __syncthreads): the PINGPONG turn of consumer warpgroup w.
@@ -870,10 +871,11 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t
 #endif
 }
 __device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, int x, int y,
-                                          int z) {
+                                          int h, int b) {
 #if WGF_SM90A
-  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n"
-               ::"l"((uint64_t)map), "r"(src), "r"(x), "r"(y), "r"(z) : "memory");
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
+      ::"l"((uint64_t)map), "r"(src), "r"(x), "r"(y), "r"(h), "r"(b) : "memory");
 #endif
 }
 __device__ __forceinline__ void bulk_commit() {
@@ -908,7 +910,7 @@ template <int R> __device__ __forceinline__ void set_max_regs_dec() {
 // it): normalises o by the full row sums, writes the warpgroup's 64 x D output tile into its
 // shared buffer `so` (swizzled as the loads are, so a TMA store of each panel reads it back in
 // order) with stmatrix, and lets one thread (`leader`) store it to rows row0 .. row0+63 of
-// slice bh with TMA (rows past S are clipped by the tensor map). The store runs on while the
+// head h of batch b with TMA (rows past S are clipped by the tensor map). The store runs on while the
 // warpgroup goes on to its next item; the leader waits for it to have read the buffer before the
 // buffer is written again (here, at the next item), and for completion before the block exits
 // (the caller).
@@ -916,8 +918,8 @@ template <int R> __device__ __forceinline__ void set_max_regs_dec() {
 template <typename T, int D>
 __device__ __forceinline__ void store_rows_tma(const CUtensorMap* map, uint32_t so,
                                                const float (&o)[D / 2], const float (&l_run)[2],
-                                               int warp, int lane, int wg, int row0, int bh,
-                                               bool leader) {
+                                               int warp, int lane, int wg, int row0, int h,
+                                               int b, bool leader) {
   float inv[2];
   row_inverse_sums(l_run, inv);
   if (leader) bulk_wait_read();               // the previous item's store has read the buffer
@@ -940,10 +942,19 @@ __device__ __forceinline__ void store_rows_tma(const CUtensorMap* map, uint32_t 
   named_sync(3 + wg, WG_THREADS);
   if (leader) {
 #pragma unroll
-    for (int p = 0; p < D / 64; ++p) tma_store(map, so + p * 64 * 128, 64 * p, row0, bh);
+    for (int p = 0; p < D / 64; ++p) tma_store(map, so + p * 64 * 128, 64 * p, row0, h, b);
     bulk_commit();
   }
 }
+
+// Where a call's heads lie, for the warp-specialised kernel: q, k and v are read through tensor
+// maps that carry their strides; the output is written through its map or, past
+// TMA_STORE_MAX_S, at these element strides (batch, head, row). `group` query heads share a
+// k/v head (grouped-query attention; 1: none).
+struct HeadLayout {
+  int H, group;
+  long long out_b, out_h, out_s;
+};
 
 template <typename T, int D, int BN, bool OV>
 __global__ void __launch_bounds__(ws_threads<D>(), 1)
@@ -951,7 +962,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
                 const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
                 T* __restrict__ out, int BH, int S,
                 int causal, float scale_log2, int* __restrict__ item_counter, int tma_store,
-                int section) {
+                int section, const HeadLayout lay) {
 #if WGF_SM90A
   constexpr bool BF16 = std::is_same<T, __nv_bfloat16>::value;
   using L = WsSmem<D, BN>;
@@ -1020,6 +1031,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
         const int next = item_counter ? gridDim.x + atomicAdd(item_counter, 1) : item + gridDim.x;
         int m0, bh, ntiles;
         item_coords(item, m0, bh, ntiles);
+        const int b = bh / lay.H, h = bh - b * lay.H, hk = h / lay.group;
         // Tile `it` of this item (the ring's tile r) of k or v into its stage.
         auto load = [&](int it, const CUtensorMap* map, uint32_t dst, uint32_t full,
                         uint32_t empty) {
@@ -1028,7 +1040,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
           mbar_expect_tx(full, L::KV_BYTES);
 #pragma unroll
           for (int p = 0; p < PANELS; ++p)
-            tma_load(dst + p * BN * 128, map, 64 * p, it * BN, bh, full);
+            tma_load(dst + p * BN * 128, map, 64 * p, it * BN, hk, b, full);
         };
         for (int it = 0; it <= ntiles; ++it) {
           if (it < ntiles) {
@@ -1043,7 +1055,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
             mbar_expect_tx(bar_q, L::Q_BYTES);
 #pragma unroll
             for (int p = 0; p < PANELS; ++p)
-              tma_load(sq + p * BLOCK_M * 128, &tm_q, 64 * p, m0, bh, bar_q);
+              tma_load(sq + p * BLOCK_M * 128, &tm_q, 64 * p, m0, h, b, bar_q);
           }
           if (it > 0) {
             const int st = (ring + it - 1) % STAGES;
@@ -1213,10 +1225,12 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
       mbar_arrive(bar_ve(st));
     }
     if (wg_live) {
+      const int b = bh / lay.H, h = bh - b * lay.H;
       if (TMA_STORE_MAX_S > 0 && tma_store)
-        store_rows_tma<T, D>(&tm_o, so_wg, o, l_run, warp, lane, wg, wg_row0, bh, leader);
+        store_rows_tma<T, D>(&tm_o, so_wg, o, l_run, warp, lane, wg, wg_row0, h, b, leader);
       else
-        store_rows<T, D>(out + (long long)bh * S * D, o, l_run, row_a, row_b, t, S);
+        store_rows<T, D>(out + b * lay.out_b + h * lay.out_h, o, l_run, row_a, row_b, t, S,
+                         lay.out_s);
     }
     ring = (ring + ntiles) % (2 * STAGES);
   }
@@ -1244,20 +1258,26 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
   return fn;
 }
 
-// A tensor map over the (BH, S, D) tensor at `base`: boxes of 64 columns x `rows` rows of one
-// slice, 128-byte swizzle, zeros past the bounds. Returns false if the driver refuses it.
+// Element strides of a (B, H, S, D) tensor whose last dim is dense: batch, head, row.
+struct Strides { long long b, h, s; };
+
+// A tensor map over the (B, H, S, D) tensor at `base` with strides `st`: boxes of 64 columns x
+// `rows` rows of one head, 128-byte swizzle, zeros past the bounds. Returns false if the driver
+// refuses it (a stride or the base not a multiple of 16 bytes).
 template <typename T>
-static bool make_tensor_map(CUtensorMap* map, const void* base, int BH, int S, int D, int rows) {
+static bool make_tensor_map(CUtensorMap* map, const void* base, int B, int H, int S, int D,
+                            Strides st, int rows) {
   PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return false;
   const CUtensorMapDataType type = std::is_same<T, __nv_bfloat16>::value
                                        ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                        : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  const cuuint64_t dims[3] = {(cuuint64_t)D, (cuuint64_t)S, (cuuint64_t)BH};
-  const cuuint64_t strides[2] = {(cuuint64_t)D * 2, (cuuint64_t)S * D * 2};   // bytes, dims 1, 2
-  const cuuint32_t box[3] = {64, (cuuint32_t)rows, 1};
-  const cuuint32_t elem_strides[3] = {1, 1, 1};
-  return encode(map, type, 3, const_cast<void*>(base), dims, strides, box, elem_strides,
+  const cuuint64_t dims[4] = {(cuuint64_t)D, (cuuint64_t)S, (cuuint64_t)H, (cuuint64_t)B};
+  const cuuint64_t strides[3] = {(cuuint64_t)st.s * 2, (cuuint64_t)st.h * 2,   // bytes, dims 1-3
+                                 (cuuint64_t)st.b * 2};
+  const cuuint32_t box[4] = {64, (cuuint32_t)rows, 1, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  return encode(map, type, 4, const_cast<void*>(base), dims, strides, box, elem_strides,
                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
@@ -1308,9 +1328,23 @@ static bool make_tensor_map(CUtensorMap* map, const void* base, int BH, int S, i
   return ptr;
 }
 
+// A call's shape and where its tensors lie: q and the output (B, H, S, D), k and v (B, Hkv, S,
+// D), H a multiple of Hkv, each with its element strides (the last dim dense).
+struct Call {
+  int B, H, Hkv, S;
+  Strides q, k, v, o;
+};
+
+// The call of dense (B, H, S, D) tensors, k and v with q's heads.
+static Call dense_call(int B, int H, int S, int D) {
+  const Strides st{(long long)H * S * D, (long long)S * D, D};
+  return {B, H, H, S, st, st, st, st};
+}
+
 template <typename T, int D, int BN, bool OV>
-static int launch_ws(const void* q, const void* k, const void* v, void* out, int BH, int S,
+static int launch_ws(const void* q, const void* k, const void* v, void* out, const Call& c,
                      int causal, float scale, cudaStream_t stream) {
+  const int S = c.S, BH = c.B * c.H;
   static_assert(ws_stages<D>() >= 2 && ws_stages<D>() <= 4, "WS_STAGES_D* must be 2, 3 or 4");
 #ifndef WGF_ALLOW_OVERSIZED_SMEM   // the probe builds settings that do not fit, to report them
   // A ring too deep for a Hopper block (227 KB of dynamic shared memory) fails the build, not
@@ -1335,10 +1369,12 @@ static int launch_ws(const void* q, const void* k, const void* v, void* out, int
   const int tma_store = TMA_STORE_MAX_S > 0 && S <= TMA_STORE_MAX_S;
   CUtensorMap tq, tk, tv, to{};               // to: the output's, used only with tma_store
   constexpr int BLOCK_M = ws_block_m<D>();
-  if (!make_tensor_map<T>(&tq, q, BH, S, D, BLOCK_M) || !make_tensor_map<T>(&tk, k, BH, S, D, BN) ||
-      !make_tensor_map<T>(&tv, v, BH, S, D, BN) ||
-      (tma_store && !make_tensor_map<T>(&to, out, BH, S, D, 64)))
+  if (!make_tensor_map<T>(&tq, q, c.B, c.H, S, D, c.q, BLOCK_M) ||
+      !make_tensor_map<T>(&tk, k, c.B, c.Hkv, S, D, c.k, BN) ||
+      !make_tensor_map<T>(&tv, v, c.B, c.Hkv, S, D, c.v, BN) ||
+      (tma_store && !make_tensor_map<T>(&to, out, c.B, c.H, S, D, c.o, 64)))
     return (int)cudaErrorInvalidValue;        // the driver refused a map (shape or alignment)
+  const HeadLayout lay{c.H, c.H / c.Hkv, c.o.b, c.o.h, c.o.s};
   const long long items = (long long)((S + BLOCK_M - 1) / BLOCK_M) * BH;
   long long blocks = items;
   const bool persistent = D == 64 ? PERSISTENT_D64 : PERSISTENT_D128;
@@ -1360,7 +1396,7 @@ static int launch_ws(const void* q, const void* k, const void* v, void* out, int
       persistent && causal && PERSISTENT_DYNAMIC ? stream_counter(stream, owned) : nullptr;
   wgmma_ws_kernel<T, D, BN, OV><<<(unsigned)blocks, ws_threads<D>(), smem, stream>>>(
       tq, tk, tv, to, (T*)out, BH, S, causal, scale * LOG2E, counter, tma_store,
-      heads_per_section<D>(BH, S, causal));
+      heads_per_section<D>(BH, S, causal), lay);
   err = cudaGetLastError();
   if (owned && cudaFreeAsync(counter, stream) != cudaSuccess) {
     (void)cudaGetLastError();                 // a leaked 8 bytes, not a failed call
@@ -1405,31 +1441,43 @@ static int wgmma_built() {
   return built != 0;
 }
 
+// What evoattn_sdpa_strided returns for a call this build does not take, so that its caller
+// runs another kernel: views and grouped k/v need the warp-specialised path of their head dim
+// (WARP_SPECIALIZE_D*), a Hopper GPU built for sm_90a, 16-bit data, and 16-byte aligned
+// pointers and strides; every other path reads dense tensors only.
+constexpr int NOT_TAKEN = 1000;
+
 template <typename T>
-static int run(const void* q, const void* k, const void* v, void* out, int BH, int S, int D,
-               int causal, float scale, cudaStream_t stream) {
+static int run(const void* q, const void* k, const void* v, void* out, const Call& c, int D,
+               int causal, float scale, cudaStream_t stream, bool dense) {
+  const int BH = c.B * c.H, S = c.S;
   const bool aligned = ((uintptr_t)q | (uintptr_t)k | (uintptr_t)v | (uintptr_t)out) % 16 == 0;
   if constexpr (!std::is_same<T, float>::value) {
     // Hopper, 16-bit, aligned: always the wgmma kernel (never silently the fallback).
     if (aligned && device_major() == 9) {
       const int built = wgmma_built();
       if (built < 0) return -built;
-      if (built == 0) return (int)cudaErrorInvalidDeviceFunction;   // not built for sm_90a
+      if (built == 0) return dense ? (int)cudaErrorInvalidDeviceFunction : NOT_TAKEN;
       // if constexpr: only the path a head dim takes is instantiated (and size-checked)
       if (D == 64) {
         if constexpr (WARP_SPECIALIZE_D64 != 0)
-          return launch_ws<T, 64, BLOCK_N_D64, OVERLAP_D64>(q, k, v, out, BH, S, causal, scale,
+          return launch_ws<T, 64, BLOCK_N_D64, OVERLAP_D64>(q, k, v, out, c, causal, scale,
                                                             stream);
         else
-          return launch_wgmma<T, 64, OVERLAP_D64>(q, k, v, out, BH, S, causal, scale, stream);
+          return dense ? launch_wgmma<T, 64, OVERLAP_D64>(q, k, v, out, BH, S, causal, scale,
+                                                          stream)
+                       : NOT_TAKEN;
       }
       if constexpr (WARP_SPECIALIZE_D128 != 0)
-        return launch_ws<T, 128, BLOCK_N_D128, OVERLAP_D128>(q, k, v, out, BH, S, causal, scale,
+        return launch_ws<T, 128, BLOCK_N_D128, OVERLAP_D128>(q, k, v, out, c, causal, scale,
                                                              stream);
       else
-        return launch_wgmma<T, 128, OVERLAP_D128>(q, k, v, out, BH, S, causal, scale, stream);
+        return dense ? launch_wgmma<T, 128, OVERLAP_D128>(q, k, v, out, BH, S, causal, scale,
+                                                          stream)
+                     : NOT_TAKEN;
     }
   }
+  if (!dense) return NOT_TAKEN;
   if (D == 64)
     return launch_cuda_core<T, 64, FB_BLOCK_M, FB_BLOCK_N, FB_THREADS>(q, k, v, out, BH, S, causal,
                                                                        scale, stream);
@@ -1437,18 +1485,52 @@ static int run(const void* q, const void* k, const void* v, void* out, int BH, i
                                                                       scale, stream);
 }
 
+// The shape checks both entries share: whether (B, H, S, D) is a call either could take.
+static bool shape_ok(int B, int H, int S, int D) {
+  return B >= 1 && H >= 1 && S >= 1 && (D == 64 || D == 128) &&
+         S <= 0x7fffffff - 256 &&                 // S + BLOCK_M - 1 must fit in int
+         (long long)B * H <= 0x7fffffffLL;
+}
+
 extern "C" int evoattn_sdpa(const void* q, const void* k, const void* v, void* out, int B,
                             int H, int S, int D, int dtype, int causal, float scale,
                             void* stream) {
-  if (B < 1 || H < 1 || S < 1 || (D != 64 && D != 128)) return (int)cudaErrorInvalidValue;
-  if (S > 0x7fffffff - 256) return (int)cudaErrorInvalidValue;   // S + BLOCK_M - 1 must fit in int
-  if ((long long)B * H > 0x7fffffffLL) return (int)cudaErrorInvalidValue;
-  const int BH = B * H;
+  if (!shape_ok(B, H, S, D)) return (int)cudaErrorInvalidValue;
+  const Call c = dense_call(B, H, S, D);
   cudaStream_t st = (cudaStream_t)stream;
   switch (dtype) {
-    case 0: return run<__half>(q, k, v, out, BH, S, D, causal, scale, st);
-    case 1: return run<__nv_bfloat16>(q, k, v, out, BH, S, D, causal, scale, st);
-    case 2: return run<float>(q, k, v, out, BH, S, D, causal, scale, st);
+    case 0: return run<__half>(q, k, v, out, c, D, causal, scale, st, true);
+    case 1: return run<__nv_bfloat16>(q, k, v, out, c, D, causal, scale, st, true);
+    case 2: return run<float>(q, k, v, out, c, D, causal, scale, st, true);
     default: return (int)cudaErrorInvalidValue;
   }
+}
+
+// evoattn_sdpa for views and grouped k/v (transformers passes (B, S, H, D) storage viewed as
+// (B, H, S, D), and k, v with Hkv heads, each serving H / Hkv consecutive query heads): the same
+// attention, each tensor read or written where it lies. `strides` holds 12 element strides,
+// (batch, head, row) of q, k, v and out in that order; every last dim is dense. Returns
+// NOT_TAKEN (nothing launched) where this build cannot take the call, see above.
+extern "C" int evoattn_sdpa_strided(const void* q, const void* k, const void* v, void* out,
+                                    int B, int H, int Hkv, int S, int D, int dtype, int causal,
+                                    float scale, const long long* strides, void* stream) {
+  if (!shape_ok(B, H, S, D) || Hkv < 1 || H % Hkv != 0) return (int)cudaErrorInvalidValue;
+  for (int i = 0; i < 12; ++i)   // 16 bytes, TMA's unit (and no broadcast, stride 0)
+    if (strides[i] < 8 || strides[i] % 8 != 0) return NOT_TAKEN;
+  const Call c{B, H, Hkv, S, {strides[0], strides[1], strides[2]},
+               {strides[3], strides[4], strides[5]}, {strides[6], strides[7], strides[8]},
+               {strides[9], strides[10], strides[11]}};
+  cudaStream_t st = (cudaStream_t)stream;
+  int rc = NOT_TAKEN;
+  if (dtype == 0) rc = run<__half>(q, k, v, out, c, D, causal, scale, st, false);
+  if (dtype == 1) rc = run<__nv_bfloat16>(q, k, v, out, c, D, causal, scale, st, false);
+  // A tensor map the driver refused (strides it does not take) is nothing launched either.
+  return rc == (int)cudaErrorInvalidValue ? NOT_TAKEN : rc;
+}
+
+// 1 if evoattn_sdpa_strided takes aligned 16-bit calls of head dim D on the current device (its
+// head dim's path is warp-specialised, the GPU a Hopper with this build's sm_90a code), else 0.
+extern "C" int evoattn_sdpa_strided_ready(int D) {
+  const bool ws = D == 64 ? WARP_SPECIALIZE_D64 != 0 : D == 128 && WARP_SPECIALIZE_D128 != 0;
+  return ws && device_major() == 9 && wgmma_built() == 1;
 }
