@@ -7,8 +7,7 @@
   wgmma_flash.cu    the FlashAttention-3-style wgmma kernel for sm_90a (its own knobs), built
                     with nvcc by whoever loads this file (the evaluator, an exported package)
                     and handed over in EVOATTN_LIBRARIES; without it every call runs Triton.
-                    Its warp-specialised path also reads views (transformers' (B, S, H, D)
-                    storage) and k, v with fewer heads than q where they lie.
+                    Its warp-specialised path also reads views and GQA inputs in place.
 The defaults send head dim 128 to CUDA, and 64 too where the call gives every SM a work item
 (CUDA_D64_FILL_KEYS); smaller head-dim-64 calls stay on Triton, whose smaller tiles and grid
 measured faster there. A
@@ -48,9 +47,8 @@ _CUDA_ERRORS = {1: "cudaErrorInvalidValue: a shape, or too much shared memory (W
                 98: "cudaErrorInvalidDeviceFunction: built without sm_90a code",
                 801: "cudaErrorNotSupported: the driver has no cuTensorMapEncodeTiled"}
 _LIBRARIES: dict = globals().get("EVOATTN_LIBRARIES", {})   # set by the loader, see above
-INPUT_LAYOUTS = ("strided", "gqa")  # views and k, v with fewer heads, read where they lie: by
-# the CUDA kernel where its head dim's path takes them (_viewable), else by Triton
-_NOT_TAKEN = 1000    # what the CUDA kernel's strided entry returns when it launched nothing
+INPUT_LAYOUTS = ("strided", "gqa")  # read where they lie, by CUDA where _viewable, else Triton
+_NOT_TAKEN = 1000    # the strided CUDA entry launched nothing
 
 
 def _sibling(name: str):  # noqa: ANN202
@@ -87,8 +85,7 @@ def _cuda_entry():  # noqa: ANN202
 
 @functools.lru_cache(maxsize=None)
 def _strided_entry(device: torch.device, head_dim: int):  # noqa: ANN202
-    """The CUDA entry for views and grouped k/v where it takes aligned calls of this head dim on
-    this device (evoattn_sdpa_strided_ready), else None (also for a build without one)."""
+    """The CUDA entry for views and grouped k/v if ready for this head dim and device, or None."""
     lib = ctypes.CDLL(_LIBRARIES["wgmma_flash.cu"])
     fn, ready = (getattr(lib, f"evoattn_sdpa_strided{x}", None) for x in ("", "_ready"))
     with torch.cuda.device(device):
@@ -129,11 +126,10 @@ def _route(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
 
 def _cuda_call(q: torch.Tensor, is_causal: bool, sm_scale: float, k: torch.Tensor | None = None,
                v: torch.Tensor | None = None):  # noqa: ANN202
-    """The CUDA kernel's call for inputs like q (dense, see _dense) or, given k and v, for inputs
-    with their shapes and strides (see _viewable), on the current stream. A strided call the
-    kernel does not take (pointers not 16-byte aligned) runs Triton."""
+    """The CUDA kernel's call for inputs like q (_dense) or, given k and v, like q, k, v
+    (_viewable), on the current stream; a strided call it does not take runs Triton."""
     index, code = q.device.index, _CUDA_DTYPES[q.dtype]
-    strides = None                                    # kept alive by the call below
+    strides = None                                    # kept alive by call()
     if k is None:
         entry, fixed = _cuda_entry(), (*q.shape, code, int(is_causal), sm_scale)
     else:
@@ -156,8 +152,7 @@ def _cuda_call(q: torch.Tensor, is_causal: bool, sm_scale: float, k: torch.Tenso
             return _triton.attention(q, k, v, is_causal, sm_scale)
         if rc != 0:
             raise RuntimeError(f"flash_hybrid: CUDA error {rc} ({_CUDA_ERRORS.get(rc, 'cudaGetErrorString')}) "
-                               f"for {tuple(q.shape)} k {tuple(k.shape)} strides {q.stride()} "
-                               f"{q.dtype} causal={is_causal}")
+                               f"for {tuple(q.shape)} {q.dtype} causal={is_causal}")
         return out
     return call
 
@@ -175,8 +170,7 @@ def _cuda_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               causal: bool = False, scale: float | None = None) -> torch.Tensor:
     """Returns softmax(q kᵀ·scale [+ top-left causal mask]) v for (B, H, S, D) inputs, from
-    the CUDA kernel where the CUDA_* knobs send the call and it takes the inputs' layout, else
-    from the Triton kernel."""
+    the CUDA kernel where the CUDA_* knobs send the call (and it takes the layout), else Triton."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     call = _cuda_for(q, k, v, bool(causal), float(scale))
     if call is not None:
@@ -203,10 +197,9 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def _viewable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the CUDA kernel's strided entry takes these inputs where they lie: q (B, H, S, D),
-    k and v (B, Hkv, S, D) with H a multiple of Hkv (transformers' views of (B, S, H, D) storage,
-    grouped k/v), of one dtype and device, every last dim dense, every other stride a nonzero
-    multiple of 16 bytes, every pointer 16-byte aligned, on a build and GPU that take them."""
+    """Whether the strided CUDA entry takes these where they lie: q (B, H, S, D), k and v (B, Hkv,
+    S, D), Hkv dividing H, one dtype and device, last dims dense, other strides nonzero multiples
+    of 16 bytes, pointers 16-byte aligned (TMA's rules), on a build and GPU that take them."""
     if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device
             and q.dim() == 4 and k.shape == v.shape and k.dim() == 4):
         return False
