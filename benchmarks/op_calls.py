@@ -1,7 +1,7 @@
 """An exported package's op as a user calls it, against SDPA, per default sdpa config (GPU only).
 
     python benchmarks/op_calls.py --export DIR [--dtypes float16,bfloat16] [--layout bhsd|model]
-                                  [--fallback] [--pin-cpu] [--json F]
+                                  [--fallback] [--pin-cpu] [--do-bench] [--json F]
 
 Imports the package from DIR (an `evoattn export` directory, or a run directory) and, per
 default config and dtype, prints: the host time of one call while
@@ -13,6 +13,8 @@ transformers' layout: (B, S, H, D) storage viewed as (B, H, S, D), k and v with 
 device may run the kernel, so every call takes the package's fallback as a refused call does:
 what the fallback costs over SDPA itself. The package's C++ call path is built (or loaded from
 its cache) before anything is timed; EVOATTN_NATIVE=0 times its Python path instead.
+--do-bench adds the cross-check by another harness: `triton.testing.do_bench` of both on one
+input set (L2 flushed before each call; GPU time, not the host's), in the same interleaved rounds.
 """
 from __future__ import annotations
 
@@ -53,6 +55,8 @@ def main() -> None:
     ap.add_argument("--pin-cpu", action="store_true",
                     help="time on the fastest CPU, pinned, picked again before a config when it "
                          "has slowed (as the evaluator does)")
+    ap.add_argument("--do-bench", action="store_true",
+                    help="also time both with triton.testing.do_bench (GPU time per call)")
     a = ap.parse_args()
     import torch
     import torch.nn.functional as F
@@ -97,18 +101,28 @@ def main() -> None:
                    "kernel_calls": served["kernel"], "reasons": served["fallback_reasons"],
                    "host_us": host["ours"], "sdpa_host_us": host["sdpa"],
                    "call_ms": call["ours"], "sdpa_call_ms": call["sdpa"]}
+            if a.do_bench:
+                from triton.testing import do_bench
+                bench = interleaved({"ours": lambda: ours((q, k, v)),
+                                     "sdpa": lambda: sdpa((q, k, v))},
+                                    lambda f: do_bench(f, warmup=25, rep=100))
+                row.update(bench_ms=bench["ours"], sdpa_bench_ms=bench["sdpa"])
             rows.append(row)
             label = f"({cfg['B']},{cfg['H']},{cfg['S']},{cfg['D']}){' causal' if causal else ''}"
             print(f"{dtype_name:8} {label:24} {'kernel' if row['kernel_calls'] else 'fallback'}"
                   f"  host {row['host_us']:6.1f} us (SDPA {row['sdpa_host_us']:5.1f}, "
                   f"+{row['host_us'] - row['sdpa_host_us']:5.1f})  call {row['call_ms']:.4f} ms "
-                  f"(SDPA {row['sdpa_call_ms']:.4f}, x{row['sdpa_call_ms'] / row['call_ms']:.3f})",
+                  f"(SDPA {row['sdpa_call_ms']:.4f}, x{row['sdpa_call_ms'] / row['call_ms']:.3f})"
+                  + (f"  do_bench x{row['sdpa_bench_ms'] / row['bench_ms']:.3f}" if a.do_bench else ""),
                   flush=True)
     speed = [r["sdpa_call_ms"] / r["call_ms"] for r in rows]
     extra = [r["host_us"] - r["sdpa_host_us"] for r in rows]
     print(f"geomean speedup over SDPA (eager back-to-back): "
           f"{statistics.geometric_mean(speed):.3f} over {len(rows)} rows; host us over SDPA: "
           f"median {statistics.median(extra):+.1f} ({min(extra):+.1f} to {max(extra):+.1f})")
+    if a.do_bench:
+        print(f"geomean speedup over SDPA (do_bench): "
+              f"{statistics.geometric_mean(r['sdpa_bench_ms'] / r['bench_ms'] for r in rows):.3f}")
     if a.json:
         Path(a.json).write_text(json.dumps({"package": pkg.__name__, "call_path": path,
                                             "rows": rows,
