@@ -119,7 +119,9 @@ def run_case(case: dict[str, Any], device: str, workdir: Path, index: int) -> di
         return result
     recorder = _Recorder.install(module) if case.get("record") else None
     if case.get("route"):             # the hybrid's other kernel may not run this case
-        _forbid(module, "_cuda_strided_call" if case["route"] == "triton" else "_triton")
+        _forbid(module, "_cuda_call" if case["route"] == "triton" else "_triton")
+    if case.get("route") == "cuda":   # ... and the strided CUDA entry records what it gets
+        recorder = _EntryRecorder.install(module)
     for _ in range(calls):
         q, k, v = (make_input(case, heads, gen, dtype, device)
                    for heads in (H, case.get("kv_heads", H), case.get("kv_heads", H)))
@@ -193,14 +195,36 @@ class _Recorder:
         return run
 
 
+class _EntryRecorder:
+    """Wraps a hybrid seed's strided CUDA entry: records the q, k, v addresses of each call."""
+
+    def __init__(self, find: Any) -> None:
+        self.find, self.pointers = find, []
+
+    @classmethod
+    def install(cls, module: Any) -> "_EntryRecorder":
+        recorder = cls(module._strided_entry)
+        module._strided_entry = recorder.entry
+        return recorder
+
+    def entry(self, device: Any, head_dim: int) -> Any:
+        fn = self.find(device, head_dim)
+
+        def run(*args: Any) -> Any:
+            self.pointers.append(list(args[:3]))
+            return fn(*args)
+        return None if fn is None else run
+
+
 def _forbid(module: Any, name: str) -> None:
-    """Makes a hybrid seed's Triton kernel (name "_triton") or its CUDA kernel's strided call
+    """Makes a hybrid seed's Triton kernel (name "_triton") or its CUDA call ("_cuda_call")
     raise when called, so a case routed the other way fails."""
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError(f"routed to {name}")
     if name == "_triton":
         module._triton.attention = module._triton.prepare = refuse
     else:
+        assert hasattr(module, name), name
         setattr(module, name, refuse)
 
 
@@ -519,7 +543,7 @@ def hybrid_gpu_cases() -> list[dict[str, Any]]:
 
 def hybrid_view_cases() -> list[dict[str, Any]]:
     """transformers' (B, S, H, D) views and k, v with fewer heads on the CUDA kernel (Triton
-    forbidden): both head dims, odd lengths, past TMA_STORE_MAX_S (the st.global epilogue at
+    forbidden; the entry gets the callers' data pointers): both head dims, odd lengths, past TMA_STORE_MAX_S (the st.global epilogue at
     the output's strides), the TMA store off, no persistence; and a head dim whose path is not
     warp-specialised, where they go to Triton (the CUDA call forbidden)."""
     both = {"CUDA_D64": True, "CUDA_D64_CAUSAL": True, "CUDA_D128": True, "CUDA_D128_CAUSAL": True}
@@ -543,8 +567,12 @@ def test_flash_hybrid_gpu_paths_are_correct():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    assert_all_pass(run_cases(contract_cases("flash_hybrid") + hybrid_gpu_cases()
-                              + hybrid_view_cases(), device="cuda", timeout_s=900))
+    results = run_cases(contract_cases("flash_hybrid") + hybrid_gpu_cases() + hybrid_view_cases(),
+                        device="cuda", timeout_s=900)
+    assert_all_pass(results)
+    for r in results:
+        if r["case"].get("route") == "cuda":
+            assert r["launched"] == r["given"], describe(r)
 
 
 if __name__ == "__main__":
