@@ -17,7 +17,7 @@ from evoattn.types import MutationRequest, Program, program_id
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU = {"target": "cpu"}
-# The default seed's user prompt on the CPU (no inspirations) stays under 44K chars, 40% of
+# The default seed's user prompt on the CPU (no inspirations) stays under 46K chars, 42% of
 # 110K, the size of a prompt that carries the whole multi-file seed, CUDA files included.
 USER_PROMPT_BOUND_CHARS = 46_000
 

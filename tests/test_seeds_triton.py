@@ -543,9 +543,10 @@ def hybrid_gpu_cases() -> list[dict[str, Any]]:
 
 def hybrid_view_cases() -> list[dict[str, Any]]:
     """transformers' (B, S, H, D) views and k, v with fewer heads on the CUDA kernel (Triton
-    forbidden; the entry gets the callers' data pointers): both head dims, odd lengths, past TMA_STORE_MAX_S (the st.global epilogue at
-    the output's strides), the TMA store off, no persistence; and a head dim whose path is not
-    warp-specialised, where they go to Triton (the CUDA call forbidden)."""
+    forbidden; the entry gets the callers' data pointers): both head dims, odd lengths, past
+    TMA_STORE_MAX_S (the st.global epilogue at the output's strides), the TMA store off, no
+    persistence; and a head dim whose path is not warp-specialised, where they go to Triton
+    (the CUDA call forbidden)."""
     both = {"CUDA_D64": True, "CUDA_D64_CAUSAL": True, "CUDA_D128": True, "CUDA_D128_CAUSAL": True}
     cuda = [((2, 8, 1000, 128), "bfloat16", "bshd", 2), ((2, 8, 777, 128), "float16", "bhsd", 2),
             ((1, 4, 4200, 128), "float16", "bshd", 4), ((3, 6, 129, 128), "float16", "bshd", 6),
