@@ -19,6 +19,8 @@
 // within sections of heads whose k and v fit in a share of L2 (block_coords).
 // float32 inputs, pointers that are not 16-byte aligned, and GPUs that are not 9.x take the
 // CUDA-core fallback (FA1-style, cuda_core_flash.cuh, shared with mma_flash.cu and fused.cu).
+// Two entries (end of file): evoattn_sdpa, dense (B, H, S, D) tensors (the problem's contract);
+// evoattn_sdpa_strided, views and grouped k/v read where they lie, on the warp-specialised path.
 //
 // Knobs: NUM_WARPGROUPS (1 or 2 consumer warpgroups), BLOCK_N_D64 / BLOCK_N_D128 (keys per tile
 // for each head dim, 64 or 128; the kernel's template parameter BN is the one in use),
