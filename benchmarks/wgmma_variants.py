@@ -15,7 +15,7 @@ shapes and odd lengths); a failure is printed and the variant is still timed (a 
 experiment may be wrong on purpose). Then per default config (--head-dim: only those), SDPA as
 the problem calls it (cuDNN on Hopper), with --triton the Triton seed
 (seeds/sdpa/flash_triton.py, D=64 configs), and every variant, in --dtype, in interleaved rounds
-in a shuffled order: CUDA-graph replay of n back-to-back calls (the GPU time) and the same n
+in a shuffled order (--config: these configs instead): CUDA-graph replay of n back-to-back calls (the GPU time) and the same n
 calls eager (launches included), medians; with --do-bench N also N rounds of
 triton.testing.do_bench (L2 flushed by a write before every call).
 Prints a line per config (speedup over SDPA and TFLOP/s per function, graph time) and the
@@ -69,6 +69,16 @@ def parse_variant(text: str) -> Variant:
     if bad:
         raise ValueError(f"--variant {text!r}: {bad[0]!r} is not KNOB=VALUE")
     return Variant(name.strip(), source, tuple(parts))
+
+
+def parse_config(text: str) -> dict[str, Any]:
+    """'B,H,S,D[,causal]' -> the problem's config dict; ValueError with one line otherwise."""
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) not in (4, 5) or not all(p.isdigit() for p in parts[:4]) \
+            or parts[4:] not in ([], ["causal"]) or parts[3] not in ("64", "128"):
+        raise ValueError(f"--config {text!r}: expected B,H,S,D[,causal] with D 64 or 128")
+    b, h, s, d = (int(p) for p in parts[:4])
+    return {"B": b, "H": h, "S": s, "D": d, "causal": len(parts) == 5}
 
 
 def variant_source(variant: Variant) -> str:
@@ -147,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--do-bench", type=int, default=0, metavar="N", help="do_bench rounds")
     ap.add_argument("--head-dim", type=int, choices=(64, 128), help="only these configs")
+    ap.add_argument("--config", action="append", default=[], metavar="B,H,S,D[,causal]",
+                    help="time these configs instead of the default ones (repeatable)")
     ap.add_argument("--triton", action="store_true", help="also time the Triton seed (D=64)")
     ap.add_argument("--json", type=Path, help="write every check and median here")
     args = ap.parse_args(argv)
@@ -160,11 +172,17 @@ def main(argv: list[str] | None = None) -> int:
     if len({v.name for v in variants}) != len(variants):
         print("error: --variant names must differ", file=sys.stderr)
         return 2
+    try:
+        configs = [parse_config(c) for c in args.config]
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     import torch
     if not torch.cuda.is_available():
         print("error: needs a CUDA GPU (Hopper for the wgmma kernels)", file=sys.stderr)
         return 2
     problem = get_problem("sdpa")
+    configs = configs or list(problem.default_configs)
     wanted = lambda cfg: args.head_dim in (None, cfg["D"])  # noqa: E731
     tmp = Path(tempfile.mkdtemp(prefix="wgmma_variants_"))
     try:
@@ -182,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = sum(not r["ok"] for r in checks)
     print(f"checks: {failed} failed", flush=True)
     rows = []
-    for cfg in filter(wanted, problem.default_configs):
+    for cfg in filter(wanted, configs):
         timed = {"sdpa": problem.baseline}
         if triton is not None and cfg["D"] == 64:
             timed["triton"] = triton
