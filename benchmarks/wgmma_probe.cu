@@ -19,10 +19,11 @@
 
 // The dynamic shared memory the warp-specialised kernel asks for at head dim D (64 or 128) and
 // this build's knobs: the probe compares it with the GPU's limit instead of restating the
-// seed's layout. Host code only: callable without a GPU.
+// seed's layout (with two q tiles where Q_DOUBLE_MAX_S_D* lets some calls have them, the most a
+// call asks for). Host code only: callable without a GPU.
 extern "C" long long probe_ws_smem_bytes(int D) {
-  return D == 64 ? (long long)WsSmem<64, BLOCK_N_D64>::bytes
-                 : (long long)WsSmem<128, BLOCK_N_D128>::bytes;
+  return D == 64 ? (long long)WsSmem<64, BLOCK_N_D64, (Q_DOUBLE_MAX_S_D64 > 0 ? 2 : 1)>::bytes
+                 : (long long)WsSmem<128, BLOCK_N_D128, (Q_DOUBLE_MAX_S_D128 > 0 ? 2 : 1)>::bytes;
 }
 
 #if WGF_PROBE_UNITS

@@ -116,9 +116,11 @@ WS_INTERACTIONS = ({"PERSISTENT_D64": "1", "PERSISTENT_D128": "1"},
                    {"PERSISTENT_D64": "1", "PERSISTENT_D128": "1", "PINGPONG": "1"},
                    {"PERSISTENT_D64": "1", "PERSISTENT_D128": "1", "OVERLAP_D64": "1",
                     "OVERLAP_D128": "0", "WS_STAGES_D64": "3", "WS_STAGES_D128": "3",
-                    "TMA_STORE_MAX_S": "0"},
+                    "TMA_STORE_MAX_S": "0", "Q_DOUBLE_MAX_S_D128": "0"},
                    {"PINGPONG": "1", "WS_STAGES_D64": "3", "WS_STAGES_D128": "3",
-                    "TMA_STORE_MAX_S": "0"})
+                    "TMA_STORE_MAX_S": "0", "Q_DOUBLE_MAX_S_D128": "0"},
+                   {"PERSISTENT_D64": "1", "PERSISTENT_D128": "1", "PINGPONG": "1",
+                    "Q_DOUBLE_MAX_S_D64": "65536", "Q_DOUBLE_MAX_S_D128": "65536"})
 
 
 def probe_settings(knobs) -> list[dict[str, str]]:

@@ -92,11 +92,12 @@ def test_the_mutator_leaves_the_knobs_of_kernels_that_run_no_call():
     small_cuda = set_knobs(no_fill, {"CUDA_D64_SMALL": "4194304"})
     assert dead(small_cuda, "sm90") == triton_d128
     # D=64 on the cp.async path: the warp-specialised path's D=64 knobs (its consumer
-    # warpgroups and ring depth) go dead with it; D=128's ring stays live
+    # warpgroups, ring depth and q tiles) go dead with it; D=128's stay live
     cp_async64 = set_knobs(source, {"WARP_SPECIALIZE_D64": "0"})
-    assert dead(cp_async64, "sm90") == triton_d128 | {"WIDE_D64", "WS_STAGES_D64"}
+    assert dead(cp_async64, "sm90") == triton_d128 | {"WIDE_D64", "WS_STAGES_D64",
+                                                      "Q_DOUBLE_MAX_S_D64"}
     cp_async128 = set_knobs(source, {"WARP_SPECIALIZE_D128": "0"})
-    assert dead(cp_async128, "sm90") == triton_d128 | {"WS_STAGES_D128"}
+    assert dead(cp_async128, "sm90") == triton_d128 | {"WS_STAGES_D128", "Q_DOUBLE_MAX_S_D128"}
     # causal D=128 calls on Triton: the CUDA kernel's causal order (sections) goes dead, its
     # non-causal order stays live; non-causal ones on Triton: the other way round
     order128 = {"HEAD_MAJOR_D128", "SECTION_MB_D128"}

@@ -29,7 +29,9 @@
 // q k^T of tile j and P v of tile j-1 in flight together and the softmax of tile j run while
 // P v is on the tensor cores; the cp.async path then uses a three-stage k/v ring),
 // WARP_SPECIALIZE_D64 / _D128 (per head dim: the cp.async path above, or the warp-specialised
-// path below with its knobs WS_STAGES_D64 / _D128 (the k/v ring's depth), SETMAXNREG, PINGPONG,
+// path below with its knobs WS_STAGES_D64 / _D128 (the k/v ring's depth), Q_DOUBLE_MAX_S_D64 /
+// _D128 (calls with S up to it keep two q tiles, so the next work item's q loads while the
+// consumers finish the current one; 0: never), SETMAXNREG, PINGPONG,
 // WIDE_D64 (three consumer warpgroups, 192-row blocks, at D=64), PERSISTENT_D64 / _D128,
 // PERSISTENT_DYNAMIC, and TMA_STORE_MAX_S: calls with S up to it write O with stmatrix into a
 // shared tile per consumer warpgroup and one TMA store that runs on under the next work item,
@@ -142,6 +144,8 @@
 #define WARP_SPECIALIZE_D128 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
 #define WS_STAGES_D64 2  // evoattn: choice(2, 3, 4) when(@target=sm90) when(WARP_SPECIALIZE_D64=1) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
 #define WS_STAGES_D128 2  // evoattn: choice(2, 3, 4) when(@target=sm90) when(WARP_SPECIALIZE_D128=1) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
+#define Q_DOUBLE_MAX_S_D64 1024  // evoattn: choice(0, 512, 1024, 2048, 65536) when(@target=sm90) when(WARP_SPECIALIZE_D64=1) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
+#define Q_DOUBLE_MAX_S_D128 1024  // evoattn: choice(0, 512, 1024, 2048, 65536) when(@target=sm90) when(WARP_SPECIALIZE_D128=1) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
 #define SETMAXNREG 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
 #define PINGPONG 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
 #define HEAD_MAJOR_D64 0  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
@@ -750,7 +754,9 @@ static int launch_wgmma(const void* q, const void* k, const void* v, void* out, 
 // fixed stride some blocks drew twice the work of others). The k/v ring runs on across items,
 // and the q tile has an "empty" mbarrier too, which the consumers arrive on after their last
 // q k^T of an item, so the producer loads the next item's q and first k/v tiles while the
-// consumers finish P v and store the outputs of the current one.
+// consumers finish P v and store the outputs of the current one. With two q tiles
+// (Q_DOUBLE_MAX_S_D*) the next item's q does not wait for that release: at S=512 the consumers
+// had spent 6% of the warps' stall samples waiting for q (ncu, (8,32,512,64), H100).
 //
 // TMA writes shared memory in the 128-byte swizzle described above: each load is a box of 64
 // columns (128 bytes) by R rows of one (b, h) slice of the (B*H, S, D) tensor, i.e. one panel,
@@ -772,6 +778,7 @@ template <int D> __host__ __device__ constexpr int ws_threads() {
 template <int D> __host__ __device__ constexpr int ws_stages() {
   return D == 64 ? WS_STAGES_D64 : WS_STAGES_D128;
 }
+
 // setmaxnreg moves registers from the producer warpgroup to the consumers: 24 / 240 for two
 // consumer warpgroups (384 threads start at 168 registers, 65536 / 384, which ptxas uses
 // whenever the kernel has setmaxnreg; a pool of 64512 = 128 * 24 + 256 * 240), 32 / 160 for
@@ -782,21 +789,25 @@ template <int NW> __host__ __device__ constexpr bool use_setmaxnreg() {
   return SETMAXNREG && (NW == 2 || NW == 3);
 }
 
-template <int D, int BN> struct WsSmem {
+// QB: q tiles in shared memory, 1 or 2 (calls with S up to Q_DOUBLE_MAX_S_D*): with two, the
+// producer loads the next work item's q while the consumers still read the current one's.
+template <int D, int BN, int QB> struct WsSmem {
   static constexpr int NW = ws_consumers<D>();
-  static constexpr uint32_t Q_BYTES = ws_block_m<D>() * D * 2;
+  static constexpr uint32_t Q_BYTES = ws_block_m<D>() * D * 2;   // one q tile; QB of them first
   static constexpr uint32_t KV_BYTES = BN * D * 2;
   static constexpr uint32_t STAGE_BYTES = 2 * KV_BYTES;
   // TMA_STORE_MAX_S > 0: the output tile, 64 rows x D per consumer warpgroup, after the stages
   static constexpr int STAGES = ws_stages<D>();
-  static constexpr uint32_t O_OFFSET = Q_BYTES + STAGES * STAGE_BYTES;
+  static constexpr uint32_t KV_OFFSET = QB * Q_BYTES;
+  static constexpr uint32_t O_OFFSET = KV_OFFSET + STAGES * STAGE_BYTES;
   static constexpr uint32_t O_WG_BYTES = 64 * D * 2;
   static constexpr uint32_t BAR_OFFSET =
       O_OFFSET + (TMA_STORE_MAX_S > 0 ? NW * O_WG_BYTES : 0);
-  // barriers: q_full, q_empty, then per stage k_full, v_full, k_empty, v_empty (8 bytes each),
-  // then the item slot (4 bytes, offset from q_full)
-  static constexpr uint32_t ITEM_SLOT = 8 * (2 + 4 * STAGES);
-  static constexpr size_t bytes = BAR_OFFSET + ITEM_SLOT + 8 + 1024;
+  // barriers (8 bytes each): per q tile q_full, q_empty, then per stage k_full, v_full,
+  // k_empty, v_empty; then the item slot of each q tile (4 bytes; offsets from the first)
+  static constexpr uint32_t STAGE_BARS = 16 * QB;
+  static constexpr uint32_t ITEM_SLOT = STAGE_BARS + 32 * STAGES;
+  static constexpr size_t bytes = BAR_OFFSET + ITEM_SLOT + 8 * QB + 1024;
 };
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
@@ -958,7 +969,7 @@ struct HeadLayout {
   long long out_b, out_h, out_s;
 };
 
-template <typename T, int D, int BN, bool OV>
+template <typename T, int D, int BN, bool OV, int QB>
 __global__ void __launch_bounds__(ws_threads<D>(), 1)
 wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                 const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
@@ -967,7 +978,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
                 int section, const HeadLayout lay) {
 #if WGF_SM90A
   constexpr bool BF16 = std::is_same<T, __nv_bfloat16>::value;
-  using L = WsSmem<D, BN>;
+  using L = WsSmem<D, BN, QB>;
   constexpr int PANELS = D / 64;
   constexpr int NW = ws_consumers<D>();
   constexpr int BLOCK_M = ws_block_m<D>();   // this path's row block (shadows the cp.async one)
@@ -975,14 +986,17 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
   constexpr int STAGES = ws_stages<D>();     // the k/v ring's depth
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t sbase = (smem_addr(smem_raw) + 1023u) & ~1023u;
-  const uint32_t sq = sbase;
-  auto sk = [&](int st) { return sbase + L::Q_BYTES + (uint32_t)st * L::STAGE_BYTES; };
+  static_assert(QB == 1 || QB == 2, "one or two q tiles");   // item n's is n % QB
+  auto sq = [&](int j) { return sbase + (uint32_t)j * L::Q_BYTES; };
+  auto sk = [&](int st) { return sbase + L::KV_OFFSET + (uint32_t)st * L::STAGE_BYTES; };
   auto sv = [&](int st) { return sk(st) + L::KV_BYTES; };
-  const uint32_t bar_q = sbase + L::BAR_OFFSET;                     // q tile landed
-  const uint32_t bar_qe = bar_q + 8u;                                // q tile consumed
-  // The work item whose q is (being) loaded: written by the producer before it arms bar_q.
-  int* item_slot = reinterpret_cast<int*>(smem_raw + (bar_q + L::ITEM_SLOT - smem_addr(smem_raw)));
-  auto bar_k = [&](int st) { return bar_q + 8u * (2 + 4 * st); };   // k tile landed
+  const uint32_t bars = sbase + L::BAR_OFFSET;
+  auto bar_q = [&](int j) { return bars + 16u * j; };                // q tile j landed
+  auto bar_qe = [&](int j) { return bar_q(j) + 8u; };                // q tile j consumed
+  // The work item whose q is (being) loaded into tile j: written by the producer before it
+  // arms bar_q(j).
+  int* item_slot = reinterpret_cast<int*>(smem_raw + (bars + L::ITEM_SLOT - smem_addr(smem_raw)));
+  auto bar_k = [&](int st) { return bars + L::STAGE_BARS + 32u * st; };   // k tile landed
   auto bar_v = [&](int st) { return bar_k(st) + 8u; };               // v tile landed
   auto bar_ke = [&](int st) { return bar_k(st) + 16u; };             // k tile consumed
   auto bar_ve = [&](int st) { return bar_k(st) + 24u; };             // v tile consumed
@@ -1000,8 +1014,10 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
   };
 
   if (tid == 0) {
-    mbar_init(bar_q, 1);
-    mbar_init(bar_qe, CONSUMERS);
+    for (int j = 0; j < QB; ++j) {
+      mbar_init(bar_q(j), 1);
+      mbar_init(bar_qe(j), CONSUMERS);
+    }
     for (int st = 0; st < STAGES; ++st) {
       mbar_init(bar_k(st), 1);
       mbar_init(bar_v(st), 1);
@@ -1018,12 +1034,13 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
       // The k and v tiles of all this block's work items go through one ring: the block's
       // r-th tile (counting over its items in order) goes into stage r % STAGES once the
       // tile STAGES before it there has been consumed. k runs one tile ahead of v, as the
-      // consumers need them. An item's q tile is loaded after its first k tile, once the
-      // consumers have released the previous item's q (after their last q k^T), together with
-      // the item's index in item_slot. Items: blockIdx.x first, then every gridDim.x-th
-      // (static), or with an item_counter the next one not yet taken (dynamic: a block that
-      // drew short causal items takes more). Past the last item the slot gets n_items and
-      // bar_q a plain arrival, which tells the consumers to stop.
+      // consumers need them. With one q tile (QB = 1) an item's q is loaded after its first k
+      // tile, once the consumers have released the previous item's q (after their last q k^T);
+      // with two, before it, into the tile the item before the previous one released; the
+      // item's index goes into that tile's item_slot. Items: blockIdx.x first, then every
+      // gridDim.x-th (static), or with an item_counter the next one not yet taken (dynamic: a
+      // block that drew short causal items takes more). Past the last item the next slot gets
+      // n_items and its bar_q a plain arrival, which tells the consumers to stop.
       // ring: the tiles of earlier items, modulo 2 * STAGES (stage and phase repeat with that
       // period; a running count could outgrow int); filled: the ring has been round once.
       int ring = 0, n = 0;                    // n: items done
@@ -1044,21 +1061,25 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
           for (int p = 0; p < PANELS; ++p)
             tma_load(dst + p * BN * 128, map, 64 * p, it * BN, hk, b, full);
         };
+        // This item's q into tile n % QB, once the item QB before it has released that tile.
+        auto load_q = [&]() {
+          const int j = n % QB;
+          if (n >= QB) mbar_wait(bar_qe(j), (n / QB - 1) & 1);
+          // Seen by every consumer that completes this phase of bar_q(j): mbarrier.arrive (here
+          // with expect_tx) has .release.cta semantics and try_wait .acquire.cta by default.
+          item_slot[j] = item;
+          mbar_expect_tx(bar_q(j), L::Q_BYTES);
+#pragma unroll
+          for (int p = 0; p < PANELS; ++p)
+            tma_load(sq(j) + p * BLOCK_M * 128, &tm_q, 64 * p, m0, h, b, bar_q(j));
+        };
         for (int it = 0; it <= ntiles; ++it) {
+          if (QB > 1 && it == 0) load_q();    // its tile is free long before: first
           if (it < ntiles) {
             const int st = (ring + it) % STAGES;
             load(it, &tm_k, sk(st), bar_k(st), bar_ke(st));
           }
-          if (it == 0) {
-            if (n > 0) mbar_wait(bar_qe, (n - 1) & 1);
-            // Seen by every consumer that completes this phase of bar_q: mbarrier.arrive (here
-            // with expect_tx) has .release.cta semantics and try_wait .acquire.cta by default.
-            *item_slot = item;
-            mbar_expect_tx(bar_q, L::Q_BYTES);
-#pragma unroll
-            for (int p = 0; p < PANELS; ++p)
-              tma_load(sq + p * BLOCK_M * 128, &tm_q, 64 * p, m0, h, b, bar_q);
-          }
+          if (QB == 1 && it == 0) load_q();   // waits for the previous item's last q k^T
           if (it > 0) {
             const int st = (ring + it - 1) % STAGES;
             load(it - 1, &tm_v, sv(st), bar_v(st), bar_ve(st));
@@ -1068,9 +1089,9 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
         ring = (ring + ntiles) % (2 * STAGES);
         item = next;
       }
-      if (n > 0) mbar_wait(bar_qe, (n - 1) & 1);
-      *item_slot = n_items;                   // no more items
-      mbar_arrive(bar_q);
+      if (n >= QB) mbar_wait(bar_qe(n % QB), (n / QB - 1) & 1);
+      item_slot[n % QB] = n_items;            // no more items
+      mbar_arrive(bar_q(n % QB));
       if (item_counter) {
         // This block draws no more items: count it; the launch's last block puts the counter
         // (item_counter[0], and this count, [1]) back to 0 for the stream's next launch. Every
@@ -1091,7 +1112,6 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
   const int ctid = tid - WG_THREADS;
   const int warp = (ctid % WG_THREADS) / 32, lane = ctid % 32;
   const int g = lane / 4, t = lane % 4;
-  const uint32_t q_addr = sq + wg * 64 * 128;
   const bool pingpong = PINGPONG && NW == 2;
   const uint32_t so_wg = sbase + L::O_OFFSET + wg * L::O_WG_BYTES;   // the TMA store's tile
   const bool leader = ctid % WG_THREADS == 0;                        // ... and its storer
@@ -1100,8 +1120,11 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
                                               // 2 * STAGES)
     // Every consumer thread waits for each item's q (the barrier's phases go in order) and
     // releases it once: after its last q k^T, or at once if it has no tile to compute.
-    mbar_wait(bar_q, n & 1);
-    const int item = *item_slot;
+    // warp-uniform (a shuffle from lane 0): the q descriptors stay in uniform registers
+    const int qj = __shfl_sync(0xffffffffu, n % QB, 0);
+    mbar_wait(bar_q(qj), (n / QB) & 1);
+    const int item = item_slot[qj];
+    const uint32_t q_addr = sq(qj) + wg * 64 * 128;
     if (item >= n_items) break;
     int m0, bh, ntiles;
     item_coords(item, m0, bh, ntiles);
@@ -1134,10 +1157,10 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
     float alpha[2];
     uint32_t p[BN / 16][4];
 
-    if (wg_ntiles == 0) mbar_arrive(bar_qe);
+    if (wg_ntiles == 0) mbar_arrive(bar_qe(qj));
     auto release_k = [&](int it) {
       mbar_arrive(bar_ke(stage(it)));
-      if (it == wg_ntiles - 1) mbar_arrive(bar_qe);
+      if (it == wg_ntiles - 1) mbar_arrive(bar_qe(qj));
     };
     if constexpr (!OV) {
       for (int it = 0; it < wg_ntiles; ++it) {
@@ -1343,7 +1366,7 @@ static Call dense_call(int B, int H, int S, int D) {
   return {B, H, H, S, st, st, st, st};
 }
 
-template <typename T, int D, int BN, bool OV>
+template <typename T, int D, int BN, bool OV, int QB>
 static int launch_ws(const void* q, const void* k, const void* v, void* out, const Call& c,
                      int causal, float scale, cudaStream_t stream) {
   const int S = c.S, BH = c.B * c.H;
@@ -1351,14 +1374,15 @@ static int launch_ws(const void* q, const void* k, const void* v, void* out, con
 #ifndef WGF_ALLOW_OVERSIZED_SMEM   // the probe builds settings that do not fit, to report them
   // A ring too deep for a Hopper block (227 KB of dynamic shared memory) fails the build, not
   // every call on the GPU: instantiated only for a head dim whose WARP_SPECIALIZE_D* is on.
-  static_assert(WsSmem<D, BN>::bytes <= 232448,
-                "WS_STAGES_D* too deep for this head dim's tiles (BLOCK_N_D*, TMA_STORE_MAX_S): "
+  static_assert(WsSmem<D, BN, QB>::bytes <= 232448,
+                "WS_STAGES_D* too deep for this head dim's tiles (BLOCK_N_D*, TMA_STORE_MAX_S, "
+                "Q_DOUBLE_MAX_S_D*): "
                 "the warp-specialised kernel's shared memory exceeds 227 KB");
 #endif
-  const size_t smem = WsSmem<D, BN>::bytes;
+  const size_t smem = WsSmem<D, BN, QB>::bytes;
   // Set on every call, as launch_wgmma does: a per-device cache would go stale after a
   // cudaDeviceReset, and the call costs well under a microsecond of host time.
-  cudaError_t err = cudaFuncSetAttribute(wgmma_ws_kernel<T, D, BN, OV>,
+  cudaError_t err = cudaFuncSetAttribute(wgmma_ws_kernel<T, D, BN, OV, QB>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (err != cudaSuccess) {                   // too many stages for this GPU: fail cleanly (and
     (void)cudaGetLastError();                 // clear the error for the next call)
@@ -1396,7 +1420,7 @@ static int launch_ws(const void* q, const void* k, const void* v, void* out, con
   bool owned = false;
   int* counter =
       persistent && causal && PERSISTENT_DYNAMIC ? stream_counter(stream, owned) : nullptr;
-  wgmma_ws_kernel<T, D, BN, OV><<<(unsigned)blocks, ws_threads<D>(), smem, stream>>>(
+  wgmma_ws_kernel<T, D, BN, OV, QB><<<(unsigned)blocks, ws_threads<D>(), smem, stream>>>(
       tq, tk, tv, to, (T*)out, BH, S, causal, scale * LOG2E, counter, tma_store,
       heads_per_section<D>(BH, S, causal), lay);
   err = cudaGetLastError();
@@ -1462,18 +1486,26 @@ static int run(const void* q, const void* k, const void* v, void* out, const Cal
       if (built == 0) return dense ? (int)cudaErrorInvalidDeviceFunction : NOT_TAKEN;
       // if constexpr: only the path a head dim takes is instantiated (and size-checked)
       if (D == 64) {
-        if constexpr (WARP_SPECIALIZE_D64 != 0)
-          return launch_ws<T, 64, BLOCK_N_D64, OVERLAP_D64>(q, k, v, out, c, causal, scale,
-                                                            stream);
-        else
+        if constexpr (WARP_SPECIALIZE_D64 != 0) {
+          if constexpr (Q_DOUBLE_MAX_S_D64 > 0)
+            if (S <= Q_DOUBLE_MAX_S_D64)
+              return launch_ws<T, 64, BLOCK_N_D64, OVERLAP_D64, 2>(q, k, v, out, c, causal,
+                                                                   scale, stream);
+          return launch_ws<T, 64, BLOCK_N_D64, OVERLAP_D64, 1>(q, k, v, out, c, causal, scale,
+                                                               stream);
+        } else
           return dense ? launch_wgmma<T, 64, OVERLAP_D64>(q, k, v, out, BH, S, causal, scale,
                                                           stream)
                        : NOT_TAKEN;
       }
-      if constexpr (WARP_SPECIALIZE_D128 != 0)
-        return launch_ws<T, 128, BLOCK_N_D128, OVERLAP_D128>(q, k, v, out, c, causal, scale,
-                                                             stream);
-      else
+      if constexpr (WARP_SPECIALIZE_D128 != 0) {
+        if constexpr (Q_DOUBLE_MAX_S_D128 > 0)
+          if (S <= Q_DOUBLE_MAX_S_D128)
+            return launch_ws<T, 128, BLOCK_N_D128, OVERLAP_D128, 2>(q, k, v, out, c, causal,
+                                                                    scale, stream);
+        return launch_ws<T, 128, BLOCK_N_D128, OVERLAP_D128, 1>(q, k, v, out, c, causal, scale,
+                                                                stream);
+      } else
         return dense ? launch_wgmma<T, 128, OVERLAP_D128>(q, k, v, out, BH, S, causal, scale,
                                                           stream)
                      : NOT_TAKEN;
