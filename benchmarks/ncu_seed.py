@@ -9,7 +9,7 @@ Builds the seed with the knob values given (checked as `evoattn eval --set` chec
 through evaluator.runtime, calls its entry point `--calls` times on random float16 inputs, and
 checks the last output against torch's SDPA, so a profile of a wrong kernel says so. Prints
 one line; exits 0 when the output matches, 1 when it does not or the call fails, 2 on bad
-arguments.
+arguments. benchmarks/ncu_waits.py reads a source-page export of such a profile.
 """
 from __future__ import annotations
 

@@ -169,6 +169,32 @@ def test_views_and_grouped_kv_take_the_strided_cuda_call_only_where_it_reads_the
     assert not hybrid._viewable(q, k, v)
 
 
+def test_a_strided_call_tells_the_entry_its_outputs_strides_without_allocating_them(hybrid,
+                                                                                   monkeypatch):
+    """The output call() makes (torch.empty_like(q)) lies as q does; _cuda_call passes its
+    strides to the strided entry, found once per layout without making a tensor."""
+    import torch
+    monkeypatch.setattr(hybrid, "_strided_entry", lambda device, d: object())
+    for name in ("_cuda_getDevice", "_cuda_getCurrentRawStream"):   # absent from CPU builds
+        monkeypatch.setattr(torch._C, name, lambda *a: 0, raising=False)
+    q = torch.randn(2, 33, 8, 64, dtype=torch.float16).transpose(1, 2)     # (B, S, H, D) storage
+    k = v = torch.randn(2, 33, 2, 64, dtype=torch.float16).transpose(1, 2)
+    made = []
+    real = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like",
+                        lambda t, *a, **kw: made.append(t.device.type) or real(t, *a, **kw))
+    hybrid._out_strides.cache_clear()
+    for _ in range(3):
+        call = hybrid._cuda_call(q, True, 0.1, k, v)
+    assert made == ["meta"]                        # the first call's layout, then cached
+    strides = list(call.__defaults__[-1])          # the array call() hands the entry
+    assert strides == [*q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                       *real(q).stride()[:3]]
+    assert real(q).stride() == q.stride()          # a dense view: the output mirrors it
+    padded = torch.randn(2, 33, 8, 80, dtype=torch.float16)[..., :64].transpose(1, 2)
+    assert hybrid._out_strides(padded.shape, padded.stride()) == real(padded).stride()
+
+
 def test_without_a_built_library_cuda_calls_run_triton_after_one_warning(hybrid, monkeypatch):
     import torch
     monkeypatch.setattr(hybrid, "_is_sm90", lambda device: True)

@@ -134,8 +134,9 @@ def _cuda_call(q: torch.Tensor, is_causal: bool, sm_scale: float, k: torch.Tenso
         entry, fixed = _cuda_entry(), (*q.shape, code, int(is_causal), sm_scale)
     else:
         entry, (B, H, S, D) = _strided_entry(q.device, q.shape[-1]), q.shape
-        strides = (ctypes.c_longlong * 12)(*(x for t in (q, k, v, torch.empty_like(q))
-                                               for x in t.stride()[:3]))
+        strides = (ctypes.c_longlong * 12)(*(x for st in (q.stride(), k.stride(), v.stride(),
+                                                          _out_strides(q.shape, q.stride()))
+                                               for x in st[:3]))
         fixed = (B, H, k.shape[1], S, D, code, int(is_causal), sm_scale, ctypes.addressof(strides))
     current, stream = torch._C._cuda_getDevice, torch._C._cuda_getCurrentRawStream
 
@@ -155,6 +156,13 @@ def _cuda_call(q: torch.Tensor, is_causal: bool, sm_scale: float, k: torch.Tenso
                                f"for {tuple(q.shape)} {q.dtype} causal={is_causal}")
         return out
     return call
+
+
+@functools.lru_cache(maxsize=256)
+def _out_strides(shape: tuple, stride: tuple) -> tuple:
+    """The strides of torch.empty_like(q) (the output call() makes) for q of this layout, found
+    on the meta device: no allocation per unprepared call."""
+    return torch.empty_like(torch.empty_strided(shape, stride, device="meta")).stride()
 
 
 def _cuda_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
