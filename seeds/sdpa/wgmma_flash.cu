@@ -1473,6 +1473,23 @@ static int wgmma_built() {
 // pointers and strides; every other path reads dense tensors only.
 constexpr int NOT_TAKEN = 1000;
 
+// A 16-bit call on head dim D's path: warp-specialised (WS; two q tiles for S up to Q2_MAX_S)
+// or, for dense tensors only, cp.async. if constexpr: only the path a head dim takes is
+// instantiated (and size-checked).
+template <typename T, int D, int BN, bool OV, bool WS, int Q2_MAX_S>
+static int launch_head_dim(const void* q, const void* k, const void* v, void* out, const Call& c,
+                           int causal, float scale, cudaStream_t stream, bool dense) {
+  if constexpr (WS) {
+    if constexpr (Q2_MAX_S > 0)
+      if (c.S <= Q2_MAX_S)
+        return launch_ws<T, D, BN, OV, 2>(q, k, v, out, c, causal, scale, stream);
+    return launch_ws<T, D, BN, OV, 1>(q, k, v, out, c, causal, scale, stream);
+  } else {
+    return dense ? launch_wgmma<T, D, OV>(q, k, v, out, c.B * c.H, c.S, causal, scale, stream)
+                 : NOT_TAKEN;
+  }
+}
+
 template <typename T>
 static int run(const void* q, const void* k, const void* v, void* out, const Call& c, int D,
                int causal, float scale, cudaStream_t stream, bool dense) {
@@ -1484,31 +1501,11 @@ static int run(const void* q, const void* k, const void* v, void* out, const Cal
       const int built = wgmma_built();
       if (built < 0) return -built;
       if (built == 0) return dense ? (int)cudaErrorInvalidDeviceFunction : NOT_TAKEN;
-      // if constexpr: only the path a head dim takes is instantiated (and size-checked)
-      if (D == 64) {
-        if constexpr (WARP_SPECIALIZE_D64 != 0) {
-          if constexpr (Q_DOUBLE_MAX_S_D64 > 0)
-            if (S <= Q_DOUBLE_MAX_S_D64)
-              return launch_ws<T, 64, BLOCK_N_D64, OVERLAP_D64, 2>(q, k, v, out, c, causal,
-                                                                   scale, stream);
-          return launch_ws<T, 64, BLOCK_N_D64, OVERLAP_D64, 1>(q, k, v, out, c, causal, scale,
-                                                               stream);
-        } else
-          return dense ? launch_wgmma<T, 64, OVERLAP_D64>(q, k, v, out, BH, S, causal, scale,
-                                                          stream)
-                       : NOT_TAKEN;
-      }
-      if constexpr (WARP_SPECIALIZE_D128 != 0) {
-        if constexpr (Q_DOUBLE_MAX_S_D128 > 0)
-          if (S <= Q_DOUBLE_MAX_S_D128)
-            return launch_ws<T, 128, BLOCK_N_D128, OVERLAP_D128, 2>(q, k, v, out, c, causal,
-                                                                    scale, stream);
-        return launch_ws<T, 128, BLOCK_N_D128, OVERLAP_D128, 1>(q, k, v, out, c, causal, scale,
-                                                                stream);
-      } else
-        return dense ? launch_wgmma<T, 128, OVERLAP_D128>(q, k, v, out, BH, S, causal, scale,
-                                                          stream)
-                     : NOT_TAKEN;
+      if (D == 64)
+        return launch_head_dim<T, 64, BLOCK_N_D64, OVERLAP_D64, WARP_SPECIALIZE_D64 != 0,
+                               Q_DOUBLE_MAX_S_D64>(q, k, v, out, c, causal, scale, stream, dense);
+      return launch_head_dim<T, 128, BLOCK_N_D128, OVERLAP_D128, WARP_SPECIALIZE_D128 != 0,
+                             Q_DOUBLE_MAX_S_D128>(q, k, v, out, c, causal, scale, stream, dense);
     }
   }
   if (!dense) return NOT_TAKEN;
