@@ -12,11 +12,11 @@ by knob settings for it. For trusted files only. Every variant is built and chec
 benchmarks/check_bf16_cuda.py builds and checks a fast-form seed (the evaluator's build, its
 inputs and tolerance rule, float16 and bfloat16, the default configs, the problem's domain
 shapes and odd lengths); a failure is printed and the variant is still timed (a timing
-experiment may be wrong on purpose). Then per default config (--head-dim: only those), SDPA as
-the problem calls it (cuDNN on Hopper), with --triton the Triton seed
-(seeds/sdpa/flash_triton.py, D=64 configs), and every variant, in --dtype, in interleaved rounds
-in a shuffled order (--config: these configs instead): CUDA-graph replay of n back-to-back calls (the GPU time) and the same n
-calls eager (launches included), medians; with --do-bench N also N rounds of
+experiment may be wrong on purpose). Then per default config (--config: these instead;
+--head-dim: only those), SDPA as the problem calls it (cuDNN on Hopper), with --triton the
+Triton seed (seeds/sdpa/flash_triton.py, D=64 configs), and every variant, in --dtype, in
+interleaved rounds in a shuffled order: CUDA-graph replay of n back-to-back calls (the GPU time)
+and the same n calls eager (launches included), medians; with --do-bench N also N rounds of
 triton.testing.do_bench (L2 flushed by a write before every call).
 Prints a line per config (speedup over SDPA and TFLOP/s per function, graph time) and the
 geometric means per mode over all, D=64 and D=128 configs. Exits 0 when every check passes, 1
@@ -74,7 +74,7 @@ def parse_variant(text: str) -> Variant:
 def parse_config(text: str) -> dict[str, Any]:
     """'B,H,S,D[,causal]' -> the problem's config dict; ValueError with one line otherwise."""
     parts = [p.strip() for p in text.split(",")]
-    if len(parts) not in (4, 5) or not all(p.isdigit() for p in parts[:4]) \
+    if len(parts) not in (4, 5) or not all(p.isdigit() and int(p) > 0 for p in parts[:4]) \
             or parts[4:] not in ([], ["causal"]) or parts[3] not in ("64", "128"):
         raise ValueError(f"--config {text!r}: expected B,H,S,D[,causal] with D 64 or 128")
     b, h, s, d = (int(p) for p in parts[:4])

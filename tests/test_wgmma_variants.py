@@ -40,12 +40,23 @@ def test_a_variant_is_a_name_an_optional_file_and_knob_settings(tmp_path):
     (["--variant", "a:NO_SUCH_KNOB=1"], "NO_SUCH_KNOB"),
     (["--variant", "a:OVERLAP_D128=7"], "OVERLAP_D128"),
     (["--variant", "a:", "--variant", "a:PINGPONG=1"], "names must differ"),
+    (["--variant", "a:", "--config", "1,2,3"], "expected B,H,S,D[,causal]"),
+    (["--variant", "a:", "--config", "1,16,0,128"], "expected B,H,S,D[,causal]"),
+    (["--variant", "a:", "--config", "1,16,512,96"], "with D 64 or 128"),
+    (["--variant", "a:", "--config", "1,16,512,64,nc"], "expected B,H,S,D[,causal]"),
 ])
 def test_bad_variants_are_one_line_and_exit_2_before_any_gpu_work(args, message, capsys):
     pytest.importorskip("torch")
     assert _module().main(args) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_a_config_is_the_problems_dict():
+    wv = _module()
+    assert wv.parse_config("1,16,16384,128") == {"B": 1, "H": 16, "S": 16384, "D": 128,
+                                                 "causal": False}
+    assert wv.parse_config(" 8, 32, 512, 64, causal")["causal"] is True
 
 
 def test_without_a_gpu_it_says_so_and_exits_2(capsys):
