@@ -57,7 +57,9 @@
 // the TMA-store epilogue up to S=4096 (1.4-2% over up to 1024, 9% over none), non-causal calls
 // head by head, and causal calls in sections of 16 MB of heads (1.03-1.07x head by head; all
 // heads at once lost 26% at (16,16,1024,128) causal; sections for non-causal calls lost 2-10%
-// with L2 flushed before each call). A warp skips O's rescale when no row's max grew (exact).
+// with L2 flushed before each call); both head dims with two q tiles up to S=1024 (1.03-1.05x
+// one at S <= 1024 at D=64; two at every length lost 7-9% at (2,32,2048,64)). A warp skips O's
+// rescale when no row's max grew (exact).
 // FlashAttention-4's slack (a row keeps a stale max while a tile's is at most 2^8 above it, so far
 // more tiles skip) gained 3% more at D=128 but is not offered: the largest p of a row is then no
 // longer exactly 1, its rounding to 16 bits doubled the error on some configs to the edge of the
