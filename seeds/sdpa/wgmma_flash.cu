@@ -1122,7 +1122,8 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
                                               // 2 * STAGES)
     // Every consumer thread waits for each item's q (the barrier's phases go in order) and
     // releases it once: after its last q k^T, or at once if it has no tile to compute.
-    // warp-uniform (a shuffle from lane 0): the q descriptors stay in uniform registers
+    // taken from lane 0, so the compiler knows it warp-uniform (computed per thread, two q
+    // tiles measured 3.6% slower at D=128)
     const int qj = __shfl_sync(0xffffffffu, n % QB, 0);
     mbar_wait(bar_q(qj), (n / QB) & 1);
     const int item = item_slot[qj];
