@@ -231,11 +231,15 @@ __device__ __forceinline__ void load_tile_sw128(uint32_t dst, const uint16_t* sr
 
 // ---- wgmma wrappers (sm_90a only) -----------------------------------------------------
 
-// 128-byte-swizzle matrix descriptor; base_offset 0 (atoms are 1024-byte aligned).
-__device__ __forceinline__ uint64_t make_desc_sw128(uint32_t addr, uint32_t lbo_bytes,
-                                                    uint32_t sbo_bytes) {
-  return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo_bytes >> 4) & 0x3FFFu) << 16) |
-         ((uint64_t)((sbo_bytes >> 4) & 0x3FFFu) << 32) | (1ull << 62);
+// 128-byte-swizzle matrix descriptors, base_offset 0 (atoms are 1024-byte aligned), kept as two
+// 32-bit words: every descriptor here has the same high word (SBO = 1024 bytes, the next 8-row
+// group; layout type 1), and the low word holds the start address >> 4 in bits [0,14) and
+// LBO >> 4 in [16,30). A k step's offset is added to the low word alone (as CUTLASS's descriptor
+// iterator does): shared addresses are below 2^18, so the start field cannot carry into LBO.
+// With 64-bit descriptors each step paid a 64-bit add with carry and two register moves.
+constexpr uint32_t DESC_HI = (1024u >> 4) | (1u << 30);
+__device__ __forceinline__ uint32_t desc_lo(uint32_t addr, uint32_t lbo_bytes) {
+  return ((addr & 0x3FFFFu) >> 4) | (((lbo_bytes >> 4) & 0x3FFFu) << 16);
 }
 
 __device__ __forceinline__ void wgmma_fence() {
@@ -291,31 +295,30 @@ template <int J> __device__ __forceinline__ void reg_fence(uint32_t (&r)[J][4]) 
                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 
 // D(64 x N, f32) = A(64 x 16, smem desc, K-major) * B(16 x N, smem desc, K-major) [+ D].
-// accum == 0: D is overwritten (scale-d false).
-#define WGF_SS32(TY)                                                                        \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                 \
-               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " WGF_R32          \
-               ", %32, %33, p, 1, 1, 0, 0;\n}\n"                                           \
-               : WGF_ACC32(d) : "l"(da), "l"(db), "r"(accum))
-#define WGF_SS64(TY)                                                                        \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                 \
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " WGF_R64         \
-               ", %64, %65, p, 1, 1, 0, 0;\n}\n"                                           \
-               : WGF_ACC64(d) : "l"(da), "l"(db), "r"(accum))
+// accum == 0: D is overwritten (scale-d false). da, db: the descriptors' low words.
+#define WGF_SS(TY, NN, R, A0, A1, HI, AC, ACC)                                              \
+  asm volatile("{\n.reg .pred p;\n.reg .b64 da, db;\nmov.b64 da, {" A0 ", " HI "};\n"     \
+               "mov.b64 db, {" A1 ", " HI "};\nsetp.ne.b32 p, " AC ", 0;\n"                 \
+               "wgmma.mma_async.sync.aligned.m64n" NN "k16.f32." TY "." TY " " R            \
+               ", da, db, p, 1, 1, 0, 0;\n}\n"                                              \
+               : ACC(d) : "r"(da), "r"(db), "r"(DESC_HI), "r"(accum))
+#define WGF_SS32(TY) WGF_SS(TY, "64", WGF_R32, "%32", "%33", "%34", "%35", WGF_ACC32)
+#define WGF_SS64(TY) WGF_SS(TY, "128", WGF_R64, "%64", "%65", "%66", "%67", WGF_ACC64)
 // D(64 x N, f32) += A(64 x 16, registers) * B(16 x N, smem desc, MN-major: imm-trans-b = 1).
-#define WGF_RS32(TY)                                                                        \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                 \
-               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " WGF_R32          \
-               ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"                             \
-               : WGF_ACC32(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1))
-#define WGF_RS64(TY)                                                                        \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                 \
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " WGF_R64         \
-               ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                             \
-               : WGF_ACC64(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1))
+#define WGF_RS(TY, NN, R, A, B0, HI, ONE, ACC)                                              \
+  asm volatile("{\n.reg .pred p;\n.reg .b64 db;\nmov.b64 db, {" B0 ", " HI "};\n"          \
+               "setp.ne.b32 p, " ONE ", 0;\n"                                                \
+               "wgmma.mma_async.sync.aligned.m64n" NN "k16.f32." TY "." TY " " R            \
+               ", " A ", db, p, 1, 1, 1;\n}\n"                                              \
+               : ACC(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(db), "r"(DESC_HI),  \
+                 "r"(1))
+#define WGF_RS32(TY) WGF_RS(TY, "64", WGF_R32, "{%32, %33, %34, %35}", "%36", "%37", "%38", \
+                            WGF_ACC32)
+#define WGF_RS64(TY) WGF_RS(TY, "128", WGF_R64, "{%64, %65, %66, %67}", "%68", "%69", "%70", \
+                            WGF_ACC64)
 
 template <int N, bool BF16>
-__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t da, uint64_t db, int accum) {
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint32_t da, uint32_t db, int accum) {
   static_assert(N == 64 || N == 128, "wgmma_ss: N must be 64 or 128");
 #if WGF_SM90A
   if constexpr (N == 64) {
@@ -327,7 +330,7 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t da, uint64_
 }
 
 template <int N, bool BF16>
-__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db) {
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint32_t db) {
   static_assert(N == 64 || N == 128, "wgmma_rs: N must be 64 or 128");
 #if WGF_SM90A
   if constexpr (N == 64) {
@@ -343,8 +346,7 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
 // Q_ROWS * 128); k_addr: a swizzled tile of N rows.
 template <int D, int N, int Q_ROWS, bool BF16>
 __device__ __forceinline__ void wg_qk_issue(float (&s)[N / 2], uint32_t q_addr, uint32_t k_addr) {
-  const uint64_t qd = make_desc_sw128(q_addr, 16, 1024);
-  const uint64_t kd = make_desc_sw128(k_addr, 16, 1024);
+  const uint32_t qd = desc_lo(q_addr, 16), kd = desc_lo(k_addr, 16);
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
     const uint32_t qo = (uint32_t)((ks / 4) * Q_ROWS * 128 + (ks % 4) * 32);
@@ -358,10 +360,10 @@ __device__ __forceinline__ void wg_qk_issue(float (&s)[N / 2], uint32_t q_addr, 
 template <int D, int N, bool BF16>
 __device__ __forceinline__ void wg_pv_issue(float (&o)[D / 2], uint32_t (&p)[N / 16][4],
                                             uint32_t v_addr) {
-  const uint64_t vd = make_desc_sw128(v_addr, N * 128, 1024);   // LBO: next 64 d; SBO: next 8 keys
+  const uint32_t vd = desc_lo(v_addr, N * 128);   // LBO: the next 64 d; SBO: the next 8 keys
 #pragma unroll
   for (int j = 0; j < N / 16; ++j)
-    wgmma_rs<D, BF16>(o, p[j], vd + (uint64_t)((j * 16 * 128) >> 4));
+    wgmma_rs<D, BF16>(o, p[j], vd + (uint32_t)((j * 16 * 128) >> 4));
 }
 
 // s = q k^T for one warpgroup: issues, commits and waits; s is ready on return.
@@ -1136,8 +1138,10 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
     const int row_a = wrow0 + g, row_b = row_a + 8;
     const bool wg_live = wg_row0 < S;
     const int wg_ntiles = !wg_live ? 0 : causal ? min(ntiles, (wg_row0 + 63) / BN + 1) : ntiles;
-    // The ring stage and phase of this item's tile `it`.
-    auto stage = [&](int it) { return (ring + it) % STAGES; };
+    // The ring stage and phase of this item's tile `it`. The stage taken from lane 0, so the
+    // compiler knows it warp-uniform: the k and v descriptors are then computed in uniform
+    // registers (UIADD3), not per thread and moved there before each wgmma (R2UR).
+    auto stage = [&](int it) { return __shfl_sync(0xffffffffu, (ring + it) % STAGES, 0); };
     auto phase = [&](int it) { return (uint32_t)(((ring + it) / STAGES) & 1); };
     // PINGPONG turns: warpgroup w issues its matrix products after a bar.sync on barrier 1 + w
     // and then lets the other one go (bar.arrive on its barrier). Every consumer warpgroup
