@@ -1207,6 +1207,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
         release_k(0);
         softmax_tile<BN>(s, 0, S, causal, wrow0, row_a, row_b, t, scale_log2, m_run, l_run,
                          alpha);
+        alpha[0] = alpha[1] = 1.f;            // o is still zero: its first rescale is skipped
         pack_p<T, BN>(p, s);
       }
       for (int it = 1; it < wg_ntiles; ++it) {
@@ -1220,6 +1221,10 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
         wgmma_fence();
         wg_qk_issue<D, BN, BLOCK_M, BF16>(s, q_addr, sk(st));
         wgmma_commit();
+        // O's rescale for tile it-1 while q k_it^T runs (FlashAttention-3's order), not
+        // after P v's wait, where it held up the next issue
+        rescale<D>(o, alpha);
+        reg_fence(o);
         wgmma_fence();
         wg_pv_issue<D, BN, BF16>(o, p, sv(prev));
         wgmma_commit();
@@ -1236,12 +1241,12 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
         reg_fence(o);
         reg_fence(p);
         mbar_arrive(bar_ve(prev));
-        rescale<D>(o, alpha);
         pack_p<T, BN>(p, s);
       }
       if (wg_ntiles > 0) {                    // the last tile's P v
         const int st = stage(wg_ntiles - 1);
         mbar_wait(bar_v(st), phase(wg_ntiles - 1));
+        rescale<D>(o, alpha);
         wg_pv<D, BN, BF16>(o, p, sv(st));
         mbar_arrive(bar_ve(st));
       }
