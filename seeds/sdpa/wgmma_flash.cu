@@ -235,8 +235,8 @@ __device__ __forceinline__ void load_tile_sw128(uint32_t dst, const uint16_t* sr
 // 32-bit words: every descriptor here has the same high word (SBO = 1024 bytes, the next 8-row
 // group; layout type 1), and the low word holds the start address >> 4 in bits [0,14) and
 // LBO >> 4 in [16,30). A k step's offset is added to the low word alone (as CUTLASS's descriptor
-// iterator does): shared addresses are below 2^18, so the start field cannot carry into LBO.
-// With 64-bit descriptors each step paid a 64-bit add with carry and two register moves.
+// iterator does): shared addresses are below 2^18, so the start field cannot carry into LBO,
+// and a step costs one 32-bit add where a 64-bit descriptor costs an add with carry and moves.
 constexpr uint32_t DESC_HI = (1024u >> 4) | (1u << 30);
 __device__ __forceinline__ uint32_t desc_lo(uint32_t addr, uint32_t lbo_bytes) {
   return ((addr & 0x3FFFFu) >> 4) | (((lbo_bytes >> 4) & 0x3FFFu) << 16);
