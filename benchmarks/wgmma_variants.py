@@ -18,8 +18,11 @@ Triton seed (seeds/sdpa/flash_triton.py, D=64 configs), and every variant, in --
 interleaved rounds in a shuffled order: CUDA-graph replay of n back-to-back calls (the GPU time)
 and the same n calls eager (launches included), medians; with --do-bench N also N rounds of
 triton.testing.do_bench (L2 flushed by a write before every call).
-Prints a line per config (speedup over SDPA and TFLOP/s per function, graph time) and the
-geometric means per mode over all, D=64 and D=128 configs. Exits 0 when every check passes, 1
+Prints a line per config (speedup over SDPA and TFLOP/s per function, graph time; with two
+or more variants also the first variant's paired gain over each other one, graph time: the
+median of the rounds' ratios and its 95% bootstrap interval) and the geometric means per mode
+over all, D=64 and D=128 configs, the paired gains with their intervals. Two settings whose
+gain's interval holds 1 are not told apart by this run. Exits 0 when every check passes, 1
 when one fails, 2 when it cannot run (no CUDA GPU, a bad --variant, a build that fails).
 """
 from __future__ import annotations
@@ -38,6 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import check_bf16_cuda as cb  # noqa: E402  (its own import puts the repository on the path)
 
+from evaluator import stats  # noqa: E402
 from evaluator.knobs import set_knobs  # noqa: E402
 from evaluator.loader import LoadFailure, companion_headers  # noqa: E402
 from evaluator.problems import get_problem  # noqa: E402
@@ -100,8 +104,8 @@ def load_variant(variant: Variant, tmp: Path) -> cb.Run:
 
 
 def time_config(fns: dict[str, cb.Run], cfg: dict[str, Any], dtype: Any, rounds: int,
-                do_bench_rounds: int) -> dict[str, dict[str, float]]:
-    """Median ms per call of each function in graph and eager mode (and do_bench)."""
+                do_bench_rounds: int) -> dict[str, dict[str, list[float]]]:
+    """Ms per call of each function per round, in graph and eager mode (and do_bench)."""
     import torch
     problem = get_problem("sdpa")
     inputs = problem.make_inputs(cfg, dtype, torch.device("cuda"),
@@ -146,8 +150,54 @@ def time_config(fns: dict[str, cb.Run], cfg: dict[str, Any], dtype: Any, rounds:
                 fn = fns[name]
                 samples[name]["do_bench"].append(
                     triton.testing.do_bench(lambda: fn(inputs, cfg), warmup=25, rep=100))
-    return {name: {mode: statistics.median(x) for mode, x in modes.items() if x}
+    return {name: {mode: x for mode, x in modes.items() if x} for name, modes in samples.items()}
+
+
+def medians(samples: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:
+    return {name: {mode: statistics.median(x) for mode, x in modes.items()}
             for name, modes in samples.items()}
+
+
+Gain = tuple[float, "stats.Interval | None"]
+
+
+def paired_gain(first: list[float], other: list[float]) -> Gain:
+    """The first function's speed over the other's (other's time / first's), measured in the
+    same interleaved rounds: the median of the rounds' ratios and its bootstrap interval."""
+    return stats.ratio(other, first, paired=True)
+
+
+def geomean_gain(gains: list[Gain]) -> Gain:
+    """The geometric mean of per-config gains and its interval (the configs independent)."""
+    points = [g for g, _ in gains]
+    return statistics.geometric_mean(points), stats.geomean_ci(points, [ci for _, ci in gains])
+
+
+def fmt_gain(gain: Gain) -> str:
+    point, ci = gain
+    return f"{point:.3f}x" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+
+
+def summary_lines(rows: list[dict[str, Any]], names: list[str], first: str, others: list[str],
+                  modes: tuple[str, ...]) -> list[str]:
+    """Per mode, over all, D=64 and D=128 configs: each function's geometric mean speedup over
+    SDPA, then the first variant's paired gain over each other one, with its interval."""
+    lines = []
+    for mode in modes:
+        for label, keep in (("all", lambda r: True), ("D=64", lambda r: r["cfg"]["D"] == 64),
+                            ("D=128", lambda r: r["cfg"]["D"] == 128)):
+            cells = [f"{n} {statistics.geometric_mean(ratios):.4f}x" for n in names
+                     if (ratios := [r["ms"]["sdpa"][mode] / r["ms"][n][mode] for r in rows
+                                    if keep(r) and n in r["ms"]])]
+            if cells:
+                lines.append(f"geomean vs sdpa, {mode}, {label}: " + "  ".join(cells))
+            kept = [r for r in rows if keep(r)]
+            cells = [f"{first} vs {n} " + fmt_gain(geomean_gain(
+                [paired_gain(r["samples"][first][mode], r["samples"][n][mode]) for r in kept]))
+                     for n in others if kept and all(mode in r["samples"][n] for r in kept)]
+            if cells:
+                lines.append(f"paired gain, {mode}, {label}: " + "  ".join(cells))
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,27 +250,26 @@ def main(argv: list[str] | None = None) -> int:
     failed = sum(not r["ok"] for r in checks)
     print(f"checks: {failed} failed", flush=True)
     rows = []
+    first, others = variants[0].name, [v.name for v in variants[1:]]
     for cfg in filter(wanted, configs):
         timed = {"sdpa": problem.baseline}
         if triton is not None and cfg["D"] == 64:
             timed["triton"] = triton
         timed.update(fns)
-        ms = time_config(timed, cfg, getattr(torch, args.dtype), args.rounds, args.do_bench)
-        rows.append({"cfg": cfg, "ms": ms})
+        samples = time_config(timed, cfg, getattr(torch, args.dtype), args.rounds, args.do_bench)
+        ms = medians(samples)
+        rows.append({"cfg": cfg, "ms": ms, "samples": samples})
         flops, base = problem.flops(cfg), ms["sdpa"]["graph"]
         cells = " ".join(f"{n} {base / t['graph']:.3f}x ({flops / t['graph'] / 1e9:.0f})"
                          for n, t in ms.items() if n != "sdpa")
+        gains = "".join(f"  {first} vs {n} " + fmt_gain(
+            paired_gain(samples[first]["graph"], samples[n]["graph"])) for n in others)
         print(f"{cb.label(cfg):26s} sdpa {base * 1e3:8.1f} us ({flops / base / 1e9:.0f} TFLOP/s)  "
-              f"{cells}", flush=True)
+              f"{cells}{gains}", flush=True)
     names = [n for n in ["triton", *fns] if any(n in r["ms"] for r in rows)]
-    for mode in ("graph", "eager") + (("do_bench",) if args.do_bench else ()):
-        for label, keep in (("all", lambda r: True), ("D=64", lambda r: r["cfg"]["D"] == 64),
-                            ("D=128", lambda r: r["cfg"]["D"] == 128)):
-            cells = [f"{n} {statistics.geometric_mean(ratios):.4f}x" for n in names
-                     if (ratios := [r["ms"]["sdpa"][mode] / r["ms"][n][mode] for r in rows
-                                    if keep(r) and n in r["ms"]])]
-            if cells:
-                print(f"geomean vs sdpa, {mode}, {label}: " + "  ".join(cells))
+    modes = ("graph", "eager") + (("do_bench",) if args.do_bench else ())
+    for line in summary_lines(rows, names, first, others, modes):
+        print(line)
     if args.json:
         args.json.write_text(json.dumps({
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": args.dtype,

@@ -59,6 +59,58 @@ def test_a_config_is_the_problems_dict():
     assert wv.parse_config(" 8, 32, 512, 64, causal")["causal"] is True
 
 
+def test_the_paired_gain_is_the_median_of_the_rounds_ratios_with_its_interval():
+    pytest.importorskip("numpy")
+    wv = _module()
+    # every round the first is 10% faster, while the whole machine drifts 20% between rounds:
+    # the rounds' ratios see no drift, so the interval is the point
+    first = [1.0, 1.2, 1.0, 1.2, 1.1, 1.0, 1.2]
+    other = [1.1 * t for t in first]
+    point, ci = wv.paired_gain(first, other)
+    assert point == pytest.approx(1.1) and ci == pytest.approx((1.1, 1.1))
+    # the same medians from unpaired noise: a gain this run cannot tell from 1
+    other = [1.3, 1.0, 1.25, 1.05, 1.2, 1.3, 1.0]
+    point, ci = wv.paired_gain(first, other)
+    assert ci[0] < 1.0 < ci[1]
+    assert wv.fmt_gain((point, ci)).startswith(f"{point:.3f}x [")
+    assert wv.fmt_gain((1.05, None)) == "1.050x"
+
+
+def test_the_geomean_gain_over_configs_carries_an_interval():
+    pytest.importorskip("numpy")
+    wv = _module()
+    g, ci = wv.geomean_gain([(1.1, (1.05, 1.15)), (1.0, (0.95, 1.05))])
+    assert g == pytest.approx((1.1 * 1.0) ** 0.5)
+    assert ci[0] < g < ci[1] and ci[1] - ci[0] < 0.1    # narrower than either config's
+    assert wv.geomean_gain([(1.1, None), (1.0, (0.9, 1.1))])[1] is None
+
+
+def test_the_summary_gives_speedups_and_paired_gains_per_head_dim():
+    pytest.importorskip("numpy")
+    wv = _module()
+
+    def row(d, sdpa, new, old):
+        samples = {"sdpa": {"graph": sdpa}, "new": {"graph": new}, "old": {"graph": old}}
+        return {"cfg": {"B": 1, "H": 8, "S": 512, "D": d, "causal": False},
+                "ms": wv.medians(samples), "samples": samples}
+    rows = [row(64, [2.0, 2.0, 2.0], [1.0, 1.1, 1.0], [1.2, 1.32, 1.2]),
+            row(128, [3.0, 3.0, 3.0], [3.0, 3.0, 3.3], [3.0, 3.0, 3.3])]
+    lines = wv.summary_lines(rows, ["new", "old"], "new", ["old"], ("graph",))
+    text = "\n".join(lines)
+    assert "geomean vs sdpa, graph, D=64: new 2.0000x  old 1.6667x" in text
+    assert "paired gain, graph, D=64: new vs old 1.200x [1.200, 1.200]" in text
+    assert "paired gain, graph, D=128: new vs old 1.000x [1.000, 1.000]" in text
+    assert any(ln.startswith("paired gain, graph, all: new vs old 1.095x [") for ln in lines)
+    # one variant alone: speedups, no gains
+    assert not any("paired" in ln for ln in wv.summary_lines(rows, ["new"], "new", [], ("graph",)))
+
+
+def test_medians_per_function_and_mode():
+    wv = _module()
+    assert wv.medians({"a": {"graph": [3.0, 1.0, 2.0], "eager": [5.0]}}) == {
+        "a": {"graph": 2.0, "eager": 5.0}}
+
+
 def test_without_a_gpu_it_says_so_and_exits_2(capsys):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
