@@ -219,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.rounds < 1 or args.do_bench < 0:
+        print("error: --rounds must be at least 1 and --do-bench at least 0", file=sys.stderr)
+        return 2
     if len({v.name for v in variants}) != len(variants):
         print("error: --variant names must differ", file=sys.stderr)
         return 2

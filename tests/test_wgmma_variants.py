@@ -44,6 +44,7 @@ def test_a_variant_is_a_name_an_optional_file_and_knob_settings(tmp_path):
     (["--variant", "a:", "--config", "1,16,0,128"], "expected B,H,S,D[,causal]"),
     (["--variant", "a:", "--config", "1,16,512,96"], "with D 64 or 128"),
     (["--variant", "a:", "--config", "1,16,512,64,nc"], "expected B,H,S,D[,causal]"),
+    (["--variant", "a:", "--rounds", "0"], "--rounds must be at least 1"),
 ])
 def test_bad_variants_are_one_line_and_exit_2_before_any_gpu_work(args, message, capsys):
     pytest.importorskip("torch")
