@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", action="append", default=[], metavar="B,H,S,D[,causal]",
                     help="time these configs instead of the default ones (repeatable)")
     ap.add_argument("--triton", action="store_true", help="also time the Triton seed (D=64)")
-    ap.add_argument("--json", type=Path, help="write every check and median here")
+    ap.add_argument("--json", type=Path, help="write every check, median and round's sample here")
     args = ap.parse_args(argv)
     try:
         variants = [parse_variant(v) for v in args.variant]

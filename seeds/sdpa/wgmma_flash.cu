@@ -242,6 +242,13 @@ __device__ __forceinline__ uint32_t desc_lo(uint32_t addr, uint32_t lbo_bytes) {
   return ((addr & 0x3FFFFu) >> 4) | (((lbo_bytes >> 4) & 0x3FFFu) << 16);
 }
 
+// x as lane 0 of the warp has it: the compiler then knows the value warp-uniform. Branches on
+// such values around in-flight wgmma stay unserialised (else ptxas warns C7520 and serialises
+// them), and shared-memory addresses built from them (q tile, ring stage) go into the wgmma
+// descriptors from uniform registers, where a per-thread value is moved there (R2UR) before
+// each instruction (a q-tile index computed per thread measured 3.6% slower at D=128).
+__device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
+
 __device__ __forceinline__ void wgmma_fence() {
 #if WGF_SM90A
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -599,9 +606,7 @@ wgmma_flash_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __
   block_coords((int)blockIdx.x, n_mblocks, BH, section, mb, bh);
   const int m0 = mb * BLOCK_M;
   const int tid = threadIdx.x;
-  // The warpgroup index through a shuffle: ptxas then knows it is warp-uniform, and so are
-  // the branches on it around in-flight wgmma (else it serialises them, warning C7520).
-  const int wg = __shfl_sync(0xffffffffu, tid / WG_THREADS, 0);
+  const int wg = warp_uniform(tid / WG_THREADS);
   const int warp = (tid % WG_THREADS) / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const int wg_row0 = m0 + 64 * wg;           // the warpgroup's first query row
@@ -1008,7 +1013,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
   const int n_mblocks = (S + BLOCK_M - 1) / BLOCK_M;
   const int n_items = n_mblocks * BH;         // work items (row block, head); the host checks
   const int tid = threadIdx.x;                // that it, plus the grid, fits in int
-  const int wg_all = __shfl_sync(0xffffffffu, tid / WG_THREADS, 0);   // warp-uniform
+  const int wg_all = warp_uniform(tid / WG_THREADS);
   // Work item `item` of this block: its row block's first row m0, flat head bh, and key tiles.
   auto item_coords = [&](int item, int& m0, int& bh, int& ntiles) {
     int mb;
@@ -1124,9 +1129,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
                                               // 2 * STAGES)
     // Every consumer thread waits for each item's q (the barrier's phases go in order) and
     // releases it once: after its last q k^T, or at once if it has no tile to compute.
-    // taken from lane 0, so the compiler knows it warp-uniform (computed per thread, two q
-    // tiles measured 3.6% slower at D=128)
-    const int qj = __shfl_sync(0xffffffffu, n % QB, 0);
+    const int qj = warp_uniform(n % QB);
     mbar_wait(bar_q(qj), (n / QB) & 1);
     const int item = item_slot[qj];
     const uint32_t q_addr = sq(qj) + wg * 64 * 128;
@@ -1138,10 +1141,8 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
     const int row_a = wrow0 + g, row_b = row_a + 8;
     const bool wg_live = wg_row0 < S;
     const int wg_ntiles = !wg_live ? 0 : causal ? min(ntiles, (wg_row0 + 63) / BN + 1) : ntiles;
-    // The ring stage and phase of this item's tile `it`. The stage taken from lane 0, so the
-    // compiler knows it warp-uniform: the k and v descriptors are then computed in uniform
-    // registers (UIADD3), not per thread and moved there before each wgmma (R2UR).
-    auto stage = [&](int it) { return __shfl_sync(0xffffffffu, (ring + it) % STAGES, 0); };
+    // The ring stage (warp-uniform: the k and v descriptors) and phase of this item's tile `it`.
+    auto stage = [&](int it) { return warp_uniform((ring + it) % STAGES); };
     auto phase = [&](int it) { return (uint32_t)(((ring + it) / STAGES) & 1); };
     // PINGPONG turns: warpgroup w issues its matrix products after a bar.sync on barrier 1 + w
     // and then lets the other one go (bar.arrive on its barrier). Every consumer warpgroup
