@@ -33,10 +33,12 @@
 // _D128 (calls with S up to it keep two q tiles, so the next work item's q loads while the
 // consumers finish the current one; 0: never), SETMAXNREG, PINGPONG,
 // WIDE_D64 (three consumer warpgroups, 192-row blocks, at D=64), PERSISTENT_D64 / _D128,
-// PERSISTENT_DYNAMIC, and TMA_STORE_MAX_S: calls with S up to it write O with stmatrix into a
-// shared tile per consumer warpgroup and one TMA store that runs on under the next work item,
-// instead of st.global from registers; 0: never, and no shared tile; a ring too
-// deep for 227 KB of shared memory at a head dim whose path is on fails the build),
+// PERSISTENT_DYNAMIC, SPLIT_TAIL (0: off; N: a non-causal call's last wave of work items on the
+// persistent grid, where it fills at most half of it, in up to N parts of the key tiles each,
+// merged by the part that ends last: TailSplit), and TMA_STORE_MAX_S: calls with S up to it
+// write O with stmatrix into a shared tile per consumer warpgroup and one TMA store that runs on
+// under the next work item, instead of st.global from registers; 0: never, and no shared tile;
+// a ring too deep for 227 KB of shared memory at a head dim whose path is on fails the build),
 // HEAD_MAJOR_D64 / _D128 and SECTION_MB_D64 / _D128 (the block order per head dim of non-causal
 // and of causal calls, block_coords), EXP2_POLY_EVERY (0: every exponential on the
 // MUFU; N: one score in N by a polynomial on the FMA pipe instead, FlashAttention-4's offload,
@@ -53,13 +55,14 @@
 // heads heaviest first (causal: of 32 MB of heads, every head of the default configs; causal
 // 1.19-1.26x head by head at S >= 2048), 1.10x two warpgroups head by head and ahead of Triton
 // wherever a call gives every SM a work item (the hybrid seed sends those here, smaller ones to
-// Triton); D=128 with the intra-warpgroup overlap (10% over none, with the skipped rescales),
-// the TMA-store epilogue up to S=4096 (1.4-2% over up to 1024, 9% over none), non-causal calls
-// head by head, and causal calls in sections of 16 MB of heads (1.03-1.07x head by head; all
-// heads at once lost 26% at (16,16,1024,128) causal; sections for non-causal calls lost 2-10%
-// with L2 flushed before each call); both head dims with two q tiles up to S=1024 (1.03-1.05x
-// one at S <= 1024 at D=64; two at every length lost 7-9% at (2,32,2048,64)). A warp skips O's
-// rescale when no row's max grew (exact).
+// Triton), non-causal calls' last wave in thirds (SPLIT_TAIL: 1.09x at (1,32,4096,64), whose 704
+// items on 132 SMs end in a wave of 44); D=128 with the intra-warpgroup overlap (10% over none,
+// with the skipped rescales), the TMA-store epilogue up to S=4096 (1.4-2% over up to 1024, 9%
+// over none), non-causal calls head by head, and causal calls in sections of 16 MB of heads
+// (1.03-1.07x head by head; all heads at once lost 26% at (16,16,1024,128) causal; sections for
+// non-causal calls lost 2-10% with L2 flushed before each call); both head dims with two q tiles
+// up to S=1024 (1.03-1.05x one at S <= 1024 at D=64; two at every length lost 7-9% at
+// (2,32,2048,64)). A warp skips O's rescale when no row's max grew (exact).
 // FlashAttention-4's slack (a row keeps a stale max while a tile's is at most 2^8 above it, so far
 // more tiles skip) gained 3% more at D=128 but is not offered: the largest p of a row is then no
 // longer exactly 1, its rounding to 16 bits doubled the error on some configs to the edge of the
@@ -156,6 +159,7 @@
 #define SECTION_MB_D128 16  // evoattn: choice(0, 8, 16, 32, 64, 128) when(@target=sm90) when(CUDA_D128_CAUSAL=True)
 #define PERSISTENT_D64 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
 #define PERSISTENT_D128 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
+#define SPLIT_TAIL 3  // evoattn: choice(0, 2, 3, 4) when(@target=sm90) when(CUDA_D64=True, CUDA_D128=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0) when(PERSISTENT_D64=1, PERSISTENT_D128=1)
 #define PERSISTENT_DYNAMIC 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64_CAUSAL=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
 #define TMA_STORE_MAX_S 4096  // evoattn: choice(0, 1024, 2048, 4096, 65536) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
 #define EXP2_POLY_EVERY 0  // evoattn: choice(0, 8, 4, 2) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
@@ -969,6 +973,18 @@ __device__ __forceinline__ void store_rows_tma(const CUtensorMap* map, uint32_t 
   }
 }
 
+// SPLIT_TAIL (launch_ws): a non-causal call on a persistent grid whose last wave of work items
+// would leave SMs idle takes that wave's items in `split` parts of their key tiles (1: none),
+// each part on its own block, merged by the last to finish: the items from `start` on in the
+// block order. `tickets`: one int per split item and consumer warp (zero between launches);
+// `ws`: each part's unnormalised output, row maxima and partial row sums, D / 2 + 4 floats per
+// consumer thread.
+struct TailSplit {
+  float* ws;
+  int* tickets;
+  int split, start;
+};
+
 // Where a call's heads lie, for the warp-specialised kernel: q, k and v are read through tensor
 // maps that carry their strides; the output is written through its map or, past
 // TMA_STORE_MAX_S, at these element strides (batch, head, row). `group` query heads share a
@@ -978,13 +994,62 @@ struct HeadLayout {
   long long out_b, out_h, out_s;
 };
 
+// One part of a SPLIT_TAIL item: this thread's o, m_run and l_run go to the workspace (part
+// `part` of split item `slot`, consumer thread `cidx` of `nct`), then its consumer warp (`cwarp`)
+// takes a ticket; the part that takes the last one merges the others' into its registers, puts
+// the ticket back to 0 for the stream's next launch and returns true (it stores the rows); the
+// others return false. Every part of an item has the same rows, so the same warps take tickets.
+template <int D>
+__device__ __forceinline__ bool merge_parts(const TailSplit& ts, int slot, int part, int nct,
+                                            int cidx, int cwarp, int lane, float (&o)[D / 2],
+                                            float (&m_run)[2], float (&l_run)[2]) {
+  constexpr int F = D / 2 + 4;                // floats per thread: o, m_run, l_run
+  auto at = [&](int p) { return ts.ws + (size_t)(slot * ts.split + p) * F * nct + cidx; };
+  float* mine = at(part);                     // element f at mine[f * nct]: coalesced per warp
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) mine[i * nct] = o[i];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    mine[(D / 2 + h) * nct] = m_run[h];
+    mine[(D / 2 + 2 + h) * nct] = l_run[h];
+  }
+  __threadfence();                            // this thread's writes, before the warp's ticket
+  __syncwarp();
+  int* ticket = ts.tickets + slot * (nct / 32) + cwarp;
+  int taken = 0;
+  if (lane == 0) taken = atomicAdd(ticket, 1);
+  taken = __shfl_sync(0xffffffffu, taken, 0);
+  if (taken != ts.split - 1) return false;
+  __threadfence();                            // the other parts' writes, before reading them
+  if (lane == 0) *ticket = 0;
+  for (int p = 0; p < ts.split; ++p) {
+    if (p == part) continue;
+    const float* other = at(p);
+    float a[2], c[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float mo = __ldcg(other + (D / 2 + h) * nct);
+      const float lo = __ldcg(other + (D / 2 + 2 + h) * nct);
+      const float m_new = fmaxf(m_run[h], mo);
+      a[h] = m_run[h] == -INFINITY ? 0.f : exp2_ftz(m_run[h] - m_new);
+      c[h] = mo == -INFINITY ? 0.f : exp2_ftz(mo - m_new);
+      m_run[h] = m_new;
+      l_run[h] = l_run[h] * a[h] + lo * c[h];
+    }
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i)
+      o[i] = o[i] * a[(i >> 1) & 1] + __ldcg(other + i * nct) * c[(i >> 1) & 1];
+  }
+  return true;
+}
+
 template <typename T, int D, int BN, bool OV, int QB>
 __global__ void __launch_bounds__(ws_threads<D>(), 1)
 wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                 const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
                 T* __restrict__ out, int BH, int S,
                 int causal, float scale_log2, int* __restrict__ item_counter, int tma_store,
-                int section, const HeadLayout lay) {
+                int section, const HeadLayout lay, const TailSplit tail) {
 #if WGF_SM90A
   constexpr bool BF16 = std::is_same<T, __nv_bfloat16>::value;
   using L = WsSmem<D, BN, QB>;
@@ -1011,16 +1076,32 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
   auto bar_ve = [&](int st) { return bar_k(st) + 24u; };             // v tile consumed
 
   const int n_mblocks = (S + BLOCK_M - 1) / BLOCK_M;
-  const int n_items = n_mblocks * BH;         // work items (row block, head); the host checks
-  const int tid = threadIdx.x;                // that it, plus the grid, fits in int
+  // Work items: (row block, head) in block_coords' order, SPLIT_TAIL's parts counted; the host
+  // checks that their number, plus the grid, fits in int.
+  const int n_items = tail.start + (n_mblocks * BH - tail.start) * tail.split;
+  const int tid = threadIdx.x;
   const int wg_all = warp_uniform(tid / WG_THREADS);
-  // Work item `item` of this block: its row block's first row m0, flat head bh, and key tiles.
-  auto item_coords = [&](int item, int& m0, int& bh, int& ntiles) {
+  // Work item `item` of this block: its row block's first row m0, flat head bh, its key tiles
+  // t0 .. t0 + ntiles - 1 and, for a part of a split item, that item's index among the split ones
+  // (`slot`; else -1) and the part.
+  auto item_coords = [&](int item, int& m0, int& bh, int& t0, int& ntiles, int& slot,
+                         int& part) {
+    int real = item;
+    slot = -1;
+    part = 0;
+    if (item >= tail.start) {
+      slot = (item - tail.start) / tail.split;
+      part = item - tail.start - slot * tail.split;
+      real = tail.start + slot;
+    }
     int mb;
-    block_coords(item, n_mblocks, BH, section, mb, bh);
+    block_coords(real, n_mblocks, BH, section, mb, bh);
     m0 = mb * BLOCK_M;
-    ntiles = ((causal ? min(S, m0 + BLOCK_M) : S) + BN - 1) / BN;
+    const int all = ((causal ? min(S, m0 + BLOCK_M) : S) + BN - 1) / BN;
+    t0 = slot < 0 ? 0 : part * all / tail.split;
+    ntiles = (slot < 0 ? all : (part + 1) * all / tail.split) - t0;
   };
+
 
   if (tid == 0) {
     for (int j = 0; j < QB; ++j) {
@@ -1051,24 +1132,26 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
       // block that drew short causal items takes more). Past the last item the next slot gets
       // n_items and its bar_q a plain arrival, which tells the consumers to stop.
       // ring: the tiles of earlier items, modulo 2 * STAGES (stage and phase repeat with that
-      // period; a running count could outgrow int); filled: the ring has been round once.
+      // period; a running count could outgrow int), plus 2 * STAGES once the ring has been round
+      // (from then on every load waits for its stage's release; the phases are the same).
       int ring = 0, n = 0;                    // n: items done
-      bool filled = false;
       int item = blockIdx.x;
       for (; item < n_items; ++n) {
         const int next = item_counter ? gridDim.x + atomicAdd(item_counter, 1) : item + gridDim.x;
-        int m0, bh, ntiles;
-        item_coords(item, m0, bh, ntiles);
+        int m0, bh, t0, ntiles, slot, part;
+        item_coords(item, m0, bh, t0, ntiles, slot, part);
         const int b = bh / lay.H, h = bh - b * lay.H, hk = h / lay.group;
-        // Tile `it` of this item (the ring's tile r) of k or v into its stage.
-        auto load = [&](int it, const CUtensorMap* map, uint32_t dst, uint32_t full,
+        // Key tile `kt` (t0 .. t_end - 1) of this item, the ring's tile rb + kt, of k or v into
+        // its stage.
+        const int t_end = t0 + ntiles, rb = ring - t0;
+        auto load = [&](int kt, const CUtensorMap* map, uint32_t dst, uint32_t full,
                         uint32_t empty) {
-          const int r = ring + it;
-          if (filled || r >= STAGES) mbar_wait(empty, ((r / STAGES) + 1) & 1);
+          const int r = rb + kt;
+          if (r >= STAGES) mbar_wait(empty, ((r / STAGES) + 1) & 1);
           mbar_expect_tx(full, L::KV_BYTES);
 #pragma unroll
           for (int p = 0; p < PANELS; ++p)
-            tma_load(dst + p * BN * 128, map, 64 * p, it * BN, hk, b, full);
+            tma_load(dst + p * BN * 128, map, 64 * p, kt * BN, hk, b, full);
         };
         // This item's q into tile n % QB, once the item QB before it has released that tile.
         auto load_q = [&]() {
@@ -1082,20 +1165,20 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
           for (int p = 0; p < PANELS; ++p)
             tma_load(sq(j) + p * BLOCK_M * 128, &tm_q, 64 * p, m0, h, b, bar_q(j));
         };
-        for (int it = 0; it <= ntiles; ++it) {
-          if (QB > 1 && it == 0) load_q();    // its tile is free long before: first
-          if (it < ntiles) {
-            const int st = (ring + it) % STAGES;
-            load(it, &tm_k, sk(st), bar_k(st), bar_ke(st));
+        for (int kt = t0; kt <= t_end; ++kt) {
+          if (QB > 1 && kt == t0) load_q();   // its tile is free long before: first
+          if (kt < t_end) {
+            const int st = (rb + kt) % STAGES;
+            load(kt, &tm_k, sk(st), bar_k(st), bar_ke(st));
           }
-          if (QB == 1 && it == 0) load_q();   // waits for the previous item's last q k^T
-          if (it > 0) {
-            const int st = (ring + it - 1) % STAGES;
-            load(it - 1, &tm_v, sv(st), bar_v(st), bar_ve(st));
+          if (QB == 1 && kt == t0) load_q();  // waits for the previous item's last q k^T
+          if (kt > t0) {
+            const int st = (rb + kt - 1) % STAGES;
+            load(kt - 1, &tm_v, sv(st), bar_v(st), bar_ve(st));
           }
         }
-        filled = filled || ring + ntiles >= STAGES;
-        ring = (ring + ntiles) % (2 * STAGES);
+        const int r_end = rb + t_end;
+        ring = r_end >= STAGES ? r_end % (2 * STAGES) + 2 * STAGES : r_end;
         item = next;
       }
       if (n >= QB) mbar_wait(bar_qe(n % QB), (n / QB - 1) & 1);
@@ -1134,8 +1217,8 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
     const int item = item_slot[qj];
     const uint32_t q_addr = sq(qj) + wg * 64 * 128;
     if (item >= n_items) break;
-    int m0, bh, ntiles;
-    item_coords(item, m0, bh, ntiles);
+    int m0, bh, t0, ntiles, slot, part;
+    item_coords(item, m0, bh, t0, ntiles, slot, part);
     const int wg_row0 = m0 + 64 * wg;
     const int wrow0 = wg_row0 + 16 * warp;
     const int row_a = wrow0 + g, row_b = row_a + 8;
@@ -1183,8 +1266,8 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
         wgmma_wait0();
         reg_fence(s);
         release_k(it);
-        softmax_tile<BN>(s, it * BN, S, causal, wrow0, row_a, row_b, t, scale_log2, m_run, l_run,
-                         alpha);
+        softmax_tile<BN>(s, (t0 + it) * BN, S, causal, wrow0, row_a, row_b, t, scale_log2, m_run,
+                         l_run, alpha);
         rescale<D>(o, alpha);
         pack_p<T, BN>(p, s);
         mbar_wait(bar_v(st), phase(it));
@@ -1206,7 +1289,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
         wgmma_wait0();
         reg_fence(s);
         release_k(0);
-        softmax_tile<BN>(s, 0, S, causal, wrow0, row_a, row_b, t, scale_log2, m_run, l_run,
+        softmax_tile<BN>(s, t0 * BN, S, causal, wrow0, row_a, row_b, t, scale_log2, m_run, l_run,
                          alpha);
         alpha[0] = alpha[1] = 1.f;            // o is still zero: its first rescale is skipped
         pack_p<T, BN>(p, s);
@@ -1233,7 +1316,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
         wgmma_wait1();
         reg_fence(s);
         release_k(it);                        // q k_it^T done: its k stage may be refilled
-        softmax_tile<BN>(s, it * BN, S, causal, wrow0, row_a, row_b, t, scale_log2, m_run,
+        softmax_tile<BN>(s, (t0 + it) * BN, S, causal, wrow0, row_a, row_b, t, scale_log2, m_run,
                          l_run, alpha);
         reg_fence(s);
         reg_fence(alpha);
@@ -1264,11 +1347,17 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
     }
     if (wg_live) {
       const int b = bh / lay.H, h = bh - b * lay.H;
-      if (TMA_STORE_MAX_S > 0 && tma_store)
-        store_rows_tma<T, D>(&tm_o, so_wg, o, l_run, warp, lane, wg, wg_row0, h, b, leader);
-      else
-        store_rows<T, D>(out + b * lay.out_b + h * lay.out_h, o, l_run, row_a, row_b, t, S,
-                         lay.out_s);
+      // A split item's rows are stored by the part that merges them, from registers (the TMA
+      // store's barrier is the warpgroup's, a ticket is the warp's).
+      const bool split = slot >= 0;
+      if (!split || merge_parts<D>(tail, slot, part, CONSUMERS, ctid, 4 * wg + warp, lane, o,
+                                   m_run, l_run)) {
+        if (TMA_STORE_MAX_S > 0 && tma_store && !split)
+          store_rows_tma<T, D>(&tm_o, so_wg, o, l_run, warp, lane, wg, wg_row0, h, b, leader);
+        else
+          store_rows<T, D>(out + b * lay.out_b + h * lay.out_h, o, l_run, row_a, row_b, t, S,
+                           lay.out_s);
+      }
     }
     ring = (ring + ntiles) % (2 * STAGES);
   }
@@ -1321,19 +1410,22 @@ static bool make_tensor_map(CUtensorMap* map, const void* base, int B, int H, in
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// A zeroed pair of ints in device memory for the dynamic schedule's counter of a launch on
-// `stream` (the next item, the blocks done; the kernel's last block zeroes them again), or
-// nullptr with the error cleared. Launches on one stream run in order, so each stream keeps
-// one pair, allocated and zeroed once (stream-ordered: never a device-wide synchronisation)
-// and found again by (device, stream): no allocation or memset per call, which had cost a
-// causal call about 8 us of host time. Launches on different streams may overlap, so they
-// never share a pair; while `stream` captures a graph (which may later be launched on any
-// stream) and when the table is full, the launch gets a pair of its own, freed after it
-// (`owned`). A stream destroyed with work pending whose handle a new stream gets at once
-// could share its pair: torch takes its streams from pools it keeps for the life of the process.
-[[maybe_unused]] static int* stream_counter(cudaStream_t stream, bool& owned) {
+// A zeroed device buffer of at least `bytes` for a launch on `stream`, or nullptr with the error
+// cleared. `kind` names its use: 0 the dynamic schedule's counter (a pair of ints: the next
+// item, the blocks done; the kernel's last block zeroes them again), 1 SPLIT_TAIL's tickets
+// (each zeroed again by the kernel) and partial outputs. Launches on one stream run in order, so
+// each stream keeps one buffer of each kind, allocated and zeroed once (stream-ordered: never a
+// device-wide synchronisation; one too small is freed after the launches before it and
+// replaced) and found again by (device, stream, kind): no allocation or memset per call, which
+// had cost a causal call about 8 us of host time. Launches on different streams may overlap, so
+// they never share a buffer; while `stream` captures a graph (which may later be launched on any
+// stream) and when the table is full, the launch gets a buffer of its own, freed after it
+// (`owned`). A stream destroyed with work pending whose handle a new stream gets at once could
+// share its buffer: torch takes its streams from pools it keeps for the life of the process.
+[[maybe_unused]] static void* stream_buffer(cudaStream_t stream, int kind, size_t bytes,
+                                            bool& owned) {
   constexpr int SLOTS = 64;
-  struct Slot { int dev; cudaStream_t stream; int* ptr; };
+  struct Slot { int dev; cudaStream_t stream; int kind; size_t bytes; void* ptr; };
   static Slot slots[SLOTS];
   static int used = 0;
   static std::mutex lock;
@@ -1346,24 +1438,38 @@ static bool make_tensor_map(CUtensorMap* map, const void* base, int B, int H, in
     return nullptr;
   }
   std::lock_guard<std::mutex> guard(lock);
-  const bool keep = capturing == cudaStreamCaptureStatusNone && used < SLOTS;
+  int found = -1;                             // this stream's buffer of this kind, too small
   if (capturing == cudaStreamCaptureStatusNone)
-    for (int i = 0; i < used; ++i)
-      if (slots[i].dev == dev && slots[i].stream == stream) return slots[i].ptr;
-  int* ptr = nullptr;
-  if (cudaMallocAsync(reinterpret_cast<void**>(&ptr), 2 * sizeof(int), stream) != cudaSuccess) {
+    for (int i = 0; i < used && found < 0; ++i)
+      if (slots[i].dev == dev && slots[i].stream == stream && slots[i].kind == kind) {
+        if (slots[i].bytes >= bytes) return slots[i].ptr;
+        found = i;
+      }
+  void* ptr = nullptr;
+  if (cudaMallocAsync(&ptr, bytes, stream) != cudaSuccess) {
     (void)cudaGetLastError();                 // no stream-ordered allocator (some virtualised GPUs)
     return nullptr;
   }
-  if (cudaMemsetAsync(ptr, 0, 2 * sizeof(int), stream) != cudaSuccess) {
+  if (cudaMemsetAsync(ptr, 0, bytes, stream) != cudaSuccess) {
     (void)cudaGetLastError();
     (void)cudaFreeAsync(ptr, stream);
     (void)cudaGetLastError();
     return nullptr;
   }
-  if (keep) slots[used++] = {dev, stream, ptr};
-  else owned = true;
+  if (found >= 0) {
+    if (cudaFreeAsync(slots[found].ptr, stream) != cudaSuccess) (void)cudaGetLastError();
+    slots[found] = {dev, stream, kind, bytes, ptr};
+  } else if (capturing == cudaStreamCaptureStatusNone && used < SLOTS) {
+    slots[used++] = {dev, stream, kind, bytes, ptr};
+  } else {
+    owned = true;
+  }
   return ptr;
+}
+
+// The dynamic schedule's counter for a launch on `stream` (stream_buffer's kind 0).
+[[maybe_unused]] static int* stream_counter(cudaStream_t stream, bool& owned) {
+  return static_cast<int*>(stream_buffer(stream, 0, 2 * sizeof(int), owned));
 }
 
 // A call's shape and where its tensors lie: q and the output (B, H, S, D), k and v (B, Hkv, S,
@@ -1433,14 +1539,41 @@ static int launch_ws(const void* q, const void* k, const void* v, void* out, con
   bool owned = false;
   int* counter =
       persistent && causal && PERSISTENT_DYNAMIC ? stream_counter(stream, owned) : nullptr;
+  // SPLIT_TAIL: the fixed stride's last wave, items % blocks of them, split by key tiles into up
+  // to SPLIT_TAIL parts each, as many as the grid holds (none where the wave fills more than
+  // half of it). At (1,32,4096,64) 704 items of 192 rows on 132 SMs end in a wave of 44: 44
+  // blocks run a sixth item while 88 idle; in thirds, 132 parts end the call together. Where no
+  // workspace can be had, the call is not split.
+  TailSplit split{nullptr, nullptr, 1, (int)items};
+  bool split_owned = false;
+  if (SPLIT_TAIL > 1 && persistent && !causal && items > blocks) {
+    const long long rest = items % blocks, ntiles = (S + BN - 1) / BN;
+    long long parts = rest > 0 ? blocks / rest : 1;
+    parts = parts < SPLIT_TAIL ? parts : SPLIT_TAIL;
+    parts = parts < ntiles ? parts : ntiles;
+    if (parts > 1) {
+      // The tickets first, 16 per block whatever the head dim (at most 12 consumer warps), so
+      // that no call's partial outputs overlap another's tickets in the stream's buffer.
+      constexpr int NCT = WG_THREADS * ws_consumers<D>();   // consumer threads
+      static_assert(NCT / 32 <= 16, "a ticket per consumer warp");
+      const size_t tickets = (size_t)blocks * 16 * sizeof(int);
+      const size_t bytes = tickets + (size_t)rest * parts * (D / 2 + 4) * NCT * sizeof(float);
+      char* buf = static_cast<char*>(stream_buffer(stream, 1, bytes, split_owned));
+      if (buf != nullptr)
+        split = {reinterpret_cast<float*>(buf + tickets), reinterpret_cast<int*>(buf),
+                 (int)parts, (int)(items - rest)};
+    }
+  }
   wgmma_ws_kernel<T, D, BN, OV, QB><<<(unsigned)blocks, ws_threads<D>(), smem, stream>>>(
       tq, tk, tv, to, (T*)out, BH, S, causal, scale * LOG2E, counter, tma_store,
-      heads_per_section<D>(BH, S, causal), lay);
+      heads_per_section<D>(BH, S, causal), lay, split);
   err = cudaGetLastError();
   if (owned && cudaFreeAsync(counter, stream) != cudaSuccess) {
     (void)cudaGetLastError();                 // a leaked 8 bytes, not a failed call
   }
+  if (split_owned && cudaFreeAsync(split.tickets, stream) != cudaSuccess) (void)cudaGetLastError();
   return (int)err;
+
 }
 
 // Compute-capability major of the current device (cached per device), or -1 on error.
