@@ -105,6 +105,14 @@ def test_the_mutator_leaves_the_knobs_of_kernels_that_run_no_call():
     assert dead(no_causal128, "sm90") & order128 == {"SECTION_MB_D128"}
     no_plain128 = set_knobs(source, {"CUDA_D128": "False"})
     assert dead(no_plain128, "sm90") & order128 == {"HEAD_MAJOR_D128"}
+    # the split of the last wave serves non-causal calls on a persistent grid: dead when no
+    # non-causal call takes the CUDA kernel, or neither head dim's grid is persistent
+    assert "SPLIT_TAIL" not in dead(source, "sm90")
+    causal_only = set_knobs(no_plain128, {"CUDA_D64_FILL_KEYS": "0"})
+    assert "SPLIT_TAIL" in dead(causal_only, "sm90")
+    assert "SPLIT_TAIL" not in dead(no_plain128, "sm90")   # D=64 calls that fill the GPU
+    no_persist = set_knobs(source, {"PERSISTENT_D64": "0", "PERSISTENT_D128": "0"})
+    assert "SPLIT_TAIL" in dead(no_persist, "sm90")
 
 
 def test_routing_sends_only_sm90_half_precision_calls_whose_knob_is_set(hybrid, monkeypatch):
