@@ -49,14 +49,13 @@ from evoattn.mutators.knobs import parse_settings  # noqa: E402
 DTYPES = ("float16", "bfloat16")          # float16 first: its route is the one to match
 # Odd lengths beyond the problem's own domain shapes: S = 1, a partial last tile, lengths
 # past TMA_STORE_MAX_S's default (the st.global epilogue), more work items than SMs (the
-# persistent schedule), a long odd causal S, and non-causal calls whose last wave of work items
-# SPLIT_TAIL splits by key tiles on 132 SMs (2, 3 and, with the knob at 4, 4 parts; both head dims).
+# persistent schedule), a long odd causal S, and non-causal D=64 calls whose last wave of work
+# items SPLIT_TAIL_D64 splits by key tiles on 132 SMs (2, 3 and, with the knob at 4, 4 parts).
 EXTRA = [(1, 1, 1, 128, False), (1, 3, 77, 128, True), (2, 2, 1000, 64, True),
          (1, 2, 1300, 128, False), (1, 2, 1300, 128, True), (2, 3, 1100, 128, True),
          (4, 16, 1000, 128, True), (4, 24, 700, 64, False), (4, 24, 700, 64, True),
          (1, 4, 4099, 128, True), (1, 4, 4099, 128, False), (1, 4, 4099, 64, False),
-         (1, 12, 2719, 64, False), (1, 12, 2497, 64, False), (1, 12, 2127, 64, False),
-         (1, 8, 2830, 128, False), (1, 7, 2978, 128, False), (1, 7, 2312, 128, False)]
+         (1, 12, 2719, 64, False), (1, 12, 2497, 64, False), (1, 12, 2127, 64, False)]
 # Kernel-name fragments, most specific first: the route a call took.
 ROUTES = (("wgmma_ws_kernel", "wgmma-ws"), ("wgmma_flash_kernel", "wgmma"),
           ("cuda_core_flash_kernel", "cuda-core"), ("mma_flash_kernel", "mma"),

@@ -95,7 +95,7 @@ def test_the_mutator_leaves_the_knobs_of_kernels_that_run_no_call():
     # warpgroups, ring depth and q tiles) go dead with it; D=128's stay live
     cp_async64 = set_knobs(source, {"WARP_SPECIALIZE_D64": "0"})
     assert dead(cp_async64, "sm90") == triton_d128 | {"WIDE_D64", "WS_STAGES_D64",
-                                                      "Q_DOUBLE_MAX_S_D64"}
+                                                      "Q_DOUBLE_MAX_S_D64", "SPLIT_TAIL_D64"}
     cp_async128 = set_knobs(source, {"WARP_SPECIALIZE_D128": "0"})
     assert dead(cp_async128, "sm90") == triton_d128 | {"WS_STAGES_D128", "Q_DOUBLE_MAX_S_D128"}
     # causal D=128 calls on Triton: the CUDA kernel's causal order (sections) goes dead, its
@@ -105,14 +105,11 @@ def test_the_mutator_leaves_the_knobs_of_kernels_that_run_no_call():
     assert dead(no_causal128, "sm90") & order128 == {"SECTION_MB_D128"}
     no_plain128 = set_knobs(source, {"CUDA_D128": "False"})
     assert dead(no_plain128, "sm90") & order128 == {"HEAD_MAJOR_D128"}
-    # the split of the last wave serves non-causal calls on a persistent grid: dead when no
-    # non-causal call takes the CUDA kernel, or neither head dim's grid is persistent
-    assert "SPLIT_TAIL" not in dead(source, "sm90")
-    causal_only = set_knobs(no_plain128, {"CUDA_D64_FILL_KEYS": "0"})
-    assert "SPLIT_TAIL" in dead(causal_only, "sm90")
-    assert "SPLIT_TAIL" not in dead(no_plain128, "sm90")   # D=64 calls that fill the GPU
-    no_persist = set_knobs(source, {"PERSISTENT_D64": "0", "PERSISTENT_D128": "0"})
-    assert "SPLIT_TAIL" in dead(no_persist, "sm90")
+    # the split of the last wave serves non-causal D=64 calls on a persistent grid: dead when no
+    # such call takes the CUDA kernel, or its grid is not persistent
+    assert "SPLIT_TAIL_D64" not in dead(source, "sm90")
+    assert "SPLIT_TAIL_D64" in dead(set_knobs(source, {"CUDA_D64_FILL_KEYS": "0"}), "sm90")
+    assert "SPLIT_TAIL_D64" in dead(set_knobs(source, {"PERSISTENT_D64": "0"}), "sm90")
 
 
 def test_routing_sends_only_sm90_half_precision_calls_whose_knob_is_set(hybrid, monkeypatch):

@@ -517,7 +517,7 @@ def hybrid_gpu_cases() -> list[dict[str, Any]]:
     calls one head at a time), ping-pong, no overlap (on by default) with half the exponentials
     on the FMA pipe, the TMA-store epilogue (on up to S=4096 by default) switched off, and
     Triton's ordinary launch (FAST_LAUNCH off) against its prepared one. The defaults take the
-    causal D=128 heads of (4,16,1000,128) in two sections. Then SPLIT_TAIL's split and merged
+    causal D=128 heads of (4,16,1000,128) in two sections. Then SPLIT_TAIL_D64's split and merged
     work items."""
     both = {"CUDA_D64": True, "CUDA_D64_CAUSAL": True, "CUDA_D128": True, "CUDA_D128_CAUSAL": True}
     settings = [{},
@@ -540,14 +540,13 @@ def hybrid_gpu_cases() -> list[dict[str, Any]]:
               ((8, 16, 1000, 64), "float16")]   # 1024 items: several per block
     out = [case("flash_hybrid", shape, dtype, causal, 0.125, knobs=k)
            for k in settings for shape, dtype in shapes for causal in (False, True)]
-    # SPLIT_TAIL on 132 SMs (H100, H200): non-causal calls whose last wave of work items is taken
-    # in 2 or 3 parts of its key tiles (the partial last key tile in one of them) and merged;
-    # with the knob at 4, in 4 parts; and not at all (causal calls never split)
+    # SPLIT_TAIL_D64 on 132 SMs (H100, H200): non-causal D=64 calls whose last wave of work items is
+    # taken in 2 or 3 parts of its key tiles (the partial last key tile in one of them) and
+    # merged; with the knob at 4, in 4 parts; and not at all (causal calls never split)
     split = [((1, 12, 2719, 64), "float16"), ((1, 12, 2497, 64), "bfloat16"),
-             ((1, 8, 2830, 128), "float16"), ((1, 7, 2978, 128), "bfloat16"),
-             ((1, 12, 2127, 64), "float16"), ((1, 7, 2312, 128), "float16")]
+             ((1, 12, 2127, 64), "float16")]
     out += [case("flash_hybrid", shape, dtype, causal, 0.125, knobs=k)
-            for k in ({}, {"SPLIT_TAIL": 4}, {"SPLIT_TAIL": 0})
+            for k in ({}, {"SPLIT_TAIL_D64": 4}, {"SPLIT_TAIL_D64": 0})
             for shape, dtype in split for causal in (False, True)]
     return out
 
@@ -562,8 +561,8 @@ def hybrid_view_cases() -> list[dict[str, Any]]:
     cuda = [((2, 8, 1000, 128), "bfloat16", "bshd", 2), ((2, 8, 777, 128), "float16", "bhsd", 2),
             ((1, 4, 4200, 128), "float16", "bshd", 4), ((3, 6, 129, 128), "float16", "bshd", 6),
             ((4, 16, 1000, 64), "float16", "bshd", 4), ((2, 4, 300, 64), "bfloat16", "bshd", 1),
-            # SPLIT_TAIL's parts (132 SMs): merged rows stored at the output's strides
-            ((1, 12, 2497, 64), "float16", "bshd", 4), ((1, 8, 2830, 128), "bfloat16", "bshd", 2)]
+            # SPLIT_TAIL_D64's parts (132 SMs): merged rows stored at the output's strides
+            ((1, 12, 2497, 64), "float16", "bshd", 4), ((1, 12, 2719, 64), "bfloat16", "bshd", 3)]
     out = [case("flash_hybrid", shape, dtype, causal, 0.125, layout=layout, kv_heads=kv,
                 knobs=knobs, route="cuda")
            for knobs in ({}, both, {**both, "TMA_STORE_MAX_S": 0, "PERSISTENT_D128": 0,

@@ -33,12 +33,12 @@
 // _D128 (calls with S up to it keep two q tiles, so the next work item's q loads while the
 // consumers finish the current one; 0: never), SETMAXNREG, PINGPONG,
 // WIDE_D64 (three consumer warpgroups, 192-row blocks, at D=64), PERSISTENT_D64 / _D128,
-// PERSISTENT_DYNAMIC, SPLIT_TAIL (0: off; N: a non-causal call's last wave of work items on the
-// persistent grid, where it fills at most half of it, in up to N parts of the key tiles each,
-// merged by the part that ends last: TailSplit), and TMA_STORE_MAX_S: calls with S up to it
+// PERSISTENT_DYNAMIC, SPLIT_TAIL_D64 (D=64; 0: off; N: a non-causal call's last wave of work items
+// on the persistent grid, where it fills at most half of it, in up to N parts of the key tiles
+// each, merged by the part that ends last: TailSplit), and TMA_STORE_MAX_S: calls with S up to it
 // write O with stmatrix into a shared tile per consumer warpgroup and one TMA store that runs on
-// under the next work item, instead of st.global from registers; 0: never, and no shared tile;
-// a ring too deep for 227 KB of shared memory at a head dim whose path is on fails the build),
+// under the next work item, instead of st.global from registers; 0: never, and no shared tile; a
+// ring too deep for 227 KB of shared memory at a head dim whose path is on fails the build),
 // HEAD_MAJOR_D64 / _D128 and SECTION_MB_D64 / _D128 (the block order per head dim of non-causal
 // and of causal calls, block_coords), EXP2_POLY_EVERY (0: every exponential on the
 // MUFU; N: one score in N by a polynomial on the FMA pipe instead, FlashAttention-4's offload,
@@ -55,14 +55,14 @@
 // heads heaviest first (causal: of 32 MB of heads, every head of the default configs; causal
 // 1.19-1.26x head by head at S >= 2048), 1.10x two warpgroups head by head and ahead of Triton
 // wherever a call gives every SM a work item (the hybrid seed sends those here, smaller ones to
-// Triton), non-causal calls' last wave in thirds (SPLIT_TAIL: 1.09x at (1,32,4096,64), whose 704
-// items on 132 SMs end in a wave of 44); D=128 with the intra-warpgroup overlap (10% over none,
-// with the skipped rescales), the TMA-store epilogue up to S=4096 (1.4-2% over up to 1024, 9%
-// over none), non-causal calls head by head, and causal calls in sections of 16 MB of heads
-// (1.03-1.07x head by head; all heads at once lost 26% at (16,16,1024,128) causal; sections for
-// non-causal calls lost 2-10% with L2 flushed before each call); both head dims with two q tiles
-// up to S=1024 (1.03-1.05x one at S <= 1024 at D=64; two at every length lost 7-9% at
-// (2,32,2048,64)). A warp skips O's rescale when no row's max grew (exact).
+// Triton), non-causal calls' last wave in thirds (SPLIT_TAIL_D64: 1.09x at (1,32,4096,64), whose
+// 704 items on 132 SMs end in a wave of 44); D=128 with the intra-warpgroup overlap (10% over none,
+// with the skipped rescales), the TMA-store epilogue up to S=4096 (1.4-2% over up to 1024, 9% over
+// none), non-causal calls head by head, and causal calls in sections of 16 MB of heads (1.03-1.07x
+// head by head; all heads at once lost 26% at (16,16,1024,128) causal; sections for non-causal
+// calls lost 2-10% with L2 flushed before each call); both head dims with two q tiles up to S=1024
+// (1.03-1.05x one at S <= 1024 at D=64; two at every length lost 7-9% at (2,32,2048,64)). A warp
+// skips O's rescale when no row's max grew (exact).
 // FlashAttention-4's slack (a row keeps a stale max while a tile's is at most 2^8 above it, so far
 // more tiles skip) gained 3% more at D=128 but is not offered: the largest p of a row is then no
 // longer exactly 1, its rounding to 16 bits doubled the error on some configs to the edge of the
@@ -159,7 +159,7 @@
 #define SECTION_MB_D128 16  // evoattn: choice(0, 8, 16, 32, 64, 128) when(@target=sm90) when(CUDA_D128_CAUSAL=True)
 #define PERSISTENT_D64 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
 #define PERSISTENT_D128 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D128=True, CUDA_D128_CAUSAL=True)
-#define SPLIT_TAIL 3  // evoattn: choice(0, 2, 3, 4) when(@target=sm90) when(CUDA_D64=True, CUDA_D128=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0) when(PERSISTENT_D64=1, PERSISTENT_D128=1)
+#define SPLIT_TAIL_D64 3  // evoattn: choice(0, 2, 3, 4) when(@target=sm90) when(WARP_SPECIALIZE_D64=1) when(CUDA_D64=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0) when(PERSISTENT_D64=1)
 #define PERSISTENT_DYNAMIC 1  // evoattn: choice(0, 1) when(@target=sm90) when(CUDA_D64_CAUSAL=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
 #define TMA_STORE_MAX_S 4096  // evoattn: choice(0, 1024, 2048, 4096, 65536) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
 #define EXP2_POLY_EVERY 0  // evoattn: choice(0, 8, 4, 2) when(@target=sm90) when(CUDA_D64=True, CUDA_D64_CAUSAL=True, CUDA_D128=True, CUDA_D128_CAUSAL=True, CUDA_D64_SMALL!=0, CUDA_D64_FILL_KEYS!=0)
@@ -973,7 +973,7 @@ __device__ __forceinline__ void store_rows_tma(const CUtensorMap* map, uint32_t 
   }
 }
 
-// SPLIT_TAIL (launch_ws): a non-causal call on a persistent grid whose last wave of work items
+// SPLIT_TAIL_D64 (launch_ws): a non-causal call on a persistent grid whose last wave of work items
 // would leave SMs idle takes that wave's items in `split` parts of their key tiles (1: none),
 // each part on its own block, merged by the last to finish: the items from `start` on in the
 // block order. `tickets`: one int per split item and consumer warp (zero between launches);
@@ -994,7 +994,7 @@ struct HeadLayout {
   long long out_b, out_h, out_s;
 };
 
-// One part of a SPLIT_TAIL item: this thread's o, m_run and l_run go to the workspace (part
+// One part of a SPLIT_TAIL_D64 item: this thread's o, m_run and l_run go to the workspace (part
 // `part` of split item `slot`, consumer thread `cidx` of `nct`), then its consumer warp (`cwarp`)
 // takes a ticket; the part that takes the last one merges the others' into its registers, puts
 // the ticket back to 0 for the stream's next launch and returns true (it stores the rows); the
@@ -1076,9 +1076,13 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
   auto bar_ve = [&](int st) { return bar_k(st) + 24u; };             // v tile consumed
 
   const int n_mblocks = (S + BLOCK_M - 1) / BLOCK_M;
-  // Work items: (row block, head) in block_coords' order, SPLIT_TAIL's parts counted; the host
+  // Work items: (row block, head) in block_coords' order, SPLIT_TAIL_D64's parts counted; the host
   // checks that their number, plus the grid, fits in int.
-  const int n_items = tail.start + (n_mblocks * BH - tail.start) * tail.split;
+  // SPLIT_TAIL_D64 serves head dim 64 only: at 128 its code alone cost 0.4-1.6% on the default
+  // configs, where no call's last wave is short enough to split.
+  constexpr bool SPLITS = D == 64;
+  const int n_items =
+      SPLITS ? tail.start + (n_mblocks * BH - tail.start) * tail.split : n_mblocks * BH;
   const int tid = threadIdx.x;
   const int wg_all = warp_uniform(tid / WG_THREADS);
   // Work item `item` of this block: its row block's first row m0, flat head bh, its key tiles
@@ -1089,7 +1093,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
     int real = item;
     slot = -1;
     part = 0;
-    if (item >= tail.start) {
+    if (SPLITS && item >= tail.start) {
       slot = (item - tail.start) / tail.split;
       part = item - tail.start - slot * tail.split;
       real = tail.start + slot;
@@ -1349,7 +1353,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
       const int b = bh / lay.H, h = bh - b * lay.H;
       // A split item's rows are stored by the part that merges them, from registers (the TMA
       // store's barrier is the warpgroup's, a ticket is the warp's).
-      const bool split = slot >= 0;
+      const bool split = SPLITS && slot >= 0;
       if (!split || merge_parts<D>(tail, slot, part, CONSUMERS, ctid, 4 * wg + warp, lane, o,
                                    m_run, l_run)) {
         if (TMA_STORE_MAX_S > 0 && tma_store && !split)
@@ -1412,7 +1416,7 @@ static bool make_tensor_map(CUtensorMap* map, const void* base, int B, int H, in
 
 // A zeroed device buffer of at least `bytes` for a launch on `stream`, or nullptr with the error
 // cleared. `kind` names its use: 0 the dynamic schedule's counter (a pair of ints: the next
-// item, the blocks done; the kernel's last block zeroes them again), 1 SPLIT_TAIL's tickets
+// item, the blocks done; the kernel's last block zeroes them again), 1 SPLIT_TAIL_D64's tickets
 // (each zeroed again by the kernel) and partial outputs. Launches on one stream run in order, so
 // each stream keeps one buffer of each kind, allocated and zeroed once (stream-ordered: never a
 // device-wide synchronisation; one too small is freed after the launches before it and
@@ -1539,17 +1543,17 @@ static int launch_ws(const void* q, const void* k, const void* v, void* out, con
   bool owned = false;
   int* counter =
       persistent && causal && PERSISTENT_DYNAMIC ? stream_counter(stream, owned) : nullptr;
-  // SPLIT_TAIL: the fixed stride's last wave, items % blocks of them, split by key tiles into up
-  // to SPLIT_TAIL parts each, as many as the grid holds (none where the wave fills more than
-  // half of it). At (1,32,4096,64) 704 items of 192 rows on 132 SMs end in a wave of 44: 44
-  // blocks run a sixth item while 88 idle; in thirds, 132 parts end the call together. Where no
-  // workspace can be had, the call is not split.
+  // SPLIT_TAIL_D64: the fixed stride's last wave, items % blocks of them, split by key tiles into
+  // up to SPLIT_TAIL_D64 parts each, as many as the grid holds (none where the wave fills more than
+  // half of it). At (1,32,4096,64) 704 items of 192 rows on 132 SMs end in a wave of 44: 44 blocks
+  // run a sixth item while 88 idle; in thirds, 132 parts end the call together. Where no workspace
+  // can be had, the call is not split.
   TailSplit split{nullptr, nullptr, 1, (int)items};
   bool split_owned = false;
-  if (SPLIT_TAIL > 1 && persistent && !causal && items > blocks) {
+  if (D == 64 && SPLIT_TAIL_D64 > 1 && persistent && !causal && items > blocks) {
     const long long rest = items % blocks, ntiles = (S + BN - 1) / BN;
     long long parts = rest > 0 ? blocks / rest : 1;
-    parts = parts < SPLIT_TAIL ? parts : SPLIT_TAIL;
+    parts = parts < SPLIT_TAIL_D64 ? parts : SPLIT_TAIL_D64;
     parts = parts < ntiles ? parts : ntiles;
     if (parts > 1) {
       // The tickets first, 16 per block whatever the head dim (at most 12 consumer warps), so
