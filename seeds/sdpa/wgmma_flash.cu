@@ -1106,7 +1106,6 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
     ntiles = (slot < 0 ? all : (part + 1) * all / tail.split) - t0;
   };
 
-
   if (tid == 0) {
     for (int j = 0; j < QB; ++j) {
       mbar_init(bar_q(j), 1);
