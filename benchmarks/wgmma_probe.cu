@@ -26,6 +26,15 @@ extern "C" long long probe_ws_smem_bytes(int D) {
                  : (long long)WsSmem<128, BLOCK_N_D128, (Q_DOUBLE_MAX_S_D128 > 0 ? 2 : 1)>::bytes;
 }
 
+// SPLIT_TAIL_D64's plan (the parts each item of a call's last wave is split into) and the first
+// key tile of each part, as the seed's launch and kernel compute them. Host code as well.
+extern "C" int probe_tail_parts(long long items, long long blocks, long long ntiles) {
+  return tail_parts(items, blocks, ntiles);
+}
+extern "C" int probe_part_first_tile(int part, int all, int parts) {
+  return part_first_tile(part, all, parts);
+}
+
 #if WGF_PROBE_UNITS
 
 // A warpgroup's 64 x N f32 accumulator fragments <-> a row-major [64][N] array. Thread

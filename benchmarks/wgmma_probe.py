@@ -149,9 +149,10 @@ SMEM_OPTIN_BYTES = 232448                    # H100/H200: 227 KB of shared memor
 
 
 def load(so: Path) -> ctypes.CDLL:
-    """A built probe library, with the return type of its one 64-bit entry point declared."""
+    """A built probe library, with its 64-bit return type and arguments declared."""
     lib = ctypes.CDLL(str(so))
     lib.probe_ws_smem_bytes.restype = ctypes.c_longlong
+    lib.probe_tail_parts.argtypes = [ctypes.c_longlong] * 3
     return lib
 
 

@@ -110,6 +110,47 @@ def test_probe_knows_which_ring_depths_fit_in_shared_memory(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_the_last_wave_split_plan_and_its_parts_tile_every_key_once(tmp_path):
+    """SPLIT_TAIL_D64 as the seed's host code plans it (the probe library, PTX-only: no GPU):
+    on 132 SMs a last wave that fills at most half of them is split into as many parts as the
+    grid holds, up to the knob and the key tiles; and the kernel's parts of an item cover its
+    key tiles once, in order, each with at least one."""
+    probe = _probe_module()
+    libs = {}
+    for knob in ("3", "4", "0"):
+        seed = tmp_path / f"seed_{knob}.cu"
+        seed.write_text(probe.set_knobs(SEED.read_text(), {"SPLIT_TAIL_D64": knob}))
+        so = tmp_path / f"probe_{knob}.so"
+        proc = subprocess.run(
+            ["nvcc", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
+             "-gencode=arch=compute_90a,code=compute_90a", f'-DWGF_SEED="{seed}"',
+             f"-I{SEED.parent}", "-DWGF_PROBE_UNITS=0", "-o", str(so), str(probe.PROBE)],
+            capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        libs[knob] = probe.load(so)
+
+    def parts(knob: str, B: int, H: int, S: int) -> int:
+        items = B * H * -(-S // 192)          # three consumer warpgroups: 192-row items
+        return libs[knob].probe_tail_parts(items, min(items, 132), -(-S // 128))
+
+    # the default configs: 704 items end in a wave of 44 (thirds); 768 in one of 108 (none)
+    assert [parts("3", *c) for c in [(1, 32, 4096), (2, 32, 2048), (4, 32, 1024), (8, 32, 512)]] \
+        == [3, 3, 1, 1]
+    assert parts("3", 1, 12, 2719) == 2       # 180 items: a wave of 48, two parts fit
+    assert parts("3", 1, 12, 2127) == 3 and parts("4", 1, 12, 2127) == 4   # the knob caps it
+    assert parts("3", 1, 8, 512) == 1         # fewer items than SMs: no last wave to split
+    assert parts("4", 1, 132, 129) == 1       # a full last wave
+    assert libs["3"].probe_tail_parts(140, 132, 2) == 2   # at most the key tiles
+    assert parts("0", 1, 32, 4096) == 1       # off
+    lib = libs["3"]
+    for all_tiles in range(1, 40):
+        for n in range(1, min(4, all_tiles) + 1):
+            edges = [lib.probe_part_first_tile(p, all_tiles, n) for p in range(n + 1)]
+            assert edges[0] == 0 and edges[-1] == all_tiles, (all_tiles, n, edges)
+            assert all(b > a for a, b in zip(edges, edges[1:])), (all_tiles, n, edges)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def test_a_ring_too_deep_for_a_block_fails_the_build_only_where_its_path_is_on(tmp_path):
     """Three stages with the TMA-store tile do not fit at D=128 (a build error naming the knob,
     instead of a failed launch on every GPU call); four fit at D=64; and a ring too deep for

@@ -985,6 +985,24 @@ struct TailSplit {
   int split, start;
 };
 
+// The parts SPLIT_TAIL_D64 splits each item of a non-causal call's last wave into (1: none),
+// for `items` work items of `ntiles` key tiles on a persistent grid of `blocks`: as many as the
+// grid holds, none where the wave (items % blocks) fills more than half of it, at most the knob
+// and the key tiles. At (1,32,4096,64) 704 items on 132 SMs end in a wave of 44: 3 parts each.
+[[maybe_unused]] static int tail_parts(long long items, long long blocks, long long ntiles) {
+  if (SPLIT_TAIL_D64 < 2 || items <= blocks) return 1;
+  const long long rest = items % blocks;
+  long long parts = rest > 0 ? blocks / rest : 1;
+  parts = parts < SPLIT_TAIL_D64 ? parts : SPLIT_TAIL_D64;
+  return (int)(parts < ntiles ? parts : ntiles);
+}
+
+// The first key tile of part `part` of an item's `all` tiles split `parts` ways (part = parts:
+// the end); every part gets at least one tile where parts <= all.
+__host__ __device__ __forceinline__ int part_first_tile(int part, int all, int parts) {
+  return part * all / parts;
+}
+
 // Where a call's heads lie, for the warp-specialised kernel: q, k and v are read through tensor
 // maps that carry their strides; the output is written through its map or, past
 // TMA_STORE_MAX_S, at these element strides (batch, head, row). `group` query heads share a
@@ -1102,8 +1120,8 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
     block_coords(real, n_mblocks, BH, section, mb, bh);
     m0 = mb * BLOCK_M;
     const int all = ((causal ? min(S, m0 + BLOCK_M) : S) + BN - 1) / BN;
-    t0 = slot < 0 ? 0 : part * all / tail.split;
-    ntiles = (slot < 0 ? all : (part + 1) * all / tail.split) - t0;
+    t0 = slot < 0 ? 0 : part_first_tile(part, all, tail.split);
+    ntiles = (slot < 0 ? all : part_first_tile(part + 1, all, tail.split)) - t0;
   };
 
   if (tid == 0) {
@@ -1542,30 +1560,25 @@ static int launch_ws(const void* q, const void* k, const void* v, void* out, con
   bool owned = false;
   int* counter =
       persistent && causal && PERSISTENT_DYNAMIC ? stream_counter(stream, owned) : nullptr;
-  // SPLIT_TAIL_D64: the fixed stride's last wave, items % blocks of them, split by key tiles into
-  // up to SPLIT_TAIL_D64 parts each, as many as the grid holds (none where the wave fills more than
-  // half of it). At (1,32,4096,64) 704 items of 192 rows on 132 SMs end in a wave of 44: 44 blocks
-  // run a sixth item while 88 idle; in thirds, 132 parts end the call together. Where no workspace
-  // can be had, the call is not split.
+  // SPLIT_TAIL_D64: the fixed stride's last wave, items % blocks of them, split by key tiles
+  // (tail_parts). At (1,32,4096,64) 44 blocks ran a sixth item while 88 idled; in thirds, 132
+  // parts end the call together. Where no workspace can be had, the call is not split.
   TailSplit split{nullptr, nullptr, 1, (int)items};
   bool split_owned = false;
-  if (D == 64 && SPLIT_TAIL_D64 > 1 && persistent && !causal && items > blocks) {
-    const long long rest = items % blocks, ntiles = (S + BN - 1) / BN;
-    long long parts = rest > 0 ? blocks / rest : 1;
-    parts = parts < SPLIT_TAIL_D64 ? parts : SPLIT_TAIL_D64;
-    parts = parts < ntiles ? parts : ntiles;
-    if (parts > 1) {
-      // The tickets first, 16 per block whatever the head dim (at most 12 consumer warps), so
-      // that no call's partial outputs overlap another's tickets in the stream's buffer.
-      constexpr int NCT = WG_THREADS * ws_consumers<D>();   // consumer threads
-      static_assert(NCT / 32 <= 16, "a ticket per consumer warp");
-      const size_t tickets = (size_t)blocks * 16 * sizeof(int);
-      const size_t bytes = tickets + (size_t)rest * parts * (D / 2 + 4) * NCT * sizeof(float);
-      char* buf = static_cast<char*>(stream_buffer(stream, 1, bytes, split_owned));
-      if (buf != nullptr)
-        split = {reinterpret_cast<float*>(buf + tickets), reinterpret_cast<int*>(buf),
-                 (int)parts, (int)(items - rest)};
-    }
+  const int parts = D == 64 && persistent && !causal ? tail_parts(items, blocks, (S + BN - 1) / BN)
+                                                     : 1;
+  if (parts > 1) {
+    // The tickets first, 16 per block whatever the head dim (at most 12 consumer warps), so
+    // that no call's partial outputs overlap another's tickets in the stream's buffer.
+    constexpr int NCT = WG_THREADS * ws_consumers<D>();   // consumer threads
+    static_assert(NCT / 32 <= 16, "a ticket per consumer warp");
+    const long long rest = items % blocks;
+    const size_t tickets = (size_t)blocks * 16 * sizeof(int);
+    const size_t bytes = tickets + (size_t)rest * parts * (D / 2 + 4) * NCT * sizeof(float);
+    char* buf = static_cast<char*>(stream_buffer(stream, 1, bytes, split_owned));
+    if (buf != nullptr)
+      split = {reinterpret_cast<float*>(buf + tickets), reinterpret_cast<int*>(buf), parts,
+               (int)(items - rest)};
   }
   wgmma_ws_kernel<T, D, BN, OV, QB><<<(unsigned)blocks, ws_threads<D>(), smem, stream>>>(
       tq, tk, tv, to, (T*)out, BH, S, causal, scale * LOG2E, counter, tma_store,
