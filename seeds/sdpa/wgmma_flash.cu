@@ -68,7 +68,14 @@
 // longer exactly 1, its rounding to 16 bits doubled the error on some configs to the edge of the
 // tolerance, and in a default search such children failed their checks now and then. One
 // exponential in 8 off the MUFU lost 3% at D=128; at D=64 taking them all off (a timing experiment,
-// wrong results) gained only 8%.
+// wrong results) gained only 8%. Also measured slower and not offered (H100, graph time): each
+// row's max and sum kept in four interleaved partials (2-3% at both head dims); at D=128 with two
+// q tiles, the next item's first q k^T and softmax under the current item's last P v (0.84x
+// against 0.93x at (16,16,1024,128)), and that P v issued first (ptxas serialised every wgmma,
+// C7518); at D=64 the producer loading each tile's v before the next k (0.985x against 0.990x);
+// for the last wave, two consumer warpgroups at D=64 (10-14% slower per row) or its key tiles in
+// equal ranges over every SM, stream-K (0.975x of the equal parts where they split, 0.75x at
+// (8,32,512,64) where a fuller wave was split); setmaxnreg 40 / 232 at D=128 (1.003x, no gain).
 // Any S >= 1, D in {64, 128}, fp32 accumulation. Needs the sm_90a target for wgmma (the
 // evaluator builds with -gencode=arch=compute_90a,code=sm_90a on H100/H200). Built for
 // another target (plain sm_90, or PTX JIT-compiled from an older one), the code the GPU runs
