@@ -125,6 +125,7 @@ def test_two_settings_build_check_and_time_on_hopper(tmp_path):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs a Hopper (sm_90) GPU")
+    wv = _module()
     out = tmp_path / "v.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--variant", "seed:", "--variant",
                            "no_overlap:OVERLAP_D128=0", "--head-dim", "128", "--rounds", "2",
@@ -133,3 +134,10 @@ def test_two_settings_build_check_and_time_on_hopper(tmp_path):
     assert "checks: 0 failed" in proc.stdout and "geomean vs sdpa, graph, D=128" in proc.stdout
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 4 and all({"sdpa", "seed", "no_overlap"} <= set(r["ms"]) for r in rows)
+    assert all(len(r["samples"][n]["graph"]) == 2 for r in rows for n in ("seed", "no_overlap"))
+    # the printed paired gain is the one the rounds' samples give, per config and over them
+    gains = [wv.paired_gain(r["samples"]["seed"]["graph"], r["samples"]["no_overlap"]["graph"])
+             for r in rows]
+    line = next(ln for ln in proc.stdout.splitlines()
+                if ln.startswith("paired gain, graph, D=128: seed vs no_overlap "))
+    assert line.split("no_overlap ")[1].split("x")[0] == f"{wv.geomean_gain(gains)[0]:.3f}"
