@@ -206,6 +206,39 @@ def test_with_history_each_mutation_turns_an_untried_knob_while_there_is_one() -
         assert set(turned(changes, keys)) < keys
 
 
+def test_turned_alone_counts_only_mutations_of_that_knob_and_no_other() -> None:
+    keys = {"A", "B", "C"}
+    changes = ["A: 1 -> 2, B: 1 -> 2", "crossover: C: 1 -> 2", "B: 1 -> 2", "B: 2 -> 1", ""]
+    assert turned(changes, keys) == {"A": 1, "B": 3, "C": 1}
+    assert turned(changes, keys, alone=True) == {"B": 2}
+
+
+def test_a_knob_turned_only_beside_others_is_turned_alone_first() -> None:
+    """One knob's gain hides behind another's cost in a joint turn: every live knob is turned
+    alone once (one knob per mutation) before mutations of several knobs."""
+    parent = _prog(WIDE)
+    keys = sorted(k.key for k in find_knobs(WIDE))
+    for seed0 in (0, 100, 200):
+        history = _Tried()
+        # the run so far turned every knob, each only in pairs
+        history.kept = [f"{a}: False -> True, {b}: False -> True"
+                        for a, b in zip(keys[::2], keys[1::2])]
+        m = KnobMutator(0.0, history=history)
+        for i in range(len(keys)):
+            p = m.propose(MutationRequest(parent=parent, inspirations=(), seed=seed0 + i,
+                                          iteration=i))
+            assert p.source is not None and _SEP not in p.change, p.change
+            history.kept.append(p.change)
+        assert set(turned(history.kept, set(keys), alone=True)) == set(keys)
+        # then some mutations turn several knobs again (the least turned alone first)
+        later = [m.propose(MutationRequest(parent=parent, inspirations=(), seed=seed0 + 50 + i,
+                                           iteration=50 + i)).change for i in range(40)]
+        assert any(_SEP in c for c in later)
+
+
+_SEP = ", "
+
+
 def test_the_preference_gives_way_when_the_least_tried_settings_are_known() -> None:
     two = "A = 1  # evoattn: choice(1, 2)\nB = 1  # evoattn: choice(1, 2)\n"
     history = _Tried()

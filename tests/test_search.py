@@ -297,18 +297,21 @@ def test_the_gpu_figure_is_the_timing_share_of_the_wall_time_per_gpu(tmp_path: P
 
 
 class _TwoKnobs(FakeEvaluator):
-    """Of 24 knobs only K05 and K17 change the speed: +10% each when True."""
+    """Of 24 knobs K05 and K17 make it 10% faster each when True, eight others (K00-K03, K08,
+    K09, K12, K20) 30% slower each: beside one of those a good knob's gain is hidden."""
 
     def score(self, source: str) -> float:
         knobs = {k.name: k.value for k in find_knobs(source)}
-        return 1.0 + 0.1 * (knobs.get("K05") == "True") + 0.1 * (knobs.get("K17") == "True")
+        good = 1.0 + 0.1 * (knobs.get("K05") == "True") + 0.1 * (knobs.get("K17") == "True")
+        return good * 0.7 ** sum(knobs.get(f"K{i:02d}") == "True"
+                                 for i in (0, 1, 2, 3, 8, 9, 12, 20))
 
 
 def test_a_short_search_with_the_run_history_finds_the_two_knobs_that_matter(
         tmp_path: Path) -> None:
-    """Coverage first (the knob mutator reads the run's earlier changes): 32 iterations over
-    24 neutral knobs and two that matter find both in every one of 20 runs; drawing knobs
-    uniformly, some runs miss one."""
+    """Coverage first (the knob mutator reads the run's earlier changes and turns each knob
+    alone once): 32 iterations over 24 knobs, two that help and eight that hurt, find both
+    that help in 18 of 20 runs; drawing knobs uniformly, 14."""
     from evoattn.mutators.history import StoreHistory
     wide = TOY_SEED + "".join(f"K{i:02d} = False  # evoattn: choice(True, False)\n"
                               for i in range(24))
@@ -330,5 +333,5 @@ def test_a_short_search_with_the_run_history_finds_the_two_knobs_that_matter(
         return out.best.fitness == pytest.approx(1.2)
 
     seeds = range(1, 21)
-    assert all(found(seed, True) for seed in seeds)
-    assert sum(found(seed, False) for seed in seeds) < len(seeds)
+    with_history = sum(found(seed, True) for seed in seeds)
+    assert with_history >= 18 and with_history > sum(found(seed, False) for seed in seeds)

@@ -5,12 +5,15 @@ condition fails in the parent changes nothing that runs, so the mutator neither 
 crosses it (an evaluation spent there would time the parent again).
 
 Coverage first: given the run's history, a mutation's first knob is one of the live knobs its
-latest proposals turned least often: while some live knob is untried, each mutation turns one
-(the one or two others it may turn are drawn at random). Drawn at random, some of a few dozen
-knobs go untried for a whole short run: with 44 live knobs and about 70 knob changes, each knob
-is missed with probability (1 - 1/44)^70, about 0.2. The counts are the run's, not the parent's:
-a search's parents change often (a neutral child ties its parent), so a parent's own children
-are too few.
+latest proposals turned *alone* least often, and while some live knob has never been turned
+alone the mutation turns only that one: a one-at-a-time pass over the live knobs, then one to
+three knobs at a time with the least-turned first. Drawn at random, some of a few dozen knobs
+go untried for a whole short run: with 44 live knobs and about 70 knob changes, each knob is
+missed with probability (1 - 1/44)^70, about 0.2. Turned only beside others, a knob's gain can
+hide behind another's cost: a run from a weaker start (BENCHMARKS.md) turned three-warpgroup
+tiles only beside a setting that spills and the last wave's split only beside the slow launch
+path, and kept neither. The counts are the run's, not the parent's: a search's parents change
+often (a neutral child ties its parent), so a parent's own children are too few.
 """
 from __future__ import annotations
 
@@ -54,8 +57,8 @@ class Changes(Protocol):
 
 
 class KnobMutator:
-    """Mutates one to three knobs (neighbours preferred, the run's least-turned first) or
-    crosses knobs with another elite."""
+    """Mutates one to three knobs (neighbours preferred, the run's least turned alone first;
+    alone until each live knob has been) or crosses knobs with another elite."""
 
     name = "knobs"
 
@@ -82,8 +85,8 @@ class KnobMutator:
             ((p, pk) for p in request.inspirations if p.id != parent.id
              for pk in [find_knobs(p.source)] if {k.key for k in pk} == keys), (None, []))
         live = active(knobs, self.facts)      # knobs whose code runs some call
-        tried = (turned(self.history.recent_changes(self.name, self.history_limit), keys)
-                 if self.history is not None else {})
+        tried = (turned(self.history.recent_changes(self.name, self.history_limit), keys,
+                        alone=True) if self.history is not None else None)
         for attempt in range(self.attempts):
             use_cross = partner is not None and rng.random() < self.crossover_rate
             # the later half of the attempts drops the preference: the least-tried knobs'
@@ -110,10 +113,11 @@ class KnobMutator:
         values = {k.key: k.value for k in knobs}
         n = 1 if rng.random() < 0.6 else 2 if rng.random() < 0.75 else 3
         picked = rng.sample(live, k=min(n, len(live)))
-        if tried and live:                    # the first knob: one the run turned least
+        if tried is not None and live:        # the first knob: one the run turned alone least
             fewest = min(tried.get(k.key, 0) for k in live)
             first = rng.choice([k for k in live if tried.get(k.key, 0) == fewest])
-            picked = [first] + [k for k in picked if k.key != first.key][:len(picked) - 1]
+            picked = [first] + ([k for k in picked if k.key != first.key][:len(picked) - 1]
+                                if fewest else [])   # never turned alone: alone now
         for k in picked:
             others = [c for c in k.choices if c != k.value]
             if not others:
@@ -144,12 +148,16 @@ def describe(changed: dict[str, tuple[str, str]], crossover: bool) -> str:
     return (_CROSS if crossover else "") + what
 
 
-def turned(changes: Iterable[str], keys: set[str]) -> dict[str, int]:
-    """Returns how many of these change lines (describe's) turned each knob; a change not in
-    that form (an LLM's diff) counts for no knob."""
+def turned(changes: Iterable[str], keys: set[str], alone: bool = False) -> dict[str, int]:
+    """Returns how many of these change lines (describe's) turned each knob (with `alone`, only
+    the mutations that turned that knob and no other); a change not in that form (an LLM's
+    diff) counts for no knob."""
     counts: dict[str, int] = {}
     for change in changes:
-        for part in change.removeprefix(_CROSS).split(_SEP):
+        parts = change.removeprefix(_CROSS).split(_SEP)
+        if alone and (change.startswith(_CROSS) or len(parts) != 1):
+            continue
+        for part in parts:
             key = part.rsplit(_ARROW, 1)[0].rpartition(": ")[0]
             if _ARROW in part and key in keys:
                 counts[key] = counts.get(key, 0) + 1
