@@ -108,7 +108,7 @@ class LiveView:
         else:
             best = _fitness(p.best)
             self.console.print(f"[{p.iteration}/{p.iterations}] best {best} | "
-                               f"flagged {p.flags}{llm_line(p.llm)} | {p.last_note[:120]}",
+                               f"flagged {p.flags}{llm_line(p.llm)} | {p.last_note}",
                                soft_wrap=True, markup=False)
 
 

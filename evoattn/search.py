@@ -323,11 +323,11 @@ class Search:
         if crowned:
             pop.crown(child)
         self._commit(pop, iteration, child, None, proposal)
+        change = _change_line(proposal.change)
         if not child.correct:
-            return (f"{proposal.mutator}: {result.verdict.value}: {result.reason[:70]} "
-                    f"({proposal.change[:60]})")
-        return (f"{proposal.mutator}: {result.verdict.value} fitness {result.fitness:.3f}"
-                f"{verdict} ({proposal.change[:80]})")
+            return f"{proposal.mutator}: {result.verdict.value}: {result.reason[:70]} ({change})"
+        return (f"{proposal.mutator}: {result.verdict.value} fitness {result.fitness:.3f} "
+                f"({change}){verdict}")
 
     def _challenge(self, pop: Population, pid: str, source: str,
                    result: EvalResult) -> tuple[EvalResult, bool, str]:
@@ -449,8 +449,18 @@ def beats(duel: EvalResult) -> bool:
     return duel.correct and duel.gain_ci is not None and duel.gain_ci[0] > 1.0
 
 
+def _change_line(change: str, limit: int = 160) -> str:
+    """Returns a proposal's change for a progress note: its first line (an LLM's change may be
+    a diff), at most `limit` characters (a knob mutation's three settings fit)."""
+    lines = (change or "").strip().splitlines()
+    first = lines[0] if lines else ""
+    return first if len(first) <= limit else first[:limit - 3] + "..."
+
+
 def _interval(ci: tuple[float, float] | None) -> str:
     return f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
+
+
 _INTEGRITY = {Verdict.POLICY, Verdict.TAMPERING, Verdict.HIDDEN_WORK, Verdict.NONDETERMINISTIC,
               Verdict.IMPLAUSIBLE, Verdict.SANDBOX}
 

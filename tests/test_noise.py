@@ -231,6 +231,34 @@ def test_a_truly_faster_child_is_crowned_after_its_duel(tmp_path: Path) -> None:
         assert st.load_state()["population"]["champion"] == out.best.id
 
 
+def test_the_log_line_of_a_crowned_child_names_its_change_in_full(tmp_path: Path) -> None:
+    """A user reading `evoattn run --quiet` sees which knobs made each new best: the change
+    comes before the duel's verdict, and the line is not cut."""
+    import io
+
+    from rich.console import Console
+
+    from evoattn.progress import EventLog, LiveView
+
+    out = io.StringIO()
+    view = LiveView(Console(file=out, width=80), True, EventLog(tmp_path / "events.jsonl"),
+                    "cpu")
+    cfg = RunConfig(iterations=25, random_seed=5)
+    store = RunStore.open(tmp_path / "run", config_to_dict(cfg), create=True)
+    ev = FakeEvaluator()
+    s = Search(cfg, store, ev, [(KnobMutator(0.0), 1.0)], TOY_SEED, ".py",
+               on_progress=view.update)
+    try:
+        result = s.run()
+    finally:
+        store.close()
+    crowned = [ln for ln in out.getvalue().splitlines() if ln.endswith(": new best")]
+    assert crowned, out.getvalue()[-2000:]
+    best = result.best
+    assert any(f"({best.change}) -> " in ln for ln in crowned), (best.change, crowned)
+    assert any(len(ln) > 120 for ln in crowned)           # wider than the console: not cut
+
+
 @dataclasses.dataclass
 class _WideEvaluator(FakeEvaluator):
     """Every program is as fast as the seed; a child's plain evaluation reads 2% above the
