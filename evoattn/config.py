@@ -25,6 +25,7 @@ class PopulationConfig:
     migration_interval: int = 10       # iterations between ring migrations
     exploration: float = 0.3           # chance of a random elite as parent instead of a top one
     crossover_rate: float = 0.2        # chance a knob mutation crosses with another elite
+    transplant_rate: float = 0.25      # chance it carries a one-knob gain found elsewhere
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,6 +302,9 @@ def check_config(cfg: RunConfig, origin: str) -> None:
         raise bad("population.islands", "must be >= 1")
     if cfg.population.elites_per_island < 1:
         raise bad("population.elites_per_island", "must be >= 1")
+    for key in ("exploration", "crossover_rate", "transplant_rate"):
+        if not 0.0 <= getattr(cfg.population, key) <= 1.0:
+            raise bad(f"population.{key}", "must be between 0 and 1 (a chance)")
     if cfg.evaluator.trials < 1:
         raise bad("evaluator.trials", "must be >= 1")
     for key in ("timing", "backend"):

@@ -129,7 +129,8 @@ def _search(plan: RunPlan, store: Any, evaluator: Any, quiet: bool, console: Con
             mutators.append((KnobMutator(cfg.population.crossover_rate,
                                          is_known=store.has_program,
                                          facts={"target": target} if target else None,
-                                         history=history),
+                                         history=history,
+                                         transplant_rate=cfg.population.transplant_rate),
                              m.weight))
         else:
             from .mutators.llm import CostMeter, LlmMutator

@@ -120,6 +120,18 @@ class RunReads:
             "ORDER BY 1 DESC LIMIT ?", (mutator, mutator, limit))
         return [c for _, c in rows.fetchall() if c]
 
+    def recent_gains(self, mutator: str, limit: int) -> list[str]:
+        """Returns the changes of a mutator's latest correct children that beat their parent
+        beyond the child's noise (the low end of its fitness interval above the parent's
+        fitness; without an interval, the fitness above it), newest first."""
+        rows = self._conn.execute(
+            "SELECT c.change, c.fitness, json_extract(c.result_json, '$.fitness_ci[0]'), "
+            "p.fitness FROM programs c JOIN programs p ON p.id = c.parent_id "
+            "WHERE c.mutator = ? AND c.verdict = 'pass' AND c.fitness IS NOT NULL "
+            "AND p.fitness IS NOT NULL ORDER BY c.iteration DESC LIMIT ?", (mutator, limit))
+        return [change for change, fit, low, parent in rows.fetchall()
+                if change and (fit if low is None else low) > parent]
+
     def stored_config(self) -> dict[str, Any]:
         """Returns the config dict the run was created with."""
         row = self._conn.execute("SELECT value FROM meta WHERE key = 'config'").fetchone()

@@ -56,6 +56,10 @@ def test_defaults_fill_missing_keys(tmp_path: Path) -> None:
     ("dtypes: [float16, 16]\n", "key 'dtypes[1]' must be a string"),
     ("dtype: half\n", "key 'dtypes[0]' must be one of float16, bfloat16, float32"),
     ("dtype: float16\ndtypes: [float16]\n", "keys 'dtype' and 'dtypes' are both set"),
+    ("population:\n  transplant_rate: 1.5\n",
+     "key 'population.transplant_rate' must be between 0 and 1"),
+    ("population:\n  crossover_rate: -0.1\n",
+     "key 'population.crossover_rate' must be between 0 and 1"),
 ])
 def test_mistakes_name_the_file_and_key(tmp_path: Path, text: str, needle: str) -> None:
     p = _write(tmp_path, text)

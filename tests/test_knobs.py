@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from evoattn.mutators.knobs import (KnobMutator, active, find_knobs, set_knobs, space_size,
-                                   turned)
+                                   transplants, turned)
 from evoattn.types import MutationRequest, Program, program_id
 
 from fakes import TOY_SEED
@@ -173,9 +173,13 @@ class _Tried:
 
     def __init__(self) -> None:
         self.kept: list[str] = []
+        self.gains: list[str] = []           # the changes whose child beat its parent
 
     def recent_changes(self, mutator: str, limit: int) -> list[str]:
         return self.kept[::-1][:limit]
+
+    def recent_gains(self, mutator: str, limit: int) -> list[str]:
+        return self.gains[::-1][:limit]
 
 
 def test_turned_reads_knob_changes_from_change_lines() -> None:
@@ -237,6 +241,42 @@ def test_a_knob_turned_only_beside_others_is_turned_alone_first() -> None:
 
 
 _SEP = ", "
+
+
+def test_transplants_are_one_knob_gains_the_parent_lacks() -> None:
+    src = ("A = 1  # evoattn: choice(1, 2, 3)\nB = 1  # evoattn: choice(1, 2)\n"
+           "C = 1  # evoattn: choice(1, 2)\nD = 1  # evoattn: choice(1, 2) when(C=2)\n")
+    live = active(find_knobs(src))
+    gains = ["A: 2 -> 3", "B: 1 -> 2, C: 1 -> 2", "crossover: C: 1 -> 2", "A: 1 -> 3",
+             "C: 2 -> 1", "D: 1 -> 2", "E: 1 -> 2", "A: 1 -> 9", "@@ -1 +1 @@\n-A\n+B", ""]
+    # A=3 once; not a pair, a crossover, a value the parent has, a knob not live or not in
+    # the file, a value not among the choices, an LLM's diff
+    assert transplants(gains, live) == [("A", "3")]
+
+
+def test_a_gain_found_on_another_parent_is_carried_to_this_one() -> None:
+    """Two gains found in separate lineages meet: a parent lacking a one-knob gain the run
+    found elsewhere gets it, alone."""
+    parent = _prog(WIDE)
+    history = _Tried()
+    history.kept = ["K03: False -> True", "K07: False -> True"]
+    history.gains = ["K03: False -> True", "K05: True -> False, K09: False -> True"]
+    m = KnobMutator(0.0, history=history, transplant_rate=1.0)
+    for seed in range(5):
+        p = m.propose(MutationRequest(parent=parent, inspirations=(), seed=seed, iteration=3))
+        assert p.change == "K03: False -> True" and p.source == set_knobs(WIDE, {"K03": "True"})
+    # a parent that has it already, or a child known, gets an ordinary mutation
+    has = _prog(set_knobs(WIDE, {"K03": "True"}))
+    assert "K03" not in m.propose(MutationRequest(parent=has, inspirations=(), seed=1,
+                                                  iteration=3)).change
+    known = {program_id(set_knobs(WIDE, {"K03": "True"}))}
+    m = KnobMutator(0.0, history=history, transplant_rate=1.0, is_known=lambda pid: pid in known)
+    assert m.propose(MutationRequest(parent=parent, inspirations=(), seed=1,
+                                     iteration=3)).change != "K03: False -> True"
+    # at rate 0 the one-at-a-time pass goes on: K03 was turned alone already
+    m = KnobMutator(0.0, history=history, transplant_rate=0.0)
+    assert all("K03" not in m.propose(MutationRequest(parent=parent, inspirations=(), seed=s,
+                                                      iteration=3)).change for s in range(5))
 
 
 def test_the_preference_gives_way_when_the_least_tried_settings_are_known() -> None:

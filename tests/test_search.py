@@ -309,9 +309,10 @@ class _TwoKnobs(FakeEvaluator):
 
 def test_a_short_search_with_the_run_history_finds_the_two_knobs_that_matter(
         tmp_path: Path) -> None:
-    """Coverage first (the knob mutator reads the run's earlier changes and turns each knob
-    alone once): 32 iterations over 24 knobs, two that help and eight that hurt, find both
-    that help in 18 of 20 runs; drawing knobs uniformly, 14."""
+    """Coverage first (the knob mutator reads the run's earlier changes, turns each knob
+    alone once and carries a one-knob gain to parents that lack it): 32 iterations over 24
+    knobs, two that help and eight that hurt, find both that help in every one of 20 runs;
+    drawing knobs uniformly, some runs miss one."""
     from evoattn.mutators.history import StoreHistory
     wide = TOY_SEED + "".join(f"K{i:02d} = False  # evoattn: choice(True, False)\n"
                               for i in range(24))
@@ -333,5 +334,5 @@ def test_a_short_search_with_the_run_history_finds_the_two_knobs_that_matter(
         return out.best.fitness == pytest.approx(1.2)
 
     seeds = range(1, 21)
-    with_history = sum(found(seed, True) for seed in seeds)
-    assert with_history >= 18 and with_history > sum(found(seed, False) for seed in seeds)
+    assert all(found(seed, True) for seed in seeds)
+    assert sum(found(seed, False) for seed in seeds) < len(seeds)

@@ -1,6 +1,8 @@
 """RunStore: round-trips, atomic iterations (also under kill -9), lock, secrets, queries."""
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import random
 import signal
@@ -185,6 +187,22 @@ def test_recent_changes_are_a_mutators_proposals_newest_first(store, tmp_path):
         conn.execute("ALTER TABLE rejections DROP COLUMN change")    # rejections kept changes
     with RunStore.open_readonly(tmp_path / "run") as old:
         assert old.recent_changes("knobs", 10) == ["change b", "change a"]
+
+
+def test_recent_gains_are_changes_whose_child_beat_its_parent_beyond_its_noise(store):
+    commit(store, 0, make("seed", None, 1.0, 0))
+    commit(store, 1, make("a", "seed", 1.2, 1))                      # no interval: 1.2 > 1.0
+    noisy = make("b", "seed", 1.05, 2)
+    commit(store, 2, dataclasses.replace(noisy, result=dataclasses.replace(
+        noisy.result, fitness_ci=(0.98, 1.12))))                     # within its noise: no
+    sure = make("c", "a", 1.3, 3)
+    commit(store, 3, dataclasses.replace(sure, result=dataclasses.replace(
+        sure.result, fitness_ci=(1.25, 1.35))))                      # beyond it: yes
+    commit(store, 4, make("d", "a", 1.1, 4))                         # slower than its parent
+    commit(store, 5, make("e", "seed", 5.0, 5, Verdict.INCORRECT))   # not correct
+    assert store.recent_gains("knobs", 10) == ["change c", "change a"]
+    assert store.recent_gains("knobs", 2) == ["change c"]             # of the latest 2 children
+    assert store.recent_gains("llm:m", 10) == []
 
 
 def test_lineage_runs_from_seed_to_program(store):

@@ -61,6 +61,11 @@ class StoreHistory:
         with RunStore.open_readonly(self.run_dir) as st:
             return st.recent_changes(mutator, limit)
 
+    def recent_gains(self, mutator: str, limit: int) -> list[str]:
+        from evoattn.store import RunStore
+        with RunStore.open_readonly(self.run_dir) as st:
+            return st.recent_gains(mutator, limit)
+
 
 def _about_an_answer(a: Attempt) -> bool:
     if a.outcome == "rejected":

@@ -14,6 +14,12 @@ hide behind another's cost: a run from a weaker start (BENCHMARKS.md) turned thr
 tiles only beside a setting that spills and the last wave's split only beside the slow launch
 path, and kept neither. The counts are the run's, not the parent's: a search's parents change
 often (a neutral child ties its parent), so a parent's own children are too few.
+
+Gains meet: one knob's gain is often found on a parent other than the best (the one-at-a-time
+pass turns each knob from whichever parent is drawn), and crossing two elites takes it with
+only even odds per knob. So with chance `transplant_rate` a mutation carries to its parent one
+of the run's one-knob settings that beat their own parent beyond noise and that this parent
+lacks (StoreHistory.recent_gains).
 """
 from __future__ import annotations
 
@@ -55,6 +61,8 @@ class Changes(Protocol):
 
     def recent_changes(self, mutator: str, limit: int) -> list[str]: ...
 
+    def recent_gains(self, mutator: str, limit: int) -> list[str]: ...
+
 
 class KnobMutator:
     """Mutates one to three knobs (neighbours preferred, the run's least turned alone first;
@@ -64,8 +72,10 @@ class KnobMutator:
 
     def __init__(self, crossover_rate: float = 0.2, is_known: Callable[[str], bool] | None = None,
                  attempts: int = 20, facts: dict[str, str] | None = None,
-                 history: Changes | None = None, history_limit: int = 400) -> None:
+                 history: Changes | None = None, history_limit: int = 400,
+                 transplant_rate: float = 0.25) -> None:
         self.crossover_rate = crossover_rate
+        self.transplant_rate = transplant_rate  # a gain found on another parent, onto this one
         self.is_known = is_known or (lambda pid: False)
         self.attempts = attempts
         self.facts = dict(facts or {})         # e.g. {"target": "sm90"}: see when(...) above
@@ -87,6 +97,15 @@ class KnobMutator:
         live = active(knobs, self.facts)      # knobs whose code runs some call
         tried = (turned(self.history.recent_changes(self.name, self.history_limit), keys,
                         alone=True) if self.history is not None else None)
+        gains = (self.history.recent_gains(self.name, self.history_limit)
+                 if self.history is not None and rng.random() < self.transplant_rate else [])
+        moves = transplants(gains, live)
+        for key, new in rng.sample(moves, k=len(moves)):
+            child = set_knobs(parent.source, {key: new})
+            if not self.is_known(program_id(child)):
+                old = next(k.value for k in knobs if k.key == key)
+                return Proposal(parent.id, self.name, child, change=describe({key: (old, new)},
+                                                                             False))
         for attempt in range(self.attempts):
             use_cross = partner is not None and rng.random() < self.crossover_rate
             # the later half of the attempts drops the preference: the least-tried knobs'
@@ -146,6 +165,25 @@ def describe(changed: dict[str, tuple[str, str]], crossover: bool) -> str:
     """Returns a proposal's change line: "[crossover: ]KEY: OLD -> NEW, KEY: OLD -> NEW"."""
     what = _SEP.join(f"{key}: {old}{_ARROW}{new}" for key, (old, new) in changed.items())
     return (_CROSS if crossover else "") + what
+
+
+def transplants(gains: Iterable[str], live: list[Knob]) -> list[tuple[str, str]]:
+    """Returns the (knob, value) settings of these gaining change lines that a parent with
+    these live knobs lacks: one-knob mutations only (a gain of several knobs or of a crossover
+    is not one knob's), each once, in the order given."""
+    values = {k.key: k for k in live}
+    moves: list[tuple[str, str]] = []
+    for change in gains:
+        parts = change.split(_SEP)
+        if change.startswith(_CROSS) or len(parts) != 1 or _ARROW not in parts[0]:
+            continue
+        head, new = parts[0].rsplit(_ARROW, 1)
+        key = head.rpartition(": ")[0]
+        knob = values.get(key)
+        if knob is not None and new in knob.choices and knob.value != new \
+                and (key, new) not in moves:
+            moves.append((key, new))
+    return moves
 
 
 def turned(changes: Iterable[str], keys: set[str], alone: bool = False) -> dict[str, int]:
