@@ -11,7 +11,7 @@ from rich.live import Live
 from rich.table import Table
 
 from .report import label
-from .search import Progress
+from .search import Progress, first_line
 
 
 class EventLog:
@@ -108,8 +108,14 @@ class LiveView:
         else:
             best = _fitness(p.best)
             self.console.print(f"[{p.iteration}/{p.iterations}] best {best} | "
-                               f"flagged {p.flags}{llm_line(p.llm)} | {p.last_note}",
+                               f"flagged {p.flags}{llm_line(p.llm)} | {log_note(p.last_note)}",
                                soft_wrap=True, markup=False)
+
+
+def log_note(note: str) -> str:
+    """Returns an iteration's note for its log line: one line, whole up to 400 characters (a
+    duel's note with its change fits)."""
+    return first_line(note, 400)
 
 
 def llm_line(llm: dict[str, float]) -> str:

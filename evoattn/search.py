@@ -323,7 +323,7 @@ class Search:
         if crowned:
             pop.crown(child)
         self._commit(pop, iteration, child, None, proposal)
-        change = _change_line(proposal.change)
+        change = first_line(proposal.change, 160)   # a knob mutation's three settings fit
         if not child.correct:
             return f"{proposal.mutator}: {result.verdict.value}: {result.reason[:70]} ({change})"
         return (f"{proposal.mutator}: {result.verdict.value} fitness {result.fitness:.3f} "
@@ -449,10 +449,10 @@ def beats(duel: EvalResult) -> bool:
     return duel.correct and duel.gain_ci is not None and duel.gain_ci[0] > 1.0
 
 
-def _change_line(change: str, limit: int = 160) -> str:
-    """Returns a proposal's change for a progress note: its first line (an LLM's change may be
-    a diff), at most `limit` characters (a knob mutation's three settings fit)."""
-    lines = (change or "").strip().splitlines()
+def first_line(text: str, limit: int) -> str:
+    """Returns the first line of a text (an LLM's change may be a diff, a rejection may quote a
+    server's answer), cut to `limit` characters."""
+    lines = (text or "").strip().splitlines()
     first = lines[0] if lines else ""
     return first if len(first) <= limit else first[:limit - 3] + "..."
 

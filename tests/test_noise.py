@@ -257,6 +257,10 @@ def test_the_log_line_of_a_crowned_child_names_its_change_in_full(tmp_path: Path
     best = result.best
     assert any(f"({best.change}) -> " in ln for ln in crowned), (best.change, crowned)
     assert any(len(ln) > 120 for ln in crowned)           # wider than the console: not cut
+    # a note that quotes a server's answer stays one line, of bounded length
+    from evoattn.progress import log_note
+    assert log_note("llm: rejected: HTTP 500: oops\n<html>...") == "llm: rejected: HTTP 500: oops"
+    assert len(log_note("x" * 1000)) == 400 and log_note("") == ""
 
 
 @dataclasses.dataclass
