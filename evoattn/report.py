@@ -188,11 +188,15 @@ def print_eval(console: Console, result: EvalResult,
 
 
 def remeasured_lines(result: EvalResult) -> list[str]:
-    """Returns what the evaluator measured again and why (evaluator/measure.py, timing.py):
-    configs whose baselines' own times showed a disturbance, call rounds that lost their CPU."""
+    """Returns what the evaluator measured again and why (evaluator/measure.py, timing.py,
+    sandbox.py): configs whose baselines' own times showed a disturbance, call rounds that lost
+    their CPU, a candidate evaluated again after an evaluator fault."""
     info = result.device_info or {}
     lines = [f"measured again: {config} ({why})"
              for config, why in (info.get("configs_remeasured") or {}).items()]
+    if info.get("evaluated_again"):
+        lines.append(f"measured again: the whole candidate, after an evaluator fault "
+                     f"({info['evaluated_again']})")
     rounds = info.get("call_rounds_redone")
     if rounds:
         lines.append(f"measured again: {rounds} call-mode round{'s' if rounds > 1 else ''} "

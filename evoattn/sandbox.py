@@ -151,8 +151,9 @@ class SubprocessEvaluator:
             if again.verdict is Verdict.EVALUATOR_FAULT:
                 return dataclasses.replace(again, reason=f"twice: {again.reason} (first: "
                                            f"{result.reason})")
-            return dataclasses.replace(again, flags=again.flags + (
-                f"evaluated again after an evaluator fault: {result.reason}",))
+            # an evaluator condition, not an integrity flag: a run counts flags as suspicions
+            return dataclasses.replace(again, device_info={
+                **again.device_info, "evaluated_again": result.reason})
         if result.verdict is Verdict.OOM and self._spares and not self._abort.is_set() and \
                 not result.reason.startswith("host memory"):
             return self._without_spares(result, source, suffix, label, rival)
