@@ -164,6 +164,7 @@ def test_a_condition_on_a_knob_the_file_lacks_leaves_the_knob_live() -> None:
     assert {k.name for k in active(find_knobs(src), {"target": "sm90"})} == {"A", "B"}
 
 
+_SEP = ", "                                 # between a change line's knob settings
 WIDE = "import torch\n" + "".join(f"K{i:02d} = False  # evoattn: choice(True, False)\n"
                                   for i in range(24))
 
@@ -238,9 +239,6 @@ def test_a_knob_turned_only_beside_others_is_turned_alone_first() -> None:
         later = [m.propose(MutationRequest(parent=parent, inspirations=(), seed=seed0 + 50 + i,
                                            iteration=50 + i)).change for i in range(40)]
         assert any(_SEP in c for c in later)
-
-
-_SEP = ", "
 
 
 def test_transplants_are_one_knob_gains_the_parent_lacks() -> None:
