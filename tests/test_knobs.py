@@ -249,7 +249,7 @@ def test_transplants_are_one_knob_gains_the_parent_lacks() -> None:
              "C: 2 -> 1", "D: 1 -> 2", "E: 1 -> 2", "A: 1 -> 9", "@@ -1 +1 @@\n-A\n+B", ""]
     # A=3 once; not a pair, a crossover, a value the parent has, a knob not live or not in
     # the file, a value not among the choices, an LLM's diff
-    assert transplants(gains, live) == [("A", "3")]
+    assert [(k.key, k.value, new) for k, new in transplants(gains, live)] == [("A", "1", "3")]
 
 
 def test_a_gain_found_on_another_parent_is_carried_to_this_one() -> None:

@@ -10,10 +10,9 @@ alone the mutation turns only that one: a one-at-a-time pass over the live knobs
 three knobs at a time with the least-turned first. Drawn at random, some of a few dozen knobs
 go untried for a whole short run: with 44 live knobs and about 70 knob changes, each knob is
 missed with probability (1 - 1/44)^70, about 0.2. Turned only beside others, a knob's gain can
-hide behind another's cost: a run from a weaker start (BENCHMARKS.md) turned three-warpgroup
-tiles only beside a setting that spills and the last wave's split only beside the slow launch
-path, and kept neither. The counts are the run's, not the parent's: a search's parents change
-often (a neutral child ties its parent), so a parent's own children are too few.
+hide behind another's cost (three-warpgroup tiles beside a setting that spills: BENCHMARKS.md,
+"what a default search finds"). The counts are the run's, not the parent's: a search's parents
+change often (a neutral child ties its parent), so a parent's own children are too few.
 
 Gains meet: one knob's gain is often found on a parent other than the best (the one-at-a-time
 pass turns each knob from whichever parent is drawn), and crossing two elites takes it with
@@ -100,12 +99,11 @@ class KnobMutator:
         gains = (self.history.recent_gains(self.name, self.history_limit)
                  if self.history is not None and rng.random() < self.transplant_rate else [])
         moves = transplants(gains, live)
-        for key, new in rng.sample(moves, k=len(moves)):
-            child = set_knobs(parent.source, {key: new})
+        for knob, new in rng.sample(moves, k=len(moves)):
+            child = set_knobs(parent.source, {knob.key: new})
             if not self.is_known(program_id(child)):
-                old = next(k.value for k in knobs if k.key == key)
-                return Proposal(parent.id, self.name, child, change=describe({key: (old, new)},
-                                                                             False))
+                return Proposal(parent.id, self.name, child,
+                                change=describe({knob.key: (knob.value, new)}, False))
         for attempt in range(self.attempts):
             use_cross = partner is not None and rng.random() < self.crossover_rate
             # the later half of the attempts drops the preference: the least-tried knobs'
@@ -167,22 +165,20 @@ def describe(changed: dict[str, tuple[str, str]], crossover: bool) -> str:
     return (_CROSS if crossover else "") + what
 
 
-def transplants(gains: Iterable[str], live: list[Knob]) -> list[tuple[str, str]]:
-    """Returns the (knob, value) settings of these gaining change lines that a parent with
-    these live knobs lacks: one-knob mutations only (a gain of several knobs or of a crossover
-    is not one knob's), each once, in the order given."""
-    values = {k.key: k for k in live}
-    moves: list[tuple[str, str]] = []
+def transplants(gains: Iterable[str], live: list[Knob]) -> list[tuple[Knob, str]]:
+    """Returns the (parent's knob, new value) settings of these gaining change lines that a
+    parent with these live knobs lacks: one-knob mutations only (a gain of several knobs or of
+    a crossover is not one knob's), each once, in the order given."""
+    by_key = {k.key: k for k in live}
+    moves: list[tuple[Knob, str]] = []
     for change in gains:
-        parts = change.split(_SEP)
-        if change.startswith(_CROSS) or len(parts) != 1 or _ARROW not in parts[0]:
+        if change.startswith(_CROSS) or _SEP in change or _ARROW not in change:
             continue
-        head, new = parts[0].rsplit(_ARROW, 1)
-        key = head.rpartition(": ")[0]
-        knob = values.get(key)
+        head, new = change.rsplit(_ARROW, 1)
+        knob = by_key.get(head.rpartition(": ")[0])
         if knob is not None and new in knob.choices and knob.value != new \
-                and (key, new) not in moves:
-            moves.append((key, new))
+                and (knob, new) not in moves:
+            moves.append((knob, new))
     return moves
 
 

@@ -1004,6 +1004,10 @@ struct TailSplit {
   return (int)(parts < ntiles ? parts : ntiles);
 }
 
+// SPLIT_TAIL_D64 serves head dim 64 only: at 128 its code alone cost 0.4-1.6% on the default
+// configs, where no call's last wave is short enough to split.
+__host__ __device__ constexpr bool splits_tail(int D) { return D == 64; }
+
 // The first key tile of part `part` of an item's `all` tiles split `parts` ways (part = parts:
 // the end); every part gets at least one tile where parts <= all.
 __host__ __device__ __forceinline__ int part_first_tile(int part, int all, int parts) {
@@ -1103,9 +1107,7 @@ wgmma_ws_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant_
   const int n_mblocks = (S + BLOCK_M - 1) / BLOCK_M;
   // Work items: (row block, head) in block_coords' order, SPLIT_TAIL_D64's parts counted; the host
   // checks that their number, plus the grid, fits in int.
-  // SPLIT_TAIL_D64 serves head dim 64 only: at 128 its code alone cost 0.4-1.6% on the default
-  // configs, where no call's last wave is short enough to split.
-  constexpr bool SPLITS = D == 64;
+  constexpr bool SPLITS = splits_tail(D);
   const int n_items =
       SPLITS ? tail.start + (n_mblocks * BH - tail.start) * tail.split : n_mblocks * BH;
   const int tid = threadIdx.x;
@@ -1572,8 +1574,8 @@ static int launch_ws(const void* q, const void* k, const void* v, void* out, con
   // parts end the call together. Where no workspace can be had, the call is not split.
   TailSplit split{nullptr, nullptr, 1, (int)items};
   bool split_owned = false;
-  const int parts = D == 64 && persistent && !causal ? tail_parts(items, blocks, (S + BN - 1) / BN)
-                                                     : 1;
+  const int parts =
+      splits_tail(D) && persistent && !causal ? tail_parts(items, blocks, (S + BN - 1) / BN) : 1;
   if (parts > 1) {
     // The tickets first, 16 per block whatever the head dim (at most 12 consumer warps), so
     // that no call's partial outputs overlap another's tickets in the stream's buffer.
