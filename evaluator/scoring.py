@@ -12,7 +12,7 @@ from statistics import median as _median
 from typing import Any
 
 from . import stats
-from .types import ConfigResult, Times, geometric_mean
+from .types import ConfigResult, EvalResult, Times, geometric_mean
 
 
 def pick_baseline(policy: str, times: dict[str, Times], mode: str) -> tuple[str, float | None]:
@@ -126,10 +126,37 @@ def duel_in_mode(configs: tuple[ConfigResult, ...], mode: str, policy: str
         cand.append(base / ms)
         rival.append(base / rms)
         gains.append(rms / ms)
-        cis.append(stats.ratio_of_intervals(rms, c.rival_times.ci_in_mode(mode), ms,
-                                            c.times.ci_in_mode(mode)))
+        cis.append(config_gain_in_mode(c, mode)[1])
     return (geometric_mean(cand), geometric_mean(rival), geometric_mean(gains),
             stats.geomean_ci(gains, cis))
+
+
+def config_gain_in_mode(c: ConfigResult, mode: str
+                        ) -> tuple[float | None, tuple[float, float] | None]:
+    """Returns one config's duel gain (rival ms / candidate ms) in any mode and its interval
+    from each side's own (None, None where either side has no time in that mode)."""
+    if c.times is None or c.rival_times is None:
+        return None, None
+    ms, rms = c.times.in_mode(mode), c.rival_times.in_mode(mode)
+    if not (ms and rms):
+        return None, None
+    return rms / ms, stats.ratio_of_intervals(rms, c.rival_times.ci_in_mode(mode), ms,
+                                              c.times.ci_in_mode(mode))
+
+
+def slower_configs(result: EvalResult, mode: str) -> list[tuple[ConfigResult, float,
+                                                                  tuple[float, float]]]:
+    """Returns a duel's configs where the candidate is slower than its rival beyond noise in
+    a mode (the gain's whole interval below 1), slowest first: what a geometric mean hides,
+    such as a kernel-time loss at a config whose call time is the host's. In the duel's own
+    timing mode the paired interval counts."""
+    out = []
+    for c in result.configs:
+        gain, ci = ((c.gain, c.gain_ci) if mode == result.timing
+                    else config_gain_in_mode(c, mode))
+        if gain is not None and ci is not None and ci[1] < 1.0:
+            out.append((c, gain, ci))
+    return sorted(out, key=lambda t: t[1])
 
 
 def fitness(configs: tuple[ConfigResult, ...] | list[ConfigResult]) -> float:

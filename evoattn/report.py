@@ -50,10 +50,25 @@ def duel_lines(result: EvalResult) -> list[str]:
     ci = result.gain_ci
     verdict = ("no gain beyond noise" if ci is None or ci[0] <= 1.0 <= ci[1] else
                "the candidate is faster" if ci[0] > 1.0 else "the candidate is slower")
-    return [f"Rival: {result.rival}, timed in the same rounds: "
-            f"{pm(result.rival_fitness, result.rival_fitness_ci)} vs the same baselines",
-            f"Gain: the candidate is {result.gain:.3f}x the rival's speed (95% interval "
-            + (f"{ci[0]:.3f} to {ci[1]:.3f}" if ci else "not known") + f"): {verdict}"]
+    lines = [f"Rival: {result.rival}, timed in the same rounds: "
+             f"{pm(result.rival_fitness, result.rival_fitness_ci)} vs the same baselines",
+             f"Gain: the candidate is {result.gain:.3f}x the rival's speed (95% interval "
+             + (f"{ci[0]:.3f} to {ci[1]:.3f}" if ci else "not known") + f"): {verdict}"]
+    for mode in TIMING_MODES:
+        slower = slower_line(result, mode)
+        if slower:
+            lines.append(f"  in {mode} time the candidate is slower beyond noise at {slower}")
+    return lines
+
+
+def slower_line(result: EvalResult, mode: str, most: int = 4) -> str:
+    """Returns the configs where a duel's candidate is slower than its rival beyond noise in
+    one mode, slowest first, as one phrase ("" when there are none)."""
+    slower = scoring.slower_configs(result, mode)
+    parts = [f"{label(c.params)} {gain:.3f}x [{ci[0]:.3f}, {ci[1]:.3f}]"
+             for c, gain, ci in slower[:most]]
+    more = len(slower) - most
+    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
 
 def eval_table(result: EvalResult) -> Table:

@@ -15,7 +15,7 @@ from evaluator.types import EXIT_OK
 from . import settings
 from .config import RunConfig, check_config, config_from_dict, config_to_dict, load_config
 from .errors import EvoattnError, RunDirError, UsageError
-from .report import cost_summary, label
+from .report import cost_summary, label, slower_line
 from .sandbox import detect_target
 
 DEFAULT_CONFIG = "configs/default.yaml"
@@ -271,6 +271,9 @@ def side_by_side_lines(duel: Any, seed_id: str, best_id: str) -> list[str]:
                    "the best is faster" if ci[0] > 1.0 else "the best is slower")
         lines.append(f"  {mode} time: seed {rival:.4f} -> best {cand:.4f}; best vs seed "
                      f"{gain:.3f}x{_ci_text(ci)}: {verdict}")
+        slower = slower_line(duel, mode)
+        if slower:
+            lines.append(f"    the best is slower than the seed beyond noise at {slower}")
     return lines
 
 
