@@ -5,7 +5,10 @@ For each config of a problem (GPU only), in one process:
                around N calls and a device sync (what a user's layer loop pays per call)
   eager_rot    the same over the evaluator's rotating input sets
   do_bench     triton.testing.do_bench of one call (median; L2 flushed between calls)
-  evaluator    the evaluator's call mode for the same baseline (evaluator/timing.py)
+  rot-long     the rotating loop again, over at least 400 calls (the steady state)
+  evaluator    the evaluator's call mode for the same baseline (evaluator/timing.py), and
+               with each call-mode heat length of --heat-ms (ms of untimed calls before a
+               batch of heavy calls) in turn
 and the same again after the child's guards are installed (`--guards`), to show what the
 sandbox costs per call. Prints a table and writes JSON (--out).
 
@@ -48,6 +51,9 @@ def main() -> None:
                          "profiled (after one torch.profiler call, as the evaluator's policy "
                          "check runs), guards (the child's sandbox guards installed), "
                          "pinned (this thread on the fastest CPU, as the evaluator times)")
+    ap.add_argument("--heat-ms", default="",
+                    help="comma list of call mode's heat lengths (ms) to time the evaluator's "
+                         "call mode with as well (evaluator.timing.HEAT_MS; default: its own)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
@@ -56,6 +62,7 @@ def main() -> None:
 
     from evaluator.problems import get_problem
     from evaluator.request import EvalRequest
+    from evaluator import timing
     from evaluator.timing import GpuTimer, InputSets, Plan, set_bytes
 
     problem = get_problem(args.problem)
@@ -90,19 +97,33 @@ def main() -> None:
             m = timer.measure({name: fn}, inputs, problem.random_inputs,
                               lambda inp: problem.refill(inp, gen), plan, "", rng)
             t = m.times[name]
+            by_heat = {}
+            for heat_ms in [float(h) for h in args.heat_ms.split(",") if h]:
+                own, timing.HEAT_MS = timing.HEAT_MS, heat_ms
+                try:
+                    h = timer.measure({name: fn}, inputs, problem.random_inputs,
+                                      lambda inp: problem.refill(inp, gen), plan, "", rng)
+                finally:
+                    timing.HEAT_MS = own
+                by_heat[heat_ms] = h.times[name].call_ms * 1e3
+            rot_long = per_call_loop(fn, sets.sets, max(400, len(sets.sets)), 3,
+                                     torch.cuda.synchronize)
             row = {"tag": tag, "cfg": cfg, "label": problem.label(cfg), "eager_us": eager,
                    "eager_rot_us": rot, "burst8_us": burst, "eager400_us": long,
                    "do_bench_us": bench,
                    "evaluator_call_us": t.call_ms * 1e3, "evaluator_kernel_us": t.kernel_ms * 1e3,
                    "evaluator_graph_us": (t.graph_ms or 0) * 1e3, "host_us": t.host_us,
-                   "sets": len(sets.sets)}
+                   "sets": len(sets.sets), "eager_rot_long_us": rot_long,
+                   "evaluator_call_us_by_heat_ms": by_heat}
             row["call_ci"] = t.call_ci
             rows.append(row)
             print(f"{tag:6} {row['label']:22} eager {eager:7.1f}  rot {rot:7.1f}  "
                   f"burst8 {burst:7.1f}  eager400 {long:7.1f}  "
                   f"do_bench {bench:7.1f}  evaluator call {row['evaluator_call_us']:7.1f} "
                   f"({row['evaluator_call_us'] / eager - 1:+.1%})  kernel "
-                  f"{row['evaluator_kernel_us']:7.1f}  host {t.host_us:6.1f}", flush=True)
+                  f"{row['evaluator_kernel_us']:7.1f}  host {t.host_us:6.1f}  rot-long "
+                  f"{rot_long:7.1f}" + "".join(f"  heat {h:g} ms {us:7.1f}"
+                                              for h, us in by_heat.items()), flush=True)
             del sets, inputs
             torch.cuda.empty_cache()
 
