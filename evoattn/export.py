@@ -24,7 +24,8 @@ MANIFEST = "export.json"
 # Names every export writes; an existing out_dir holding only these (or the names its own
 # manifest lists) is an earlier export, and is replaced.
 _EXPORT_NAMES = {"best.py", "best.cu", "best_eval.json", "lineage.md", "lineage.json",
-                 "leaderboard.md", "leaderboard.json", "README.md", "pyproject.toml", MANIFEST}
+                 "leaderboard.md", "leaderboard.json", "README.md", "pyproject.toml",
+                 "side_by_side.json", MANIFEST}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,12 +75,17 @@ def _export(store: RunStore, out_dir: Path) -> ExportSummary:
     evidence = {"best_eval.json": docs.dump(best.result.to_json() if best.result else {}),
                 "lineage.json": docs.dump([docs.lineage_entry(i, p)
                                            for i, p in enumerate(lineage)])}
+    beside_seed = store.side_by_side(best.id)       # the run's last word on best vs seed
+    if beside_seed is not None:
+        seed_id, duel = beside_seed
+        evidence["side_by_side.json"] = docs.dump({"seed": seed_id, "best": best.id,
+                                                   **duel.to_json()})
     files = {**_program_files(best, info), **evidence,
              "lineage.md": docs.lineage_md(lineage),
              "leaderboard.md": docs.leaderboard_md(board, best.id),
              "leaderboard.json": docs.dump([docs.board_entry(rank, p, p.id == best.id)
                                             for rank, p in board]),
-             "README.md": docs.readme(best, info),
+             "README.md": docs.readme(best, info, beside_seed),
              **package_files(info, evidence)}
     top = sorted({name.split("/", 1)[0] for name in files} | {MANIFEST})
     files[MANIFEST] = docs.dump({"program_id": best.id, "problem": info.problem,

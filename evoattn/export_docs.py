@@ -7,7 +7,7 @@ from typing import Any
 from evaluator.types import ConfigResult, EvalResult
 
 from .export_package import KernelInfo
-from .report import label
+from .report import label, side_by_side_lines
 from .types import Program
 
 MODES = ("kernel", "call", "graph")
@@ -96,8 +96,10 @@ def leaderboard_md(board: list[tuple[int, Program]], best_id: str = "") -> str:
 
 
 # ---- README -----------------------------------------------------------------------
-def readme(best: Program, info: KernelInfo) -> str:
-    """Returns the export's README: what it is, install, use, guard, timings, re-check."""
+def readme(best: Program, info: KernelInfo,
+           beside_seed: tuple[str, EvalResult] | None = None) -> str:
+    """Returns the export's README: what it is, install, use, guard, timings (and the run's
+    end-of-run re-measurement beside its seed, where it holds one), re-check."""
     r = best.result
     problem = info.problem
     where = f"{r.device} ({r.timing_device} timings)" if r else "unknown device"
@@ -111,8 +113,20 @@ def readme(best: Program, info: KernelInfo) -> str:
         lines += ["**These timings were taken on CPU** and say nothing about GPU speed: "
                   "re-check on a GPU before relying on it.", ""]
     lines += _install(info) + (_usage(info) if info.has_op else _no_op(info))
-    lines += _guard(info) + timings_md(r) + _files(best, info)
+    lines += _guard(info) + _beside_seed(best, beside_seed) + timings_md(r) + _files(best, info)
     return "\n".join(lines)
+
+
+def _beside_seed(best: Program, beside_seed: tuple[str, EvalResult] | None) -> list[str]:
+    """The run's seed and this best re-measured side by side at the end of the run: every
+    mode, and the configs where the best is slower beyond noise."""
+    if beside_seed is None:
+        return []
+    seed_id, duel = beside_seed
+    return ["## Beside the run's seed", "",
+            "At the end of the run the seed and this program were timed in the same rounds "
+            "in one process (`side_by_side.json`):", "", "```text",
+            *side_by_side_lines(duel, seed_id, best.id), "```", ""]
 
 
 def _install(info: KernelInfo) -> list[str]:
@@ -306,7 +320,8 @@ def _files(best: Program, info: KernelInfo) -> list[str]:
             "evaluation and lineage",
             f"- `best{best.suffix}`" + (" and its companion files" if len(info.files.files) > 1
                                         else "") + ": the kernel as the run evaluated it",
-            "- `best_eval.json`, `lineage.md`/`.json`, `leaderboard.md`/`.json`: the evidence",
+            "- `best_eval.json`, `lineage.md`/`.json`, `leaderboard.md`/`.json` (and "
+            "`side_by_side.json` where the run re-measured it beside its seed): the evidence",
             "", "## Re-check it", "",
             "Re-evaluate on your own GPU (correctness first, then timing against PyTorch):",
             "", "```sh", f"evoattn eval best{best.suffix}{problem}", "```", ""]

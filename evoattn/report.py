@@ -251,3 +251,35 @@ def problem_text(p: Any) -> str:
               f"  baselines: {', '.join(p.baseline_names)} ({p.baseline_name}); fitness takes "
               "the fastest unless evaluator.baseline names one", ""]
     return "\n".join(lines)
+
+
+def side_by_side_lines(duel: Any, seed_id: str, best_id: str) -> list[str]:
+    """Returns the summary's lines for the best re-measured beside the seed (a duel whose
+    candidate is the best and whose rival is the seed): every mode, and whether the gain is
+    beyond noise."""
+    if not duel.correct:
+        return [f"re-measuring the seed and the best side by side failed: "
+                f"{duel.verdict.value}: {duel.reason[:200]}"]
+    lines = [f"seed ({seed_id}) and best ({best_id}) re-measured side by side in one process "
+             f"(fitness against {duel.baseline}, 95% intervals):"]
+    for mode in [duel.timing] + [m for m in TIMING_MODES if m != duel.timing]:
+        if mode == duel.timing:
+            cand, rival, gain, ci = (duel.fitness, duel.rival_fitness or 0.0, duel.gain,
+                                     duel.gain_ci)
+        else:
+            cand, rival, gain, ci = scoring.duel_in_mode(duel.configs, mode, duel.baseline)
+        if not gain:
+            lines.append(f"  {mode} time: not measured for both")
+            continue
+        verdict = ("no gain beyond noise" if ci is None or ci[0] <= 1.0 <= ci[1] else
+                   "the best is faster" if ci[0] > 1.0 else "the best is slower")
+        lines.append(f"  {mode} time: seed {rival:.4f} -> best {cand:.4f}; best vs seed "
+                     f"{gain:.3f}x{_ci_text(ci)}: {verdict}")
+        slower = slower_line(duel, mode)
+        if slower:
+            lines.append(f"    the best is slower than the seed beyond noise at {slower}")
+    return lines
+
+
+def _ci_text(ci: Any) -> str:
+    return f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""

@@ -15,7 +15,7 @@ from evaluator.types import EXIT_OK
 from . import settings
 from .config import RunConfig, check_config, config_from_dict, config_to_dict, load_config
 from .errors import EvoattnError, RunDirError, UsageError
-from .report import cost_summary, label, slower_line
+from .report import cost_summary, label, side_by_side_lines
 from .sandbox import detect_target
 
 DEFAULT_CONFIG = "configs/default.yaml"
@@ -245,40 +245,6 @@ def _summary(console: Console, outcome: Any, search: Any, plan: RunPlan,
         console.print(f"LLM: {int(llm.get('calls', 0))} calls, {int(llm.get('prompt_tokens', 0))} "
                       f"tokens in, {int(llm.get('completion_tokens', 0))} out, "
                       f"${llm.get('cost_usd', 0.0):.4f} (the whole run)")
-
-
-def side_by_side_lines(duel: Any, seed_id: str, best_id: str) -> list[str]:
-    """Returns the summary's lines for the best re-measured beside the seed (a duel whose
-    candidate is the best and whose rival is the seed): every mode, and whether the gain is
-    beyond noise."""
-    from evaluator import scoring
-    from evaluator.request import TIMING_MODES
-    if not duel.correct:
-        return [f"re-measuring the seed and the best side by side failed: "
-                f"{duel.verdict.value}: {duel.reason[:200]}"]
-    lines = [f"seed ({seed_id}) and best ({best_id}) re-measured side by side in one process "
-             f"(fitness against {duel.baseline}, 95% intervals):"]
-    for mode in [duel.timing] + [m for m in TIMING_MODES if m != duel.timing]:
-        if mode == duel.timing:
-            cand, rival, gain, ci = (duel.fitness, duel.rival_fitness or 0.0, duel.gain,
-                                     duel.gain_ci)
-        else:
-            cand, rival, gain, ci = scoring.duel_in_mode(duel.configs, mode, duel.baseline)
-        if not gain:
-            lines.append(f"  {mode} time: not measured for both")
-            continue
-        verdict = ("no gain beyond noise" if ci is None or ci[0] <= 1.0 <= ci[1] else
-                   "the best is faster" if ci[0] > 1.0 else "the best is slower")
-        lines.append(f"  {mode} time: seed {rival:.4f} -> best {cand:.4f}; best vs seed "
-                     f"{gain:.3f}x{_ci_text(ci)}: {verdict}")
-        slower = slower_line(duel, mode)
-        if slower:
-            lines.append(f"    the best is slower than the seed beyond noise at {slower}")
-    return lines
-
-
-def _ci_text(ci: Any) -> str:
-    return f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
 
 
 def seed_prompt_chars(config_path: str) -> int | None:

@@ -366,15 +366,18 @@ class Search:
         return self._stats["challenges"], self._stats["crowned"]
 
     def remeasure(self, best: Program, seed: Program) -> EvalResult | None:
-        """Returns the best re-measured beside the seed (a duel in one process), or None when
-        there is nothing to compare (the best is the seed, or either is not correct)."""
+        """Returns the best re-measured beside the seed (a duel in one process), recorded in the
+        run for its export, or None when there is nothing to compare (the best is the seed, or
+        either is not correct)."""
         if best.id == seed.id or not (best.correct and seed.correct):
             return None
         try:
-            return self.evaluator.submit(best.source, self.suffix, f"{best.id} vs seed",
+            duel = self.evaluator.submit(best.source, self.suffix, f"{best.id} vs seed",
                                          rival=seed.source).result()
         except Exception:  # noqa: BLE001 - the summary then shows the run's own figures only
             return None
+        self.store.record_side_by_side(seed.id, best.id, duel)
+        return duel
 
     def _count(self, result: EvalResult) -> None:
         self._stats["evaluated"] += 1

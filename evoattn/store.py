@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from evaluator.types import EvalResult
+
 from .config import ENV_NAME
 from .errors import RunDirError
 from .store_reads import RunReads
@@ -211,6 +213,14 @@ class RunStore(RunReads):
         with self._transaction() as c:
             c.execute("INSERT OR REPLACE INTO state (key, value) VALUES ('stop_reason', ?)",
                       (json.dumps(reason),))
+
+    def record_side_by_side(self, seed_id: str, best_id: str, result: EvalResult) -> None:
+        """Records the end-of-run duel of the best (candidate) beside the seed (rival), which
+        an export shows for that best."""
+        value = {"seed": seed_id, "best": best_id, "result": result.to_json()}
+        with self._transaction() as c:
+            c.execute("INSERT OR REPLACE INTO state (key, value) VALUES ('side_by_side', ?)",
+                      (json.dumps(value, allow_nan=False),))
 
     def _insert_program(self, c: sqlite3.Connection, p: Program, now: str) -> None:
         result_json = json.dumps(p.result.to_json(), allow_nan=False) if p.result else None

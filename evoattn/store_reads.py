@@ -92,6 +92,18 @@ class RunReads:
                 "stop_reason": values.get("stop_reason"),
                 "elapsed_s": values.get("elapsed_s", 0.0)}
 
+    def side_by_side(self, best_id: str) -> tuple[str, EvalResult] | None:
+        """Returns (the seed's id, the duel) of the last end-of-run re-measurement of this best
+        beside the seed, or None when the run holds none for it."""
+        row = self._conn.execute(
+            "SELECT value FROM state WHERE key = 'side_by_side'").fetchone()
+        if row is None:
+            return None
+        value = json.loads(row[0])
+        if value.get("best") != best_id:
+            return None
+        return value["seed"], EvalResult.from_json(value["result"])
+
     def committed_iteration(self) -> int:
         """Returns the last iteration committed (-1 before the seed's)."""
         row = self._conn.execute("SELECT value FROM state WHERE key = 'iteration'").fetchone()

@@ -181,7 +181,7 @@ def test_no_correct_program_is_a_run_dir_error_and_writes_nothing(tmp_path):
 
 
 def test_failure_before_writing_creates_nothing(run, tmp_path, monkeypatch):
-    def boom(best, info):
+    def boom(*args):
         raise OSError("disk full")
     monkeypatch.setattr(export_mod.docs, "readme", boom)
     with pytest.raises(OSError):

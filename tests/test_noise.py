@@ -340,7 +340,7 @@ def test_a_duel_within_noise_is_not_a_win() -> None:
 
 
 def test_the_end_of_run_summary_says_when_there_is_no_gain_beyond_noise() -> None:
-    from evoattn.runner import side_by_side_lines
+    from evoattn.report import side_by_side_lines
     same = side_by_side_lines(duel_result(1.002, 1.0, 0.01), "seed1", "best1")
     assert any("no gain beyond noise" in line for line in same)
     assert any("seed 1.0000 -> best 1.0020" in line for line in same)
@@ -381,7 +381,7 @@ def test_a_kernel_time_loss_that_call_time_hides_is_named_per_config() -> None:
     host's) but 0.70x in kernel time there: the summary and `eval --rival` name that config
     in kernel time, not in call time; a loss within noise is not named."""
     from evoattn.report import duel_lines
-    from evoattn.runner import side_by_side_lines
+    from evoattn.report import side_by_side_lines
     lines = side_by_side_lines(_duel_with_a_hidden_kernel_loss(0.0163), "seed1", "best1")
     text = "\n".join(lines)
     kernel_at = next(i for i, line in enumerate(lines) if line.startswith("  kernel time"))
@@ -394,6 +394,47 @@ def test_a_kernel_time_loss_that_call_time_hides_is_named_per_config() -> None:
     within = _duel_with_a_hidden_kernel_loss(0.0116)      # 0.983x, each side +-2%
     assert not any("beyond noise at" in line for line in side_by_side_lines(within, "s", "b"))
     assert not any("slower beyond noise" in line for line in duel_lines(within))
+
+
+def test_the_end_of_run_re_measurement_is_kept_and_exported_with_its_best(
+        tmp_path: Path) -> None:
+    """The seed and best re-measured side by side at the end are stored in the run (the
+    terminal's summary is not the only copy) and the export carries them, for that best only."""
+    from evoattn.export import export_run
+    ev = _HeatEvaluator()
+    cfg = RunConfig(iterations=25, random_seed=5)
+    store = RunStore.open(tmp_path, config_to_dict(cfg), create=True)
+    try:
+        s = Search(cfg, store, ev, [(KnobMutator(0.0), 1.0)], TOY_SEED, ".py")
+        out = s.run()
+        assert out.best.id != out.seed.id
+        duel = s.remeasure(out.best, out.seed)
+        assert duel is not None and duel.rival_fitness
+        assert s.remeasure(out.seed, out.seed) is None                 # nothing to compare
+    finally:
+        store.close()
+    with RunStore.open_readonly(tmp_path) as st:
+        seed_id, stored = st.side_by_side(out.best.id)
+        assert seed_id == out.seed.id and stored.gain == duel.gain
+        assert st.side_by_side(out.seed.id) is None                    # another best: none
+    summary = export_run(tmp_path, tmp_path / "out")
+    kept = json.loads((tmp_path / "out" / "side_by_side.json").read_text())
+    assert (kept["seed"], kept["best"]) == (out.seed.id, out.best.id)
+    assert kept["gain"] == duel.gain and kept["rival_fitness"] == duel.rival_fitness
+    readme = summary.readme.read_text()
+    assert "## Beside the run's seed" in readme
+    assert f"seed ({out.seed.id}) and best ({out.best.id}) re-measured side by side" in readme
+    assert f"best vs seed {duel.gain:.3f}x" in readme
+    assert (summary.package_dir / "evidence" / "side_by_side.json").is_file()
+
+
+def test_an_export_without_an_end_of_run_re_measurement_says_nothing_of_one(
+        tmp_path: Path) -> None:
+    from evoattn.export import export_run
+    _search(tmp_path, _HeatEvaluator(), 25)                             # no remeasure called
+    summary = export_run(tmp_path, tmp_path / "out")
+    assert not (tmp_path / "out" / "side_by_side.json").exists()
+    assert "Beside the run's seed" not in summary.readme.read_text()
 
 
 def test_the_summary_headline_is_the_side_by_side_re_measurement() -> None:
