@@ -14,7 +14,7 @@ from typing import Callable
 
 from . import charts
 from .outdir import replace_directory
-from .report import MODE_WORDS
+from .report import MODE_WORDS, side_by_side_lines
 from .report_data import RunData, Speedup, load_run
 
 HTML_NAME = "report.html"
@@ -115,7 +115,12 @@ def _summary(data: RunData) -> str:
     for n in data.not_evaluated:
         counts[n.kind] = counts.get(n.kind, 0) + 1
     best = data.best
-    if best is not None and data.seed_fitness:
+    duel = data.beside_seed[1] if data.beside_seed else None
+    if best is not None and duel is not None and duel.correct and duel.rival_fitness:
+        fitness = (f"{duel.rival_fitness:.4f} → {duel.fitness:.4f} "
+                   f"({duel.fitness / duel.rival_fitness - 1:+.1%}), re-measured side by side "
+                   "at the end of the run (below)")
+    elif best is not None and data.seed_fitness:
         change = f" ({best.fitness / data.seed_fitness - 1:+.1%})"
         fitness = f"{data.seed_fitness:.4f} → {best.fitness:.4f}{change}"
     elif best is not None:
@@ -140,7 +145,11 @@ def _summary(data: RunData) -> str:
         ("report written", datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")),
     ]
     cells = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows)
-    return f'<table class="summary">{cells}</table>'
+    table = f'<table class="summary">{cells}</table>'
+    if data.beside_seed is None or best is None:
+        return table
+    lines = side_by_side_lines(data.beside_seed[1], data.beside_seed[0], best.id)
+    return table + f"<pre class=\"beside-seed\">{_e(chr(10).join(lines))}</pre>"
 
 
 def _speedup_table(rows: tuple[Speedup, ...]) -> str:

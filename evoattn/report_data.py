@@ -109,6 +109,9 @@ class RunData:
     stage_mean_s: dict[str, float]      # mean wall seconds per evaluation stage
     llm: tuple[LlmPoint, ...]
     llm_failed: int
+    # the best re-measured beside the seed at the end of the run (a duel), where the run holds
+    # one for this best: (the seed's id, the duel)
+    beside_seed: tuple[str, EvalResult] | None = None
 
 
 def load_run(run_dir: str | Path) -> RunData:
@@ -120,6 +123,7 @@ def load_run(run_dir: str | Path) -> RunData:
         meta = store.meta()
         config = store.stored_config()
         best = store.champion()
+        beside_seed = store.side_by_side(best.id) if best else None
         rejections = store.rejections()
         calls = store.llm_calls()
     start = _when(meta["created_at"])
@@ -151,7 +155,8 @@ def load_run(run_dir: str | Path) -> RunData:
         speedups=speedups(best.result) if best and best.result else (),
         stage_mean_s=stage_means([p.result for p in programs.values() if p.result]),
         llm=llm_series(calls, start),
-        llm_failed=sum(1 for c in calls if c.usage.status == "failed"))
+        llm_failed=sum(1 for c in calls if c.usage.status == "failed"),
+        beside_seed=beside_seed)
 
 
 def lineage(best_id: str, programs: dict[str, Program]) -> tuple[LineageNode, ...]:

@@ -204,6 +204,29 @@ def test_page_names_the_run_and_its_best(finished_run: Path, tmp_path: Path) -> 
     assert "Not measured: graph time" in text
 
 
+def test_page_shows_the_end_of_run_re_measurement_beside_the_seed(finished_run: Path,
+                                                                   tmp_path: Path) -> None:
+    """Where the run re-measured its best beside the seed at the end, the summary's seed -> best
+    is that duel's (not the seed's first reading against the best's own), with every mode."""
+    from fakes import duel_result
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    with RunStore.open_readonly(run) as st:
+        best, seed = st.champion(), st.load_programs()
+    seed_id = next(p.id for p in seed.values() if p.parent_id is None)
+    store = RunStore.open(run, None, create=False)
+    try:
+        store.record_side_by_side(seed_id, best.id, duel_result(1.2345, 1.1111, 0.01))
+    finally:
+        store.close()
+    page = write_report(run, tmp_path / "out")
+    dom = _browse(page, tmp_path / "profile", "--dump-dom").stdout
+    text = html.unescape(re.sub(r"<[^>]+>", " ", dom))
+    assert "1.1111 → 1.2345 (+11.1%), re-measured side by side" in text
+    assert f"seed ({seed_id}) and best ({best.id}) re-measured side by side" in text
+    assert "best vs seed 1.111x [1.100, 1.122]: the best is faster" in text
+
+
 def test_speedup_table_marks_the_fitness_term(finished_run: Path, tmp_path: Path) -> None:
     page = write_report(finished_run, tmp_path / "out").read_text()
     best = _best_fitness(finished_run)
