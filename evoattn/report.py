@@ -57,13 +57,17 @@ def duel_lines(result: EvalResult) -> list[str]:
     for mode in TIMING_MODES:
         slower = slower_line(result, mode)
         if slower:
-            lines.append(f"  in {mode} time the candidate is slower beyond noise at {slower}")
+            lines.append(f"  in {mode} time the candidate is slower beyond noise, by "
+                         f"{_LOSS} or more, at {slower}")
     return lines
 
 
+_LOSS = f"{1 - scoring.MATERIAL_LOSS:.0%}"        # "3%"
+
+
 def slower_line(result: EvalResult, mode: str, most: int = 4) -> str:
-    """Returns the configs where a duel's candidate is slower than its rival beyond noise in
-    one mode, slowest first, as one phrase ("" when there are none)."""
+    """Returns the configs where a duel's candidate is slower than its rival beyond noise (and
+    by MATERIAL_LOSS) in one mode, slowest first, as one phrase ("" when there are none)."""
     slower = scoring.slower_configs(result, mode)
     parts = [f"{label(c.params)} {gain:.3f}x [{ci[0]:.3f}, {ci[1]:.3f}]"
              for c, gain, ci in slower[:most]]
@@ -277,7 +281,8 @@ def side_by_side_lines(duel: Any, seed_id: str, best_id: str) -> list[str]:
                      f"{gain:.3f}x{_ci_text(ci)}: {verdict}")
         slower = slower_line(duel, mode)
         if slower:
-            lines.append(f"    the best is slower than the seed beyond noise at {slower}")
+            lines.append(f"    the best is slower than the seed beyond noise, by {_LOSS} or more, "
+                         f"at {slower}")
     return lines
 
 
