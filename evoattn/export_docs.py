@@ -27,22 +27,50 @@ def _configs(p: Program) -> tuple[ConfigResult, ...]:
 
 # ---- lineage and leaderboard ------------------------------------------------------
 def lineage_entry(step: int, p: Program) -> dict[str, Any]:
-    """Returns one step of the lineage as JSON data."""
+    """Returns one step of the lineage as JSON data (`duel`: how it fared re-measured beside
+    the best of its time, or None where it never was)."""
     return {"step": step, "id": p.id, "parent_id": p.parent_id,
             "second_parent_id": p.second_parent_id, "iteration": p.iteration,
             "mutator": p.mutator, "verdict": p.result.verdict.value if p.result else None,
-            "fitness": p.fitness, "change": p.change}
+            "fitness": p.fitness, "change": p.change, "duel": _duel(p)}
+
+
+def _duel(p: Program) -> dict[str, Any] | None:
+    """A program's duel beside the best of its time, if it had one: its gain, the gain's
+    interval, and whether it was faster beyond noise (and so became the best)."""
+    r = p.result
+    if r is None or not r.rival or r.gain is None:
+        return None
+    return {"rival": r.rival, "gain": r.gain, "gain_ci": r.gain_ci,
+            "won": bool(r.correct and r.gain_ci and r.gain_ci[0] > 1.0)}
+
+
+def _duel_words(step: int, p: Program) -> str:
+    if step == 0:                                  # the seed
+        return ""
+    duel = _duel(p)
+    if duel is None:
+        return " Never re-measured beside the best: its change is unproven."
+    ci = duel["gain_ci"]
+    within = f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
+    return (f" Re-measured beside the best of its time: {duel['gain']:.3f}×{within}, "
+            + ("faster beyond noise (it became the best)." if duel["won"] else
+               "not faster beyond noise."))
 
 
 def lineage_md(chain: list[Program]) -> str:
     """Returns the lineage from the seed to the best program, one section a step."""
     lines = ["# Lineage", "", f"From the seed to the best program, {len(chain)} steps. "
-             "Fitness is the geometric-mean speedup over the problem's baseline.", ""]
+             "Fitness is the geometric-mean speedup over the problem's baseline. A step never "
+             "re-measured beside the run's best did not read above it beyond its own noise: "
+             "its change came along unproven, and may cost time where the fitness does not "
+             "look (the README's re-measurement beside the seed names such configs).", ""]
     for i, p in enumerate(chain):
         verdict = p.result.verdict.value if p.result else "unevaluated"
         lines += [f"## {i}. `{p.id}` — {p.mutator}, iteration {p.iteration}", "",
                   f"Fitness {p.fitness:.4f}× ({verdict})."
-                  + (f" Crossed with `{p.second_parent_id}`." if p.second_parent_id else ""), ""]
+                  + (f" Crossed with `{p.second_parent_id}`." if p.second_parent_id else "")
+                  + _duel_words(i, p), ""]
         if p.change.strip():
             ticks = "````" if "```" in p.change else "```"   # a fence the text cannot close
             lang = "diff" if _looks_like_diff(p.change) else "text"
