@@ -81,7 +81,8 @@ def _export(store: RunStore, out_dir: Path) -> ExportSummary:
         evidence["side_by_side.json"] = docs.dump({"seed": seed_id, "best": best.id,
                                                    **duel.to_json()})
     files = {**_program_files(best, info), **evidence,
-             "lineage.md": docs.lineage_md(lineage),
+             "lineage.md": docs.lineage_md(lineage,
+                                           docs.crowned_changes(store.load_programs().values())),
              "leaderboard.md": docs.leaderboard_md(board, best.id),
              "leaderboard.json": docs.dump([docs.board_entry(rank, p, p.id == best.id)
                                             for rank, p in board]),

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Iterable
 
 from evaluator.types import ConfigResult, EvalResult
 
@@ -45,10 +45,24 @@ def _duel(p: Program) -> dict[str, Any] | None:
             "won": bool(r.correct and r.gain_ci and r.gain_ci[0] > 1.0)}
 
 
-def _duel_words(step: int, p: Program) -> str:
+def crowned_changes(programs: Iterable[Program]) -> dict[str, int]:
+    """Returns {change: the first iteration whose program, so changed, won a duel}: a step
+    never re-measured itself may carry a change that was proven on another parent."""
+    out: dict[str, int] = {}
+    for p in sorted(programs, key=lambda q: q.iteration):
+        duel = _duel(p)
+        if duel and duel["won"] and p.change.strip():
+            out.setdefault(p.change, p.iteration)
+    return out
+
+
+def _duel_words(step: int, p: Program, crowned: dict[str, int]) -> str:
     if step == 0:                                  # the seed
         return ""
     duel = _duel(p)
+    if duel is None and p.change in crowned:
+        return (" Not re-measured beside the best itself; the same change won a duel at "
+                f"iteration {crowned[p.change]}.")
     if duel is None:
         return " Never re-measured beside the best: its change is unproven."
     ci = duel["gain_ci"]
@@ -58,19 +72,21 @@ def _duel_words(step: int, p: Program) -> str:
                "not faster beyond noise."))
 
 
-def lineage_md(chain: list[Program]) -> str:
-    """Returns the lineage from the seed to the best program, one section a step."""
+def lineage_md(chain: list[Program], crowned: dict[str, int] | None = None) -> str:
+    """Returns the lineage from the seed to the best program, one section a step (`crowned`:
+    the run's changes that won a duel somewhere, from crowned_changes)."""
     lines = ["# Lineage", "", f"From the seed to the best program, {len(chain)} steps. "
              "Fitness is the geometric-mean speedup over the problem's baseline. A step never "
-             "re-measured beside the run's best did not read above it beyond its own noise: "
-             "its change came along unproven, and may cost time where the fitness does not "
-             "look (the README's re-measurement beside the seed names such configs).", ""]
+             "re-measured beside the run's best did not read above it beyond its own noise; "
+             "unless the same change won a duel elsewhere in the run, it came along unproven "
+             "and may cost time where the fitness does not look (the README's re-measurement "
+             "beside the seed names such configs).", ""]
     for i, p in enumerate(chain):
         verdict = p.result.verdict.value if p.result else "unevaluated"
         lines += [f"## {i}. `{p.id}` — {p.mutator}, iteration {p.iteration}", "",
                   f"Fitness {p.fitness:.4f}× ({verdict})."
                   + (f" Crossed with `{p.second_parent_id}`." if p.second_parent_id else "")
-                  + _duel_words(i, p), ""]
+                  + _duel_words(i, p, crowned or {}), ""]
         if p.change.strip():
             ticks = "````" if "```" in p.change else "```"   # a fence the text cannot close
             lang = "diff" if _looks_like_diff(p.change) else "text"

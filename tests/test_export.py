@@ -140,8 +140,9 @@ def test_lineage_runs_from_seed_to_best(run, tmp_path):
 
 
 def test_lineage_says_which_steps_won_a_duel_and_which_came_along_unproven(tmp_path):
-    """A step crowned by a duel, one that lost its duel, and one never re-measured beside the
-    best (its change is in the best unproven): the lineage says which is which, in both files."""
+    """A step crowned by a duel, one that lost its duel, one never re-measured beside the best
+    (its change is in the best unproven) and one never re-measured whose change won a duel on
+    another line: the lineage says which is which."""
     def duelled(p: Program, gain: float, ci: tuple[float, float]) -> Program:
         return dataclasses.replace(p, result=dataclasses.replace(
             p.result, rival="the best of its time", gain=gain, gain_ci=ci))
@@ -150,11 +151,13 @@ def test_lineage_says_which_steps_won_a_duel_and_which_came_along_unproven(tmp_p
         duelled(make("won", "seed", 1.1, 1), 1.08, (1.05, 1.11)),
         make("drift", "won", 1.09, 2),
         duelled(make("lost", "drift", 1.1, 3), 1.004, (0.995, 1.013)),
-        duelled(make("best", "lost", 1.2, 4), 1.09, (1.07, 1.11))])
+        make("again", "lost", 1.12, 4, change="did won"),    # "won"'s change, on this line
+        duelled(make("best", "again", 1.2, 5), 1.09, (1.07, 1.11))])
     s = export_run(tmp_path / "run", tmp_path / "out")
     steps = json.loads(s.lineage_json.read_text())
-    assert [x["id"] for x in steps] == ["seed", "won", "drift", "lost", "best"]
-    assert [x["duel"] and x["duel"]["won"] for x in steps] == [None, True, None, False, True]
+    assert [x["id"] for x in steps] == ["seed", "won", "drift", "lost", "again", "best"]
+    assert [x["duel"] and x["duel"]["won"] for x in steps] == [None, True, None, False, None,
+                                                                True]
     assert steps[1]["duel"]["gain_ci"] == [1.05, 1.11]
     md = s.lineage_md.read_text()
     sections = {sid: md[md.index(f"`{sid}`"):] for sid in ("won", "drift", "lost")}
@@ -163,6 +166,8 @@ def test_lineage_says_which_steps_won_a_duel_and_which_came_along_unproven(tmp_p
     assert "Never re-measured beside the best: its change is unproven." in \
         sections["drift"].split("##")[0]
     assert "1.004× [0.995, 1.013], not faster beyond noise" in sections["lost"].split("##")[0]
+    assert "the same change won a duel at iteration 1" in \
+        md[md.index("`again`"):].split("##")[0]
     assert "re-measured" not in md[md.index("`seed`"):md.index("`won`")]
 
 
