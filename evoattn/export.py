@@ -16,6 +16,7 @@ from . import export_docs as docs
 from .errors import RunDirError
 from .export_package import KernelInfo, describe, package_files
 from .outdir import replace_directory
+from .report import crowned_changes
 from .store import RunStore
 from .types import Program
 
@@ -82,7 +83,7 @@ def _export(store: RunStore, out_dir: Path) -> ExportSummary:
                                                    **duel.to_json()})
     files = {**_program_files(best, info), **evidence,
              "lineage.md": docs.lineage_md(lineage,
-                                           docs.crowned_changes(store.load_programs().values())),
+                                           crowned_changes(store.load_programs().values())),
              "leaderboard.md": docs.leaderboard_md(board, best.id),
              "leaderboard.json": docs.dump([docs.board_entry(rank, p, p.id == best.id)
                                             for rank, p in board]),

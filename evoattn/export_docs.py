@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable
+from typing import Any
 
 from evaluator.types import ConfigResult, EvalResult
 
 from .export_package import KernelInfo
-from .report import label, side_by_side_lines
+from .report import duel_of, label, side_by_side_lines
 from .types import Program
 
 MODES = ("kernel", "call", "graph")
@@ -32,34 +32,13 @@ def lineage_entry(step: int, p: Program) -> dict[str, Any]:
     return {"step": step, "id": p.id, "parent_id": p.parent_id,
             "second_parent_id": p.second_parent_id, "iteration": p.iteration,
             "mutator": p.mutator, "verdict": p.result.verdict.value if p.result else None,
-            "fitness": p.fitness, "change": p.change, "duel": _duel(p)}
-
-
-def _duel(p: Program) -> dict[str, Any] | None:
-    """A program's duel beside the best of its time, if it had one: its gain, the gain's
-    interval, and whether it was faster beyond noise (and so became the best)."""
-    r = p.result
-    if r is None or not r.rival or r.gain is None:
-        return None
-    return {"rival": r.rival, "gain": r.gain, "gain_ci": r.gain_ci,
-            "won": bool(r.correct and r.gain_ci and r.gain_ci[0] > 1.0)}
-
-
-def crowned_changes(programs: Iterable[Program]) -> dict[str, int]:
-    """Returns {change: the first iteration whose program, so changed, won a duel}: a step
-    never re-measured itself may carry a change that was proven on another parent."""
-    out: dict[str, int] = {}
-    for p in sorted(programs, key=lambda q: q.iteration):
-        duel = _duel(p)
-        if duel and duel["won"] and p.change.strip():
-            out.setdefault(p.change, p.iteration)
-    return out
+            "fitness": p.fitness, "change": p.change, "duel": duel_of(p)}
 
 
 def _duel_words(step: int, p: Program, crowned: dict[str, int]) -> str:
     if step == 0:                                  # the seed
         return ""
-    duel = _duel(p)
+    duel = duel_of(p)
     if duel is None and p.change in crowned:
         return (" Not re-measured beside the best itself; the same change won a duel at "
                 f"iteration {crowned[p.change]}.")

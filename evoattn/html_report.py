@@ -185,9 +185,11 @@ def _lineage_table(data: RunData) -> str:
         partner = f" (crossover with {n.partner.program_id})" if n.partner else ""
         lines.append(f'<tr><td class="num">{i}</td><td class="num">{n.iteration}</td>'
                      f"<td>{_e(n.mutator)}</td><td class=\"num\">{n.fitness:.4f}</td>"
-                     f'<td class="num">{gain}</td><td>{_e(change + partner)}</td></tr>')
+                     f'<td class="num">{gain}</td><td>{_e(change + partner)}</td>'
+                     f"<td>{_e(n.judged)}</td></tr>")
     return ("<table><tr><th>step</th><th>iteration</th><th>mutator</th><th>fitness</th>"
-            f"<th>gain</th><th>change</th></tr>{''.join(lines)}</table>")
+            "<th>gain</th><th>change</th><th>beside the best of its time</th></tr>"
+            f"{''.join(lines)}</table>")
 
 
 def _e(text: object) -> str:

@@ -1,7 +1,7 @@
 """Rich renderings of results: the eval tables, the closing block, baselines, problems."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from rich.console import Console
 from rich.table import Table
@@ -9,6 +9,8 @@ from rich.table import Table
 from evaluator import scoring, stats
 from evaluator.request import TIMING_MODES
 from evaluator.types import EvalResult, Verdict
+
+from .types import Program
 
 MODE_WORDS = {"call": "call time", "kernel": "kernel time", "graph": "graph time"}
 
@@ -288,3 +290,43 @@ def side_by_side_lines(duel: Any, seed_id: str, best_id: str) -> list[str]:
 
 def _ci_text(ci: Any) -> str:
     return f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
+
+
+def duel_of(p: Program) -> dict[str, Any] | None:
+    """A program's duel beside the best of its time, if it had one: its gain, the gain's
+    interval, and whether it was faster beyond noise (and so became the best)."""
+    r = p.result
+    if r is None or not r.rival or r.gain is None:
+        return None
+    return {"rival": r.rival, "gain": r.gain, "gain_ci": r.gain_ci, "won": beats(r)}
+
+
+def crowned_changes(programs: Iterable[Program]) -> dict[str, int]:
+    """Returns {change: the first iteration whose program, so changed, won a duel}: a step
+    never re-measured itself may carry a change that was proven on another parent."""
+    out: dict[str, int] = {}
+    for p in sorted(programs, key=lambda q: q.iteration):
+        duel = duel_of(p)
+        if duel and duel["won"] and p.change.strip():
+            out.setdefault(p.change, p.iteration)
+    return out
+
+
+def beats(duel: EvalResult) -> bool:
+    """Returns whether a duel's candidate is faster than its rival beyond the noise: the 95%
+    interval of the gain (rival time / candidate time, geometric mean) lies above 1."""
+    return duel.correct and duel.gain_ci is not None and duel.gain_ci[0] > 1.0
+
+
+def duel_phrase(p: Program, crowned: dict[str, int]) -> str:
+    """Returns a few words on how a lineage step was judged beside the best of its time (its
+    duel, or the same change's elsewhere in the run: `crowned`, from crowned_changes)."""
+    duel = duel_of(p)
+    if duel is not None:
+        ci = duel["gain_ci"]
+        within = f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
+        return (f"{'crowned' if duel['won'] else 'not faster beyond noise'}: "
+                f"{duel['gain']:.3f}x{within}")
+    if p.change in crowned:
+        return f"not re-measured; the same change crowned at iteration {crowned[p.change]}"
+    return "never re-measured: unproven"

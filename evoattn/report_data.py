@@ -14,7 +14,7 @@ from typing import Any
 from evaluator.request import TIMING_MODES
 from evaluator.types import EvalResult
 
-from .report import label
+from .report import crowned_changes, duel_phrase, label
 from .search import DUPLICATE
 from .store import RunStore
 from .store_reads import StoredLlmCall
@@ -52,6 +52,7 @@ class LineageNode:
     gain: float | None                  # fitness over its first parent's; None at the start
     change: str
     partner: "LineageNode | None" = None
+    judged: str = ""                    # how it fared beside the best of its time (a duel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,13 +168,14 @@ def lineage(best_id: str, programs: dict[str, Program]) -> tuple[LineageNode, ..
         chain.append(programs[pid])
         pid = programs[pid].parent_id
     chain.reverse()
+    crowned = crowned_changes(programs.values())
     nodes = []
     for i, p in enumerate(chain):
         partner = programs.get(p.second_parent_id or "")
         nodes.append(LineageNode(
             p.id, p.iteration, p.mutator, p.fitness,
             p.fitness - chain[i - 1].fitness if i else None, p.change,
-            _node(partner) if partner else None))
+            _node(partner) if partner else None, duel_phrase(p, crowned) if i else ""))
     return tuple(nodes)
 
 

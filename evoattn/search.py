@@ -33,6 +33,7 @@ from .config import RunConfig
 from .errors import ClusterError, LlmError
 from .pool import as_pool
 from .population import Population
+from .report import beats
 from .store import RunStore
 from .types import Evaluator, MutationRequest, Mutator, Program, Proposal, program_id
 
@@ -444,12 +445,6 @@ class Search:
 
 
 DUPLICATE = "duplicate of program"    # how a rejection for an already-stored program starts
-
-
-def beats(duel: EvalResult) -> bool:
-    """Returns whether a duel's candidate is faster than its rival beyond the noise: the 95%
-    interval of the gain (rival time / candidate time, geometric mean) lies above 1."""
-    return duel.correct and duel.gain_ci is not None and duel.gain_ci[0] > 1.0
 
 
 def first_line(text: str, limit: int) -> str:

@@ -342,3 +342,30 @@ def test_lineage_follows_first_parents_with_gains_and_hangs_the_crossover_partne
     png.write_bytes(charts.lineage_chart(nodes * 3) or b"")    # two rows, partners above
     ink, colours = _drawn_on(_pixels(png))
     assert ink > 0.02 and colours > 8
+
+
+def test_lineage_says_how_each_step_fared_beside_the_best_of_its_time(
+        finished_run: Path) -> None:
+    """Crowned by a duel, beaten in one, never re-measured, or never re-measured but the same
+    change crowned elsewhere: the page's lineage table says which."""
+    def duelled(p: Program, gain: float, ci: tuple[float, float]) -> Program:
+        return dataclasses.replace(p, result=dataclasses.replace(
+            p.result, rival="best", gain=gain, gain_ci=ci))
+    twin = dataclasses.replace(_program("twin", "seed", 1, 1.1), change="made a")
+    programs = {p.id: p for p in [
+        _program("seed", None, 0, 1.0), duelled(twin, 1.08, (1.05, 1.11)),
+        duelled(_program("a", "seed", 2, 1.1), 1.002, (0.99, 1.01)),
+        _program("b", "a", 3, 1.12), _program("c", "b", 4, 1.13),
+        duelled(_program("d", "c", 5, 1.3), 1.15, (1.12, 1.18))]}
+    programs["c"] = dataclasses.replace(programs["c"], change="made a")     # twin's change
+    nodes = lineage("d", programs)
+    assert [n.program_id for n in nodes] == ["seed", "a", "b", "c", "d"]
+    assert [n.judged for n in nodes] == [
+        "", "not faster beyond noise: 1.002x [0.990, 1.010]", "never re-measured: unproven",
+        "not re-measured; the same change crowned at iteration 1",
+        "crowned: 1.150x [1.120, 1.180]"]
+    from evoattn.html_report import render
+    from evoattn.report_data import load_run
+    page = render(dataclasses.replace(load_run(finished_run), lineage=nodes), set())
+    assert "<th>beside the best of its time</th>" in page
+    assert "<td>never re-measured: unproven</td>" in page
