@@ -7,7 +7,7 @@ from typing import Any
 from evaluator.types import ConfigResult, EvalResult
 
 from .export_package import KernelInfo
-from .report import duel_of, label, side_by_side_lines
+from .report import duel_of, duel_phrase, label, side_by_side_lines
 from .types import Program
 
 MODES = ("kernel", "call", "graph")
@@ -35,22 +35,6 @@ def lineage_entry(step: int, p: Program) -> dict[str, Any]:
             "fitness": p.fitness, "change": p.change, "duel": duel_of(p)}
 
 
-def _duel_words(step: int, p: Program, crowned: dict[str, int]) -> str:
-    if step == 0:                                  # the seed
-        return ""
-    duel = duel_of(p)
-    if duel is None and p.change in crowned:
-        return (" Not re-measured beside the best itself; the same change won a duel at "
-                f"iteration {crowned[p.change]}.")
-    if duel is None:
-        return " Never re-measured beside the best: its change is unproven."
-    ci = duel["gain_ci"]
-    within = f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
-    return (f" Re-measured beside the best of its time: {duel['gain']:.3f}×{within}, "
-            + ("faster beyond noise (it became the best)." if duel["won"] else
-               "not faster beyond noise."))
-
-
 def lineage_md(chain: list[Program], crowned: dict[str, int] | None = None) -> str:
     """Returns the lineage from the seed to the best program, one section a step (`crowned`:
     the run's changes that won a duel somewhere, from crowned_changes)."""
@@ -65,7 +49,8 @@ def lineage_md(chain: list[Program], crowned: dict[str, int] | None = None) -> s
         lines += [f"## {i}. `{p.id}` — {p.mutator}, iteration {p.iteration}", "",
                   f"Fitness {p.fitness:.4f}× ({verdict})."
                   + (f" Crossed with `{p.second_parent_id}`." if p.second_parent_id else "")
-                  + _duel_words(i, p, crowned or {}), ""]
+                  + (f" Beside the best of its time: {duel_phrase(p, crowned or {})}." if i
+                     else ""), ""]
         if p.change.strip():
             ticks = "````" if "```" in p.change else "```"   # a fence the text cannot close
             lang = "diff" if _looks_like_diff(p.change) else "text"

@@ -71,7 +71,7 @@ def slower_line(result: EvalResult, mode: str, most: int = 4) -> str:
     """Returns the configs where a duel's candidate is slower than its rival beyond noise (and
     by MATERIAL_LOSS) in one mode, slowest first, as one phrase ("" when there are none)."""
     slower = scoring.slower_configs(result, mode)
-    parts = [f"{label(c.params)} {gain:.3f}x [{ci[0]:.3f}, {ci[1]:.3f}]"
+    parts = [f"{label(c.params)} {gain:.3f}x{_ci_text(ci)}"
              for c, gain, ci in slower[:most]]
     more = len(slower) - most
     return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
@@ -323,10 +323,8 @@ def duel_phrase(p: Program, crowned: dict[str, int]) -> str:
     duel, or the same change's elsewhere in the run: `crowned`, from crowned_changes)."""
     duel = duel_of(p)
     if duel is not None:
-        ci = duel["gain_ci"]
-        within = f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
         return (f"{'crowned' if duel['won'] else 'not faster beyond noise'}: "
-                f"{duel['gain']:.3f}x{within}")
+                f"{duel['gain']:.3f}x{_ci_text(duel['gain_ci'])}")
     if p.change in crowned:
         return f"not re-measured; the same change crowned at iteration {crowned[p.change]}"
     return "never re-measured: unproven"

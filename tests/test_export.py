@@ -161,14 +161,14 @@ def test_lineage_says_which_steps_won_a_duel_and_which_came_along_unproven(tmp_p
     assert steps[1]["duel"]["gain_ci"] == [1.05, 1.11]
     md = s.lineage_md.read_text()
     sections = {sid: md[md.index(f"`{sid}`"):] for sid in ("won", "drift", "lost")}
-    assert "1.080× [1.050, 1.110], faster beyond noise (it became the best)" in \
+    assert "Beside the best of its time: crowned: 1.080x [1.050, 1.110]." in \
         sections["won"].split("##")[0]
-    assert "Never re-measured beside the best: its change is unproven." in \
+    assert "Beside the best of its time: never re-measured: unproven." in \
         sections["drift"].split("##")[0]
-    assert "1.004× [0.995, 1.013], not faster beyond noise" in sections["lost"].split("##")[0]
-    assert "the same change won a duel at iteration 1" in \
+    assert "not faster beyond noise: 1.004x [0.995, 1.013]" in sections["lost"].split("##")[0]
+    assert "the same change crowned at iteration 1" in \
         md[md.index("`again`"):].split("##")[0]
-    assert "re-measured" not in md[md.index("`seed`"):md.index("`won`")]
+    assert "Beside the best" not in md[md.index("`seed`"):md.index("`won`")]
 
 
 def test_leaderboard_has_at_most_ten_sorted_correct_rows(run, tmp_path):
