@@ -26,6 +26,9 @@ class PopulationConfig:
     exploration: float = 0.3           # chance of a random elite as parent instead of a top one
     crossover_rate: float = 0.2        # chance a knob mutation crosses with another elite
     transplant_rate: float = 0.25      # chance it carries a one-knob gain found elsewhere
+    # At the end of a run, set back each knob the best changed from the seed whose duel beside
+    # the best shows it costs nothing (evoattn/prune.py): one duel per changed knob.
+    prune: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,7 @@ from evaluator import scoring, stats
 from evaluator.request import TIMING_MODES
 from evaluator.types import EvalResult, Verdict
 
+from .prune import PRUNE, costs_nothing
 from .types import Program
 
 MODE_WORDS = {"call": "call time", "kernel": "kernel time", "graph": "graph time"}
@@ -322,6 +323,10 @@ def duel_phrase(p: Program, crowned: dict[str, int]) -> str:
     """Returns a few words on how a lineage step was judged beside the best of its time (its
     duel, or the same change's elsewhere in the run: `crowned`, from crowned_changes)."""
     duel = duel_of(p)
+    if duel is not None and p.mutator == PRUNE:
+        kept = costs_nothing(p.result) if p.result else False
+        return (f"set back at the end of the run, {'costing nothing' if kept else 'a loss'}: "
+                f"{duel['gain']:.3f}x{_ci_text(duel['gain_ci'])}")
     if duel is not None:
         return (f"{'crowned' if duel['won'] else 'not faster beyond noise'}: "
                 f"{duel['gain']:.3f}x{_ci_text(duel['gain_ci'])}")

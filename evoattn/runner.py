@@ -165,6 +165,10 @@ def _search(plan: RunPlan, store: Any, evaluator: Any, quiet: bool, console: Con
         outcome = search.run()
     final = None
     if outcome.exit_code == 0 and outcome.best is not None:
+        best = search.prune(outcome.best, outcome.seed, say=console.print)
+        if best.id != outcome.best.id:
+            events.write("pruned", best_id=best.id, before=outcome.best.id)
+            outcome = dataclasses.replace(outcome, best=best)
         if not quiet:
             console.print("re-measuring the seed and the best side by side ...")
         final = search.remeasure(outcome.best, outcome.seed)
@@ -231,6 +235,10 @@ def _summary(console: Console, outcome: Any, search: Any, plan: RunPlan,
     if held:
         console.print(f"champion challenges: {held} children re-measured beside the best, "
                       f"{won} faster beyond noise")
+    tried, set_back = search.set_back
+    if tried:
+        console.print(f"changes from the seed set back at the end: {set_back} of {tried} cost "
+                      "nothing beside the best and were dropped")
     if final is not None:
         for line in side_by_side_lines(final, seed.id, best.id if best else ""):
             console.print(line)

@@ -33,6 +33,7 @@ from .config import RunConfig
 from .errors import ClusterError, LlmError
 from .pool import as_pool
 from .population import Population
+from .prune import PRUNE, costs_nothing, setbacks
 from .report import beats
 from .store import RunStore
 from .types import Evaluator, MutationRequest, Mutator, Program, Proposal, program_id
@@ -130,6 +131,8 @@ class Search:
         # protocol may leave out the duel's heat, which reads lower). Kept with the population
         # (PLAIN_BAR), so a resumed run holds children to the same bar.
         self._plain_fitness: dict[str, float] = {}
+        self._pop: Population | None = None
+        self._t0 = clock()
 
     def known(self, pid: str) -> bool:
         """Returns whether a program was evaluated or is being evaluated (mutators skip it)."""
@@ -172,6 +175,7 @@ class Search:
         interrupted: KeyboardInterrupt | None = None
         try:
             pop, seed = self._start()
+            self._pop = pop
             self._gpu_info_from(seed)
             if seed.correct:
                 self.evaluator.calibrate(seed.result)
@@ -366,6 +370,58 @@ class Search:
         """Returns (duels held, duels won) this session."""
         return self._stats["challenges"], self._stats["crowned"]
 
+    def prune(self, best: Program, seed: Program,
+              say: Callable[[str], None] = lambda line: None) -> Program:
+        """The end of a run (prune.py): sets back each knob in which the best differs from the
+        seed, one at a time, keeping it set back when the duel of the result beside `best`
+        shows it costs nothing. Each step is committed as it is measured (its program, the
+        champion after it); `say` gets a line per step. Returns the champion after the phase:
+        `best` when every change pays, when nothing differs, or when this best was pruned
+        already (a resumed run that had finished)."""
+        if not self.cfg.population.prune or best.id == seed.id or \
+                not (best.correct and seed.correct) or self.store.pruned() == best.id:
+            return best
+        pop, current = self._pop, best
+        assert pop is not None, "prune() follows run()"
+        steps = setbacks(best.source, seed.source)
+        if steps:
+            say(f"setting back the best's {len(steps)} changes from the seed, one at a time, "
+                "each kept only if it pays beyond noise ...")
+        for step in steps:
+            source = step.apply(current.source)
+            pid = program_id(source)
+            if self.known(pid):               # judged during the search (the seed, a parent)
+                say(f"  {step.change}: {pid} was evaluated in the search; not set back")
+                continue
+            duel = self.evaluator.submit(source, self.suffix, f"{pid} vs {best.id}",
+                                         rival=best.source).result()
+            self._count(duel)
+            kept = costs_nothing(duel)
+            child = Program(pid, source, self.suffix, current.id, self.iteration, current.island,
+                            PRUNE, step.change, duel)
+            self.programs[pid] = child
+            pop.add(child)
+            self._stats["set_back_tried"] += 1
+            if kept:
+                pop.crown(child)
+                self._stats["set_back"] += 1
+                # Within noise of the best: children of a resumed run face the best's bar.
+                self._plain_fitness[pid] = self._plain_fitness.get(best.id, best.fitness)
+                current = child
+            self.store.commit_iteration(
+                iteration=self.iteration, program=child, rejection=None, llm_usage=None,
+                rng_state=self.rng.getstate(), population_snapshot=self._snapshot(pop),
+                elapsed_s=self._prior_elapsed + self.clock() - self._t0)
+            say(f"  {step.change}: {_duel_text(duel)} beside the best: "
+                + ("costs nothing, set back" if kept else "it pays, kept"))
+        self.store.record_pruned(current.id)
+        return current
+
+    @property
+    def set_back(self) -> tuple[int, int]:
+        """Returns (changes tried, changes set back) at the end of the run."""
+        return self._stats["set_back_tried"], self._stats["set_back"]
+
     def remeasure(self, best: Program, seed: Program) -> EvalResult | None:
         """Returns the best re-measured beside the seed (a duel in one process), recorded in the
         run for its export, or None when there is nothing to compare (the best is the seed, or
@@ -457,6 +513,12 @@ def first_line(text: str, limit: int) -> str:
 
 def _interval(ci: tuple[float, float] | None) -> str:
     return f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
+
+
+def _duel_text(duel: EvalResult) -> str:
+    if not duel.correct:
+        return f"{duel.verdict.value}: {first_line(duel.reason, 80)}"
+    return f"{duel.gain or 0.0:.3f}x{_interval(duel.gain_ci)}"
 
 
 _INTEGRITY = {Verdict.POLICY, Verdict.TAMPERING, Verdict.HIDDEN_WORK, Verdict.NONDETERMINISTIC,

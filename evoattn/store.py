@@ -222,6 +222,13 @@ class RunStore(RunReads):
             c.execute("INSERT OR REPLACE INTO state (key, value) VALUES ('side_by_side', ?)",
                       (json.dumps(value, allow_nan=False),))
 
+    def record_pruned(self, best_id: str) -> None:
+        """Records that the end-of-run setting back of changes (prune.py) ended with this
+        best, so a resumed run that adds no iterations does not hold its duels again."""
+        with self._transaction() as c:
+            c.execute("INSERT OR REPLACE INTO state (key, value) VALUES ('pruned', ?)",
+                      (json.dumps(best_id),))
+
     def _insert_program(self, c: sqlite3.Connection, p: Program, now: str) -> None:
         result_json = json.dumps(p.result.to_json(), allow_nan=False) if p.result else None
         verdict = p.result.verdict.value if p.result else None

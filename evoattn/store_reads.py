@@ -104,6 +104,11 @@ class RunReads:
             return None
         return value["seed"], EvalResult.from_json(value["result"])
 
+    def pruned(self) -> str | None:
+        """Returns the best that the run's last end-of-run setting back ended with, if any."""
+        row = self._conn.execute("SELECT value FROM state WHERE key = 'pruned'").fetchone()
+        return json.loads(row[0]) if row else None
+
     def committed_iteration(self) -> int:
         """Returns the last iteration committed (-1 before the seed's)."""
         row = self._conn.execute("SELECT value FROM state WHERE key = 'iteration'").fetchone()

@@ -65,6 +65,33 @@ def duel_result(score: float, rival_score: float, rel_noise: float) -> EvalResul
                       fitness_ci=(score * (1 - rel_noise), score * (1 + rel_noise)))
 
 
+def timed(call: float, kernel: float, rel: float) -> Times:
+    """Times in call and kernel mode, each known within +-rel."""
+    return Times(kernel_ms=kernel, call_ms=call, kernel_ci=(kernel * (1 - rel), kernel * (1 + rel)),
+                 call_ci=(call * (1 - rel), call * (1 + rel)))
+
+
+def duel_with_a_hidden_kernel_loss(kernel_best_ms: float) -> EvalResult:
+    """Best vs seed on two configs: one host-bound (call 23 µs each, the best's kernel
+    `kernel_best_ms` against the seed's 0.0114), one where the two tie in every mode."""
+    small, big = ({"B": 1, "H": 8, "S": 512, "D": 64, "causal": False},
+                  {"B": 4, "H": 16, "S": 4096, "D": 128, "causal": False})
+    base = {"sdpa": Times(kernel_ms=0.0115, call_ms=0.032)}
+    configs = (
+        ConfigResult(small, "float16", Verdict.PASS, ms=0.023, baseline_ms=0.032,
+                     baseline_name="sdpa", speedup=0.032 / 0.023, speedup_ci=(1.37, 1.41),
+                     times=timed(0.023, kernel_best_ms, 0.02),
+                     rival_times=timed(0.023, 0.0114, 0.02), baseline_times=base,
+                     gain=1.0, gain_ci=(0.99, 1.01)),
+        ConfigResult(big, "float16", Verdict.PASS, ms=0.95, baseline_ms=0.93,
+                     baseline_name="sdpa", speedup=0.979, speedup_ci=(0.975, 0.983),
+                     times=timed(0.95, 0.95, 0.005), rival_times=timed(0.95, 0.95, 0.005),
+                     baseline_times={"sdpa": Times(kernel_ms=0.93, call_ms=0.93)},
+                     gain=1.0, gain_ci=(0.995, 1.005)))
+    return EvalResult(Verdict.PASS, "ok", 1.17, configs, timing="call", baseline="best",
+                      rival="seed.py", rival_fitness=1.17, gain=1.0, gain_ci=(0.995, 1.005))
+
+
 TOY_SEED = """\
 import torch
 BLOCK_M = 64  # evoattn: choice(16, 32, 64, 128)

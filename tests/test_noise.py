@@ -18,7 +18,7 @@ from evoattn.mutators.knobs import KnobMutator, find_knobs
 from evoattn.search import Search, beats
 from evoattn.store import RunStore
 
-from fakes import TOY_SEED, FakeEvaluator, duel_result
+from fakes import TOY_SEED, FakeEvaluator, duel_result, duel_with_a_hidden_kernel_loss, timed
 
 
 # ---- intervals -------------------------------------------------------------------------------
@@ -348,41 +348,13 @@ def test_the_end_of_run_summary_says_when_there_is_no_gain_beyond_noise() -> Non
     assert any("the best is faster" in line for line in faster)
 
 
-def _timed(call: float, kernel: float, rel: float):
-    from evaluator.types import Times
-    return Times(kernel_ms=kernel, call_ms=call, kernel_ci=(kernel * (1 - rel), kernel * (1 + rel)),
-                 call_ci=(call * (1 - rel), call * (1 + rel)))
-
-
-def _duel_with_a_hidden_kernel_loss(kernel_best_ms: float) -> EvalResult:
-    """Best vs seed on two configs: one host-bound (call 23 µs each, the best's kernel
-    `kernel_best_ms` against the seed's 0.0114), one where the two tie in every mode."""
-    from evaluator.types import ConfigResult, Times
-    small, big = ({"B": 1, "H": 8, "S": 512, "D": 64, "causal": False},
-                  {"B": 4, "H": 16, "S": 4096, "D": 128, "causal": False})
-    base = {"sdpa": Times(kernel_ms=0.0115, call_ms=0.032)}
-    configs = (
-        ConfigResult(small, "float16", Verdict.PASS, ms=0.023, baseline_ms=0.032,
-                     baseline_name="sdpa", speedup=0.032 / 0.023, speedup_ci=(1.37, 1.41),
-                     times=_timed(0.023, kernel_best_ms, 0.02),
-                     rival_times=_timed(0.023, 0.0114, 0.02), baseline_times=base,
-                     gain=1.0, gain_ci=(0.99, 1.01)),
-        ConfigResult(big, "float16", Verdict.PASS, ms=0.95, baseline_ms=0.93,
-                     baseline_name="sdpa", speedup=0.979, speedup_ci=(0.975, 0.983),
-                     times=_timed(0.95, 0.95, 0.005), rival_times=_timed(0.95, 0.95, 0.005),
-                     baseline_times={"sdpa": Times(kernel_ms=0.93, call_ms=0.93)},
-                     gain=1.0, gain_ci=(0.995, 1.005)))
-    return EvalResult(Verdict.PASS, "ok", 1.17, configs, timing="call", baseline="best",
-                      rival="seed.py", rival_fitness=1.17, gain=1.0, gain_ci=(0.995, 1.005))
-
-
 def test_a_kernel_time_loss_that_call_time_hides_is_named_per_config() -> None:
     """A best as fast as the seed in call time (the loss sits at a config whose call is the
     host's) but 0.70x in kernel time there: the summary and `eval --rival` name that config
     in kernel time, not in call time; a loss within noise is not named."""
     from evoattn.report import duel_lines
     from evoattn.report import side_by_side_lines
-    lines = side_by_side_lines(_duel_with_a_hidden_kernel_loss(0.0163), "seed1", "best1")
+    lines = side_by_side_lines(duel_with_a_hidden_kernel_loss(0.0163), "seed1", "best1")
     text = "\n".join(lines)
     kernel_at = next(i for i, line in enumerate(lines) if line.startswith("  kernel time"))
     assert "slower than the seed beyond noise, by 3% or more, at (1,8,512,64) 0.699x" in \
@@ -392,15 +364,15 @@ def test_a_kernel_time_loss_that_call_time_hides_is_named_per_config() -> None:
     assert "slower than the seed beyond noise" not in lines[call_at + 1]
     assert any("in kernel time the candidate is slower beyond noise, by 3% or more, at "
                "(1,8,512,64)" in line
-               for line in duel_lines(_duel_with_a_hidden_kernel_loss(0.0163)))
-    within = _duel_with_a_hidden_kernel_loss(0.0116)      # 0.983x, each side +-2%
+               for line in duel_lines(duel_with_a_hidden_kernel_loss(0.0163)))
+    within = duel_with_a_hidden_kernel_loss(0.0116)      # 0.983x, each side +-2%
     assert not any("slower than the seed beyond noise" in line
                    for line in side_by_side_lines(within, "s", "b"))
     assert not any("candidate is slower beyond noise" in line for line in duel_lines(within))
     # beyond noise but under MATERIAL_LOSS: 0.980x, each side +-0.2%, as identical code read once
     slight = dataclasses.replace(within, configs=tuple(
-        dataclasses.replace(c, times=_timed(c.times.call_ms, 0.0114 / 0.98, 0.002),
-                            rival_times=_timed(c.rival_times.call_ms, 0.0114, 0.002))
+        dataclasses.replace(c, times=timed(c.times.call_ms, 0.0114 / 0.98, 0.002),
+                            rival_times=timed(c.rival_times.call_ms, 0.0114, 0.002))
         if c.params["S"] == 512 else c for c in within.configs))
     from evaluator.scoring import config_gain_in_mode
     gain, ci = config_gain_in_mode(slight.configs[0], "kernel")
@@ -463,7 +435,7 @@ def test_the_summary_headline_is_the_side_by_side_re_measurement() -> None:
     outcome = SimpleNamespace(seed=seed, best=best, iterations_done=32, stop_reason="wall time",
                               elapsed_s=480.0, run_elapsed_s=480.0)
     search = SimpleNamespace(challenges=(2, 2), programs={}, evaluated_this_session=0,
-                             llm_totals=dict)
+                             llm_totals=dict, set_back=(3, 2))
     console = Console(record=True, width=200)
     _summary(console, outcome, search, SimpleNamespace(device="cuda"),
              duel_result(0.8853, 0.8238, 0.01))
@@ -472,6 +444,7 @@ def test_the_summary_headline_is_the_side_by_side_re_measurement() -> None:
            "side)" in text
     assert "during the search 0.8282 -> 0.9040" in text
     assert "0.824x -> 0.885x vs baseline" in text          # the duel's per-config speedups
+    assert "changes from the seed set back at the end: 2 of 3 cost nothing" in text
     alone = Console(record=True, width=200)
     _summary(alone, outcome, search, SimpleNamespace(device="cuda"), None)
     assert "seed fitness 0.8282 -> best fitness 0.9040 (best1, call time)" in alone.export_text()

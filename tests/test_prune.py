@@ -1,0 +1,169 @@
+"""The end of a run: the best's changes from the seed set back unless they pay (prune.py)."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+from evaluator.knobs import find_knobs
+from evaluator.types import EvalResult, Verdict
+from evoattn.config import PopulationConfig, RunConfig, config_to_dict
+from evoattn.mutators.knobs import KnobMutator
+from evoattn.prune import PRUNE, costs_nothing, setbacks
+from evoattn.search import Search
+from evoattn.store import RunStore
+
+from fakes import TOY_SEED, FakeEvaluator, duel_result, duel_with_a_hidden_kernel_loss
+
+
+@dataclasses.dataclass
+class _TwoKnobsMatter(FakeEvaluator):
+    """Only BLOCK_M and BLOCK_N change the speed; STAGES and SPLIT ride along for free."""
+
+    def score(self, source: str) -> float:
+        source = re.sub(r"STAGES = \d", "STAGES = 2", source)
+        return super().score(re.sub(r"SPLIT = \w+", "SPLIT = False", source))
+
+
+def _knobs(source: str) -> dict[str, str]:
+    return {k.key: k.value for k in find_knobs(source)}
+
+
+def _run(tmp: Path, ev: FakeEvaluator, prune: bool = True, iterations: int = 25):
+    cfg = RunConfig(iterations=iterations, random_seed=6,   # a best with two free rides
+                    population=PopulationConfig(prune=prune))
+    store = RunStore.open(tmp, config_to_dict(cfg), create=True)
+    s = Search(cfg, store, ev, [(KnobMutator(0.0), 1.0)], TOY_SEED, ".py")
+    return cfg, store, s
+
+
+def test_the_rule_keeps_a_change_that_pays_in_the_whole_or_at_one_config() -> None:
+    assert costs_nothing(duel_result(1.0, 1.0, 0.002))          # a tie
+    assert costs_nothing(duel_result(1.01, 1.0, 0.002))         # setting back is faster
+    assert not costs_nothing(duel_result(0.99, 1.0, 0.002))     # slower beyond noise
+    assert costs_nothing(duel_result(0.998, 1.0, 0.005))        # slower within noise
+    assert not costs_nothing(dataclasses.replace(duel_result(1.0, 1.0, 0.002),
+                                                 verdict=Verdict.INCORRECT))
+    # even in call time, but 0.70x in kernel time at one config: the change pays there
+    assert not costs_nothing(duel_with_a_hidden_kernel_loss(0.0163))
+    assert costs_nothing(duel_with_a_hidden_kernel_loss(0.0116))  # 0.983x within noise
+
+
+def test_setbacks_are_the_knobs_the_best_changed_that_the_seed_s_value_fits() -> None:
+    best = TOY_SEED.replace("BLOCK_M = 64", "BLOCK_M = 128").replace("STAGES = 2", "STAGES = 4")
+    # an edit that changed a knob's choices so that the seed's value is no longer one of them
+    best = best.replace("BLOCK_N = 32  # evoattn: choice(16, 32, 64)",
+                        "BLOCK_N = 64  # evoattn: choice(64, 128)")
+    found = setbacks(best, TOY_SEED)
+    assert [(s.key, s.best, s.seed) for s in found] == [("BLOCK_M", "128", "64"),
+                                                          ("STAGES", "4", "2")]
+    assert found[0].change == "BLOCK_M: 128 -> 64"
+    assert _knobs(found[1].apply(best))["STAGES"] == "2"
+    assert setbacks(TOY_SEED, TOY_SEED) == []
+
+
+def test_a_change_that_rode_along_is_set_back_and_one_that_pays_stays(tmp_path: Path) -> None:
+    ev = _TwoKnobsMatter()
+    _cfg, store, s = _run(tmp_path, ev)
+    try:
+        out = s.run()
+        before = out.best
+        seed = _knobs(out.seed.source)
+        changed = {k for k, v in _knobs(before.source).items() if v != seed[k]}
+        assert changed & {"STAGES", "SPLIT"}, "the run should crown a best carrying a free ride"
+        assert changed & {"BLOCK_M", "BLOCK_N"}
+        duels = len(ev.duels)
+        after = s.prune(before, out.seed)
+        # one duel per changed knob, each beside the best the phase started from
+        assert len(ev.duels) - duels == len(changed)
+        assert all(rival == before.source for _, rival in ev.duels[duels:])
+    finally:
+        store.close()
+    left = {k for k, v in _knobs(after.source).items() if v != seed[k]}
+    assert left == changed & {"BLOCK_M", "BLOCK_N"}                # only what pays
+    assert ev.score(after.source) == ev.score(before.source)
+    assert after.mutator == PRUNE and after.result.rival and costs_nothing(after.result)
+    assert s.set_back == (len(changed), len(changed & {"STAGES", "SPLIT"}))
+    with RunStore.open_readonly(tmp_path) as st:
+        assert st.champion().id == after.id                         # committed, crowned
+        assert st.pruned() == after.id
+        tried = [p for p in st.load_programs().values() if p.mutator == PRUNE]
+        assert len(tried) == len(changed)                            # kept or not, stored
+        assert all(p.iteration == out.iterations_done for p in tried)
+        assert st.load_state()["iteration"] == out.iterations_done   # no iteration spent
+        chain = [p.id for p in st.lineage(after.id)]
+        assert before.id in chain                                    # descends from the best
+
+
+def test_a_finished_run_resumed_holds_no_duels_again(tmp_path: Path) -> None:
+    ev = _TwoKnobsMatter()
+    _cfg, store, s = _run(tmp_path, ev)
+    try:
+        out = s.run()
+        after = s.prune(out.best, out.seed)
+    finally:
+        store.close()
+    ev2 = _TwoKnobsMatter()
+    store = RunStore.open(tmp_path, None, create=False)
+    try:
+        s2 = Search(RunConfig(iterations=25, random_seed=6), store, ev2,
+                    [(KnobMutator(0.0), 1.0)], TOY_SEED, ".py")
+        out2 = s2.run()
+        assert out2.best.id == after.id
+        assert s2.prune(out2.best, out2.seed).id == after.id
+    finally:
+        store.close()
+    assert ev2.duels == [] and ev2.calls == []
+
+
+def test_nothing_is_set_back_when_switched_off_or_when_the_best_is_the_seed(
+        tmp_path: Path) -> None:
+    ev = _TwoKnobsMatter()
+    _cfg, store, s = _run(tmp_path / "off", ev, prune=False)
+    try:
+        out = s.run()
+        duels = len(ev.duels)
+        assert out.best.id != out.seed.id
+        assert s.prune(out.best, out.seed).id == out.best.id
+        assert len(ev.duels) == duels and s.set_back == (0, 0)
+    finally:
+        store.close()
+    ev = _TwoKnobsMatter()
+    _cfg, store, s = _run(tmp_path / "seed", ev, iterations=0)
+    try:
+        out = s.run()
+        assert s.prune(out.seed, out.seed).id == out.seed.id and ev.duels == []
+    finally:
+        store.close()
+
+
+@dataclasses.dataclass
+class _SetBackFails(_TwoKnobsMatter):
+    """A duel of a set-back program fails its checks (say, the seed's STAGES with the best's
+    tile is wrong): the failure is stored as data and the change stays."""
+
+    def evaluate(self, source: str, suffix: str, label: str = "",
+                 rival: str | None = None) -> EvalResult:
+        if rival is not None and " vs " in label and "STAGES = 2" in source:
+            self.duels.append((source, rival))
+            return EvalResult.failure(Verdict.INCORRECT, "max error 3.1 > tolerance 0.01")
+        return super().evaluate(source, suffix, label, rival)
+
+
+def test_a_set_back_that_fails_its_checks_is_stored_and_the_change_stays(
+        tmp_path: Path) -> None:
+    ev = _SetBackFails()
+    _cfg, store, s = _run(tmp_path, ev)
+    try:
+        out = s.run()
+        lines: list[str] = []
+        assert _knobs(out.best.source)["STAGES"] != "2", "the best should carry a STAGES change"
+        after = s.prune(out.best, out.seed, say=lines.append)
+    finally:
+        store.close()
+    assert _knobs(after.source)["STAGES"] == _knobs(out.best.source)["STAGES"]
+    assert any("STAGES" in ln and "incorrect" in ln and "kept" in ln for ln in lines), lines
+    with RunStore.open_readonly(tmp_path) as st:
+        failed = [p for p in st.load_programs().values()
+                  if p.mutator == PRUNE and not p.correct]
+        assert len(failed) == 1 and "tolerance" in failed[0].result.reason
