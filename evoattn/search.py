@@ -390,17 +390,23 @@ class Search:
         for step in steps:
             source = step.apply(current.source)
             pid = program_id(source)
-            if self.known(pid):               # judged during the search (the seed, a parent)
-                say(f"  {step.change}: {pid} was evaluated in the search; not set back")
+            known = self.programs.get(pid) or self.store.get_program(pid)
+            if known is not None and not known.correct:
+                say(f"  {step.change}: {pid} failed its checks in the search; kept")
                 continue
             duel = self.evaluator.submit(source, self.suffix, f"{pid} vs {best.id}",
                                          rival=best.source).result()
             self._count(duel)
             kept = costs_nothing(duel)
-            child = Program(pid, source, self.suffix, current.id, self.iteration, current.island,
-                            PRUNE, step.change, duel)
+            if known is None:
+                child = Program(pid, source, self.suffix, current.id, self.iteration,
+                                current.island, PRUNE, step.change, duel)
+                pop.add(child)
+            elif pid == seed.id:                        # every change set back: the seed's own
+                child = known                           # reading stays the run's reference
+            else:                                       # met in the search (the best's parent,
+                child = dataclasses.replace(known, result=duel)   # say): stored re-measured
             self.programs[pid] = child
-            pop.add(child)
             self._stats["set_back_tried"] += 1
             if kept:
                 pop.crown(child)
@@ -409,10 +415,13 @@ class Search:
                 self._plain_fitness[pid] = self._plain_fitness.get(best.id, best.fitness)
                 current = child
             self.store.commit_iteration(
-                iteration=self.iteration, program=child, rejection=None, llm_usage=None,
-                rng_state=self.rng.getstate(), population_snapshot=self._snapshot(pop),
+                iteration=self.iteration, program=child if known is None else None,
+                remeasured=child if known is not None and pid != seed.id else None,
+                rejection=None, llm_usage=None, rng_state=self.rng.getstate(),
+                population_snapshot=self._snapshot(pop),
                 elapsed_s=self._prior_elapsed + self.clock() - self._t0)
-            say(f"  {step.change}: {_duel_text(duel)} beside the best: "
+            met = f" ({pid}, met in the search)" if known is not None else ""
+            say(f"  {step.change}{met}: {_duel_text(duel)} beside the best: "
                 + ("costs nothing, set back" if kept else "it pays, kept"))
         self.store.record_pruned(current.id)
         return current

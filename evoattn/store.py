@@ -184,13 +184,19 @@ class RunStore(RunReads):
                          rejection: tuple[str | None, str, str] | None,
                          llm_usage: LlmUsage | None, rng_state: Any,
                          population_snapshot: dict[str, Any], elapsed_s: float = 0.0,
-                         rejection_change: str = "") -> None:
+                         rejection_change: str = "", remeasured: Program | None = None) -> None:
         """Writes one iteration's program/rejection (with the change it proposed), LLM call and
-        search state atomically."""
+        search state atomically; `remeasured`: a stored program's new result (a duel)."""
         now = self._now()
         with self._transaction() as c:
             if program is not None:
                 self._insert_program(c, program, now)
+            if remeasured is not None and remeasured.result is not None:
+                r = remeasured.result
+                c.execute("UPDATE programs SET verdict = ?, fitness = ?, result_json = ? "
+                          "WHERE id = ?", (r.verdict.value, r.fitness,
+                                           json.dumps(r.to_json(), allow_nan=False),
+                                           remeasured.id))
             if rejection is not None:
                 parent_id, mutator, reason = rejection
                 c.execute("INSERT INTO rejections (iteration, parent_id, mutator, reason, "

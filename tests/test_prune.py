@@ -25,12 +25,43 @@ class _TwoKnobsMatter(FakeEvaluator):
         return super().score(re.sub(r"SPLIT = \w+", "SPLIT = False", source))
 
 
+@dataclasses.dataclass
+class _OnlyBlockM(FakeEvaluator):
+    """Only BLOCK_M changes the speed."""
+
+    def score(self, source: str) -> float:
+        return super().score(re.sub(r"(BLOCK_N|STAGES|SPLIT) = \w+", "", source))
+
+
+@dataclasses.dataclass
+class _FirstDuelLucky(FakeEvaluator):
+    """Every program is as fast as the seed, but a child reads 3% faster alone and its first
+    duel reads it 5% faster."""
+
+    seen: set[str] = dataclasses.field(default_factory=set)
+
+    def score(self, source: str) -> float:
+        return 1.0
+
+    def evaluate(self, source: str, suffix: str, label: str = "",
+                 rival: str | None = None) -> EvalResult:
+        if rival is None and source != TOY_SEED:
+            return dataclasses.replace(super().evaluate(source, suffix, label), fitness=1.03,
+                                       fitness_ci=(1.028, 1.032))
+        if rival is None or source in self.seen:
+            return super().evaluate(source, suffix, label, rival)
+        self.seen.add(source)
+        self.duels.append((source, rival))
+        return duel_result(1.05, 1.0, 0.002)
+
+
 def _knobs(source: str) -> dict[str, str]:
     return {k.key: k.value for k in find_knobs(source)}
 
 
-def _run(tmp: Path, ev: FakeEvaluator, prune: bool = True, iterations: int = 25):
-    cfg = RunConfig(iterations=iterations, random_seed=6,   # a best with two free rides
+def _run(tmp: Path, ev: FakeEvaluator, prune: bool = True, iterations: int = 25,
+         random_seed: int = 6):                            # 6: a best with two free rides
+    cfg = RunConfig(iterations=iterations, random_seed=random_seed,
                     population=PopulationConfig(prune=prune))
     store = RunStore.open(tmp, config_to_dict(cfg), create=True)
     s = Search(cfg, store, ev, [(KnobMutator(0.0), 1.0)], TOY_SEED, ".py")
@@ -167,3 +198,40 @@ def test_a_set_back_that_fails_its_checks_is_stored_and_the_change_stays(
         failed = [p for p in st.load_programs().values()
                   if p.mutator == PRUNE and not p.correct]
         assert len(failed) == 1 and "tolerance" in failed[0].result.reason
+
+
+def test_a_set_back_met_in_the_search_is_stored_with_its_re_measurement(tmp_path: Path) -> None:
+    ev = _OnlyBlockM()
+    _cfg, store, s = _run(tmp_path, ev, iterations=10)
+    try:
+        out = s.run()
+        lines: list[str] = []
+        after = s.prune(out.best, out.seed, say=lines.append)
+    finally:
+        store.close()
+    met = [ln for ln in lines if "met in the search" in ln and "set back" in ln]
+    assert met, lines                           # a program the search had evaluated plainly
+    assert after.id in met[-1] and after.mutator != PRUNE
+    with RunStore.open_readonly(tmp_path) as st:
+        stored = st.get_program(after.id)
+        assert st.champion().id == after.id
+    # its stored figure is now its re-measurement beside the best, not its plain reading
+    assert stored.result.rival and stored.result.gain_ci is not None
+    assert {k for k, v in _knobs(after.source).items() if v != _knobs(TOY_SEED)[k]} == \
+        {"BLOCK_M"}
+
+
+def test_a_best_crowned_by_one_lucky_duel_is_set_back_to_the_seed(tmp_path: Path) -> None:
+    ev = _FirstDuelLucky()
+    _cfg, store, s = _run(tmp_path, ev, iterations=12)
+    try:
+        out = s.run()
+        assert out.best.id != out.seed.id, "a lucky duel should have crowned a child"
+        lines: list[str] = []
+        after = s.prune(out.best, out.seed, say=lines.append)
+    finally:
+        store.close()
+    assert after.id == out.seed.id, lines
+    with RunStore.open_readonly(tmp_path) as st:
+        assert st.champion().id == out.seed.id
+        assert not st.get_program(out.seed.id).result.rival        # the reference stays
