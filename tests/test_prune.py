@@ -124,6 +124,11 @@ def test_a_change_that_rode_along_is_set_back_and_one_that_pays_stays(tmp_path: 
         assert st.load_state()["iteration"] == out.iterations_done   # no iteration spent
         chain = [p.id for p in st.lineage(after.id)]
         assert before.id in chain                                    # descends from the best
+    from evoattn.export import export_run
+    summary = export_run(tmp_path, tmp_path / "out")
+    assert summary.best_id == after.id
+    assert "set back at the end of the run, costing nothing: 1.000x" in \
+        (tmp_path / "out" / "lineage.md").read_text()
 
 
 def test_a_finished_run_resumed_holds_no_duels_again(tmp_path: Path) -> None:
