@@ -72,7 +72,7 @@ def slower_line(result: EvalResult, mode: str, most: int = 4) -> str:
     """Returns the configs where a duel's candidate is slower than its rival beyond noise (and
     by MATERIAL_LOSS) in one mode, slowest first, as one phrase ("" when there are none)."""
     slower = scoring.slower_configs(result, mode)
-    parts = [f"{label(c.params)} {gain:.3f}x{_ci_text(ci)}"
+    parts = [f"{label(c.params)} {gain:.3f}x{ci_text(ci)}"
              for c, gain, ci in slower[:most]]
     more = len(slower) - most
     return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
@@ -281,7 +281,7 @@ def side_by_side_lines(duel: Any, seed_id: str, best_id: str) -> list[str]:
         verdict = ("no gain beyond noise" if ci is None or ci[0] <= 1.0 <= ci[1] else
                    "the best is faster" if ci[0] > 1.0 else "the best is slower")
         lines.append(f"  {mode} time: seed {rival:.4f} -> best {cand:.4f}; best vs seed "
-                     f"{gain:.3f}x{_ci_text(ci)}: {verdict}")
+                     f"{gain:.3f}x{ci_text(ci)}: {verdict}")
         slower = slower_line(duel, mode)
         if slower:
             lines.append(f"    the best is slower than the seed beyond noise, by {_LOSS} or more, "
@@ -289,7 +289,8 @@ def side_by_side_lines(duel: Any, seed_id: str, best_id: str) -> list[str]:
     return lines
 
 
-def _ci_text(ci: Any) -> str:
+def ci_text(ci: Any) -> str:
+    """Returns ' [lo, hi]' for an interval, '' for none."""
     return f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
 
 
@@ -326,10 +327,10 @@ def duel_phrase(p: Program, crowned: dict[str, int]) -> str:
     if duel is not None and p.mutator == PRUNE:
         kept = costs_nothing(p.result) if p.result else False
         return (f"set back at the end of the run, {'costing nothing' if kept else 'a loss'}: "
-                f"{duel['gain']:.3f}x{_ci_text(duel['gain_ci'])}")
+                f"{duel['gain']:.3f}x{ci_text(duel['gain_ci'])}")
     if duel is not None:
         return (f"{'crowned' if duel['won'] else 'not faster beyond noise'}: "
-                f"{duel['gain']:.3f}x{_ci_text(duel['gain_ci'])}")
+                f"{duel['gain']:.3f}x{ci_text(duel['gain_ci'])}")
     if p.change in crowned:
         return f"not re-measured; the same change crowned at iteration {crowned[p.change]}"
     return "never re-measured: unproven"

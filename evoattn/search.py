@@ -34,7 +34,7 @@ from .errors import ClusterError, LlmError
 from .pool import as_pool
 from .population import Population
 from .prune import PRUNE, costs_nothing, setbacks
-from .report import beats
+from .report import beats, ci_text
 from .store import RunStore
 from .types import Evaluator, MutationRequest, Mutator, Program, Proposal, program_id
 
@@ -362,7 +362,7 @@ class Search:
             self._plain_fitness[pid] = result.fitness
         note = (f" -> {duel.fitness:.3f} re-measured beside the best ({champ.id}: "
                 f"{duel.rival_fitness or 0:.3f}), {gain:.3f}x"
-                f"{_interval(duel.gain_ci)}: {'new best' if won else 'not beyond noise'}")
+                f"{ci_text(duel.gain_ci)}: {'new best' if won else 'not beyond noise'}")
         return duel, won, note
 
     @property
@@ -520,14 +520,10 @@ def first_line(text: str, limit: int) -> str:
     return first if len(first) <= limit else first[:limit - 3] + "..."
 
 
-def _interval(ci: tuple[float, float] | None) -> str:
-    return f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
-
-
 def _duel_text(duel: EvalResult) -> str:
     if not duel.correct:
         return f"{duel.verdict.value}: {first_line(duel.reason, 80)}"
-    return f"{duel.gain or 0.0:.3f}x{_interval(duel.gain_ci)}"
+    return f"{duel.gain or 0.0:.3f}x{ci_text(duel.gain_ci)}"
 
 
 _INTEGRITY = {Verdict.POLICY, Verdict.TAMPERING, Verdict.HIDDEN_WORK, Verdict.NONDETERMINISTIC,
