@@ -26,7 +26,7 @@ MANIFEST = "export.json"
 # manifest lists) is an earlier export, and is replaced.
 _EXPORT_NAMES = {"best.py", "best.cu", "best_eval.json", "lineage.md", "lineage.json",
                  "leaderboard.md", "leaderboard.json", "README.md", "pyproject.toml",
-                 "side_by_side.json", MANIFEST}
+                 "side_by_side.json", "set_back.json", MANIFEST}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,13 +81,18 @@ def _export(store: RunStore, out_dir: Path) -> ExportSummary:
         seed_id, duel = beside_seed
         evidence["side_by_side.json"] = docs.dump({"seed": seed_id, "best": best.id,
                                                    **duel.to_json()})
+    pruned = store.pruned()                         # the changes set back at the end
+    set_back = pruned if pruned and pruned.get("best") == best.id and pruned.get("steps") \
+        else None
+    if set_back is not None:
+        evidence["set_back.json"] = docs.dump(set_back)
     files = {**_program_files(best, info), **evidence,
              "lineage.md": docs.lineage_md(lineage,
                                            crowned_changes(store.load_programs().values())),
              "leaderboard.md": docs.leaderboard_md(board, best.id),
              "leaderboard.json": docs.dump([docs.board_entry(rank, p, p.id == best.id)
                                             for rank, p in board]),
-             "README.md": docs.readme(best, info, beside_seed),
+             "README.md": docs.readme(best, info, beside_seed, set_back),
              **package_files(info, evidence)}
     top = sorted({name.split("/", 1)[0] for name in files} | {MANIFEST})
     files[MANIFEST] = docs.dump({"program_id": best.id, "problem": info.problem,

@@ -7,7 +7,7 @@ from typing import Any
 from evaluator.types import ConfigResult, EvalResult
 
 from .export_package import KernelInfo
-from .report import duel_of, duel_phrase, label, side_by_side_lines
+from .report import ci_text, duel_of, duel_phrase, label, side_by_side_lines
 from .types import Program
 
 MODES = ("kernel", "call", "graph")
@@ -105,9 +105,11 @@ def leaderboard_md(board: list[tuple[int, Program]], best_id: str = "") -> str:
 
 # ---- README -----------------------------------------------------------------------
 def readme(best: Program, info: KernelInfo,
-           beside_seed: tuple[str, EvalResult] | None = None) -> str:
-    """Returns the export's README: what it is, install, use, guard, timings (and the run's
-    end-of-run re-measurement beside its seed, where it holds one), re-check."""
+           beside_seed: tuple[str, EvalResult] | None = None,
+           set_back: dict[str, Any] | None = None) -> str:
+    """Returns the export's README: what it is, install, use, guard, timings (and, where the
+    run holds them, the changes it set back at its end and its re-measurement beside its
+    seed), re-check."""
     r = best.result
     problem = info.problem
     where = f"{r.device} ({r.timing_device} timings)" if r else "unknown device"
@@ -121,8 +123,29 @@ def readme(best: Program, info: KernelInfo,
         lines += ["**These timings were taken on CPU** and say nothing about GPU speed: "
                   "re-check on a GPU before relying on it.", ""]
     lines += _install(info) + (_usage(info) if info.has_op else _no_op(info))
-    lines += _guard(info) + _beside_seed(best, beside_seed) + timings_md(r) + _files(best, info)
+    lines += (_guard(info) + _set_back(set_back) + _beside_seed(best, beside_seed)
+              + timings_md(r) + _files(best, info))
     return "\n".join(lines)
+
+
+def _set_back(record: dict[str, Any] | None) -> list[str]:
+    """The run's end: each change from the seed set back in a duel beside the best it had
+    (prune.py), and whether it stayed set back."""
+    if not record:
+        return []
+    lines = ["## Changes set back at the end of the run", "",
+             f"Each knob in which the run's best (`{record['before']}`) differed from the seed "
+             "was set back to the seed's value, one at a time, in a duel beside that best "
+             "(`set_back.json`); a change stays only where setting it back costs beyond noise "
+             "(in the fitness, or by 3% or more at a config in any mode):", ""]
+    for step in record["steps"]:
+        if step["verdict"] != "pass":
+            what = f"{step['verdict']}: kept"
+        else:
+            what = (f"{step['gain'] or 0.0:.3f}x{ci_text(step['gain_ci'])}: "
+                    + ("costs nothing, set back" if step["kept_back"] else "it pays, kept"))
+        lines.append(f"- `{step['change']}`: {what}")
+    return lines + [""]
 
 
 def _beside_seed(best: Program, beside_seed: tuple[str, EvalResult] | None) -> list[str]:
@@ -329,7 +352,8 @@ def _files(best: Program, info: KernelInfo) -> list[str]:
             f"- `best{best.suffix}`" + (" and its companion files" if len(info.files.files) > 1
                                         else "") + ": the kernel as the run evaluated it",
             "- `best_eval.json`, `lineage.md`/`.json`, `leaderboard.md`/`.json` (and "
-            "`side_by_side.json` where the run re-measured it beside its seed): the evidence",
+            "`side_by_side.json` where the run re-measured it beside its seed, `set_back.json` "
+            "where it set changes back at its end): the evidence",
             "", "## Re-check it", "",
             "Re-evaluate on your own GPU (correctness first, then timing against PyTorch):",
             "", "```sh", f"evoattn eval best{best.suffix}{problem}", "```", ""]

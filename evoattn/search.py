@@ -379,7 +379,8 @@ class Search:
         `best` when every change pays, when nothing differs, or when this best was pruned
         already (a resumed run that had finished)."""
         if not self.cfg.population.prune or best.id == seed.id or \
-                not (best.correct and seed.correct) or self.store.pruned() == best.id:
+                not (best.correct and seed.correct) or \
+                (self.store.pruned() or {}).get("best") == best.id:
             return best
         pop, current = self._pop, best
         assert pop is not None, "prune() follows run()"
@@ -387,6 +388,7 @@ class Search:
         if steps:
             say(f"setting back the best's {len(steps)} changes from the seed, one at a time, "
                 "each kept only if it pays beyond noise ...")
+        record: list[dict[str, Any]] = []
         for step in steps:
             source = step.apply(current.source)
             pid = program_id(source)
@@ -398,15 +400,13 @@ class Search:
                                          rival=best.source).result()
             self._count(duel)
             kept = costs_nothing(duel)
+            # A program the search met (the best's parent, the seed, ...) keeps its stored
+            # record; the duel is kept in the phase's record below.
+            child = known or Program(pid, source, self.suffix, current.id, self.iteration,
+                                     current.island, PRUNE, step.change, duel)
             if known is None:
-                child = Program(pid, source, self.suffix, current.id, self.iteration,
-                                current.island, PRUNE, step.change, duel)
+                self.programs[pid] = child
                 pop.add(child)
-            elif pid == seed.id:                        # every change set back: the seed's own
-                child = known                           # reading stays the run's reference
-            else:                                       # met in the search (the best's parent,
-                child = dataclasses.replace(known, result=duel)   # say): stored re-measured
-            self.programs[pid] = child
             self._stats["set_back_tried"] += 1
             if kept:
                 pop.crown(child)
@@ -414,16 +414,18 @@ class Search:
                 # Within noise of the best: children of a resumed run face the best's bar.
                 self._plain_fitness[pid] = self._plain_fitness.get(best.id, best.fitness)
                 current = child
+            record.append({"change": step.change, "program": pid, "kept_back": kept,
+                           "verdict": duel.verdict.value, "gain": duel.gain,
+                           "gain_ci": list(duel.gain_ci) if duel.gain_ci else None})
             self.store.commit_iteration(
-                iteration=self.iteration, program=child if known is None else None,
-                remeasured=child if known is not None and pid != seed.id else None,
-                rejection=None, llm_usage=None, rng_state=self.rng.getstate(),
+                iteration=self.iteration, program=None if known else child, rejection=None,
+                llm_usage=None, rng_state=self.rng.getstate(),
                 population_snapshot=self._snapshot(pop),
                 elapsed_s=self._prior_elapsed + self.clock() - self._t0)
             met = f" ({pid}, met in the search)" if known is not None else ""
             say(f"  {step.change}{met}: {_duel_text(duel)} beside the best: "
                 + ("costs nothing, set back" if kept else "it pays, kept"))
-        self.store.record_pruned(current.id)
+        self.store.record_pruned(best.id, current.id, record)
         return current
 
     @property

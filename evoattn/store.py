@@ -184,19 +184,13 @@ class RunStore(RunReads):
                          rejection: tuple[str | None, str, str] | None,
                          llm_usage: LlmUsage | None, rng_state: Any,
                          population_snapshot: dict[str, Any], elapsed_s: float = 0.0,
-                         rejection_change: str = "", remeasured: Program | None = None) -> None:
+                         rejection_change: str = "") -> None:
         """Writes one iteration's program/rejection (with the change it proposed), LLM call and
-        search state atomically; `remeasured`: a stored program's new result (a duel)."""
+        search state atomically."""
         now = self._now()
         with self._transaction() as c:
             if program is not None:
                 self._insert_program(c, program, now)
-            if remeasured is not None and remeasured.result is not None:
-                r = remeasured.result
-                c.execute("UPDATE programs SET verdict = ?, fitness = ?, result_json = ? "
-                          "WHERE id = ?", (r.verdict.value, r.fitness,
-                                           json.dumps(r.to_json(), allow_nan=False),
-                                           remeasured.id))
             if rejection is not None:
                 parent_id, mutator, reason = rejection
                 c.execute("INSERT INTO rejections (iteration, parent_id, mutator, reason, "
@@ -228,12 +222,14 @@ class RunStore(RunReads):
             c.execute("INSERT OR REPLACE INTO state (key, value) VALUES ('side_by_side', ?)",
                       (json.dumps(value, allow_nan=False),))
 
-    def record_pruned(self, best_id: str) -> None:
-        """Records that the end-of-run setting back of changes (prune.py) ended with this
-        best, so a resumed run that adds no iterations does not hold its duels again."""
+    def record_pruned(self, before_id: str, best_id: str, steps: list[dict[str, Any]]) -> None:
+        """Records the end-of-run setting back of changes (prune.py): the best it started from,
+        the best it ended with (so a resumed run that adds no iterations does not hold its
+        duels again) and each step's duel (change, program, kept_back, verdict, gain, gain_ci)."""
+        value = {"before": before_id, "best": best_id, "steps": steps}
         with self._transaction() as c:
             c.execute("INSERT OR REPLACE INTO state (key, value) VALUES ('pruned', ?)",
-                      (json.dumps(best_id),))
+                      (json.dumps(value, allow_nan=False),))
 
     def _insert_program(self, c: sqlite3.Connection, p: Program, now: str) -> None:
         result_json = json.dumps(p.result.to_json(), allow_nan=False) if p.result else None

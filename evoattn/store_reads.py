@@ -104,8 +104,9 @@ class RunReads:
             return None
         return value["seed"], EvalResult.from_json(value["result"])
 
-    def pruned(self) -> str | None:
-        """Returns the best that the run's last end-of-run setting back ended with, if any."""
+    def pruned(self) -> dict[str, Any] | None:
+        """Returns the run's last end-of-run setting back of changes ({before, best, steps}:
+        store.record_pruned), or None when it has none."""
         row = self._conn.execute("SELECT value FROM state WHERE key = 'pruned'").fetchone()
         return json.loads(row[0]) if row else None
 

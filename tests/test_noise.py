@@ -420,6 +420,8 @@ def test_an_export_without_an_end_of_run_re_measurement_says_nothing_of_one(
     summary = export_run(tmp_path, tmp_path / "out")
     assert not (tmp_path / "out" / "side_by_side.json").exists()
     assert "Beside the run's seed" not in summary.readme.read_text()
+    assert not (tmp_path / "out" / "set_back.json").exists()                # nor of setting back
+    assert "Changes set back" not in summary.readme.read_text()
 
 
 def test_the_summary_headline_is_the_side_by_side_re_measurement() -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 
@@ -117,7 +118,11 @@ def test_a_change_that_rode_along_is_set_back_and_one_that_pays_stays(tmp_path: 
     assert s.set_back == (len(changed), len(changed & {"STAGES", "SPLIT"}))
     with RunStore.open_readonly(tmp_path) as st:
         assert st.champion().id == after.id                         # committed, crowned
-        assert st.pruned() == after.id
+        record = st.pruned()
+        assert (record["before"], record["best"]) == (before.id, after.id)
+        assert [(r["change"], r["kept_back"]) for r in record["steps"]] == \
+            [(f"{k}: {_knobs(before.source)[k]} -> {seed[k]}", k in {"STAGES", "SPLIT"})
+             for k in ("BLOCK_M", "BLOCK_N", "STAGES", "SPLIT") if k in changed]
         tried = [p for p in st.load_programs().values() if p.mutator == PRUNE]
         assert len(tried) == len(changed)                            # kept or not, stored
         assert all(p.iteration == out.iterations_done for p in tried)
@@ -129,6 +134,13 @@ def test_a_change_that_rode_along_is_set_back_and_one_that_pays_stays(tmp_path: 
     assert summary.best_id == after.id
     assert "set back at the end of the run, costing nothing: 1.000x" in \
         (tmp_path / "out" / "lineage.md").read_text()
+    readme = summary.readme.read_text()
+    assert "## Changes set back at the end of the run" in readme
+    assert "- `STAGES: 4 -> 2`: 1.000x [0.998, 1.002]: costs nothing, set back" in readme
+    assert "- `BLOCK_M: 128 -> 64`: 0.824x" in readme and "it pays, kept" in readme
+    kept = json.loads((tmp_path / "out" / "set_back.json").read_text())
+    assert kept["best"] == after.id and len(kept["steps"]) == len(changed)
+    assert (summary.package_dir / "evidence" / "set_back.json").is_file()
 
 
 def test_a_finished_run_resumed_holds_no_duels_again(tmp_path: Path) -> None:
@@ -205,11 +217,12 @@ def test_a_set_back_that_fails_its_checks_is_stored_and_the_change_stays(
         assert len(failed) == 1 and "tolerance" in failed[0].result.reason
 
 
-def test_a_set_back_met_in_the_search_is_stored_with_its_re_measurement(tmp_path: Path) -> None:
+def test_a_set_back_met_in_the_search_is_duelled_and_its_record_kept(tmp_path: Path) -> None:
     ev = _OnlyBlockM()
     _cfg, store, s = _run(tmp_path, ev, iterations=10)
     try:
         out = s.run()
+        stored_before = {p.id: p.result for p in s.programs.values()}
         lines: list[str] = []
         after = s.prune(out.best, out.seed, say=lines.append)
     finally:
@@ -218,10 +231,11 @@ def test_a_set_back_met_in_the_search_is_stored_with_its_re_measurement(tmp_path
     assert met, lines                           # a program the search had evaluated plainly
     assert after.id in met[-1] and after.mutator != PRUNE
     with RunStore.open_readonly(tmp_path) as st:
-        stored = st.get_program(after.id)
         assert st.champion().id == after.id
-    # its stored figure is now its re-measurement beside the best, not its plain reading
-    assert stored.result.rival and stored.result.gain_ci is not None
+        # its stored record stays what the search measured; the phase keeps the duel
+        assert st.get_program(after.id).result == stored_before[after.id]
+        step = next(r for r in st.pruned()["steps"] if r["program"] == after.id)
+        assert step["kept_back"] and step["gain_ci"][0] <= 1.0 <= step["gain_ci"][1]
     assert {k for k, v in _knobs(after.source).items() if v != _knobs(TOY_SEED)[k]} == \
         {"BLOCK_M"}
 
