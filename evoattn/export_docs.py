@@ -7,7 +7,7 @@ from typing import Any
 from evaluator.types import ConfigResult, EvalResult
 
 from .export_package import KernelInfo
-from .report import ci_text, duel_of, duel_phrase, label, side_by_side_lines
+from .report import duel_of, duel_phrase, label, set_back_lines, side_by_side_lines
 from .types import Program
 
 MODES = ("kernel", "call", "graph")
@@ -138,14 +138,7 @@ def _set_back(record: dict[str, Any] | None) -> list[str]:
              "was set back to the seed's value, one at a time, in a duel beside that best "
              "(`set_back.json`); a change stays only where setting it back costs beyond noise "
              "(in the fitness, or by 3% or more at a config in any mode):", ""]
-    for step in record["steps"]:
-        if step["verdict"] != "pass":
-            what = f"{step['verdict']}: kept"
-        else:
-            what = (f"{step['gain'] or 0.0:.3f}x{ci_text(step['gain_ci'])}: "
-                    + ("costs nothing, set back" if step["kept_back"] else "it pays, kept"))
-        lines.append(f"- `{step['change']}`: {what}")
-    return lines + [""]
+    return lines + ["```text", *set_back_lines(record), "```", ""]
 
 
 def _beside_seed(best: Program, beside_seed: tuple[str, EvalResult] | None) -> list[str]:

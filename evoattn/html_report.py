@@ -14,7 +14,7 @@ from typing import Callable
 
 from . import charts
 from .outdir import replace_directory
-from .report import MODE_WORDS, side_by_side_lines
+from .report import MODE_WORDS, set_back_lines, side_by_side_lines
 from .report_data import RunData, Speedup, load_run
 
 HTML_NAME = "report.html"
@@ -146,6 +146,10 @@ def _summary(data: RunData) -> str:
     ]
     cells = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows)
     table = f'<table class="summary">{cells}</table>'
+    if data.set_back is not None:
+        lines = [f"set back at the end of the run, beside the best it had "
+                 f"({data.set_back['before']}):", *set_back_lines(data.set_back)]
+        table += f"<pre class=\"set-back\">{_e(chr(10).join(lines))}</pre>"
     if data.beside_seed is None or best is None:
         return table
     lines = side_by_side_lines(data.beside_seed[1], data.beside_seed[0], best.id)

@@ -289,6 +289,20 @@ def side_by_side_lines(duel: Any, seed_id: str, best_id: str) -> list[str]:
     return lines
 
 
+def set_back_lines(record: dict[str, Any]) -> list[str]:
+    """Returns a line per change the end of a run set back (store.record_pruned's steps): its
+    duel beside the best it had, and whether it stayed set back."""
+    lines = []
+    for step in record.get("steps") or []:
+        if step["verdict"] != "pass":
+            what = f"{step['verdict']}: kept"
+        else:
+            what = (f"{step['gain'] or 0.0:.3f}x{ci_text(step['gain_ci'])}: "
+                    + ("costs nothing, set back" if step["kept_back"] else "it pays, kept"))
+        lines.append(f"{step['change']}: {what}")
+    return lines
+
+
 def ci_text(ci: Any) -> str:
     """Returns ' [lo, hi]' for an interval, '' for none."""
     return f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""

@@ -113,6 +113,9 @@ class RunData:
     # the best re-measured beside the seed at the end of the run (a duel), where the run holds
     # one for this best: (the seed's id, the duel)
     beside_seed: tuple[str, EvalResult] | None = None
+    # the changes from the seed the end of the run set back, where it did so for this best
+    # (store.record_pruned: {before, best, steps})
+    set_back: dict[str, Any] | None = None
 
 
 def load_run(run_dir: str | Path) -> RunData:
@@ -125,6 +128,7 @@ def load_run(run_dir: str | Path) -> RunData:
         config = store.stored_config()
         best = store.champion()
         beside_seed = store.side_by_side(best.id) if best else None
+        pruned = store.pruned()
         rejections = store.rejections()
         calls = store.llm_calls()
     start = _when(meta["created_at"])
@@ -157,7 +161,9 @@ def load_run(run_dir: str | Path) -> RunData:
         stage_mean_s=stage_means([p.result for p in programs.values() if p.result]),
         llm=llm_series(calls, start),
         llm_failed=sum(1 for c in calls if c.usage.status == "failed"),
-        beside_seed=beside_seed)
+        beside_seed=beside_seed,
+        set_back=pruned if best and pruned and pruned.get("best") == best.id
+        and pruned.get("steps") else None)
 
 
 def lineage(best_id: str, programs: dict[str, Program]) -> tuple[LineageNode, ...]:

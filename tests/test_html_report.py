@@ -227,6 +227,38 @@ def test_page_shows_the_end_of_run_re_measurement_beside_the_seed(finished_run: 
     assert "best vs seed 1.111x [1.100, 1.122]: the best is faster" in text
 
 
+def test_page_lists_the_changes_set_back_at_the_end_of_the_run(finished_run: Path,
+                                                                tmp_path: Path) -> None:
+    """Where the end of the run set changes back for this best, the summary lists each with its
+    duel; a record for another best is not shown."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    with RunStore.open_readonly(run) as st:
+        best = st.champion()
+    steps = [{"change": "STAGES: 4 -> 2", "program": best.id, "kept_back": True,
+              "verdict": "pass", "gain": 1.001, "gain_ci": [0.996, 1.006]},
+             {"change": "BLOCK_M: 128 -> 64", "program": "0" * 16, "kept_back": False,
+              "verdict": "pass", "gain": 0.8, "gain_ci": [0.79, 0.81]}]
+    store = RunStore.open(run, None, create=False)
+    try:
+        store.record_pruned("f" * 16, best.id, steps)
+    finally:
+        store.close()
+    page = write_report(run, tmp_path / "out")
+    dom = _browse(page, tmp_path / "profile", "--dump-dom").stdout
+    text = html.unescape(re.sub(r"<[^>]+>", " ", dom))
+    assert f"set back at the end of the run, beside the best it had ({'f' * 16})" in text
+    assert "STAGES: 4 -> 2: 1.001x [0.996, 1.006]: costs nothing, set back" in text
+    assert "BLOCK_M: 128 -> 64: 0.800x [0.790, 0.810]: it pays, kept" in text
+    store = RunStore.open(run, None, create=False)
+    try:
+        store.record_pruned("f" * 16, "e" * 16, steps)           # another best's record
+    finally:
+        store.close()
+    page = write_report(run, tmp_path / "out2")
+    assert "set back at the end of the run" not in page.read_text()
+
+
 def test_speedup_table_marks_the_fitness_term(finished_run: Path, tmp_path: Path) -> None:
     page = write_report(finished_run, tmp_path / "out").read_text()
     best = _best_fitness(finished_run)

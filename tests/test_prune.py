@@ -136,8 +136,8 @@ def test_a_change_that_rode_along_is_set_back_and_one_that_pays_stays(tmp_path: 
         (tmp_path / "out" / "lineage.md").read_text()
     readme = summary.readme.read_text()
     assert "## Changes set back at the end of the run" in readme
-    assert "- `STAGES: 4 -> 2`: 1.000x [0.998, 1.002]: costs nothing, set back" in readme
-    assert "- `BLOCK_M: 128 -> 64`: 0.824x" in readme and "it pays, kept" in readme
+    assert "\nSTAGES: 4 -> 2: 1.000x [0.998, 1.002]: costs nothing, set back\n" in readme
+    assert "\nBLOCK_M: 128 -> 64: 0.824x" in readme and "it pays, kept" in readme
     kept = json.loads((tmp_path / "out" / "set_back.json").read_text())
     assert kept["best"] == after.id and len(kept["steps"]) == len(changed)
     assert (summary.package_dir / "evidence" / "set_back.json").is_file()
