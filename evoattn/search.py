@@ -398,7 +398,7 @@ class Search:
                 continue
             duel = self.evaluator.submit(source, self.suffix, f"{pid} vs {best.id}",
                                          rival=best.source).result()
-            self._count(duel)
+            self._gpu_s += duel.stage_s.get(TIMING_STAGE, 0.0)    # a duel, as a challenge's
             kept = costs_nothing(duel)
             # A program the search met (the best's parent, the seed, ...) keeps its stored
             # record; the duel is kept in the phase's record below.
