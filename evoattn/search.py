@@ -380,7 +380,7 @@ class Search:
         already (a resumed run that had finished)."""
         if not self.cfg.population.prune or best.id == seed.id or \
                 not (best.correct and seed.correct) or \
-                (self.store.pruned() or {}).get("best") == best.id:
+                _pruned_already(self.store.pruned(), best.id):
             return best
         pop, current = self._pop, best
         assert pop is not None, "prune() follows run()"
@@ -389,6 +389,7 @@ class Search:
             say(f"setting back the best's {len(steps)} changes from the seed, one at a time, "
                 "each kept only if it pays beyond noise ...")
         record: list[dict[str, Any]] = []
+        complete = True
         for step in steps:
             source = step.apply(current.source)
             pid = program_id(source)
@@ -396,8 +397,14 @@ class Search:
             if known is not None and not known.correct:
                 say(f"  {step.change}: {pid} failed its checks in the search; kept")
                 continue
-            duel = self.evaluator.submit(source, self.suffix, f"{pid} vs {best.id}",
-                                         rival=best.source).result()
+            try:
+                duel = self.evaluator.submit(source, self.suffix, f"{pid} vs {best.id}",
+                                             rival=best.source).result()
+            except Exception as e:  # noqa: BLE001 - a lost cluster, say: keep what was set back
+                say(f"  setting back stopped ({type(e).__name__}: {first_line(str(e), 120)}); "
+                    "the best is what it reached; a resumed run goes on from it")
+                complete = False
+                break
             self._gpu_s += duel.stage_s.get(TIMING_STAGE, 0.0)    # a duel, as a challenge's
             kept = costs_nothing(duel)
             # A program the search met (the best's parent, the seed, ...) keeps its stored
@@ -425,7 +432,7 @@ class Search:
             met = f" ({pid}, met in the search)" if known is not None else ""
             say(f"  {step.change}{met}: {_duel_text(duel)} beside the best: "
                 + ("costs nothing, set back" if kept else "it pays, kept"))
-        self.store.record_pruned(best.id, current.id, record)
+        self.store.record_pruned(best.id, current.id, record, complete)
         return current
 
     @property
@@ -520,6 +527,11 @@ def first_line(text: str, limit: int) -> str:
     lines = (text or "").strip().splitlines()
     first = lines[0] if lines else ""
     return first if len(first) <= limit else first[:limit - 3] + "..."
+
+
+def _pruned_already(record: dict[str, Any] | None, best_id: str) -> bool:
+    """Returns whether the run's setting back ended, whole, with this best."""
+    return bool(record) and record.get("best") == best_id and record.get("complete", True)
 
 
 def _duel_text(duel: EvalResult) -> str:

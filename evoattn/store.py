@@ -222,11 +222,13 @@ class RunStore(RunReads):
             c.execute("INSERT OR REPLACE INTO state (key, value) VALUES ('side_by_side', ?)",
                       (json.dumps(value, allow_nan=False),))
 
-    def record_pruned(self, before_id: str, best_id: str, steps: list[dict[str, Any]]) -> None:
+    def record_pruned(self, before_id: str, best_id: str, steps: list[dict[str, Any]],
+                      complete: bool = True) -> None:
         """Records the end-of-run setting back of changes (prune.py): the best it started from,
-        the best it ended with (so a resumed run that adds no iterations does not hold its
-        duels again) and each step's duel (change, program, kept_back, verdict, gain, gain_ci)."""
-        value = {"before": before_id, "best": best_id, "steps": steps}
+        the best it ended with, each step's duel (change, program, kept_back, verdict, gain,
+        gain_ci), and whether every change was tried (a resumed run that adds no iterations
+        holds the duels of a whole phase only once)."""
+        value = {"before": before_id, "best": best_id, "steps": steps, "complete": complete}
         with self._transaction() as c:
             c.execute("INSERT OR REPLACE INTO state (key, value) VALUES ('pruned', ?)",
                       (json.dumps(value, allow_nan=False),))

@@ -105,8 +105,8 @@ class RunReads:
         return value["seed"], EvalResult.from_json(value["result"])
 
     def pruned(self) -> dict[str, Any] | None:
-        """Returns the run's last end-of-run setting back of changes ({before, best, steps}:
-        store.record_pruned), or None when it has none."""
+        """Returns the run's last end-of-run setting back of changes ({before, best, steps,
+        complete}: store.record_pruned), or None when it has none."""
         row = self._conn.execute("SELECT value FROM state WHERE key = 'pruned'").fetchone()
         return json.loads(row[0]) if row else None
 

@@ -254,3 +254,48 @@ def test_a_best_crowned_by_one_lucky_duel_is_set_back_to_the_seed(tmp_path: Path
     with RunStore.open_readonly(tmp_path) as st:
         assert st.champion().id == out.seed.id
         assert not st.get_program(out.seed.id).result.rival        # the reference stays
+
+
+@dataclasses.dataclass
+class _LostAfterOneDuel(_TwoKnobsMatter):
+    """The evaluator goes away after the first set-back duel (a Dask cluster lost, say)."""
+
+    held: int = 0
+
+    def evaluate(self, source: str, suffix: str, label: str = "",
+                 rival: str | None = None) -> EvalResult:
+        if rival is not None and " vs " in label and self.held >= 0:
+            if self.held == 1:
+                raise ConnectionError("scheduler tcp://127.0.0.1:8786 unreachable")
+            self.held += 1
+        return super().evaluate(source, suffix, label, rival)
+
+
+def test_a_lost_evaluator_ends_the_phase_with_what_it_set_back(tmp_path: Path) -> None:
+    ev = _LostAfterOneDuel(held=-1)                  # no limit during the search
+    _cfg, store, s = _run(tmp_path, ev)
+    try:
+        out = s.run()
+        ev.held = 0
+        lines: list[str] = []
+        after = s.prune(out.best, out.seed, say=lines.append)
+    finally:
+        store.close()
+    assert any("setting back stopped (ConnectionError: scheduler" in ln for ln in lines), lines
+    with RunStore.open_readonly(tmp_path) as st:
+        assert st.champion().id == after.id
+        assert len(st.pruned()["steps"]) == 1        # the one duel held is recorded
+        assert st.pruned()["complete"] is False
+    # resumed with the evaluator back: the phase goes on from the best it reached
+    ev2 = _TwoKnobsMatter()
+    store = RunStore.open(tmp_path, None, create=False)
+    try:
+        s2 = Search(RunConfig(iterations=25, random_seed=6), store, ev2,
+                    [(KnobMutator(0.0), 1.0)], TOY_SEED, ".py")
+        out2 = s2.run()
+        assert out2.best.id == after.id
+        final = s2.prune(out2.best, out2.seed)
+    finally:
+        store.close()
+    assert ev2.duels and {k for k, v in _knobs(final.source).items()
+                          if v != _knobs(TOY_SEED)[k]} == {"BLOCK_M", "BLOCK_N"}
