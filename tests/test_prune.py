@@ -69,6 +69,18 @@ def _run(tmp: Path, ev: FakeEvaluator, prune: bool = True, iterations: int = 25,
     return cfg, store, s
 
 
+def _resume_and_prune(tmp: Path, ev: FakeEvaluator):
+    """Resumes the run in `tmp` (its 25 iterations done), then its end: (best, after it)."""
+    store = RunStore.open(tmp, None, create=False)
+    try:
+        s = Search(RunConfig(iterations=25, random_seed=6), store, ev,
+                   [(KnobMutator(0.0), 1.0)], TOY_SEED, ".py")
+        out = s.run()
+        return out.best, s.prune(out.best, out.seed)
+    finally:
+        store.close()
+
+
 def test_the_rule_keeps_a_change_that_pays_in_the_whole_or_at_one_config() -> None:
     assert costs_nothing(duel_result(1.0, 1.0, 0.002))          # a tie
     assert costs_nothing(duel_result(1.01, 1.0, 0.002))         # setting back is faster
@@ -152,15 +164,8 @@ def test_a_finished_run_resumed_holds_no_duels_again(tmp_path: Path) -> None:
     finally:
         store.close()
     ev2 = _TwoKnobsMatter()
-    store = RunStore.open(tmp_path, None, create=False)
-    try:
-        s2 = Search(RunConfig(iterations=25, random_seed=6), store, ev2,
-                    [(KnobMutator(0.0), 1.0)], TOY_SEED, ".py")
-        out2 = s2.run()
-        assert out2.best.id == after.id
-        assert s2.prune(out2.best, out2.seed).id == after.id
-    finally:
-        store.close()
+    resumed_best, final = _resume_and_prune(tmp_path, ev2)
+    assert resumed_best.id == after.id and final.id == after.id
     assert ev2.duels == [] and ev2.calls == []
 
 
@@ -288,14 +293,7 @@ def test_a_lost_evaluator_ends_the_phase_with_what_it_set_back(tmp_path: Path) -
         assert st.pruned()["complete"] is False
     # resumed with the evaluator back: the phase goes on from the best it reached
     ev2 = _TwoKnobsMatter()
-    store = RunStore.open(tmp_path, None, create=False)
-    try:
-        s2 = Search(RunConfig(iterations=25, random_seed=6), store, ev2,
-                    [(KnobMutator(0.0), 1.0)], TOY_SEED, ".py")
-        out2 = s2.run()
-        assert out2.best.id == after.id
-        final = s2.prune(out2.best, out2.seed)
-    finally:
-        store.close()
+    resumed_best, final = _resume_and_prune(tmp_path, ev2)
+    assert resumed_best.id == after.id
     assert ev2.duels and {k for k, v in _knobs(final.source).items()
                           if v != _knobs(TOY_SEED)[k]} == {"BLOCK_M", "BLOCK_N"}
