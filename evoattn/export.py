@@ -81,9 +81,9 @@ def _export(store: RunStore, out_dir: Path) -> ExportSummary:
         seed_id, duel = beside_seed
         evidence["side_by_side.json"] = docs.dump({"seed": seed_id, "best": best.id,
                                                    **duel.to_json()})
-    pruned = store.pruned()                         # the changes set back at the end
-    set_back = pruned if pruned and pruned.get("best") == best.id and pruned.get("steps") \
-        else None
+    set_back = store.pruned(best.id)                # the changes set back at the end
+    if set_back is not None and not set_back["steps"]:
+        set_back = None
     if set_back is not None:
         evidence["set_back.json"] = docs.dump(set_back)
     files = {**_program_files(best, info), **evidence,

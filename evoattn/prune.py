@@ -2,8 +2,8 @@
 
 A champion challenge judges a whole child, not each of its changes: a knob turned beside the
 one that won the duel rides along unproven, and so does one that pays nothing in the fitness
-mode but costs in another (an H200 climb's best carried NUM_WARPS_D64 = 8, even in call time
-and 0.70x in kernel time at (1,8,512,64)). So at the end of a run each knob in which the best
+mode but costs in another (on an H200, NUM_WARPS_D64 = 8 is even with 4 in call time and
+0.70x in kernel time at (1,8,512,64)). So at the end of a run each knob in which the best
 differs from the seed is set back to the seed's value, one at a time, and stays set back when a
 duel of the result (candidate) beside the best (rival) shows it costs nothing: not in the
 fitness mode's geometric mean beyond noise, nor by MATERIAL_LOSS or more at any config in any

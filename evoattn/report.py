@@ -290,17 +290,20 @@ def side_by_side_lines(duel: Any, seed_id: str, best_id: str) -> list[str]:
 
 
 def set_back_lines(record: dict[str, Any]) -> list[str]:
-    """Returns a line per change the end of a run set back (store.record_pruned's steps): its
-    duel beside the best it had, and whether it stayed set back."""
-    lines = []
-    for step in record.get("steps") or []:
-        if step["verdict"] != "pass":
-            what = f"{step['verdict']}: kept"
-        else:
-            what = (f"{step['gain'] or 0.0:.3f}x{ci_text(step['gain_ci'])}: "
-                    + ("costs nothing, set back" if step["kept_back"] else "it pays, kept"))
-        lines.append(f"{step['change']}: {what}")
-    return lines
+    """Returns a line per change the end of a run set back (store.record_pruned's steps)."""
+    return [set_back_line(step) for step in record.get("steps") or []]
+
+
+def set_back_line(step: dict[str, Any]) -> str:
+    """Returns one setting-back step: the change, its duel beside the best the phase started
+    from, and whether the change stayed set back."""
+    met = f" ({step['program']}, met in the search)" if step.get("met") else ""
+    if step["verdict"] != "pass":
+        what = f"{step['verdict']}: {step.get('reason', '')}; kept"
+    else:
+        what = (f"{step['gain'] or 0.0:.3f}x{ci_text(step['gain_ci'])}: "
+                + ("costs nothing, set back" if step["kept_back"] else "it pays, kept"))
+    return f"{step['change']}{met}: {what}"
 
 
 def ci_text(ci: Any) -> str:

@@ -34,7 +34,7 @@ from .errors import ClusterError, LlmError
 from .pool import as_pool
 from .population import Population
 from .prune import PRUNE, costs_nothing, setbacks
-from .report import beats, ci_text
+from .report import beats, ci_text, set_back_line
 from .store import RunStore
 from .types import Evaluator, MutationRequest, Mutator, Program, Proposal, program_id
 
@@ -380,7 +380,7 @@ class Search:
         already (a resumed run that had finished)."""
         if not self.cfg.population.prune or best.id == seed.id or \
                 not (best.correct and seed.correct) or \
-                _pruned_already(self.store.pruned(), best.id):
+                (self.store.pruned(best.id) or {}).get("complete", False):
             return best
         pop, current = self._pop, best
         assert pop is not None, "prune() follows run()"
@@ -421,17 +421,17 @@ class Search:
                 # Within noise of the best: children of a resumed run face the best's bar.
                 self._plain_fitness[pid] = self._plain_fitness.get(best.id, best.fitness)
                 current = child
-            record.append({"change": step.change, "program": pid, "kept_back": kept,
-                           "verdict": duel.verdict.value, "gain": duel.gain,
+            record.append({"change": step.change, "program": pid, "met": known is not None,
+                           "kept_back": kept, "verdict": duel.verdict.value,
+                           "reason": "" if duel.correct else first_line(duel.reason, 80),
+                           "gain": duel.gain,
                            "gain_ci": list(duel.gain_ci) if duel.gain_ci else None})
             self.store.commit_iteration(
                 iteration=self.iteration, program=None if known else child, rejection=None,
                 llm_usage=None, rng_state=self.rng.getstate(),
                 population_snapshot=self._snapshot(pop),
                 elapsed_s=self._prior_elapsed + self.clock() - self._t0)
-            met = f" ({pid}, met in the search)" if known is not None else ""
-            say(f"  {step.change}{met}: {_duel_text(duel)} beside the best: "
-                + ("costs nothing, set back" if kept else "it pays, kept"))
+            say("  " + set_back_line(record[-1]))
         self.store.record_pruned(best.id, current.id, record, complete)
         return current
 
@@ -527,17 +527,6 @@ def first_line(text: str, limit: int) -> str:
     lines = (text or "").strip().splitlines()
     first = lines[0] if lines else ""
     return first if len(first) <= limit else first[:limit - 3] + "..."
-
-
-def _pruned_already(record: dict[str, Any] | None, best_id: str) -> bool:
-    """Returns whether the run's setting back ended, whole, with this best."""
-    return bool(record) and record.get("best") == best_id and record.get("complete", True)
-
-
-def _duel_text(duel: EvalResult) -> str:
-    if not duel.correct:
-        return f"{duel.verdict.value}: {first_line(duel.reason, 80)}"
-    return f"{duel.gain or 0.0:.3f}x{ci_text(duel.gain_ci)}"
 
 
 _INTEGRITY = {Verdict.POLICY, Verdict.TAMPERING, Verdict.HIDDEN_WORK, Verdict.NONDETERMINISTIC,

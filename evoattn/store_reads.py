@@ -104,11 +104,12 @@ class RunReads:
             return None
         return value["seed"], EvalResult.from_json(value["result"])
 
-    def pruned(self) -> dict[str, Any] | None:
+    def pruned(self, best_id: str) -> dict[str, Any] | None:
         """Returns the run's last end-of-run setting back of changes ({before, best, steps,
-        complete}: store.record_pruned), or None when it has none."""
+        complete}: store.record_pruned) when it ended with this best, else None."""
         row = self._conn.execute("SELECT value FROM state WHERE key = 'pruned'").fetchone()
-        return json.loads(row[0]) if row else None
+        record = json.loads(row[0]) if row else None
+        return record if record and record.get("best") == best_id else None
 
     def committed_iteration(self) -> int:
         """Returns the last iteration committed (-1 before the seed's)."""

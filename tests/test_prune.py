@@ -130,7 +130,8 @@ def test_a_change_that_rode_along_is_set_back_and_one_that_pays_stays(tmp_path: 
     assert s.set_back == (len(changed), len(changed & {"STAGES", "SPLIT"}))
     with RunStore.open_readonly(tmp_path) as st:
         assert st.champion().id == after.id                         # committed, crowned
-        record = st.pruned()
+        record = st.pruned(after.id)
+        assert st.pruned(before.id) is None                          # another best: none
         assert (record["before"], record["best"]) == (before.id, after.id)
         assert [(r["change"], r["kept_back"]) for r in record["steps"]] == \
             [(f"{k}: {_knobs(before.source)[k]} -> {seed[k]}", k in {"STAGES", "SPLIT"})
@@ -215,7 +216,8 @@ def test_a_set_back_that_fails_its_checks_is_stored_and_the_change_stays(
     finally:
         store.close()
     assert _knobs(after.source)["STAGES"] == _knobs(out.best.source)["STAGES"]
-    assert any("STAGES" in ln and "incorrect" in ln and "kept" in ln for ln in lines), lines
+    assert any("STAGES" in ln and "incorrect: max error 3.1 > tolerance" in ln and "kept" in ln
+               for ln in lines), lines
     with RunStore.open_readonly(tmp_path) as st:
         failed = [p for p in st.load_programs().values()
                   if p.mutator == PRUNE and not p.correct]
@@ -239,7 +241,7 @@ def test_a_set_back_met_in_the_search_is_duelled_and_its_record_kept(tmp_path: P
         assert st.champion().id == after.id
         # its stored record stays what the search measured; the phase keeps the duel
         assert st.get_program(after.id).result == stored_before[after.id]
-        step = next(r for r in st.pruned()["steps"] if r["program"] == after.id)
+        step = next(r for r in st.pruned(after.id)["steps"] if r["program"] == after.id)
         assert step["kept_back"] and step["gain_ci"][0] <= 1.0 <= step["gain_ci"][1]
     assert {k for k, v in _knobs(after.source).items() if v != _knobs(TOY_SEED)[k]} == \
         {"BLOCK_M"}
@@ -289,8 +291,8 @@ def test_a_lost_evaluator_ends_the_phase_with_what_it_set_back(tmp_path: Path) -
     assert any("setting back stopped (ConnectionError: scheduler" in ln for ln in lines), lines
     with RunStore.open_readonly(tmp_path) as st:
         assert st.champion().id == after.id
-        assert len(st.pruned()["steps"]) == 1        # the one duel held is recorded
-        assert st.pruned()["complete"] is False
+        assert len(st.pruned(after.id)["steps"]) == 1        # the one duel held is recorded
+        assert st.pruned(after.id)["complete"] is False
     # resumed with the evaluator back: the phase goes on from the best it reached
     ev2 = _TwoKnobsMatter()
     resumed_best, final = _resume_and_prune(tmp_path, ev2)
