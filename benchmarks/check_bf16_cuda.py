@@ -2,7 +2,8 @@
 """float16 and bfloat16 on the CUDA paths of the default sdpa program (GPU only; wgmma: Hopper).
 
     PYTHONPATH=$PWD python benchmarks/check_bf16_cuda.py [PROGRAM] [--set KNOB=VALUE ...]
-        [--cu SEED.cu ...] [--trials N] [--no-timing] [--no-routes] [--json FILE]
+        [--rival PROGRAM [--rival-set KNOB=VALUE ...]] [--cu SEED.cu ...] [--trials N]
+        [--no-timing] [--no-routes] [--json FILE]
 
 For trusted files only (the seeds): builds, as the evaluator does (evaluator/loader.py and
 evaluator/runtime.py: the same nvcc flags, arch and companion conditions), the CUDA companions of
@@ -21,6 +22,10 @@ D=128), called through ctypes as the evaluator calls it. Then, in float16 and bf
   time   the default configs with triton.testing.do_bench (median ms, L2 flushed before every
          rep), against SDPA as the evaluator calls it (PyTorch's default backend: cuDNN on
          Hopper): ms, TFLOP/s, speedup, and the geomean per dtype and implementation.
+         With --rival, a second program (the same file with other --rival-set knobs, or
+         another) is loaded, checked and timed beside PROGRAM in the same process, and the
+         geomean of PROGRAM's speedup over it is printed per dtype: the do_bench cross-check
+         of an `evoattn eval PROGRAM --rival OTHER`.
 Prints one line per check and per timing, a summary, and exits 0 when every check passes,
 1 on a failure, 2 when it cannot run (no CUDA GPU, a build that fails, a bad --set).
 """
@@ -65,18 +70,20 @@ TENSOR_CORE = {"wgmma-ws", "wgmma", "mma"}
 Run = Callable[[dict[str, Any], dict[str, Any]], Any]
 
 
-def load_program(path: Path, sets: list[str], tmp: Path) -> Run:
+def load_program(path: Path, sets: list[str], tmp: Path, module: str = "check_bf16_program"
+                 ) -> Run:
     """The program with its knobs set and its CUDA companions built, as the evaluator does."""
     import torch
     source = program.read(path)
     if sets:
         source = set_knobs(source, parse_settings(str(path), source, sets))
+    tmp.mkdir(parents=True, exist_ok=True)
     main = program.write(source, tmp, path.name)
     major, minor = torch.cuda.get_device_capability()
     libs, log, _, _ = build_companions(main, main.read_text(), tmp / "cache", 600,
                                        build.detect_arch(), f"sm{major}{minor}")
     print(f"built {path.name}'s companions: {sorted(libs) or 'none (no condition holds)'}")
-    spec = importlib.util.spec_from_file_location("check_bf16_program", main)
+    spec = importlib.util.spec_from_file_location(module, main)
     mod = importlib.util.module_from_spec(spec)
     mod.EVOATTN_LIBRARIES = libs
     spec.loader.exec_module(mod)
@@ -193,7 +200,7 @@ def check(impls: dict[str, Run], seeds: set[str], trials: int, hopper: bool,
     return rows
 
 
-def time_all(impls: dict[str, Run]) -> list[dict]:
+def time_all(impls: dict[str, Run], pair: tuple[str, str] | None = None) -> list[dict]:
     """do_bench of every implementation and of SDPA on the default configs, in both dtypes."""
     import torch
     from triton.testing import do_bench
@@ -222,7 +229,19 @@ def time_all(impls: dict[str, Run]) -> list[dict]:
                     and r["cfg"]["D"] == 128]
             print(f"geomean speedup vs SDPA  {name:<18} {dname:<8} "
                   f"all {_geomean(sp):.3f}  D=128 {_geomean(d128):.3f}  min {min(sp):.3f}")
+    if pair:
+        for dname in DTYPES:
+            gains = pair_gains(rows, *pair, dname)
+            print(f"geomean speedup {pair[0]} over {pair[1]}  {dname:<8} {_geomean(gains):.3f}"
+                  f"  (min {min(gains):.3f}, max {max(gains):.3f})")
     return rows
+
+
+def pair_gains(rows: list[dict], program: str, rival: str, dtype: str) -> list[float]:
+    """PROGRAM's speedup over RIVAL per config in DTYPE (rival's time / program's time)."""
+    ms = {(r["impl"], label(r["cfg"])): r["ms"] for r in rows if r["dtype"] == dtype}
+    return [ms[(rival, cfg)] / t for (impl, cfg), t in ms.items()
+            if impl == program and (rival, cfg) in ms]
 
 
 def _geomean(xs: list[float]) -> float:
@@ -234,6 +253,9 @@ def main() -> int:
     ap.add_argument("program", nargs="?", default=str(ROOT / "seeds/sdpa/flash_hybrid.py"))
     ap.add_argument("--set", dest="sets", action="append", default=[],
                     help="KNOB=VALUE for PROGRAM (e.g. CUDA_D64=True)")
+    ap.add_argument("--rival", help="a second program, timed beside PROGRAM in this process")
+    ap.add_argument("--rival-set", dest="rival_sets", action="append", default=[],
+                    help="KNOB=VALUE for --rival")
     ap.add_argument("--cu", action="append", default=None,
                     help="a fast-form seed to check on its own (default: wgmma_flash.cu)")
     ap.add_argument("--trials", type=int, default=2)
@@ -253,20 +275,29 @@ def main() -> int:
           + ("" if hopper else "  [not Hopper: no wgmma, the route checks are skipped]"))
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            impls = {Path(a.program).name: load_program(Path(a.program), a.sets, Path(tmp))}
+            name = Path(a.program).name
+            impls = {name: load_program(Path(a.program), a.sets, Path(tmp) / "program")}
+            programs = {name}
+            if a.rival:
+                rival = f"rival:{Path(a.rival).name}"
+                impls[rival] = load_program(Path(a.rival), a.rival_sets, Path(tmp) / "rival",
+                                            module="check_bf16_rival")
+                programs.add(rival)
             for s in seeds:
                 impls[Path(s).name] = load_seed(Path(s), Path(tmp))
         except (LoadFailure, ValueError, program.ProgramError) as e:
             print(f"check_bf16_cuda: {e}\n{getattr(e, 'log', '')[-3000:]}", file=sys.stderr)
             return 2
-        rows = check(impls, set(impls) - {Path(a.program).name}, a.trials, hopper, all_cases(),
+        rows = check(impls, set(impls) - programs, a.trials, hopper, all_cases(),
                      route=no_route if a.no_routes else route_of)
-        times = [] if a.no_timing else time_all(impls)
+        times = [] if a.no_timing else time_all(
+            impls, (name, rival) if a.rival else None)
     failed = [r for r in rows if not r["ok"]]
     print("ALL PASS" if not failed else f"{len(failed)} FAILED")
     if a.json:
         Path(a.json).write_text(json.dumps(
-            {"program": a.program, "sets": a.sets, "seeds": seeds, "checks": rows,
+            {"program": a.program, "sets": a.sets, "rival": a.rival,
+             "rival_sets": a.rival_sets, "seeds": seeds, "checks": rows,
              "times": times, "device": torch.cuda.get_device_name(),
              "torch": torch.__version__}, indent=1, default=str))
     return 1 if failed else 0

@@ -99,3 +99,16 @@ def test_a_call_the_profiler_saw_no_kernel_of_fails_unless_routes_are_off(script
     rows = script.check({"wgmma_flash.cu": _reference_in_dtype}, {"wgmma_flash.cu"}, 1, True,
                         CFGS[:1], device="cpu", route=script.no_route)
     assert [r["route"] for r in rows] == ["-", "-"] and all(r["ok"] for r in rows)
+
+
+def test_the_program_over_its_rival_is_the_rivals_time_over_the_programs_per_config(script):
+    a, b = CFGS[0][0], CFGS[1][0]
+    rows = [{"impl": "p", "cfg": a, "dtype": "float16", "ms": 2.0},
+            {"impl": "r", "cfg": a, "dtype": "float16", "ms": 3.0},
+            {"impl": "p", "cfg": b, "dtype": "float16", "ms": 4.0},
+            {"impl": "r", "cfg": b, "dtype": "float16", "ms": 2.0},
+            {"impl": "p", "cfg": a, "dtype": "bfloat16", "ms": 1.0},
+            {"impl": "r", "cfg": a, "dtype": "bfloat16", "ms": 5.0}]
+    assert script.pair_gains(rows, "p", "r", "float16") == [1.5, 0.5]
+    assert script.pair_gains(rows, "p", "r", "bfloat16") == [5.0]
+    assert script.pair_gains(rows, "r", "p", "bfloat16") == [0.2]
