@@ -228,7 +228,9 @@ def problems(paths: tuple[str, ...]) -> None:
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]))
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False),
               help="continue the run in this directory")
-@click.option("--max-wall-s", type=float, help="stop after this many seconds (wall time)")
+@click.option("--max-wall-s", type=float,
+              help="end the run by about this many seconds (wall time), its end-of-run duels "
+                   "(setting back, re-measuring the best) included")
 @click.option("--quiet", is_flag=True, help="log lines instead of the live view")
 def run(config_path: str | None, iterations: int | None, output: str | None,
         random_seed: int | None, device: str | None, resume_dir: str | None,

@@ -133,6 +133,7 @@ class Search:
         self._plain_fitness: dict[str, float] = {}
         self._pop: Population | None = None
         self._t0 = clock()
+        self._duel_s: list[float] = []       # wall seconds of this session's duels
 
     def known(self, pid: str) -> bool:
         """Returns whether a program was evaluated or is being evaluated (mutators skip it)."""
@@ -349,8 +350,10 @@ class Search:
         if champ is None or not result.correct or champ.id == pid or \
                 floor <= self._plain_fitness.get(champ.id, champ.fitness):
             return result, False, ""
+        started = self.clock()
         duel = self.evaluator.submit(source, self.suffix, f"{pid} vs {champ.id}",
                                      rival=champ.source).result()
+        self._duel_s.append(self.clock() - started)
         self._gpu_s += duel.stage_s.get(TIMING_STAGE, 0.0)
         self._stats["challenges"] += 1
         if not duel.correct:
@@ -397,6 +400,11 @@ class Search:
             if known is not None and not known.correct:
                 say(f"  {step.change}: {pid} failed its checks in the search; kept")
                 continue
+            if self._past_wall_time():
+                say(f"  setting back stopped: wall time {self.cfg.max_wall_s:.0f} s reached; "
+                    "the best is what it reached; a resumed run goes on from it")
+                complete = False
+                break
             try:
                 duel = self.evaluator.submit(source, self.suffix, f"{pid} vs {best.id}",
                                              rival=best.source).result()
@@ -486,13 +494,38 @@ class Search:
             return "stopped by request"
         if self.iteration >= self.cfg.iterations:
             return "iterations"
-        if self.cfg.max_wall_s is not None and self.clock() - t0 >= self.cfg.max_wall_s:
-            return f"wall time {self.cfg.max_wall_s:.0f} s"
+        if self.cfg.max_wall_s is not None:
+            elapsed, wall = self.clock() - t0, self.cfg.max_wall_s
+            if elapsed >= wall:
+                return f"wall time {wall:.0f} s"
+            end = self._end_of_run_s(pop)
+            if end and elapsed + end >= wall:
+                return (f"wall time {wall:.0f} s (its last {end:.0f} s kept for the end of the "
+                        "run: setting back the best's changes and re-measuring it)")
         if self.cfg.target_fitness is not None and best and best.fitness >= self.cfg.target_fitness:
             return f"target fitness {self.cfg.target_fitness} reached"
         if self.budget_exhausted():
             return "LLM budget exhausted"
         return None
+
+    def _end_of_run_s(self, pop: Population) -> float:
+        """Returns the seconds the end of the run would take now: a duel per change from the
+        seed the best would have set back (prune) and one re-measuring it beside the seed, at
+        this session's mean duel time (before any, the best's and the seed's evaluations)."""
+        best, seed = pop.best(), pop.seed
+        if best is None or best.id == seed.id or not (best.correct and seed.correct):
+            return 0.0
+        duels = 1
+        if self.cfg.population.prune and \
+                not (self.store.pruned(best.id) or {}).get("complete", False):
+            duels += len(setbacks(best.source, seed.source))
+        per = (sum(self._duel_s) / len(self._duel_s) if self._duel_s else
+               sum(p.result.duration_s for p in (best, seed) if p.result))
+        return duels * per
+
+    def _past_wall_time(self) -> bool:
+        return self.cfg.max_wall_s is not None and \
+            self.clock() - self._t0 >= self.cfg.max_wall_s
 
     def _report(self, pop: Population, seed: Program, t0: float, note: str) -> None:
         counts = collections.Counter(p.result.verdict.value for p in self.programs.values()

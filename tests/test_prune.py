@@ -299,3 +299,72 @@ def test_a_lost_evaluator_ends_the_phase_with_what_it_set_back(tmp_path: Path) -
     assert resumed_best.id == after.id
     assert ev2.duels and {k for k, v in _knobs(final.source).items()
                           if v != _knobs(TOY_SEED)[k]} == {"BLOCK_M", "BLOCK_N"}
+
+
+@dataclasses.dataclass
+class _Timed(_TwoKnobsMatter):
+    """Each evaluation takes 5 s and each duel 10 s on a clock the search reads."""
+
+    now: float = 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def evaluate(self, source: str, suffix: str, label: str = "",
+                 rival: str | None = None) -> EvalResult:
+        self.now += 5.0 if rival is None else 10.0
+        return super().evaluate(source, suffix, label, rival)
+
+
+def _timed_run(tmp: Path, ev: _Timed, wall: float):
+    cfg = RunConfig(iterations=200, random_seed=6, max_wall_s=wall,
+                    population=PopulationConfig(prune=True))
+    store = RunStore.open(tmp, config_to_dict(cfg), create=True)
+    return store, Search(cfg, store, ev, [(KnobMutator(0.0), 1.0)], TOY_SEED, ".py",
+                         clock=ev.clock)
+
+
+def test_a_wall_time_keeps_room_for_the_end_of_the_run(tmp_path: Path) -> None:
+    ev = _Timed()
+    store, s = _timed_run(tmp_path, ev, wall=200.0)
+    try:
+        out = s.run()
+        searched = ev.now
+        changed = len(setbacks(out.best.source, out.seed.source))
+        assert changed >= 2 and "kept for the end of the run" in out.stop_reason, out.stop_reason
+        end = s.prune(out.best, out.seed)
+        s.remeasure(end, out.seed)
+        assert store.pruned(end.id)["complete"] is True      # every change was duelled
+    finally:
+        store.close()
+    # the search stopped when the end's duels (10 s each: one per change, one re-measure) no
+    # longer fitted; they then fitted within the wall time
+    assert searched + (changed + 1) * 10.0 >= 200.0 - 15.0     # within one iteration of it
+    assert ev.now <= 200.0
+
+
+def test_setting_back_stops_at_the_wall_time_and_a_resumed_run_goes_on(
+        tmp_path: Path) -> None:
+    ev = _Timed()
+    store, s = _timed_run(tmp_path, ev, wall=200.0)
+    try:
+        out = s.run()
+        ev.now = 200.0                          # the end took longer than the search measured
+        lines: list[str] = []
+        duels = len(ev.duels)
+        after = s.prune(out.best, out.seed, say=lines.append)
+        assert after.id == out.best.id and len(ev.duels) == duels     # no duel began
+        assert any("setting back stopped: wall time 200 s reached" in ln for ln in lines)
+        assert store.pruned(after.id)["complete"] is False
+    finally:
+        store.close()
+    ev2 = _TwoKnobsMatter()
+    store = RunStore.open(tmp_path, None, create=False)
+    try:
+        s2 = Search(RunConfig(iterations=out.iterations_done, random_seed=6), store, ev2,
+                    [(KnobMutator(0.0), 1.0)], TOY_SEED, ".py")
+        out2 = s2.run()
+        final = s2.prune(out2.best, out2.seed)
+    finally:
+        store.close()
+    assert out2.best.id == out.best.id and ev2.duels and final.id != out.best.id
