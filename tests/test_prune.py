@@ -368,3 +368,23 @@ def test_setting_back_stops_at_the_wall_time_and_a_resumed_run_goes_on(
     finally:
         store.close()
     assert out2.best.id == out.best.id and ev2.duels and final.id != out.best.id
+
+
+@dataclasses.dataclass
+class _TimedFlat(_Timed):
+    """Every program as fast as the seed: nothing is crowned, nothing to set back."""
+
+    def score(self, source: str) -> float:
+        return 1.0
+
+
+def test_a_wall_time_stops_the_run_before_its_next_iteration_would_cross_it(
+        tmp_path: Path) -> None:
+    ev = _TimedFlat()
+    store, s = _timed_run(tmp_path, ev, wall=98.0)
+    try:
+        out = s.run()
+    finally:
+        store.close()
+    assert out.best.id == out.seed.id and out.stop_reason == "wall time 98 s"
+    assert 98.0 - 2 * 5.0 <= ev.now <= 98.0
