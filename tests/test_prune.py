@@ -11,7 +11,7 @@ from evaluator.types import EvalResult, Verdict
 from evoattn.config import PopulationConfig, RunConfig, config_to_dict
 from evoattn.mutators.knobs import KnobMutator
 from evoattn.prune import PRUNE, costs_nothing, setbacks
-from evoattn.search import Search
+from evoattn.search import END_MARGIN, Search
 from evoattn.store import RunStore
 
 from fakes import TOY_SEED, FakeEvaluator, duel_result, duel_with_a_hidden_kernel_loss
@@ -388,3 +388,29 @@ def test_a_wall_time_stops_the_run_before_its_next_iteration_would_cross_it(
         store.close()
     assert out.best.id == out.seed.id and out.stop_reason == "wall time 98 s"
     assert 98.0 - 2 * 5.0 <= ev.now <= 98.0
+
+
+@dataclasses.dataclass
+class _DuelsQueued(_Timed):
+    """A duel takes 10 s, but the search waits 30 s for it (queued behind candidates)."""
+
+    def evaluate(self, source: str, suffix: str, label: str = "",
+                 rival: str | None = None) -> EvalResult:
+        result = super().evaluate(source, suffix, label, rival)
+        if rival is None:
+            return result
+        self.now += 20.0
+        return dataclasses.replace(result, duration_s=10.0)
+
+
+def test_the_end_is_estimated_from_a_duels_own_time_not_its_wait(tmp_path: Path) -> None:
+    ev = _DuelsQueued()
+    store, s = _timed_run(tmp_path, ev, wall=200.0)
+    try:
+        out = s.run()
+    finally:
+        store.close()
+    duels = len(setbacks(out.best.source, out.seed.source)) + 1
+    kept = re.search(r"its last (\d+) s kept", out.stop_reason)
+    assert kept, out.stop_reason
+    assert int(kept.group(1)) == round(duels * 10.0 * END_MARGIN)
