@@ -324,6 +324,15 @@ def _timed_run(tmp: Path, ev: _Timed, wall: float):
                          clock=ev.clock)
 
 
+def _search_timed(tmp: Path, ev: _Timed, wall: float):
+    """The search alone, to its stop: its outcome."""
+    store, s = _timed_run(tmp, ev, wall)
+    try:
+        return s.run()
+    finally:
+        store.close()
+
+
 def test_a_wall_time_keeps_room_for_the_end_of_the_run(tmp_path: Path) -> None:
     ev = _Timed()
     store, s = _timed_run(tmp_path, ev, wall=200.0)
@@ -381,11 +390,7 @@ class _TimedFlat(_Timed):
 def test_a_wall_time_stops_the_run_before_its_next_iteration_would_cross_it(
         tmp_path: Path) -> None:
     ev = _TimedFlat()
-    store, s = _timed_run(tmp_path, ev, wall=98.0)
-    try:
-        out = s.run()
-    finally:
-        store.close()
+    out = _search_timed(tmp_path, ev, wall=98.0)
     assert out.best.id == out.seed.id and out.stop_reason == "wall time 98 s"
     assert 98.0 - 2 * 5.0 <= ev.now <= 98.0
 
@@ -405,11 +410,7 @@ class _DuelsQueued(_Timed):
 
 def test_the_end_is_estimated_from_a_duels_own_time_not_its_wait(tmp_path: Path) -> None:
     ev = _DuelsQueued()
-    store, s = _timed_run(tmp_path, ev, wall=200.0)
-    try:
-        out = s.run()
-    finally:
-        store.close()
+    out = _search_timed(tmp_path, ev, wall=200.0)
     duels = len(setbacks(out.best.source, out.seed.source)) + 1
     kept = re.search(r"its last (\d+) s kept", out.stop_reason)
     assert kept, out.stop_reason
