@@ -78,8 +78,8 @@ class Outcome:
     gpu_busy: float = 0.0                # timing seconds / (wall seconds × GPUs), this session
 
 
-# The end-of-run duels' time over the estimate from the search's duels (on an H200 they
-# took 18.5 s each against the search's 15.5 s).
+# The end-of-run duels' time over the estimate from the search's duels (on an H200 the end's
+# two duels took 18.5 s each, the run's one challenge 15.5 s from submission to result).
 END_MARGIN = 1.25
 
 
@@ -139,7 +139,8 @@ class Search:
         self._pop: Population | None = None
         self._t0 = clock()
         self._duel_s: list[float] = []       # seconds this session's duels took
-        self._first_iteration = 0            # the iteration this session started from
+        self._first_iteration = 0            # the iteration this session's loop started from
+        self._loop_t0 = self._t0             # when it started (the seed evaluated or restored)
 
     def known(self, pid: str) -> bool:
         """Returns whether a program was evaluated or is being evaluated (mutators skip it)."""
@@ -192,7 +193,7 @@ class Search:
                 stop = f"the seed is not correct ({r.verdict.value if r else '?'}: " \
                        f"{r.reason if r else ''})"
             next_iter = self.iteration + 1
-            self._first_iteration = self.iteration
+            self._first_iteration, self._loop_t0 = self.iteration, self.clock()
             while stop is None:
                 next_iter = self._fill(window, pop, next_iter, pool)
                 if not window:
@@ -509,7 +510,7 @@ class Search:
                 return f"wall time {wall:.0f} s"
             # Stop when the next iteration and the end of the run would not both fit.
             done = self.iteration - self._first_iteration
-            step = elapsed / done if done else 0.0
+            step = (self.clock() - self._loop_t0) / done if done else 0.0
             end = self._end_of_run_s(pop)
             if end and elapsed + step + end >= wall:
                 return (f"wall time {wall:.0f} s (its last {end:.0f} s kept for the end of the "
@@ -525,8 +526,8 @@ class Search:
     def _end_of_run_s(self, pop: Population) -> float:
         """Returns the seconds the end of the run would take now: a duel per change from the
         seed the best would have set back (prune) and one re-measuring it beside the seed, at
-        this session's mean duel time (before any, the best's and the seed's evaluations),
-        with a margin (END_MARGIN)."""
+        this session's mean duel time (before any, the duel that crowned the best, else the
+        best's and the seed's evaluations together), with a margin (END_MARGIN)."""
         best, seed = pop.best(), pop.seed
         if best is None or best.id == seed.id or not (best.correct and seed.correct):
             return 0.0
@@ -534,8 +535,12 @@ class Search:
         if self.cfg.population.prune and \
                 not (self.store.pruned(best.id) or {}).get("complete", False):
             duels += len(setbacks(best.source, seed.source))
-        per = (sum(self._duel_s) / len(self._duel_s) if self._duel_s else
-               sum(p.result.duration_s for p in (best, seed) if p.result))
+        if self._duel_s:
+            per = sum(self._duel_s) / len(self._duel_s)
+        elif best.result is not None and best.result.rival:
+            per = best.result.duration_s
+        else:
+            per = sum(p.result.duration_s for p in (best, seed) if p.result)
         return duels * per * END_MARGIN
 
     def _past_wall_time(self) -> bool:

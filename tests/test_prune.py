@@ -397,13 +397,14 @@ def test_a_wall_time_stops_the_run_before_its_next_iteration_would_cross_it(
 
 @dataclasses.dataclass
 class _DuelsQueued(_Timed):
-    """A duel takes 10 s, but the search waits 30 s for it (queued behind candidates)."""
+    """A duel takes 10 s, but the search waits 30 s for it (queued behind candidates); an
+    evaluation 5 s."""
 
     def evaluate(self, source: str, suffix: str, label: str = "",
                  rival: str | None = None) -> EvalResult:
         result = super().evaluate(source, suffix, label, rival)
         if rival is None:
-            return result
+            return dataclasses.replace(result, duration_s=5.0)
         self.now += 20.0
         return dataclasses.replace(result, duration_s=10.0)
 
@@ -415,3 +416,41 @@ def test_the_end_is_estimated_from_a_duels_own_time_not_its_wait(tmp_path: Path)
     kept = re.search(r"its last (\d+) s kept", out.stop_reason)
     assert kept, out.stop_reason
     assert int(kept.group(1)) == round(duels * 10.0 * END_MARGIN)
+
+
+@dataclasses.dataclass
+class _SlowSeed(_TimedFlat):
+    """The seed's evaluation takes 50 s (a cold build), every other one 5 s."""
+
+    def evaluate(self, source: str, suffix: str, label: str = "",
+                 rival: str | None = None) -> EvalResult:
+        if label == "seed":
+            self.now += 45.0
+        return super().evaluate(source, suffix, label, rival)
+
+
+def test_the_next_iteration_is_estimated_without_the_seeds_start(tmp_path: Path) -> None:
+    ev = _SlowSeed()
+    out = _search_timed(tmp_path, ev, wall=98.0)
+    assert out.stop_reason == "wall time 98 s" and 98.0 - 2 * 5.0 <= ev.now <= 98.0
+
+
+def test_a_resumed_run_keeps_room_by_the_duel_that_crowned_its_best(tmp_path: Path) -> None:
+    ev = _DuelsQueued()
+    cfg = RunConfig(iterations=25, random_seed=6, population=PopulationConfig(prune=True))
+    store = RunStore.open(tmp_path, config_to_dict(cfg), create=True)
+    try:
+        first = Search(cfg, store, ev, [(KnobMutator(0.0), 1.0)], TOY_SEED, ".py",
+                       clock=ev.clock).run()
+    finally:
+        store.close()
+    assert first.best.id != first.seed.id and first.best.result.duration_s == 10.0
+    store = RunStore.open(tmp_path, None, create=False)
+    try:                                        # no duel yet in this session
+        out = Search(dataclasses.replace(cfg, iterations=200, max_wall_s=30.0), store, ev,
+                     [(KnobMutator(0.0), 1.0)], TOY_SEED, ".py", clock=ev.clock).run()
+    finally:
+        store.close()
+    duels = len(setbacks(first.best.source, first.seed.source)) + 1
+    assert out.iterations_done == first.iterations_done
+    assert f"its last {round(duels * 10.0 * END_MARGIN)} s kept" in out.stop_reason
