@@ -392,8 +392,7 @@ class Search:
         `best` when every change pays, when nothing differs, or when this best was pruned
         already (a resumed run that had finished)."""
         if not self.cfg.population.prune or best.id == seed.id or \
-                not (best.correct and seed.correct) or \
-                (self.store.pruned(best.id) or {}).get("complete", False):
+                not (best.correct and seed.correct) or self._pruned(best):
             return best
         pop, current = self._pop, best
         assert pop is not None, "prune() follows run()"
@@ -504,24 +503,31 @@ class Search:
             return "stopped by request"
         if self.iteration >= self.cfg.iterations:
             return "iterations"
-        if self.cfg.max_wall_s is not None:
-            elapsed, wall = self.clock() - t0, self.cfg.max_wall_s
-            if elapsed >= wall:
-                return f"wall time {wall:.0f} s"
-            # Stop when the next iteration and the end of the run would not both fit.
-            done = self.iteration - self._first_iteration
-            step = (self.clock() - self._loop_t0) / done if done else 0.0
-            end = self._end_of_run_s(pop)
-            if end and elapsed + step + end >= wall:
-                return (f"wall time {wall:.0f} s (its last {end:.0f} s kept for the end of the "
-                        "run: setting back the best's changes and re-measuring it)")
-            if elapsed + step >= wall:
-                return f"wall time {wall:.0f} s"
+        wall = self._wall_stop(pop, t0)
+        if wall:
+            return wall
         if self.cfg.target_fitness is not None and best and best.fitness >= self.cfg.target_fitness:
             return f"target fitness {self.cfg.target_fitness} reached"
         if self.budget_exhausted():
             return "LLM budget exhausted"
         return None
+
+    def _wall_stop(self, pop: Population, t0: float) -> str | None:
+        """Returns why the wall time stops the run, once the next iteration (this session's
+        mean) and the end of the run would not both fit in it; else None."""
+        wall = self.cfg.max_wall_s
+        if wall is None:
+            return None
+        now = self.clock()
+        done = self.iteration - self._first_iteration
+        step = (now - self._loop_t0) / done if done else 0.0
+        end = self._end_of_run_s(pop)
+        if now - t0 + step + end < wall:
+            return None
+        if end and now - t0 < wall:
+            return (f"wall time {wall:.0f} s (its last {end:.0f} s kept for the end of the "
+                    "run: setting back the best's changes and re-measuring it)")
+        return f"wall time {wall:.0f} s"
 
     def _end_of_run_s(self, pop: Population) -> float:
         """Returns the seconds the end of the run would take now: a duel per change from the
@@ -532,8 +538,7 @@ class Search:
         if best is None or best.id == seed.id or not (best.correct and seed.correct):
             return 0.0
         duels = 1
-        if self.cfg.population.prune and \
-                not (self.store.pruned(best.id) or {}).get("complete", False):
+        if self.cfg.population.prune and not self._pruned(best):
             duels += len(setbacks(best.source, seed.source))
         if self._duel_s:
             per = sum(self._duel_s) / len(self._duel_s)
@@ -542,6 +547,10 @@ class Search:
         else:
             per = sum(p.result.duration_s for p in (best, seed) if p.result)
         return duels * per * END_MARGIN
+
+    def _pruned(self, best: Program) -> bool:
+        """Returns whether the run's end already tried every change of this best."""
+        return bool((self.store.pruned(best.id) or {}).get("complete"))
 
     def _past_wall_time(self) -> bool:
         return self.cfg.max_wall_s is not None and \
