@@ -8,14 +8,19 @@ differs from the seed is set back to the seed's value, one at a time, and stays 
 duel of the result (candidate) beside the best (rival) shows it costs nothing: not in the
 fitness mode's geometric mean beyond noise, nor by MATERIAL_LOSS or more at any config in any
 mode measured. Every step is measured beside the best the phase started from, so what it ends
-with is within noise of that best, with only the changes that pay. The search (search.py)
-holds the duels and commits their results; this module decides what to try and what to keep.
+with is within noise of that best, with only the changes that pay. Knobs whose code runs no
+call in the best (their when(...) conditions do not hold: a routing change left them behind)
+are set back together first, in one duel, where that wakes or silences no other knob; should
+that duel say they cost something, they are tried one at a time like the rest. The search
+(search.py) holds the duels and commits their results; this module decides what to try and
+what to keep.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Mapping
 
-from evaluator.knobs import find_knobs, set_knobs
+from evaluator.knobs import active, find_knobs, set_knobs
 from evaluator.request import TIMING_MODES
 from evaluator.scoring import slower_configs
 from evaluator.types import EvalResult
@@ -49,6 +54,34 @@ def setbacks(best_source: str, seed_source: str) -> list[Setback]:
     seed = {k.key: k.value for k in find_knobs(seed_source)}
     return [Setback(k.key, k.value, seed[k.key]) for k in find_knobs(best_source)
             if k.key in seed and seed[k.key] != k.value and seed[k.key] in k.choices]
+
+
+def asleep(steps: list[Setback], best_source: str,
+           facts: Mapping[str, str] | None = None) -> list[Setback]:
+    """Returns the steps whose knobs' code runs no call in the best (knobs.active, for these
+    facts), provided that setting them all back leaves every running knob running, at its
+    value, and wakes none: by the knobs' conditions, a program that runs the same code. Else
+    (or with fewer than two such steps: one is a duel either way) none."""
+    running = {(k.key, k.value) for k in active(find_knobs(best_source), facts)}
+    keys = {key for key, _ in running}
+    found = [s for s in steps if s.key not in keys]
+    if len(found) < 2:
+        return []
+    after = set_knobs(best_source, {s.key: s.seed for s in found})
+    return found if {(k.key, k.value) for k in active(find_knobs(after), facts)} == running else []
+
+
+def duels(steps: list[Setback], best_source: str,
+          facts: Mapping[str, str] | None = None) -> list[list[Setback]]:
+    """Returns the duels the end of the run begins with, in order: the sleeping knobs together
+    (asleep), then each other change on its own."""
+    quiet = asleep(steps, best_source, facts)
+    return ([quiet] if quiet else []) + [[s] for s in steps if s not in quiet]
+
+
+def change_of(group: list[Setback]) -> str:
+    """The change line of a group of set-backs ("KEY: BEST -> SEED, KEY: ...")."""
+    return describe({s.key: (s.best, s.seed) for s in group}, False)
 
 
 def costs_nothing(duel: EvalResult) -> bool:

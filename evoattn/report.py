@@ -298,12 +298,15 @@ def set_back_line(step: dict[str, Any]) -> str:
     """Returns one setting-back step: the change, its duel beside the best the phase started
     from, and whether the change stayed set back."""
     met = f" ({step['program']}, met in the search)" if step.get("met") else ""
+    asleep = step.get("runs_no_call")     # several knobs whose code runs no call, together
     if step["verdict"] != "pass":
-        what = f"{step['verdict']}: {step.get('reason', '')}; kept"
+        what = f"{step['verdict']}: {step.get('reason', '')}; " + \
+            ("each tried alone" if asleep else "kept")
     else:
         what = (f"{step['gain'] or 0.0:.3f}x{ci_text(step['gain_ci'])}: "
-                + ("costs nothing, set back" if step["kept_back"] else "it pays, kept"))
-    return f"{step['change']}{met}: {what}"
+                + ("costs nothing, set back" if step["kept_back"] else
+                   "costs beyond noise, each tried alone" if asleep else "it pays, kept"))
+    return f"{step['change']}{' (code that runs no call)' if asleep else ''}{met}: {what}"
 
 
 def ci_text(ci: Any) -> str:

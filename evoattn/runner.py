@@ -158,7 +158,8 @@ def _search(plan: RunPlan, store: Any, evaluator: Any, quiet: bool, console: Con
                     budget_exhausted=lambda: bool(meter and meter.exhausted),
                     llm_totals=llm_totals,
                     lookahead=cfg.llm.concurrency if meter is not None else 0,
-                    window=cfg.evaluator.window)
+                    window=cfg.evaluator.window,
+                    facts={"target": target} if target else None)
     events.write("start", config=config_to_dict(cfg), device=plan.device,
                  run_dir=str(plan.run_dir))
     with view:

@@ -25,15 +25,16 @@ import concurrent.futures as cf
 import dataclasses
 import random
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
+from evaluator.knobs import set_knobs
 from evaluator.types import EXIT_INTERRUPTED, EvalResult, Verdict
 
 from .config import RunConfig
 from .errors import ClusterError, LlmError
 from .pool import as_pool
 from .population import Population
-from .prune import PRUNE, costs_nothing, setbacks
+from .prune import PRUNE, change_of, costs_nothing, duels, setbacks
 from .report import beats, ci_text, set_back_line
 from .store import RunStore
 from .types import Evaluator, MutationRequest, Mutator, Program, Proposal, program_id
@@ -106,8 +107,10 @@ class Search:
                  clock: Callable[[], float] = time.monotonic,
                  budget_exhausted: Callable[[], bool] = lambda: False,
                  llm_totals: Callable[[], dict[str, float]] = dict,
-                 lookahead: int = 0, window: int | None = None) -> None:
+                 lookahead: int = 0, window: int | None = None,
+                 facts: Mapping[str, str] | None = None) -> None:
         self.cfg = cfg
+        self.facts = dict(facts or {})     # e.g. {"target": "sm90"}: which knobs' code runs
         self.store = store
         self.evaluator = as_pool(evaluator)
         self.mutators = list(mutators)
@@ -397,17 +400,25 @@ class Search:
         pop, current = self._pop, best
         assert pop is not None, "prune() follows run()"
         steps = setbacks(best.source, seed.source)
+        queue = duels(steps, best.source, self.facts)
         if steps:
+            quiet = len(queue[0]) if len(queue[0]) > 1 else 0
             say(f"setting back the best's {len(steps)} changes from the seed, one at a time, "
-                "each kept only if it pays beyond noise ...")
+                "each kept only if it pays beyond noise"
+                + (f" ({quiet} whose code runs no call together first)" if quiet else "")
+                + " ...")
         record: list[dict[str, Any]] = []
         complete = True
-        for step in steps:
-            source = step.apply(current.source)
+        while queue:
+            group = queue.pop(0)
+            source = set_knobs(current.source, {s.key: s.seed for s in group})
+            change = change_of(group)
             pid = program_id(source)
             known = self.programs.get(pid) or self.store.get_program(pid)
             if known is not None and not known.correct:
-                say(f"  {step.change}: {pid} failed its checks in the search; kept")
+                say(f"  {change}: {pid} failed its checks in the search; kept")
+                if len(group) > 1:
+                    queue[:0] = [[s] for s in group]
                 continue
             if self._past_wall_time():
                 say(f"  setting back stopped: wall time {self.cfg.max_wall_s:.0f} s reached; "
@@ -427,22 +438,26 @@ class Search:
             # A program the search met (the best's parent, the seed, ...) keeps its stored
             # record; the duel is kept in the phase's record below.
             child = known or Program(pid, source, self.suffix, current.id, self.iteration,
-                                     current.island, PRUNE, step.change, duel)
+                                     current.island, PRUNE, change, duel)
             if known is None:
                 self.programs[pid] = child
                 pop.add(child)
-            self._stats["set_back_tried"] += 1
+            if kept or len(group) == 1:     # a group that costs is tried again knob by knob
+                self._stats["set_back_tried"] += len(group)
             if kept:
                 pop.crown(child)
-                self._stats["set_back"] += 1
+                self._stats["set_back"] += len(group)
                 # Within noise of the best: children of a resumed run face the best's bar.
                 self._plain_fitness[pid] = self._plain_fitness.get(best.id, best.fitness)
                 current = child
-            record.append({"change": step.change, "program": pid, "met": known is not None,
+            elif len(group) > 1:         # asleep by their conditions, yet they cost: each alone
+                queue[:0] = [[s] for s in group]
+            record.append({"change": change, "program": pid, "met": known is not None,
                            "kept_back": kept, "verdict": duel.verdict.value,
                            "reason": "" if duel.correct else first_line(duel.reason, 80),
                            "gain": duel.gain,
-                           "gain_ci": list(duel.gain_ci) if duel.gain_ci else None})
+                           "gain_ci": list(duel.gain_ci) if duel.gain_ci else None,
+                           **({"runs_no_call": True} if len(group) > 1 else {})})
             self.store.commit_iteration(
                 iteration=self.iteration, program=None if known else child, rejection=None,
                 llm_usage=None, rng_state=self.rng.getstate(),
@@ -537,16 +552,16 @@ class Search:
         best, seed = pop.best(), pop.seed
         if best is None or best.id == seed.id or not (best.correct and seed.correct):
             return 0.0
-        duels = 1
+        count = 1
         if self.cfg.population.prune and not self._pruned(best):
-            duels += len(setbacks(best.source, seed.source))
+            count += len(duels(setbacks(best.source, seed.source), best.source, self.facts))
         if self._duel_s:
             per = sum(self._duel_s) / len(self._duel_s)
         elif best.result is not None and best.result.rival:
             per = best.result.duration_s
         else:
             per = sum(p.result.duration_s for p in (best, seed) if p.result)
-        return duels * per * END_MARGIN
+        return count * per * END_MARGIN
 
     def _pruned(self, best: Program) -> bool:
         """Returns whether the run's end already tried every change of this best."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from typing import Any
 from pathlib import Path
 
 from evaluator.knobs import find_knobs
@@ -454,3 +455,106 @@ def test_a_resumed_run_keeps_room_by_the_duel_that_crowned_its_best(tmp_path: Pa
     duels = len(setbacks(first.best.source, first.seed.source)) + 1
     assert out.iterations_done == first.iterations_done
     assert f"its last {round(duels * 10.0 * END_MARGIN)} s kept" in out.stop_reason
+
+
+_ROUTED = """\
+import torch
+ROUTE_A = True  # evoattn: choice(True, False)
+TILE_A = 64  # evoattn: choice(32, 64) when(ROUTE_A=True)
+WARPS_A = 4  # evoattn: choice(4, 8) when(ROUTE_A=True)
+GATE = 1  # evoattn: choice(0, 1) when(ROUTE_A=True)
+DEEP = 2  # evoattn: choice(2, 3) when(GATE=1)
+BLOCK = 32  # evoattn: choice(32, 64)
+def attention(q, k, v, causal=False, scale=None):
+    return q
+"""
+
+
+def _routed(**values: str) -> str:
+    from evaluator.knobs import set_knobs
+    return set_knobs(_ROUTED, values)
+
+
+def test_knobs_whose_code_runs_no_call_are_set_back_together_in_one_duel() -> None:
+    from evoattn.prune import asleep, change_of, duels
+    # a route turned off left TILE_A and WARPS_A behind: their code runs no call in the best
+    best = _routed(ROUTE_A="False", TILE_A="32", WARPS_A="8", BLOCK="64")
+    steps = setbacks(best, _ROUTED)
+    assert [s.key for s in asleep(steps, best)] == ["TILE_A", "WARPS_A"]
+    plan = duels(steps, best)
+    assert [[s.key for s in g] for g in plan] == [["TILE_A", "WARPS_A"], ["ROUTE_A"], ["BLOCK"]]
+    assert change_of(plan[0]) == "TILE_A: 32 -> 64, WARPS_A: 8 -> 4"
+    # GATE asleep too, but setting it back to 1 would wake DEEP (when(GATE=1) only): no group
+    woken = _routed(ROUTE_A="False", TILE_A="32", GATE="0", DEEP="3")
+    assert asleep(setbacks(woken, _ROUTED), woken) == []
+    assert len(duels(setbacks(woken, _ROUTED), woken)) == 4
+    # one sleeping change alone is a duel either way; a running route keeps them all awake
+    one = _routed(ROUTE_A="False", TILE_A="32")
+    assert asleep(setbacks(one, _ROUTED), one) == []
+    awake = _routed(TILE_A="32", WARPS_A="8")
+    assert asleep(setbacks(awake, _ROUTED), awake) == []
+    # a fact rules code out as a knob's value does
+    gated = _ROUTED.replace("when(ROUTE_A=True)", "when(@target=sm90)")
+    best = gated.replace("TILE_A = 64", "TILE_A = 32").replace("WARPS_A = 4", "WARPS_A = 8")
+    assert len(asleep(setbacks(best, gated), best, {"target": "cpu"})) == 2
+    assert asleep(setbacks(best, gated), best, {"target": "sm90"}) == []
+
+
+@dataclasses.dataclass
+class _RouteAndBlock(FakeEvaluator):
+    """Only ROUTE_A and BLOCK change the speed (both pay at their best's values); with
+    `sleepers_cost`, the knobs behind a route that is off cost anyway (their conditions lie)."""
+
+    sleepers_cost: bool = False
+
+    def score(self, source: str) -> float:
+        k = _knobs(source)
+        s = 1.0 + 0.05 * (k["ROUTE_A"] == "False") + 0.05 * (k["BLOCK"] == "64")
+        return s + 0.04 * (self.sleepers_cost and k["TILE_A"] == "32")
+
+
+def _prune_a_best(tmp: Path, ev: FakeEvaluator, best_source: str) -> tuple[Any, list[str]]:
+    """Crowns `best_source` over the seed _ROUTED, then runs the end of the run: (the best
+    after it, the lines it said)."""
+    from evoattn.types import Program, program_id
+    cfg = RunConfig(iterations=0, population=PopulationConfig(prune=True))
+    store = RunStore.open(tmp, config_to_dict(cfg), create=True)
+    try:
+        s = Search(cfg, store, ev, [(KnobMutator(0.0), 1.0)], _ROUTED, ".py",
+                   facts={"target": "sm90"})
+        out = s.run()
+        best = Program(program_id(best_source), best_source, ".py", out.seed.id, 0, 0, "knobs",
+                       "by hand", ev.evaluate(best_source, ".py"))
+        assert s._pop is not None
+        s._pop.add(best)
+        s._pop.crown(best)
+        lines: list[str] = []
+        return s.prune(best, out.seed, say=lines.append), lines
+    finally:
+        store.close()
+
+
+def test_the_end_of_a_run_holds_one_duel_for_the_knobs_a_route_left_behind(
+        tmp_path: Path) -> None:
+    best = _routed(ROUTE_A="False", TILE_A="32", WARPS_A="8", BLOCK="64")
+    ev = _RouteAndBlock()
+    after, lines = _prune_a_best(tmp_path, ev, best)
+    assert len(ev.duels) == 3, lines        # one for the two sleepers, one per other change
+    assert any("TILE_A: 32 -> 64, WARPS_A: 8 -> 4 (code that runs no call)" in ln
+               and "costs nothing, set back" in ln for ln in lines), lines
+    assert {k: v for k, v in _knobs(after.source).items() if v != _knobs(_ROUTED)[k]} == \
+        {"ROUTE_A": "False", "BLOCK": "64"}
+    with RunStore.open_readonly(tmp_path) as st:
+        steps = st.pruned(after.id)["steps"]
+    assert [s.get("runs_no_call", False) for s in steps] == [True, False, False]
+
+
+def test_sleepers_that_cost_after_all_are_tried_one_at_a_time(tmp_path: Path) -> None:
+    best = _routed(ROUTE_A="False", TILE_A="32", WARPS_A="8", BLOCK="64")
+    ev = _RouteAndBlock(sleepers_cost=True)
+    after, lines = _prune_a_best(tmp_path, ev, best)
+    assert len(ev.duels) == 5, lines        # the group, then TILE_A, WARPS_A, ROUTE_A, BLOCK
+    assert any("costs beyond noise, each tried alone" in ln for ln in lines), lines
+    # TILE_A's lie is caught and it stays; WARPS_A is set back
+    assert {k: v for k, v in _knobs(after.source).items() if v != _knobs(_ROUTED)[k]} == \
+        {"ROUTE_A": "False", "BLOCK": "64", "TILE_A": "32"}
