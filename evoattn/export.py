@@ -81,9 +81,7 @@ def _export(store: RunStore, out_dir: Path) -> ExportSummary:
         seed_id, duel = beside_seed
         evidence["side_by_side.json"] = docs.dump({"seed": seed_id, "best": best.id,
                                                    **duel.to_json()})
-    set_back = store.pruned(best.id)                # the changes set back at the end
-    if set_back is not None and not set_back["steps"]:
-        set_back = None
+    set_back = store.set_back(best.id)              # the changes set back at the end
     if set_back is not None:
         evidence["set_back.json"] = docs.dump(set_back)
     files = {**_program_files(best, info), **evidence,

@@ -128,7 +128,7 @@ def load_run(run_dir: str | Path) -> RunData:
         config = store.stored_config()
         best = store.champion()
         beside_seed = store.side_by_side(best.id) if best else None
-        set_back = store.pruned(best.id) if best else None
+        set_back = store.set_back(best.id) if best else None
         rejections = store.rejections()
         calls = store.llm_calls()
     start = _when(meta["created_at"])
@@ -162,7 +162,7 @@ def load_run(run_dir: str | Path) -> RunData:
         llm=llm_series(calls, start),
         llm_failed=sum(1 for c in calls if c.usage.status == "failed"),
         beside_seed=beside_seed,
-        set_back=set_back if set_back and set_back["steps"] else None)
+        set_back=set_back)
 
 
 def lineage(best_id: str, programs: dict[str, Program]) -> tuple[LineageNode, ...]:

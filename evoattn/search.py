@@ -142,6 +142,7 @@ class Search:
         self._pop: Population | None = None
         self._t0 = clock()
         self._duel_s: list[float] = []       # seconds this session's duels took
+        self._end_duels = ("", 0)            # (best id, its setting-back duels) for the wall time
         self._first_iteration = 0            # the iteration this session's loop started from
         self._loop_t0 = self._t0             # when it started (the seed evaluated or restored)
 
@@ -552,9 +553,12 @@ class Search:
         best, seed = pop.best(), pop.seed
         if best is None or best.id == seed.id or not (best.correct and seed.correct):
             return 0.0
-        count = 1
-        if self.cfg.population.prune and not self._pruned(best):
-            count += len(duels(setbacks(best.source, seed.source), best.source, self.facts))
+        if self._end_duels[0] != best.id:      # read once per best, not per iteration
+            planned = 0
+            if self.cfg.population.prune and not self._pruned(best):
+                planned = len(duels(setbacks(best.source, seed.source), best.source, self.facts))
+            self._end_duels = (best.id, planned)
+        count = 1 + self._end_duels[1]
         if self._duel_s:
             per = sum(self._duel_s) / len(self._duel_s)
         elif best.result is not None and best.result.rival:

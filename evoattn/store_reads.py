@@ -111,6 +111,12 @@ class RunReads:
         record = json.loads(row[0]) if row else None
         return record if record and record.get("best") == best_id else None
 
+    def set_back(self, best_id: str) -> dict[str, Any] | None:
+        """Returns pruned(best_id) where it holds a step (a change tried), else None: what the
+        export and the report show."""
+        record = self.pruned(best_id)
+        return record if record and record["steps"] else None
+
     def committed_iteration(self) -> int:
         """Returns the last iteration committed (-1 before the seed's)."""
         row = self._conn.execute("SELECT value FROM state WHERE key = 'iteration'").fetchone()

@@ -558,3 +558,16 @@ def test_sleepers_that_cost_after_all_are_tried_one_at_a_time(tmp_path: Path) ->
     # TILE_A's lie is caught and it stays; WARPS_A is set back
     assert {k: v for k, v in _knobs(after.source).items() if v != _knobs(_ROUTED)[k]} == \
         {"ROUTE_A": "False", "BLOCK": "64", "TILE_A": "32"}
+
+
+def test_an_end_that_tried_no_change_is_not_shown(tmp_path: Path) -> None:
+    store = RunStore.open(tmp_path, config_to_dict(RunConfig()), create=True)
+    try:
+        store.record_pruned("b1", "b1", [], True)      # every set-back had failed in the search
+        assert store.pruned("b1")["complete"] and store.set_back("b1") is None
+        step = {"change": "STAGES: 4 -> 2", "program": "p2", "met": False, "kept_back": True,
+                "verdict": "pass", "reason": "", "gain": 1.0, "gain_ci": [0.99, 1.01]}
+        store.record_pruned("b1", "p2", [step], True)
+        assert store.set_back("p2")["steps"] == [step] and store.set_back("b1") is None
+    finally:
+        store.close()
