@@ -86,7 +86,7 @@ def _export(store: RunStore, out_dir: Path) -> ExportSummary:
         evidence["set_back.json"] = docs.dump(set_back)
     files = {**_program_files(best, info), **evidence,
              "lineage.md": docs.lineage_md(lineage,
-                                           crowned_changes(store.load_programs().values())),
+                                           crowned_changes(store.judgements())),
              "leaderboard.md": docs.leaderboard_md(board, best.id),
              "leaderboard.json": docs.dump([docs.board_entry(rank, p, p.id == best.id)
                                             for rank, p in board]),

@@ -32,7 +32,8 @@ def lineage_entry(step: int, p: Program) -> dict[str, Any]:
     return {"step": step, "id": p.id, "parent_id": p.parent_id,
             "second_parent_id": p.second_parent_id, "iteration": p.iteration,
             "mutator": p.mutator, "verdict": p.result.verdict.value if p.result else None,
-            "fitness": p.fitness, "change": p.change, "duel": duel_of(p)}
+            "fitness": p.fitness, "change": p.change,
+            "duel": duel.to_json() if (duel := duel_of(p)) else None}
 
 
 def lineage_md(chain: list[Program], crowned: dict[str, int] | None = None) -> str:

@@ -1,7 +1,8 @@
 """Rich renderings of results: the eval tables, the closing block, baselines, problems."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+import dataclasses
+from typing import Any, Callable, Iterable, Protocol
 
 from rich.console import Console
 from rich.table import Table
@@ -314,22 +315,48 @@ def ci_text(ci: Any) -> str:
     return f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
 
 
-def duel_of(p: Program) -> dict[str, Any] | None:
-    """A program's duel beside the best of its time, if it had one: its gain, the gain's
-    interval, and whether it was faster beyond noise (and so became the best)."""
+@dataclasses.dataclass(frozen=True)
+class Duel:
+    """A program's duel beside the best of its time: its gain (the rival's time over its own,
+    geometric mean), the gain's interval, and whether it was faster beyond noise (and so
+    became the best)."""
+
+    rival: str
+    gain: float
+    gain_ci: tuple[float, float] | None
+    won: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rival": self.rival, "gain": self.gain,
+                "gain_ci": list(self.gain_ci) if self.gain_ci else None, "won": self.won}
+
+
+class Judged(Protocol):
+    """What crowned_changes reads of a program (a Program, or a store's lighter row)."""
+
+    @property
+    def change(self) -> str: ...
+    @property
+    def iteration(self) -> int: ...
+    @property
+    def result(self) -> EvalResult | None: ...
+
+
+def duel_of(p: Judged) -> Duel | None:
+    """A program's duel beside the best of its time, if it had one."""
     r = p.result
     if r is None or not r.rival or r.gain is None:
         return None
-    return {"rival": r.rival, "gain": r.gain, "gain_ci": r.gain_ci, "won": beats(r)}
+    return Duel(r.rival, r.gain, r.gain_ci, beats(r))
 
 
-def crowned_changes(programs: Iterable[Program]) -> dict[str, int]:
+def crowned_changes(programs: Iterable[Judged]) -> dict[str, int]:
     """Returns {change: the first iteration whose program, so changed, won a duel}: a step
     never re-measured itself may carry a change that was proven on another parent."""
     out: dict[str, int] = {}
     for p in sorted(programs, key=lambda q: q.iteration):
         duel = duel_of(p)
-        if duel and duel["won"] and p.change.strip():
+        if duel and duel.won and p.change.strip():
             out.setdefault(p.change, p.iteration)
     return out
 
@@ -347,10 +374,10 @@ def duel_phrase(p: Program, crowned: dict[str, int]) -> str:
     if duel is not None and p.mutator == PRUNE:
         kept = costs_nothing(p.result) if p.result else False
         return (f"set back at the end of the run, {'costing nothing' if kept else 'a loss'}: "
-                f"{duel['gain']:.3f}x{ci_text(duel['gain_ci'])}")
+                f"{duel.gain:.3f}x{ci_text(duel.gain_ci)}")
     if duel is not None:
-        return (f"{'crowned' if duel['won'] else 'not faster beyond noise'}: "
-                f"{duel['gain']:.3f}x{ci_text(duel['gain_ci'])}")
+        return (f"{'crowned' if duel.won else 'not faster beyond noise'}: "
+                f"{duel.gain:.3f}x{ci_text(duel.gain_ci)}")
     if p.change in crowned:
         return f"not re-measured; the same change crowned at iteration {crowned[p.change]}"
     return "never re-measured: unproven"

@@ -14,6 +14,16 @@ from evaluator.types import EvalResult
 from .errors import UsageError
 from .types import Attempt, LlmUsage, Program
 
+@dataclasses.dataclass(frozen=True)
+class Judgement:
+    """A stored program's change line, iteration and result, without its source (what
+    report.crowned_changes reads of every program)."""
+
+    change: str
+    iteration: int
+    result: EvalResult | None
+
+
 _PROGRAM_COLUMNS = ("id, source, suffix, parent_id, second_parent_id, iteration, island, "
                     "mutator, change, result_json")
 
@@ -68,6 +78,14 @@ class RunReads:
         """Returns every stored program by id, in the order they were stored."""
         rows = self._conn.execute(f"SELECT {_PROGRAM_COLUMNS} FROM programs ORDER BY rowid")
         return {row[0]: _program(row) for row in rows}
+
+    def judgements(self) -> list[Judgement]:
+        """Returns every stored program's change, iteration and result (not its source)."""
+        rows = self._conn.execute("SELECT change, iteration, result_json FROM programs "
+                                  "ORDER BY rowid")
+        return [Judgement(change, iteration,
+                          EvalResult.from_json(json.loads(rj)) if rj else None)
+                for change, iteration, rj in rows]
 
     def get_program(self, program_id: str) -> Program | None:
         """Returns one stored program, or None."""

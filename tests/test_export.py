@@ -168,6 +168,11 @@ def test_lineage_says_which_steps_won_a_duel_and_which_came_along_unproven(tmp_p
     assert "not faster beyond noise: 1.004x [0.995, 1.013]" in sections["lost"].split("##")[0]
     assert "the same change crowned at iteration 1" in \
         md[md.index("`again`"):].split("##")[0]
+    from evoattn.report import crowned_changes
+    from evoattn.store import RunStore
+    with RunStore.open_readonly(tmp_path / "run") as st:   # read without the sources
+        assert crowned_changes(st.judgements()) == \
+            crowned_changes(st.load_programs().values()) == {"did won": 1, "did best": 5}
     assert "Beside the best" not in md[md.index("`seed`"):md.index("`won`")]
 
 
