@@ -38,14 +38,6 @@ class Setback:
     best: str            # the value in the best
     seed: str            # the seed's value
 
-    @property
-    def change(self) -> str:
-        """The change line of the program it makes ("KEY: BEST -> SEED")."""
-        return describe({self.key: (self.best, self.seed)}, False)
-
-    def apply(self, source: str) -> str:
-        """Returns the program with this knob at the seed's value."""
-        return set_knobs(source, {self.key: self.seed})
 
 
 def setbacks(best_source: str, seed_source: str) -> list[Setback]:
@@ -67,7 +59,7 @@ def asleep(steps: list[Setback], best_source: str,
     found = [s for s in steps if s.key not in keys]
     if len(found) < 2:
         return []
-    after = set_knobs(best_source, {s.key: s.seed for s in found})
+    after = apply_setbacks(best_source, found)
     return found if {(k.key, k.value) for k in active(find_knobs(after), facts)} == running else []
 
 
@@ -82,6 +74,11 @@ def duels(steps: list[Setback], best_source: str,
 def change_of(group: list[Setback]) -> str:
     """The change line of a group of set-backs ("KEY: BEST -> SEED, KEY: ...")."""
     return describe({s.key: (s.best, s.seed) for s in group}, False)
+
+
+def apply_setbacks(source: str, group: list[Setback]) -> str:
+    """Returns the program with the group's knobs at the seed's values."""
+    return set_knobs(source, {s.key: s.seed for s in group})
 
 
 def costs_nothing(duel: EvalResult) -> bool:

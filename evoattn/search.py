@@ -27,14 +27,13 @@ import random
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from evaluator.knobs import set_knobs
 from evaluator.types import EXIT_INTERRUPTED, EvalResult, Verdict
 
 from .config import RunConfig
 from .errors import ClusterError, LlmError
 from .pool import as_pool
 from .population import Population
-from .prune import PRUNE, change_of, costs_nothing, duels, setbacks
+from .prune import PRUNE, apply_setbacks, change_of, costs_nothing, duels, setbacks
 from .report import beats, ci_text, set_back_line
 from .store import RunStore
 from .types import Evaluator, MutationRequest, Mutator, Program, Proposal, program_id
@@ -412,14 +411,15 @@ class Search:
         complete = True
         while queue:
             group = queue.pop(0)
-            source = set_knobs(current.source, {s.key: s.seed for s in group})
+            source = apply_setbacks(current.source, group)
             change = change_of(group)
             pid = program_id(source)
             known = self.programs.get(pid) or self.store.get_program(pid)
             if known is not None and not known.correct:
-                say(f"  {change}: {pid} failed its checks in the search; kept")
                 if len(group) > 1:
                     queue[:0] = [[s] for s in group]
+                say(f"  {change}: {pid} failed its checks in the search; "
+                    + ("each tried alone" if len(group) > 1 else "kept"))
                 continue
             if self._past_wall_time():
                 say(f"  setting back stopped: wall time {self.cfg.max_wall_s:.0f} s reached; "

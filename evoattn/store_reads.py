@@ -14,6 +14,7 @@ from evaluator.types import EvalResult
 from .errors import UsageError
 from .types import Attempt, LlmUsage, Program
 
+
 @dataclasses.dataclass(frozen=True)
 class Judgement:
     """A stored program's change line, iteration and result, without its source (what

@@ -11,7 +11,7 @@ from evaluator.knobs import find_knobs
 from evaluator.types import EvalResult, Verdict
 from evoattn.config import PopulationConfig, RunConfig, config_to_dict
 from evoattn.mutators.knobs import KnobMutator
-from evoattn.prune import PRUNE, costs_nothing, setbacks
+from evoattn.prune import PRUNE, apply_setbacks, change_of, costs_nothing, setbacks
 from evoattn.search import END_MARGIN, Search
 from evoattn.store import RunStore
 
@@ -102,8 +102,8 @@ def test_setbacks_are_the_knobs_the_best_changed_that_the_seed_s_value_fits() ->
     found = setbacks(best, TOY_SEED)
     assert [(s.key, s.best, s.seed) for s in found] == [("BLOCK_M", "128", "64"),
                                                           ("STAGES", "4", "2")]
-    assert found[0].change == "BLOCK_M: 128 -> 64"
-    assert _knobs(found[1].apply(best))["STAGES"] == "2"
+    assert change_of(found[:1]) == "BLOCK_M: 128 -> 64"
+    assert _knobs(apply_setbacks(best, found[1:]))["STAGES"] == "2"
     assert setbacks(TOY_SEED, TOY_SEED) == []
 
 
@@ -476,7 +476,7 @@ def _routed(**values: str) -> str:
 
 
 def test_knobs_whose_code_runs_no_call_are_set_back_together_in_one_duel() -> None:
-    from evoattn.prune import asleep, change_of, duels
+    from evoattn.prune import asleep, duels
     # a route turned off left TILE_A and WARPS_A behind: their code runs no call in the best
     best = _routed(ROUTE_A="False", TILE_A="32", WARPS_A="8", BLOCK="64")
     steps = setbacks(best, _ROUTED)
