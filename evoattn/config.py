@@ -27,7 +27,8 @@ class PopulationConfig:
     crossover_rate: float = 0.2        # chance a knob mutation crosses with another elite
     transplant_rate: float = 0.25      # chance it carries a one-knob gain found elsewhere
     # At the end of a run, set back each knob the best changed from the seed whose duel beside
-    # the best shows it costs nothing (evoattn/prune.py): one duel per changed knob.
+    # the best shows it costs nothing (evoattn/prune.py): one duel per changed knob (those
+    # whose code runs no call in the best: one duel together).
     prune: bool = True
 
 

@@ -546,8 +546,8 @@ class Search:
         return f"wall time {wall:.0f} s"
 
     def _end_of_run_s(self, pop: Population) -> float:
-        """Returns the seconds the end of the run would take now: a duel per change from the
-        seed the best would have set back (prune) and one re-measuring it beside the seed, at
+        """Returns the seconds the end of the run would take now: the duels setting back the
+        best's changes from the seed (prune.duels) and one re-measuring it beside the seed, at
         this session's mean duel time (before any, the duel that crowned the best, else the
         best's and the seed's evaluations together), with a margin (END_MARGIN)."""
         best, seed = pop.best(), pop.seed
