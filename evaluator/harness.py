@@ -455,10 +455,13 @@ def _time_all(s: Setup, ctx: TimingContext, cases: list[Case], checked: Checked,
     flags: list[str] = []
     for i, case in enumerate(cases[:len(s.configs)]):
         label = s.problem.label(case.cfg)
+        t_config = _now()                  # the timing CPU's check counts: it is the stage's
         if before_config is not None:
             before_config()
         try:
-            out.append(time_case(ctx, case, run, rng, checked.results[i], flags, rival))
+            out.append(dataclasses.replace(
+                time_case(ctx, case, run, rng, checked.results[i], flags, rival),
+                timing_s=round(_now() - t_config, 4)))
         except Fail as f:
             return s.fail(f.verdict, f"{label}: {f.reason}", configs=tuple(out),
                           flags=tuple(flags))

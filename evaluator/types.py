@@ -134,6 +134,7 @@ class ConfigResult:
     rival_times: Times | None = None
     gain: float | None = None
     gain_ci: tuple[float, float] | None = None
+    timing_s: float | None = None      # wall seconds its timing took (every mode, every function)
 
     def to_json(self) -> dict[str, Any]:
         d = _clean(dataclasses.asdict(self))

@@ -32,6 +32,9 @@ def test_honest_kernel_passes_with_json_and_exit_0(tmp_path: Path) -> None:
                     "ms", "tflops", "speedup", "peak_mem_bytes"):
             assert key in c
         assert c["max_abs_err"] <= c["tolerance"]
+    # where the timing stage went, config by config (the rest: the GPU turn, the CPU pick)
+    per_config = [c["timing_s"] for c in data["configs"]]
+    assert all(s > 0 for s in per_config) and sum(per_config) <= data["stage_s"]["time"]
 
 
 def test_incorrect_kernel_fails_with_exit_1_and_the_error(tmp_path: Path) -> None:
