@@ -455,7 +455,7 @@ def _time_all(s: Setup, ctx: TimingContext, cases: list[Case], checked: Checked,
     flags: list[str] = []
     for i, case in enumerate(cases[:len(s.configs)]):
         label = s.problem.label(case.cfg)
-        t_config = _now()                  # the timing CPU's check counts: it is the stage's
+        t_config = _now()                  # its timing CPU's check included
         if before_config is not None:
             before_config()
         try:
