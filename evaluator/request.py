@@ -16,7 +16,7 @@ POLICIES = ("kernel-only", "allow-library")
 DTYPES = ("float16", "bfloat16", "float32")   # every dtype a config, a flag or a problem may name
 GPU_REPS, GPU_WARMUP = 30, 10      # the most rounds of the fitness mode (evaluator/timing.py)
                                    # and untimed calls per config, on a GPU
-CPU_REPS, CPU_WARMUP = 3, 1        # on the CPU (Triton's interpreter is slow): at most these
+CPU_REPS, CPU_WARMUP = 4, 1        # on the CPU (Triton's interpreter is slow): at most these
 
 
 @dataclasses.dataclass(frozen=True)

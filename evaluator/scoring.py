@@ -8,7 +8,6 @@ unless every config has one.
 from __future__ import annotations
 
 import dataclasses
-from statistics import median as _median
 from typing import Any
 
 from . import stats
@@ -54,14 +53,14 @@ def converged_rule(policy: str, width: float, given: bool, mode: str) -> Any:
         if "rival" in samples:
             others.append(samples["rival"])
         if given:
-            if stats.rel_half_width(_median(cand), stats.median_ci(cand)) > width / 2 ** .5:
+            if stats.rel_half_width(*stats.center(cand)) > width / 2 ** .5:
                 return False
         else:
             base = {n.split(":", 1)[1]: v for n, v in samples.items() if n.startswith("baseline:")}
             if policy != "best" and policy in base:
                 others.append(base[policy])
             elif base:
-                others.append(min(base.values(), key=_median))
+                others.append(min(base.values(), key=lambda v: stats.center(v)[0]))
         for other in others:
             point, ci = stats.ratio(other, cand, paired=True)
             if stats.rel_half_width(point, ci) > width:

@@ -2,18 +2,28 @@
 of ratios with its interval.
 
 A timing is a distribution: each function is measured in rounds, interleaved with the
-functions it is compared with, and the median over rounds counts. Its interval is a
-percentile bootstrap of the median (95%). A ratio of two functions measured in the same
-rounds is the median of the rounds' own ratios, its interval a bootstrap over the rounds
-(paired: a slow round slows both, and cancels). Where a host switches between a fast and a
-slow state from one batch to the next, each function's own median can land in either state,
-and their ratio with it; the rounds' ratios mostly compare like with like, so their median
-does not. A ratio of functions measured apart (another process) is the ratio of the medians,
-each side resampled alone. The bootstrap's own random numbers come from a fixed seed, so the
-same samples always give the same interval.
+functions it is compared with, their order reversed every round. The unit is a pair of
+rounds (rounds 1 and 2, 3 and 4, ...): in it every function ran once in each position, so
+what a position adds cancels. On an H200 (call mode), SDPA timed against itself read 1.5-4%
+slower in a round's first batch when a pause of 0.5-3 ms came before the round (the stopping
+rule's arithmetic, or a sleep) and the same without one; the shipped seed against SDPA read
+0.5-2.5% slower in the second batch on 13 of 14 configs. Round by round the values then fall
+in two clusters, a median lands in either by chance and its interval is wide. An odd last
+round counts as a unit of its own.
+
+The median over units counts; its interval is a percentile bootstrap of the median (95%). A
+ratio of two functions measured in the same rounds is the median of the units' own ratios
+(each pair's total time over the other's), its interval a bootstrap over the units (paired: a
+slow round slows both, and cancels). Where a host switches between a fast and a slow state
+from one batch to the next, each function's own median can land in either state, and their
+ratio with it; the units' ratios mostly compare like with like, so their median does not. A
+ratio of functions measured apart (another process) is the ratio of the medians, each side
+resampled alone. The bootstrap's own random numbers come from a fixed seed, so the same
+samples always give the same interval.
 """
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from typing import Any, Sequence
@@ -35,10 +45,32 @@ def _resampled_medians(samples: Sequence[float], picks: Any) -> Any:
     return np.median(np.asarray(samples, dtype=float)[picks], axis=1)
 
 
+@functools.lru_cache(maxsize=256)
 def _picks(n: int, seed: int) -> Any:
-    """Returns RESAMPLES rows of n indices drawn with replacement (a fixed seed per size)."""
+    """Returns RESAMPLES rows of n indices drawn with replacement (a fixed seed per size;
+    kept, since the stopping rule asks between rounds and its pause shows in the next one)."""
     import numpy as np
-    return np.random.default_rng(seed).integers(0, n, size=(RESAMPLES, n))
+    picks = np.random.default_rng(seed).integers(0, n, size=(RESAMPLES, n))
+    picks.flags.writeable = False
+    return picks
+
+
+def units(samples: Sequence[float]) -> list[float]:
+    """Returns one function's rounds as units: each pair of rounds' mean, an odd last alone."""
+    s = list(samples)
+    return [(s[i] + s[i + 1]) / 2 for i in range(0, len(s) - 1, 2)] + s[len(s) - len(s) % 2:]
+
+
+def ratio_units(num: Sequence[float], den: Sequence[float]) -> list[float]:
+    """Returns the units' ratios of two functions timed in the same rounds: each pair of
+    rounds' total time of one over the other's, an odd last round alone."""
+    return [a / b for a, b in zip(units(num), units(den))]
+
+
+def center(samples: Sequence[float]) -> tuple[float, Interval | None]:
+    """Returns a function's time over its rounds: the median of its units, and its interval."""
+    u = units(samples)
+    return statistics.median(u), median_ci(u)
 
 
 def median_ci(samples: Sequence[float]) -> Interval | None:
@@ -52,20 +84,22 @@ def ratio(num: Sequence[float], den: Sequence[float], paired: bool) -> tuple[flo
     """Returns num / den and its 95% bootstrap interval.
 
     Paired (both measured in the same interleaved rounds, same length): the median of the
-    rounds' ratios, the rounds resampled; otherwise median(num) / median(den), each side
-    resampled alone."""
+    units' ratios, the units resampled; otherwise the ratio of the two functions' centers,
+    each side resampled alone."""
     if paired and len(num) == len(den) and num and min(den) > 0:
-        rounds = [a / b for a, b in zip(num, den)]
-        point = statistics.median(rounds)
-        if len(rounds) < 2:
+        ratios = ratio_units(num, den)
+        point = statistics.median(ratios)
+        if len(ratios) < 2:
             return point, None
-        picks = _picks(len(rounds), len(rounds) * 1000 + len(rounds))
-        return point, _quantiles(_resampled_medians(rounds, picks))
-    point = statistics.median(num) / statistics.median(den)
-    if len(num) < 2 or len(den) < 2:
+        picks = _picks(len(ratios), len(ratios) * 1000 + len(ratios))
+        return point, _quantiles(_resampled_medians(ratios, picks))
+    top_u, bottom_u = units(num), units(den)
+    point = statistics.median(top_u) / statistics.median(bottom_u)
+    if len(top_u) < 2 or len(bottom_u) < 2:
         return point, None
-    top = _resampled_medians(num, _picks(len(num), len(num) * 1000 + len(den)))
-    bottom = _resampled_medians(den, _picks(len(den), len(den) * 1000 + len(num) + 1))
+    top = _resampled_medians(top_u, _picks(len(top_u), len(top_u) * 1000 + len(bottom_u)))
+    bottom = _resampled_medians(bottom_u, _picks(len(bottom_u),
+                                                 len(bottom_u) * 1000 + len(top_u) + 1))
     return point, _quantiles(top / bottom)
 
 

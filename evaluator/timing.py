@@ -35,9 +35,11 @@ host_us The host time of one call while the GPU is busy (a long sleep kernel que
         the CPU cost a model pays per call whatever the GPU does.
 
 Rounds interleave the functions (candidate and baselines alternate, their order reversed
-every round), so all see the GPU and the host in the same state; the median over rounds
-counts, and its 95% bootstrap interval travels with it; a speedup is the median of the
-rounds' own ratios (evaluator/stats.py). The fitness mode's rounds adapt: after a floor,
+every round), so all see the GPU and the host in the same state. Two rounds make a unit, in
+which each function ran once in each position; the median over units counts, and its 95%
+bootstrap interval travels with it; a speedup is the median of the units' own ratios
+(evaluator/stats.py). Rounds are taken two at a time: floors and caps are even, and a mode
+stops only after a pair. The fitness mode's rounds adapt: after a floor,
 measuring stops once `converged` (given by the caller: the fitness ratio's interval is narrow
 enough) or at the plan's cap; the other modes get a fixed few rounds. Launch-bound configs thus
 get more rounds, long ones fewer.
@@ -71,8 +73,8 @@ WIDTH = 0.01                       # the default target relative half-width of t
                                    # ratio's interval (a request's `width` sets it)
 HOST_SHARE = 0.9                   # call mode: a batch's launches got at least this share of
 ROUND_TRIES = 3                    # their CPU, or the round is measured again (at most this often)
-FLOOR = {"kernel": 10, "call": 5, "graph": 5}     # the fitness mode's rounds: at least these
-OTHER = {"kernel": 5, "call": 3, "graph": 3}      # the other modes' rounds
+FLOOR = {"kernel": 10, "call": 6, "graph": 6}     # the fitness mode's rounds: at least these
+OTHER = {"kernel": 6, "call": 4, "graph": 4}      # the other modes' rounds (all even: pairs)
 
 Fn = Callable[[dict[str, Any]], Any]
 Samples = dict[str, list[float]]   # function name -> one time (ms) per round
@@ -82,7 +84,7 @@ Converged = Callable[[str, Samples], bool]
 def own_width(mode: str, samples: Samples, width: float = WIDTH) -> bool:
     """The default stopping rule: every function's own median is known within width / sqrt 2
     (two such medians make a ratio known within about `width`)."""
-    return all(stats.rel_half_width(statistics.median(v), stats.median_ci(v)) <= width / 2 ** .5
+    return all(stats.rel_half_width(*stats.center(v)) <= width / 2 ** .5
                for v in samples.values())
 
 
@@ -119,10 +121,11 @@ class Plan:
         fitness mode's rounds (`mode` "all": every mode's); `graph` False leaves graph mode
         out unless it is the fitness mode; `heat` False leaves call mode's heat out."""
         if not on_gpu:
-            return cls(warmup, reps, rounds=2, graph_rounds=0, sets=2, graph=False, mode=mode,
+            return cls(warmup, reps, rounds=4, graph_rounds=0, sets=2, graph=False, mode=mode,
                        width=width, heat=False)
         sets = max(2, min(CALL_SETS[1], CALL_MAX_BYTES // max(set_bytes, 1)))
         cap = max(reps, max(FLOOR.values()))
+        cap += cap % 2                                  # whole pairs of rounds
         return cls(warmup, cap, cap, cap, sets, graph=graph or mode in ("graph", "all"),
                    mode=mode, width=width, heat=heat)
 
@@ -141,7 +144,10 @@ class Plan:
 
 def adapt(mode: str, names: list[str], plan: Plan, converged: Converged | None,
           one_round: Callable[[int, list[str], Samples], None]) -> Samples:
-    """Runs interleaved rounds of a mode (order reversed each round) until converged or capped."""
+    """Runs interleaved rounds of a mode (order reversed each round) until converged or capped,
+    stopping only after a whole pair of rounds. Past the floor the rule is asked after every
+    round, so that its pause comes before both rounds of a pair, each starting with another
+    function."""
     samples: Samples = {n: [] for n in names}
     floor, cap = plan.bounds(mode)
     rule = converged or (lambda m, s: own_width(m, s, plan.width))
@@ -149,7 +155,7 @@ def adapt(mode: str, names: list[str], plan: Plan, converged: Converged | None,
     for r in range(cap):
         one_round(r, order, samples)
         order.reverse()
-        if r + 1 >= floor and rule(mode, samples):
+        if r + 1 >= floor and rule(mode, samples) and (r + 1) % 2 == 0:
             break
     return samples
 
@@ -518,8 +524,7 @@ def _times(name: str, samples: dict[str, Samples], graph_error: str,
     for mode, by_name in samples.items():
         v = by_name.get(name)
         if v:
-            kw[f"{mode}_ms"] = statistics.median(v)
-            kw[f"{mode}_ci"] = stats.median_ci(v)
+            kw[f"{mode}_ms"], kw[f"{mode}_ci"] = stats.center(v)
             rounds[mode] = len(v)
     return Times(graph_error=graph_error if not kw.get("graph_ms") else "", host_us=host_us,
                  rounds=rounds, **kw)

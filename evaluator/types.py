@@ -119,7 +119,7 @@ class ConfigResult:
     baseline_name: str = ""            # which baseline that is (the fastest, by default)
     tflops: float | None = None
     baseline_tflops: float | None = None
-    speedup: float | None = None       # baseline / candidate: the median of the rounds' ratios
+    speedup: float | None = None       # baseline / candidate: the median of the units' ratios
                                        # (baseline_ms / ms where timed apart)
     speedup_ci: tuple[float, float] | None = None   # its 95% interval
     frac_peak: float | None = None     # tflops / the GPU's peak

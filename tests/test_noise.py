@@ -47,7 +47,7 @@ def test_pairing_cancels_what_both_functions_see_in_a_round() -> None:
     assert stats.rel_half_width(point, apart) > 5 * stats.rel_half_width(point, paired)
 
 
-def test_a_paired_ratio_is_the_median_of_the_rounds_ratios() -> None:
+def test_a_paired_ratio_is_the_median_of_the_units_ratios() -> None:
     # A host that flips between a fast and a slow state (x1.25) from one batch to the next;
     # candidate and baseline are equally fast. In 20 rounds both batches saw the same state,
     # in 7 only the baseline's was slow, in 3 only the candidate's. Each function's own median
@@ -61,9 +61,46 @@ def test_a_paired_ratio_is_the_median_of_the_rounds_ratios() -> None:
     point, (lo, hi) = stats.ratio(base, cand, paired=True)
     assert point == pytest.approx(1.0, abs=0.01)
     assert lo <= 1.0 <= hi
-    # Measured apart, the rounds do not pair: each side's median, each resampled alone.
+    # Measured apart, the rounds do not pair: each side's center, each resampled alone.
     assert stats.ratio(base, cand, paired=False)[0] == pytest.approx(
-        statistics.median(base) / statistics.median(cand))
+        stats.center(base)[0] / stats.center(cand)[0])
+
+
+def test_a_pair_of_rounds_cancels_what_a_position_in_the_round_adds() -> None:
+    # The order is reversed every round; whichever function runs first in a round reads 3%
+    # slow (the pause before the round). Candidate and baseline are equally fast. Round by
+    # round the ratios fall in two clusters, 0.97 and 1.03, and a median of 13 rounds lands
+    # in one of them; each pair of rounds holds both orders, so its ratio is 1.
+    rng = random.Random(7)
+    cand, base = [], []
+    for r in range(13):
+        first = 1.03
+        c, b = (first, 1.0) if r % 2 == 0 else (1.0, first)
+        cand.append(10 * c * (1 + rng.gauss(0, 0.001)))
+        base.append(10 * b * (1 + rng.gauss(0, 0.001)))
+    by_round = statistics.median(b / c for b, c in zip(base, cand))
+    assert abs(by_round - 1) > 0.025                         # what rounds alone would say
+    point, ci = stats.ratio(base, cand, paired=True)
+    assert point == pytest.approx(1.0, abs=0.003)
+    assert stats.rel_half_width(point, ci) < 0.005
+    # a function's own time: the median of pair means, the same balance
+    assert stats.center(cand)[0] == pytest.approx(10 * 1.015, rel=0.003)
+    assert stats.units([1.0, 3.0, 5.0]) == [2.0, 5.0]          # an odd last round alone
+    assert stats.ratio_units([2.0, 4.0], [1.0, 1.0]) == [3.0]
+
+
+def test_rounds_stop_only_after_a_whole_pair_and_the_rule_is_asked_every_round() -> None:
+    plan = Plan(warmup=1, reps=40, rounds=40, graph_rounds=40, sets=8, graph=True, mode="call")
+    asked = []
+
+    def rule(mode: str, samples: dict[str, list[float]]) -> bool:
+        asked.append(len(samples["candidate"]))
+        return len(samples["candidate"]) >= 7            # converged from the 7th round on
+    got = adapt("call", ["candidate", "baseline:sdpa"], plan, rule, _noisy_rounds(0.01))
+    assert len(got["candidate"]) == 8
+    assert asked == [6, 7, 8]        # past the floor, after each round: the same pause for both
+    assert FLOOR["call"] % 2 == 0 and all(v % 2 == 0 for v in FLOOR.values())
+    assert Plan.for_device(True, 10, 31, set_bytes=2 ** 20).rounds == 32
 
 
 def test_a_config_s_speedup_is_its_paired_ratio_where_rounds_were_shared() -> None:
@@ -119,7 +156,7 @@ def test_rounds_stop_once_the_ratio_is_known_within_the_width() -> None:
     assert FLOOR["call"] < n < 60
     point, ci = stats.ratio(got["baseline:sdpa"], got["candidate"], paired=True)
     assert stats.rel_half_width(point, ci) <= 0.01
-    shorter = {k: v[:-1] for k, v in got.items()}   # one round fewer was not yet enough
+    shorter = {k: v[:-2] for k, v in got.items()}   # one pair fewer was not yet enough
     assert not rule("call", shorter)
 
 
