@@ -136,7 +136,8 @@ class Search:
         # A crowned best's fitness as a plain candidate (before its duel): the bar that plain
         # children are held to, measured by the same protocol as theirs (a run's plain
         # protocol may leave out the duel's heat, which reads lower). Kept with the population
-        # (PLAIN_BAR), so a resumed run holds children to the same bar.
+        # (PLAIN_BAR), so a resumed run holds children to the same bar; lost duels raise it
+        # (_raise_bar).
         self._plain_fitness: dict[str, float] = {}
         self._pop: Population | None = None
         self._t0 = clock()
@@ -376,10 +377,22 @@ class Search:
         if won:
             self._stats["crowned"] += 1
             self._plain_fitness[pid] = result.fitness
+        elif gain > 0:
+            self._raise_bar(champ, result.fitness / max(gain, 1.0))
         note = (f" -> {duel.fitness:.3f} re-measured beside the best ({champ.id}: "
                 f"{duel.rival_fitness or 0:.3f}), {gain:.3f}x"
                 f"{ci_text(duel.gain_ci)}: {'new best' if won else 'not beyond noise'}")
         return duel, won, note
+
+    def _raise_bar(self, champ: Program, reading: float) -> None:
+        """After a duel the child lost: its plain reading, over its gain where it was faster
+        within noise, is a plain reading the best itself could have had in that evaluation.
+        The bar rises to the highest such reading, so that children as fast as the best do
+        not send duel after duel to the GPU for the same noise (a 300-second default run on an
+        H200 held six challenges and crowned none); a child faster than the spread of plain
+        readings still reads above it."""
+        if reading > self._plain_fitness.get(champ.id, champ.fitness):
+            self._plain_fitness[champ.id] = reading
 
     @property
     def challenges(self) -> tuple[int, int]:

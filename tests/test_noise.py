@@ -369,6 +369,38 @@ def test_a_resumed_run_holds_plain_children_to_the_same_bar(tmp_path: Path) -> N
         store.close()
 
 
+def test_lost_duels_raise_the_bar_so_the_same_noise_costs_one_duel(tmp_path: Path) -> None:
+    """Children that run the best's code read 1-3% above it in their plain evaluations (the
+    noise of their processes). Each duel shows one within noise of the best, which could have
+    read as high: only a reading above every earlier one is sent to a duel. A child faster in
+    truth, reading above them all, still gets its duel and is crowned."""
+    ev = FakeEvaluator()
+    cfg = RunConfig(iterations=10, random_seed=5)
+    store = RunStore.open(tmp_path, config_to_dict(cfg), create=True)
+    try:
+        s = Search(cfg, store, ev, [(KnobMutator(0.0), 1.0)], TOY_SEED, ".py")
+        pop, seed = s._start()
+        truth = ev.score(seed.source)
+
+        def plain(source: str, reading: float) -> EvalResult:
+            return dataclasses.replace(ev.evaluate(source, ".py"), fitness=reading,
+                                       fitness_ci=(reading * 0.998, reading * 1.002))
+        sent = []
+        for i, up in enumerate((1.02, 1.01, 1.015, 1.03, 1.025)):
+            before = len(ev.duels)
+            s._challenge(pop, f"peer{i}", seed.source, plain(seed.source, truth * up))
+            sent.append(len(ev.duels) > before)
+        assert sent == [True, False, False, True, False]
+        assert s._plain_fitness[seed.id] == pytest.approx(truth * 1.03)
+        assert pop.best().id == seed.id
+        faster = TOY_SEED.replace("STAGES = 2", "STAGES = 4")
+        assert ev.score(faster) > truth * 1.03
+        _, won, _ = s._challenge(pop, "faster", faster, plain(faster, ev.score(faster)))
+        assert won and len(ev.duels) == 3
+    finally:
+        store.close()
+
+
 def test_a_duel_within_noise_is_not_a_win() -> None:
     assert not beats(duel_result(1.004, 1.0, 0.01))        # 1.004 [0.994, 1.014]
     assert beats(duel_result(1.05, 1.0, 0.01))
