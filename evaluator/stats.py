@@ -4,12 +4,12 @@ of ratios with its interval.
 A timing is a distribution: each function is measured in rounds, interleaved with the
 functions it is compared with, their order reversed every round. The unit is a pair of
 rounds (rounds 1 and 2, 3 and 4, ...): in it every function ran once in each position, so
-what a position adds cancels. On an H200 (call mode), SDPA timed against itself read 1.5-4%
-slower in a round's first batch when a pause of 0.5-3 ms came before the round (the stopping
-rule's arithmetic, or a sleep) and the same without one; the shipped seed against SDPA read
-0.5-2.5% slower in the second batch on 13 of 14 configs. Round by round the values then fall
-in two clusters, a median lands in either by chance and its interval is wide. An odd last
-round counts as a unit of its own.
+what a position adds cancels. On an H200 (call mode, BENCHMARKS.md), SDPA timed against
+itself gave rounds' ratios in two clusters 1.0-5.4% apart, by which copy ran first, when a
+pause of 0.5-3 ms came before each round (the stopping rule's arithmetic, or a sleep), and
+0.05-0.4% apart without one; the shipped seed against SDPA, 0.5-2.5% apart on 13 of 14
+configs. A median over single rounds lands in either cluster by chance and its interval is
+wide. An odd last round counts as a unit of its own.
 
 The median over units counts; its interval is a percentile bootstrap of the median (95%). A
 ratio of two functions measured in the same rounds is the median of the units' own ratios
