@@ -131,7 +131,7 @@ def test_the_run_passes_its_evaluator_settings_to_the_sandbox(
     assert plain == {"width": 0.01, "graph": False, "heat": False}
     assert s.gpu_share == 1                                  # on the CPU: one
     assert r.policy == "allow-library" and r.trials == 2 and r.device == "cpu"
-    assert (r.resolved_reps(), r.resolved_warmup()) == (3, 1)   # CPU: a few repetitions only
+    assert (r.resolved_reps(), r.resolved_warmup()) == (4, 1)   # CPU: two pairs of rounds
     assert r.timing == "call" and r.baseline == "best"
     assert (r.tolerance_factor, r.tolerance_floor) == (None, None)  # the problem's own rule
     assert "TORCH_MY_KEY" in s.secret_env_names    # on the allow-list, so only this drops it
