@@ -97,7 +97,8 @@ def main() -> None:
 @click.option("--baseline", help="the baseline fitness uses: 'best' (default) or a name")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the result")
 @click.option("--trials", type=int, help="fresh input sets per config (default 3)")
-@click.option("--reps", type=int, help="timed repetitions per config")
+@click.option("--reps", type=int, help="the most rounds of the fitness mode per config (rounds "
+              "come in pairs: an odd number is rounded up)")
 @click.option("--warmup", type=int, help="untimed calls per config before timing")
 @click.option("--policy", type=click.Choice(["kernel-only", "allow-library"]))
 @click.option("--max-abs", type=float, help="fixed absolute tolerance instead of the relative rule")
