@@ -1,0 +1,40 @@
+"""benchmarks/round_order.py without a GPU: its arguments are checked before anything runs."""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "round_order.py"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_configs_parse_with_their_causal_mark() -> None:
+    spec = importlib.util.spec_from_file_location("round_order", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.parse_configs("8,32,512,64; 2,32,2048,64,c;") == [(8, 32, 512, 64, False),
+                                                              (2, 32, 2048, 64, True)]
+
+
+def test_bad_arguments_get_one_line_and_exit_2() -> None:
+    bad = _run("--pauses", "none,nap")
+    assert bad.returncode == 2 and "no pause named 'nap'" in bad.stderr
+    few = _run("--rounds", "3")
+    assert few.returncode == 2 and "--rounds: at least 4" in few.stderr
+
+
+def test_without_a_gpu_it_says_so() -> None:
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the script would run")
+    out = _run("--rounds", "4")
+    assert out.returncode == 2 and "no CUDA GPU here" in out.stderr
