@@ -5,11 +5,11 @@ A timing is a distribution: each function is measured in rounds, interleaved wit
 functions it is compared with, their order reversed every round. The unit is a pair of
 rounds (rounds 1 and 2, 3 and 4, ...): in it every function ran once in each position, so
 what a position adds cancels. On an H200 (call mode, BENCHMARKS.md), SDPA timed against
-itself gave rounds' ratios in two clusters 1.0-5.4% apart, by which copy ran first, when a
-pause of 0.5-3 ms came before each round (the stopping rule's arithmetic, or a sleep), and
-0.05-0.4% apart without one; the shipped seed against SDPA, 0.5-2.5% apart on 13 of 14
-configs. A median over single rounds lands in either cluster by chance and its interval is
-wide. An odd last round counts as a unit of its own.
+itself gave rounds' ratios in two clusters 1.0-5.4% apart, by which copy ran first, with a
+pause before each round (the stopping rule's three bootstraps, or a 3-ms sleep), and 0.05-0.4%
+apart without one; the shipped seed against SDPA, 0.6-2.0% apart on average over three
+processes on 13 of 14 configs. A median over single rounds lands in either cluster by chance
+and its interval is wide. An odd last round counts as a unit of its own.
 
 The median over units counts; its interval is a percentile bootstrap of the median (95%). A
 ratio of two functions measured in the same rounds is the median of the units' own ratios
