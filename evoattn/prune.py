@@ -39,7 +39,6 @@ class Setback:
     seed: str            # the seed's value
 
 
-
 def setbacks(best_source: str, seed_source: str) -> list[Setback]:
     """Returns the knobs, in the best's order, whose value differs from the seed's where the
     best's choices allow the seed's value (an LLM's edit may have changed a knob's choices)."""

@@ -388,9 +388,8 @@ class Search:
         """After a duel the child lost: its plain reading, over its gain where it was faster
         within noise, is a plain reading the best itself could have had in that evaluation.
         The bar rises to the highest such reading, so that children as fast as the best do
-        not send duel after duel to the GPU for the same noise (a 300-second default run on an
-        H200 held six challenges and crowned none); a child faster than the spread of plain
-        readings still reads above it."""
+        not send duel after duel to the GPU for the same noise; a child faster than the spread
+        of plain readings still reads above it."""
         if reading > self._plain_fitness.get(champ.id, champ.fitness):
             self._plain_fitness[champ.id] = reading
 
