@@ -95,11 +95,13 @@ def spread(v: list[float]) -> float:
 
 def _raw(result: dict) -> dict:
     """One evaluation's times per config (candidate and baselines: call, kernel, host µs,
-    rounds) and its timing CPU: what to look at when one evaluation stands out."""
+    call mode's issue µs, rounds) and its timing CPU: what to look at when one evaluation
+    stands out."""
     def times(t: dict) -> dict:
-        return {k: t.get(k) for k in ("call_ms", "kernel_ms", "host_us", "rounds")}
+        return {k: t.get(k) for k in ("call_ms", "kernel_ms", "host_us", "issue_us", "rounds")}
     info = result.get("device_info") or {}
     return {"timing_cpu": info.get("timing_cpu"), "cpu_speed_spread": info.get("cpu_speed_spread"),
+            "cpu_probe_us": info.get("cpu_probe_us"),
             "configs": {",".join(str(c[k]) for k in ("B", "H", "S", "D")) +
                         (" c" if c.get("causal") else ""):
                         {"candidate": times(c.get("times") or {}),

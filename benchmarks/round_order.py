@@ -86,7 +86,7 @@ def one(timer, cfg, pause: str, rounds: int) -> dict:  # noqa: ANN001
         per_call = statistics.median(timer._host_per_call(copy, inputs, refill)[0]
                                      for _ in range(3))
         sets = InputSets(inputs, ("q", "k", "v"), plan.call_sets(per_call), refill, refill)
-        got = timer._call_mode(fns, sets, plan, "", random.Random(0), [], None, per_call)
+        got, _ = timer._call_mode(fns, sets, plan, "", random.Random(0), [], None, per_call)
     finally:
         timing.adapt, InputSets.refill = real_adapt, real_refill
     by_round = [bt / at for at, bt in zip(got["A"], got["B"])]

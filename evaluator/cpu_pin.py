@@ -11,7 +11,8 @@ speeds, and within one by where each round ran.
 So the timing thread (only it; Triton's and nvcc's compiles keep every CPU) is pinned to the
 fastest CPU of its set, measured by a fixed slice of interpreter work on each, and checked
 again before each config: when its CPU has slowed (another tenant of the host), it moves to
-the fastest again. Linux only (sched_setaffinity); elsewhere, or where the call is refused
+the fastest again. It is checked after a host-bound config too (evaluator/measure.py): one
+timed while its CPU slowed is measured again, on the fastest. Linux only (sched_setaffinity); elsewhere, or where the call is refused
 (a container's policy), it does nothing.
 """
 from __future__ import annotations
@@ -84,9 +85,20 @@ class TimingCpu:
 
     def refresh(self) -> int | None:
         """Picks again when the pinned CPU has slowed by more than SLOWER since its pick."""
-        if self.cpu is not None and self._speed() > SLOWER * self._picked_s:
-            return self.pick()
+        self.slowed()
         return self.cpu
+
+    def slowed(self) -> str | None:
+        """Says how much the pinned CPU has slowed since its pick, picking again, when by more
+        than SLOWER; None when it has not (or nothing is pinned)."""
+        if self.cpu is None:
+            return None
+        now, cpu = self._speed(), self.cpu
+        if now <= SLOWER * self._picked_s:
+            return None
+        ratio = now / self._picked_s if self._picked_s else float("inf")
+        self.pick()
+        return f"the timing CPU ({cpu}) ran {ratio:.2f}x slower than when it was picked"
 
     def spread(self) -> float:
         """The slowest CPU's time over the fastest's, at the last pick (1.0: not measured)."""

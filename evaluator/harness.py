@@ -191,13 +191,14 @@ def evaluate(req: EvalRequest, stage: Stage, prepared: Prepared | None = None) -
         return _profile(s, guard, cases, run, stage) or EvalResult(
             Verdict.PASS, "correct (not timed)", 0.0, checked.results[:len(s.configs)],
             duration_s=_now() - s.t_start, **s.common)
-    ctx = TimingContext(s.problem, req, timer, s.tol, s.dtype_name,
-                        devinfo.peak_for(s.info, s.dtype_name), ceiling, baselines,
-                        s.problem.extra_baselines() if req.all_backends else {})
+    extra = s.problem.extra_baselines() if req.all_backends else {}
     turn.timing()
     cpu = _timing_cpu(s, cpu)
     if cpu is not None:
         timer.on_busy_host = cpu.pick
+    ctx = TimingContext(s.problem, req, timer, s.tol, s.dtype_name,
+                        devinfo.peak_for(s.info, s.dtype_name), ceiling, baselines, extra,
+                        host_slowed=cpu.slowed if cpu is not None else None)
     try:
         timed = _time_all(s, ctx, cases, checked, run, rng, guard, rival,
                           cpu.refresh if cpu is not None else None)
@@ -440,7 +441,8 @@ def _timing_cpu(s: Setup, cpu: TimingCpu | None) -> TimingCpu | None:
     if cpu is None or cpu.pick() is None:
         return None
     s.common["device_info"].update(timing_cpu=cpu.cpu, cpus_probed=len(cpu.probe),
-                                   cpu_speed_spread=round(cpu.spread(), 3))
+                                   cpu_speed_spread=round(cpu.spread(), 3),
+                                   cpu_probe_us=round(cpu.probe[cpu.cpu] * 1e6, 1))
     return cpu
 
 

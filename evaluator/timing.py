@@ -33,6 +33,10 @@ graph   The same K calls captured once in a CUDA graph and replayed (after the s
         captured gets no graph time, and the reason.
 host_us The host time of one call while the GPU is busy (a long sleep kernel queued first):
         the CPU cost a model pays per call whatever the GPU does.
+issue_us  Call mode's own host side: per call, the time the timing thread took to issue a
+        batch's calls (median over rounds). Near the call time, the calls were host-bound
+        in those rounds (the host's speed then decides the ratio); well below it, the GPU was
+        the bottleneck. Unlike host_us, it is taken in the timed rounds, on their inputs.
 
 Rounds interleave the functions (candidate and baselines alternate, their order reversed
 every round), so all see the GPU and the host in the same state. Two rounds make a unit, in
@@ -251,8 +255,9 @@ class _Timer:
         heat = math.ceil(HEAT_MS / per_call_ms) \
             if self.heat and plan.heat and per_call_ms >= HEAT_MIN_MS else 0
 
-        def batch(name: str, fn: Fn, watch: tuple[int, ...]) -> tuple[float, float]:
-            """Returns (ms per call, the share of the launches' wall time this thread ran)."""
+        def batch(name: str, fn: Fn, watch: tuple[int, ...]) -> tuple[float, float, float]:
+            """Returns (ms per call, the share of the launches' wall time this thread ran,
+            ms per call to issue the calls)."""
             sets.refill()
             before = {i: snapshot(sets.sets[i]) for i in watch}
             outs: dict[int, Any] = {}
@@ -281,10 +286,14 @@ class _Timer:
                 plain(name, o, torch.Tensor)
                 kept.append(Kept(f"timed call {i + 1} of {last + 1} back to back",
                                  o.clone(), before[i], last_of_batch=i == last))
-            return elapsed * 1e3 / len(sets.sets), min(1.0, cpu / launched) if launched else 1.0
+            n = len(sets.sets)
+            return (elapsed * 1e3 / n, min(1.0, cpu / launched) if launched else 1.0,
+                    launched * 1e3 / n)
 
         for name, fn in fns.items():                   # a warm-up batch each, untimed
             batch(name, fn, ())
+
+        issued: Samples = {n: [] for n in fns}          # ms per call to issue, per round
 
         def one_round(r: int, order: list[str], samples: Samples) -> None:
             for attempt in range(ROUND_TRIES):
@@ -297,14 +306,15 @@ class _Timer:
                         watch = (last,) if r or not last else (rng.randrange(last), last)
                     got[name] = batch(name, fns[name], watch)
                 if not self.watch_host or attempt == ROUND_TRIES - 1 or \
-                        min(share for _, share in got.values()) >= HOST_SHARE:
+                        min(share for _, share, _ in got.values()) >= HOST_SHARE:
                     break
                 self.rounds_redone += 1
                 if self.on_busy_host is not None:
                     self.on_busy_host()
-            for name, (ms, _) in got.items():
+            for name, (ms, _, issue) in got.items():
                 samples[name].append(ms)
-        return adapt("call", list(fns), plan, converged, one_round)
+                issued[name].append(issue)
+        return adapt("call", list(fns), plan, converged, one_round), issued
 
 
 class GpuTimer(_Timer):
@@ -341,14 +351,15 @@ class GpuTimer(_Timer):
         mem = {n: self._peak_mem(fn, inputs) for n, fn in fns.items()}
         per_call = min(max(kernel[n], *host_launch[n]) for n in fns)
         sets = InputSets(inputs, random_names, plan.call_sets(per_call), refill, refill_all)
-        call_s = self._call_mode(fns, sets, plan, keep, rng, kept, converged, per_call)
+        call_s, issued = self._call_mode(fns, sets, plan, keep, rng, kept, converged,
+                                         per_call)
         call = {n: statistics.median(v) for n, v in call_s.items()}
         host = {n: self._host_us(fn, inputs, host_launch[n][1]) for n, fn in fns.items()}
         graph_s, graph_err = self._graph_mode(fns, sets, plan, keep, kept, converged) \
             if plan.graph else ({}, {n: "not measured" for n in fns})
         del sets
         samples = {"kernel": kernel_s, "call": call_s, "graph": graph_s}
-        times = {n: _times(n, samples, graph_err.get(n, ""), host[n]) for n in fns}
+        times = {n: _times(n, samples, graph_err.get(n, ""), host[n], issued[n]) for n in fns}
         return Measurement(times, kept, mem, {n: v[0] for n, v in host_launch.items()},
                            {n: v[1] for n, v in host_launch.items()}, samples)
 
@@ -517,8 +528,9 @@ class GpuTimer(_Timer):
 
 
 def _times(name: str, samples: dict[str, Samples], graph_error: str,
-           host_us: float | None) -> Times:
-    """Returns one function's Times (medians, intervals, rounds) from its samples per mode."""
+           host_us: float | None, issued_ms: list[float]) -> Times:
+    """Returns one function's Times (medians, intervals, rounds) from its samples per mode,
+    with call mode's issue time per call (`issued_ms`: per round)."""
     kw: dict[str, Any] = {}
     rounds = {}
     for mode, by_name in samples.items():
@@ -527,6 +539,7 @@ def _times(name: str, samples: dict[str, Samples], graph_error: str,
             kw[f"{mode}_ms"], kw[f"{mode}_ci"] = stats.center(v)
             rounds[mode] = len(v)
     return Times(graph_error=graph_error if not kw.get("graph_ms") else "", host_us=host_us,
+                 issue_us=statistics.median(issued_ms) * 1e3 if issued_ms else None,
                  rounds=rounds, **kw)
 
 
@@ -560,11 +573,13 @@ class CpuTimer(_Timer):
                     kept.append(Kept(f"timed call {r}", out.clone(), snapshot(inputs)))
         kernel_s = adapt("kernel", list(fns), dataclasses.replace(plan, mode="kernel"),
                          lambda m, s: False, one_round)
-        call_s = self._call_mode(fns, InputSets(inputs, random_names, plan.sets, refill),
+        call_s, issued = self._call_mode(fns, InputSets(inputs, random_names, plan.sets,
+                                                        refill),
                                  dataclasses.replace(plan, mode="call"), keep, rng, kept,
                                  lambda m, s: False)
         samples = {"kernel": kernel_s, "call": call_s}
-        times = {n: dataclasses.replace(_times(n, samples, "CUDA graphs need a GPU", None),
+        times = {n: dataclasses.replace(_times(n, samples, "CUDA graphs need a GPU", None,
+                                               issued[n]),
                                         host_us=statistics.median(kernel_s[n]) * 1e3)
                  for n in fns}
         kernel = {n: t.kernel_ms for n, t in times.items()}

@@ -71,6 +71,7 @@ class Times:
     graph_ms   the same calls replayed from a CUDA graph (None, with graph_error, when the
                call cannot be captured, and always on the CPU)
     host_us    CPU time of one call while the GPU is busy
+    issue_us   call mode's host time per call to issue its calls (near call_ms: host-bound)
     """
 
     kernel_ms: float | None = None
@@ -78,6 +79,7 @@ class Times:
     graph_ms: float | None = None
     graph_error: str = ""
     host_us: float | None = None
+    issue_us: float | None = None
     # 95% intervals of the medians above (evaluator/stats.py), and the rounds behind them
     kernel_ci: tuple[float, float] | None = None
     call_ci: tuple[float, float] | None = None

@@ -108,7 +108,8 @@ def modes_table(result: EvalResult) -> Table | None:
     if not rows:
         return None
     names = list(dict.fromkeys(n for c in rows for n in c.baseline_times))
-    t = Table(title="every mode (ms; host µs): kernel / call / graph")
+    t = Table(title="every mode (ms): kernel / call / graph; host µs per call: with the GPU "
+                    "busy / issuing call mode's calls (near the call time: host-bound)")
     t.add_column("config")
     for who in ["candidate"] + names:
         t.add_column(who, justify="right")
@@ -122,7 +123,8 @@ def _modes(times: Any) -> str:
     if times is None:
         return "-"
     return (f"{_f(times.kernel_ms, '.4f')} / {_f(times.call_ms, '.4f')} / "
-            f"{_f(times.graph_ms, '.4f')}; {_f(times.host_us, '.0f')}")
+            f"{_f(times.graph_ms, '.4f')}; {_f(times.host_us, '.0f')} / "
+            f"{_f(times.issue_us, '.0f')}")
 
 
 def backends_table(result: EvalResult) -> Table | None:

@@ -38,8 +38,8 @@ def test_heavy_batches_follow_untimed_calls_on_the_heat_set(per_call_ms: float, 
         timer.log.append("heat" if inputs["q"].data_ptr() == heat_ptr else "timed")
         return inputs["q"] + 1
     plan = Plan(warmup=0, reps=2, rounds=2, graph_rounds=0, sets=3, graph=False, heat=planned)
-    samples = timer._call_mode({"f": fn}, sets, plan, "f", random.Random(0), [],
-                               lambda m, s: False, per_call_ms)
+    samples, _ = timer._call_mode({"f": fn}, sets, plan, "f", random.Random(0), [],
+                                  lambda m, s: False, per_call_ms)
     assert len(samples["f"]) == 2
     # a warm-up batch and two timed ones: each the heat, a sync, timed x3, a sync
     assert timer.log == (["heat"] * heat + ["sync"] + ["timed"] * 3 + ["sync"]) * 3

@@ -54,6 +54,25 @@ def test_a_cpu_that_slows_is_left_for_the_fastest_and_a_small_change_is_not() ->
         cpu.release()
 
 
+@pytest.mark.skipif(len(ALL) < 2, reason="needs two CPUs")
+def test_after_a_config_a_slowed_cpu_is_named_and_left_for_the_fastest() -> None:
+    a, b = ALL[0], ALL[1]
+    table = {a: 1.0, b: 1.2}
+    cpu = TimingCpu([a, b], speed=_speeds(table, []))
+    try:
+        assert cpu.slowed() is None                 # nothing pinned yet: nothing to say
+        assert cpu.pick() == a
+        table[a] = SLOWER * 0.99
+        assert cpu.slowed() is None and cpu.cpu == a
+        table[a] = 1.5
+        why = cpu.slowed()
+        assert why is not None and f"({a})" in why and "1.50x slower" in why
+        assert cpu.cpu == b and os.sched_getaffinity(0) == {b}
+        assert cpu.slowed() is None                 # measured against its new pick
+    finally:
+        cpu.release()
+
+
 def test_only_the_given_cpus_are_probed_and_other_threads_keep_theirs() -> None:
     one = ALL[-1]
     asked: list[int] = []
@@ -129,11 +148,11 @@ def test_the_timing_records_its_cpu_in_the_result(monkeypatch: pytest.MonkeyPatc
 
     from evaluator import harness
     s = SimpleNamespace(common={"device_info": {}})
-    cpu = TimingCpu([ALL[0]], speed=lambda: 1.0)
+    cpu = TimingCpu([ALL[0]], speed=lambda: 120e-6)
     try:
         assert harness._timing_cpu(s, cpu) is cpu
         assert s.common["device_info"] == {"timing_cpu": ALL[0], "cpus_probed": 1,
-                                           "cpu_speed_spread": 1.0}
+                                           "cpu_speed_spread": 1.0, "cpu_probe_us": 120.0}
     finally:
         cpu.release()
     assert harness._timing_cpu(s, None) is None

@@ -605,7 +605,47 @@ class _DisturbedTimer:
                            {n: t.kernel_ms for n, t in times.items()}, {n: 0.01 for n in fns})
 
 
-def _time_with(timer):  # noqa: ANN001, ANN202
+class _HostBoundTimer:
+    """Host-bound measurements (call mode issues at about the calls' rate) or GPU-bound ones
+    (issuing takes a tenth of the time per call); steady times either way."""
+
+    def __init__(self, host_bound: bool) -> None:
+        self.issue_us = 780.0 if host_bound else 80.0
+        self.measures = 0
+
+    def measure(self, fns, inputs, random_names, refill, plan, keep, rng, *_, **__):  # noqa: ANN001, ANN002, ANN003
+        from evaluator.timing import Measurement
+        from evaluator.types import Times
+        self.measures += 1
+        times = {n: Times(kernel_ms=0.5, call_ms=0.8, host_us=700.0, issue_us=self.issue_us)
+                 for n in fns}
+        return Measurement(times, [], {n: None for n in fns},
+                           {n: t.kernel_ms for n, t in times.items()}, {n: 0.01 for n in fns})
+
+
+@pytest.mark.parametrize("host_bound, slowed_reads, measures", [
+    (True, [None], 1),                          # its CPU kept its speed: measured once
+    (True, ["slowed 1.5x", None], 2),           # it slowed: measured again once it had not
+    (True, ["slowed"] * 10, 3),                 # never more than the tries
+    (False, ["slowed"] * 10, 1)])               # GPU-bound: the host's speed sets no time
+def test_a_host_bound_config_timed_while_its_cpu_slowed_is_measured_again(
+        host_bound: bool, slowed_reads: list, measures: int) -> None:
+    from evaluator.measure import CONTENTION_TRIES
+    timer = _HostBoundTimer(host_bound)
+    reads = iter(slowed_reads)
+    asked: list[int] = []
+
+    def host_slowed() -> str | None:
+        asked.append(1)
+        return next(reads)
+    result, remeasured, label = _time_with(timer, host_slowed)
+    assert timer.measures == measures <= CONTENTION_TRIES
+    assert asked == ([1] * measures if host_bound else [])
+    assert remeasured == ({label: slowed_reads[measures - 2]} if measures > 1 else {})
+    assert result.verdict is Verdict.PASS
+
+
+def _time_with(timer, host_slowed=None):  # noqa: ANN001, ANN202
     import torch
 
     from evaluator import measure
@@ -619,7 +659,8 @@ def _time_with(timer):  # noqa: ANN001, ANN202
     case = prepare_case(problem, cfg, False, torch.float16, torch.device("cpu"), rng, 1,
                         problem.tolerance)
     ctx = measure.TimingContext(problem, EvalRequest(device="cuda"), timer, problem.tolerance,
-                                "float16", None, None, problem.baselines(), {})
+                                "float16", None, None, problem.baselines(), {},
+                                host_slowed=host_slowed)
     old = measure.CONTENTION_PAUSE_S
     measure.CONTENTION_PAUSE_S = 0.0
     try:

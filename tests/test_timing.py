@@ -88,8 +88,8 @@ def _call_mode_with_busy_batches(monkeypatch, busy: list[bool], watch: bool = Tr
     fns = {"candidate": lambda inp: inp["x"] + 1, "baseline:sdpa": lambda inp: inp["x"] * 2}
     sets = timing.InputSets(inputs, ("x",), 2, lambda inp: None)
     plan = timing.Plan(warmup=0, reps=5, rounds=5, graph_rounds=0, sets=2, graph=False)
-    samples = timer._call_mode(fns, sets, plan, "candidate", random.Random(0), [],
-                               lambda m, s: False)
+    samples, _ = timer._call_mode(fns, sets, plan, "candidate", random.Random(0), [],
+                                  lambda m, s: False)
     return timer, samples, picks
 
 
@@ -113,3 +113,44 @@ def test_a_timer_that_does_not_watch_the_host_measures_each_round_once(monkeypat
     timer, samples, picks = _call_mode_with_busy_batches(monkeypatch, [True] * 1000, watch=False)
     assert timer.rounds_redone == 0 and not picks
     assert all(len(v) == 5 for v in samples.values())
+
+
+def test_call_mode_keeps_the_time_its_calls_took_to_issue_apart_from_their_time(
+        monkeypatch) -> None:
+    """Per round, call mode keeps what the host took to issue a batch's calls beside the
+    batch's time per call: a GPU-bound function (its batch waits at the final sync) issues
+    far below its call time, a host-bound one near it; Times carries the median."""
+    import random
+
+    import torch
+
+    from evaluator import timing
+    now = [0.0]
+    monkeypatch.setattr(timing, "_perf", lambda: now[0])
+    monkeypatch.setattr(timing, "_thread_cpu", lambda: now[0])
+    gpu_left = [0.0]            # seconds of queued GPU work the next sync waits for
+
+    class Timer(timing._Timer):
+        def __init__(self) -> None:
+            self.torch = torch
+
+        def sync(self) -> None:
+            now[0] += gpu_left[0]
+            gpu_left[0] = 0.0
+
+    def call(host_s: float, gpu_s: float):  # noqa: ANN202
+        def fn(inp: dict) -> torch.Tensor:
+            now[0] += host_s
+            gpu_left[0] = max(0.0, gpu_left[0] - host_s) + gpu_s
+            return inp["x"] + 1
+        return fn
+    fns = {"candidate": call(10e-6, 40e-6), "baseline:sdpa": call(30e-6, 5e-6)}
+    sets = timing.InputSets({"x": torch.ones(4)}, ("x",), 4, lambda inp: None)
+    plan = timing.Plan(warmup=0, reps=4, rounds=4, graph_rounds=0, sets=4, graph=False)
+    samples, issued = Timer()._call_mode(fns, sets, plan, "candidate", random.Random(0), [],
+                                         lambda m, s: False)
+    assert {n: len(v) for n, v in issued.items()} == {"candidate": 4, "baseline:sdpa": 4}
+    cand = timing._times("candidate", {"call": samples}, "", None, issued["candidate"])
+    base = timing._times("baseline:sdpa", {"call": samples}, "", None, issued["baseline:sdpa"])
+    assert abs(cand.issue_us - 10) < 1e-6 and cand.call_ms > 3 * cand.issue_us * 1e-3
+    assert abs(base.issue_us - 30) < 1e-6 and abs(base.call_ms * 1e3 - 31.25) < 1e-6
