@@ -214,8 +214,9 @@ def print_eval(console: Console, result: EvalResult,
 
 def remeasured_lines(result: EvalResult) -> list[str]:
     """Returns what the evaluator measured again and why (evaluator/measure.py, timing.py,
-    sandbox.py): configs whose baselines' own times showed a disturbance, call rounds that lost
-    their CPU, a candidate evaluated again after an evaluator fault."""
+    sandbox.py): configs whose baselines' own times showed a disturbance or whose timing CPU
+    slowed while they were host-bound, call rounds that lost their CPU, a candidate evaluated
+    again after an evaluator fault."""
     info = result.device_info or {}
     lines = [f"measured again: {config} ({why})"
              for config, why in (info.get("configs_remeasured") or {}).items()]
