@@ -120,7 +120,8 @@ def summarise(name: str, results: list[dict]) -> dict:
     table["configs_remeasured"] = [(r.get("device_info") or {}).get("configs_remeasured", {})
                                    for r in results]
     print(f"{name:11} call rounds measured again (the host was busy): "
-          f"{table['call_rounds_redone']}; configs measured again (a disturbance): "
+          f"{table['call_rounds_redone']}; configs measured again (a disturbance, or "
+          f"their CPU slowed): "
           f"{[len(c) for c in table['configs_remeasured']]}")
     for mode in MODES:
         per = [speedups(r, mode) for r in results]
