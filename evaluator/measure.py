@@ -142,17 +142,13 @@ def _disturbed(m: Any) -> str | None:
     return None
 
 
-HOST_BOUND = 0.8                   # call mode issued its calls this near their time per call
-
-
 def _host_bound(m: Any) -> bool:
-    """Whether any function's call-mode time was set by the host (its calls issued at about
-    their rate): then the host's speed decides the ratio. On an H200 a slowed timing CPU
+    """Whether any function's call-mode time was set by the host (Times.host_bound): then
+    the host's speed decides the ratio. On an H200 a slowed timing CPU
     slowed SDPA's launches at (1,8,512,64) 1.5x and the seed's 1.25x in one config of one
     evaluation (its speedup 1.64x against 1.34-1.39x in four others), both host-bound, the
     CPU's share of the launches' wall time unmoved (benchmarks/noise.py)."""
-    return any(t.issue_us is not None and t.call_ms and
-               t.issue_us * 1e-3 >= HOST_BOUND * t.call_ms for t in m.times.values())
+    return any(t.host_bound() for t in m.times.values())
 
 
 def _hidden(m: Any, name: str) -> str | None:

@@ -62,6 +62,10 @@ def exit_code_for(verdict: Verdict) -> int:
     return EXIT_INCORRECT
 
 
+HOST_BOUND = 0.8      # call mode issued a function's calls in this share of their time per call
+                      # or more: the host set its call time (Times.host_bound)
+
+
 @dataclasses.dataclass(frozen=True)
 class Times:
     """One function's times on one config in every timing mode (evaluator/timing.py).
@@ -89,6 +93,12 @@ class Times:
     def in_mode(self, mode: str) -> float | None:
         """Returns the time (ms) in one timing mode."""
         return {"kernel": self.kernel_ms, "call": self.call_ms, "graph": self.graph_ms}[mode]
+
+    def host_bound(self) -> bool:
+        """Whether call mode issued the calls at about their rate (HOST_BOUND or more of
+        their time per call): the host's speed, not the GPU, set the call time."""
+        return self.issue_us is not None and bool(self.call_ms) and \
+            self.issue_us * 1e-3 >= HOST_BOUND * (self.call_ms or 0.0)
 
     def ci_in_mode(self, mode: str) -> tuple[float, float] | None:
         """Returns the 95% interval (ms) of the time in one timing mode."""

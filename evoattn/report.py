@@ -9,7 +9,7 @@ from rich.table import Table
 
 from evaluator import scoring, stats
 from evaluator.request import TIMING_MODES
-from evaluator.types import EvalResult, Verdict
+from evaluator.types import EvalResult, Times, Verdict
 
 from .prune import PRUNE, costs_nothing
 from .types import Program
@@ -192,7 +192,7 @@ def print_eval(console: Console, result: EvalResult,
             f"{k} {v:.1f}" for k, v in result.stage_s.items()) + ")")
     for flag in result.flags:
         console.print(f"[yellow]flag[/yellow]: {flag}")
-    for line in remeasured_lines(result):
+    for line in remeasured_lines(result) + host_bound_lines(result):
         console.print(line)
     ok = result.correct
     if result.verdict is Verdict.COMPILED:
@@ -210,6 +210,20 @@ def print_eval(console: Console, result: EvalResult,
     for line in duel_lines(result):
         console.print(line)
     console.print(f"Score: {result.fitness:.4f}")
+
+
+def host_bound_lines(result: EvalResult) -> list[str]:
+    """Names the configs whose call times the host set (the candidate's or its baseline's
+    calls issued at about their rate, Times.host_bound): their ratios compare host paths, move
+    with the host's speed, and say little about the kernels. GPU call-time results only."""
+    if result.timing != "call" or result.timing_device == "cpu":
+        return []
+    bound = [label(c.params) for c in result.configs if c.times is not None and (
+        c.times.host_bound() or (c.baseline_times.get(c.baseline_name) or Times()).host_bound())]
+    if not bound:
+        return []
+    return [f"host-bound in call time (calls issued at about their rate; the host's speed sets "
+            f"these ratios): {', '.join(bound)}"]
 
 
 def remeasured_lines(result: EvalResult) -> list[str]:

@@ -154,3 +154,26 @@ def test_call_mode_keeps_the_time_its_calls_took_to_issue_apart_from_their_time(
     base = timing._times("baseline:sdpa", {"call": samples}, "", None, issued["baseline:sdpa"])
     assert abs(cand.issue_us - 10) < 1e-6 and cand.call_ms > 3 * cand.issue_us * 1e-3
     assert abs(base.issue_us - 30) < 1e-6 and abs(base.call_ms * 1e3 - 31.25) < 1e-6
+
+
+def test_eval_names_the_configs_whose_call_times_the_host_set() -> None:
+    """`evoattn eval` names host-bound configs (the candidate's or its baseline's calls issued
+    at about their rate): on a GPU in call time only."""
+    import dataclasses
+
+    from evaluator.types import ConfigResult, EvalResult, Times, Verdict
+    from evoattn.report import host_bound_lines
+
+    def config(s: int, ours: float, theirs: float) -> ConfigResult:  # issued share of the call
+        return ConfigResult({"B": 1, "H": 8, "S": s, "D": 64}, "float16", Verdict.PASS,
+                            times=Times(call_ms=0.020, issue_us=20 * ours),
+                            baseline_name="sdpa",
+                            baseline_times={"sdpa": Times(call_ms=0.030, issue_us=30 * theirs)})
+    result = EvalResult(Verdict.PASS, "", 1.0, (config(512, 0.98, 0.97), config(1024, 0.3, 0.85),
+                                               config(2048, 0.3, 0.5), config(4096, 0.79, 0.2)),
+                        timing="call", timing_device="cuda")
+    (line,) = host_bound_lines(result)
+    assert "(1,8,512,64), (1,8,1024,64)" in line and "2048" not in line and "4096" not in line
+    for other in (dict(timing="kernel"), dict(timing_device="cpu")):
+        assert host_bound_lines(dataclasses.replace(result, **other)) == []
+    assert host_bound_lines(dataclasses.replace(result, configs=result.configs[2:])) == []
