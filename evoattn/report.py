@@ -9,7 +9,7 @@ from rich.table import Table
 
 from evaluator import scoring, stats
 from evaluator.request import TIMING_MODES
-from evaluator.types import EvalResult, Times, Verdict
+from evaluator.types import ConfigResult, EvalResult, Times, Verdict
 
 from .prune import PRUNE, costs_nothing
 from .types import Program
@@ -212,14 +212,19 @@ def print_eval(console: Console, result: EvalResult,
     console.print(f"Score: {result.fitness:.4f}")
 
 
+def host_bound(result: EvalResult, c: ConfigResult) -> bool:
+    """Whether the host set a config's call times (its candidate's or its baseline's calls
+    issued at about their rate, Times.host_bound); GPU call-time results only."""
+    if result.timing != "call" or result.timing_device == "cpu" or c.times is None:
+        return False
+    return c.times.host_bound() or (c.baseline_times.get(c.baseline_name) or Times()).host_bound()
+
+
 def host_bound_lines(result: EvalResult) -> list[str]:
     """Names the configs whose call times the host set (the candidate's or its baseline's
     calls issued at about their rate, Times.host_bound): their ratios compare host paths, move
     with the host's speed, and say little about the kernels. GPU call-time results only."""
-    if result.timing != "call" or result.timing_device == "cpu":
-        return []
-    bound = [label(c.params) for c in result.configs if c.times is not None and (
-        c.times.host_bound() or (c.baseline_times.get(c.baseline_name) or Times()).host_bound())]
+    bound = [label(c.params) for c in result.configs if host_bound(result, c)]
     if not bound:
         return []
     return [f"host-bound in call time (calls issued at about their rate; the host's speed sets "

@@ -15,7 +15,7 @@ from evaluator.types import EXIT_OK
 from . import settings
 from .config import RunConfig, check_config, config_from_dict, config_to_dict, load_config
 from .errors import EvoattnError, RunDirError, UsageError
-from .report import cost_summary, label, side_by_side_lines
+from .report import cost_summary, host_bound, label, side_by_side_lines
 from .sandbox import detect_target
 
 DEFAULT_CONFIG = "configs/default.yaml"
@@ -212,7 +212,8 @@ def _summary(console: Console, outcome: Any, search: Any, plan: RunPlan,
     mode = best.result.timing if best and best.result else ""
     mode_text = f", {mode} time" if mode else ""
     duel = final if final is not None and final.correct and final.rival_fitness else None
-    rows: list[tuple[Any, float | None, float | None, str]] = []   # config, before, after, vs
+    # config, before, after, vs, whether the host set its call times
+    rows: list[tuple[Any, float | None, float | None, str, bool]] = []
     if duel is not None:
         # The figures to believe: both re-measured side by side, after the search.
         console.print(f"seed fitness {duel.rival_fitness:.4f} -> best fitness {duel.fitness:.4f} "
@@ -221,7 +222,8 @@ def _summary(console: Console, outcome: Any, search: Any, plan: RunPlan,
                       f"{seed.fitness:.4f} -> {best.fitness:.4f}")
         for c in duel.configs:
             before = c.speedup / c.gain if c.speedup and c.gain else None   # base / rival
-            rows.append((c.params, before, c.speedup, c.baseline_name or duel.baseline))
+            rows.append((c.params, before, c.speedup, c.baseline_name or duel.baseline,
+                         host_bound(duel, c)))
     else:
         console.print(f"seed fitness {seed.fitness:.4f} -> best fitness "
                       f"{best.fitness if best else 0.0:.4f} ({best.id if best else '-'}"
@@ -229,9 +231,11 @@ def _summary(console: Console, outcome: Any, search: Any, plan: RunPlan,
         if best and best.result and seed.result:
             by_cfg = {str(c.params): c.speedup for c in seed.result.configs}
             rows = [(c.params, by_cfg.get(str(c.params)), c.speedup,
-                     c.baseline_name or best.result.baseline) for c in best.result.configs]
-    for params, before, after, versus in rows:
-        console.print(f"  {label(params)}: {before or 0:.3f}x -> {after or 0:.3f}x vs {versus}")
+                     c.baseline_name or best.result.baseline, host_bound(best.result, c))
+                    for c in best.result.configs]
+    for params, before, after, versus, bound in rows:
+        console.print(f"  {label(params)}: {before or 0:.3f}x -> {after or 0:.3f}x vs {versus}"
+                      + (" (host-bound: the host's speed sets it)" if bound else ""))
     held, won = search.challenges
     if held:
         console.print(f"champion challenges: {held} children re-measured beside the best, "

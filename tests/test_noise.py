@@ -514,7 +514,18 @@ def test_the_summary_headline_is_the_side_by_side_re_measurement() -> None:
     assert "seed fitness 0.8238 -> best fitness 0.8853 (best1, call time, re-measured side by " \
            "side)" in text
     assert "during the search 0.8282 -> 0.9040" in text
-    assert "0.824x -> 0.885x vs baseline" in text          # the duel's per-config speedups
+    assert "0.824x -> 0.885x vs baseline\n" in text        # the duel's per-config speedups
+    # a config whose call times the host set says so
+    import dataclasses
+
+    from evaluator.types import Times
+    duel = duel_result(0.8853, 0.8238, 0.01)
+    launch_bound = dataclasses.replace(duel, configs=tuple(
+        dataclasses.replace(c, times=Times(call_ms=0.02, issue_us=19.0)) for c in duel.configs))
+    marked = Console(record=True, width=200)
+    _summary(marked, outcome, search, SimpleNamespace(device="cuda"), launch_bound)
+    assert "0.824x -> 0.885x vs baseline (host-bound: the host's speed sets it)" in \
+        marked.export_text()
     assert "changes from the seed set back at the end: 2 of 3 cost nothing" in text
     alone = Console(record=True, width=200)
     _summary(alone, outcome, search, SimpleNamespace(device="cuda"), None)
