@@ -12,8 +12,9 @@ So the timing thread (only it; Triton's and nvcc's compiles keep every CPU) is p
 fastest CPU of its set, measured by a fixed slice of interpreter work on each, and checked
 again before each config: when its CPU has slowed (another tenant of the host), it moves to
 the fastest again. It is checked after a host-bound config too (evaluator/measure.py): one
-timed while its CPU slowed is measured again, on the fastest. Linux only (sched_setaffinity); elsewhere, or where the call is refused
-(a container's policy), it does nothing.
+timed while its CPU slowed is measured again, on the fastest. Linux only
+(sched_setaffinity); elsewhere, or where the call is refused (a container's policy), it does
+nothing.
 """
 from __future__ import annotations
 
