@@ -102,6 +102,13 @@ def test_readme_has_timings_per_config_in_every_mode(tmp_path):
     assert "| (1,2,128,64) | float16 | 0.6000 | sdpa | 0.9000 | 1.500× |" in call
     assert "| 0.5500 | sdpa | — | — |" in graph and "capture failed" not in graph
     assert "On NVIDIA H100 80GB HBM3" in readme and "compute capability 9.0" in readme
+    assert "Host-bound" not in readme              # no issue times: nothing said of them
+    launch = dataclasses.replace(cfg, times=dataclasses.replace(times, issue_us=590.0))
+    build_run(tmp_path / "run2", [dataclasses.replace(make("seed", None, 1.5, 0), result=(
+        dataclasses.replace(res, configs=(launch,))))])
+    readme = export_run(tmp_path / "run2", tmp_path / "out2").readme.read_text()
+    call = readme[readme.index("### call"):readme.index("### graph")]
+    assert "Host-bound in call time" in call and "(1,2,128,64)." in call
 
 
 def test_a_program_of_several_files_exports_each_file(tmp_path):
