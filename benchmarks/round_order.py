@@ -1,15 +1,15 @@
 """What a function's place in a round does to its call time: SDPA timed against itself.
 
-    python benchmarks/round_order.py [--configs "8,32,512,64;1,8,512,64"] [--rounds 30]
-                                     [--repeats 2] [--out order.json]
+    python benchmarks/round_order.py [--configs "8,32,512,64,nc;1,8,512,64,causal"]
+                                     [--rounds 30] [--repeats 2] [--out order.json]
 
 Two copies of `F.scaled_dot_product_attention` (cuDNN on Hopper) are timed by the evaluator's
 own call mode (evaluator/timing.py: back-to-back calls on rotating input sets, host clock,
 their order reversed every round) for --rounds rounds, with nothing, a stopping rule's
-arithmetic (each copy's median interval and their ratio's: three bootstraps; 0.3-0.5 ms on a
-CPU here before their index draws were cached, less since), or a 3-ms sleep between rounds
-(`none`, `rule`, `sleep`), and with a 2-ms sleep before every batch (`both`: the same pause
-before either copy). The copies are the same
+arithmetic (each copy's median interval and their ratio's: three bootstraps), or a 3-ms sleep
+between rounds (`none`, `rule`, `sleep`), and with a 2-ms sleep before every batch (`both`:
+the same pause before either copy). Configs as `evoattn eval --configs` reads them for sdpa.
+The copies are the same
 function, so any difference between the rounds in which copy A ran first and those in which B
 did is the position's. Prints, per config and pause, the median of copy B's time over A's in
 each kind of round, the gap between them, and the ratio over single rounds and over pairs of
@@ -29,15 +29,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PAUSES = ("none", "rule", "sleep", "both")
-DEFAULT = "8,32,512,64;4,32,1024,64;16,16,1024,128;1,8,512,64;2,32,2048,64,c"
+DEFAULT = "8,32,512,64,nc;4,32,1024,64,nc;16,16,1024,128,nc;1,8,512,64,nc;2,32,2048,64,causal"
 
 
 def parse_configs(text: str) -> list[tuple[int, int, int, int, bool]]:
-    out = []
-    for part in filter(None, (p.strip() for p in text.split(";"))):
-        f = part.split(",")
-        out.append((int(f[0]), int(f[1]), int(f[2]), int(f[3]), len(f) > 4 and f[4] == "c"))
-    return out
+    """(B, H, S, D, causal) per config of `text`, read by the sdpa problem's own parser."""
+    from evaluator.problems import get_problem
+    return [(c["B"], c["H"], c["S"], c["D"], bool(c["causal"]))
+            for c in get_problem("sdpa").parse_configs(text)]
 
 
 def one(timer, cfg, pause: str, rounds: int) -> dict:  # noqa: ANN001
@@ -102,7 +101,8 @@ def one(timer, cfg, pause: str, rounds: int) -> dict:  # noqa: ANN001
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", default=DEFAULT, help='"B,H,S,D[,c];..." (c: causal)')
+    ap.add_argument("--configs", default=DEFAULT,
+                    help='"B,H,S,D[,causal|nc];..." (without the fifth field: both)')
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--pauses", default=",".join(PAUSES))
@@ -115,7 +115,11 @@ def main() -> None:
                else "--rounds: at least 4 (two pairs)")
         print(f"round_order.py: {why}", file=sys.stderr)
         sys.exit(2)
-    configs = parse_configs(a.configs)
+    try:
+        configs = parse_configs(a.configs)
+    except ValueError as e:
+        print(f"round_order.py: --configs: {e}", file=sys.stderr)
+        sys.exit(2)
     import torch
     if not torch.cuda.is_available():
         print("round_order.py: no CUDA GPU here", file=sys.stderr)

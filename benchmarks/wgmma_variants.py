@@ -20,8 +20,9 @@ and the same n calls eager (launches included), medians; with --do-bench N also 
 triton.testing.do_bench (L2 flushed by a write before every call).
 Prints a line per config (speedup over SDPA and TFLOP/s per function, graph time; with two
 or more variants also the first variant's paired gain over each other one, graph time: the
-median of the ratios of pairs of rounds (evaluator/stats.py) and its 95% bootstrap interval) and the geometric means per mode
-over all, D=64 and D=128 configs, the paired gains with their intervals. Two settings whose
+median of the ratios of pairs of rounds (evaluator/stats.py) and its 95% bootstrap interval)
+and the geometric means per mode over all, D=64 and D=128 configs, the paired gains with
+their intervals. Two settings whose
 gain's interval holds 1 are not told apart by this run; the interval covers the noise between
 rounds, not what differs between processes, so a gain still wants a second process. Exits 0
 when every check passes, 1 when one fails, 2 when it cannot run (no CUDA GPU, a bad --variant,

@@ -21,8 +21,10 @@ def test_configs_parse_with_their_causal_mark() -> None:
     spec = importlib.util.spec_from_file_location("round_order", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert mod.parse_configs("8,32,512,64; 2,32,2048,64,c;") == [(8, 32, 512, 64, False),
-                                                              (2, 32, 2048, 64, True)]
+    assert mod.parse_configs("8,32,512,64,nc; 2,32,2048,64,causal;") == [
+        (8, 32, 512, 64, False), (2, 32, 2048, 64, True)]
+    assert mod.parse_configs("1,8,512,64") == [(1, 8, 512, 64, False), (1, 8, 512, 64, True)]
+    assert len(mod.parse_configs(mod.DEFAULT)) == 5
 
 
 def test_bad_arguments_get_one_line_and_exit_2() -> None:
@@ -30,6 +32,8 @@ def test_bad_arguments_get_one_line_and_exit_2() -> None:
     assert bad.returncode == 2 and "no pause named 'nap'" in bad.stderr
     few = _run("--rounds", "3")
     assert few.returncode == 2 and "--rounds: at least 4" in few.stderr
+    odd = _run("--configs", "8,32,512")
+    assert odd.returncode == 2 and "--configs: config '8,32,512'" in odd.stderr
 
 
 def test_without_a_gpu_it_says_so() -> None:
