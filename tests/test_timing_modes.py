@@ -40,9 +40,11 @@ def test_eval_reports_every_mode_and_baseline_per_config(tmp_path: Path) -> None
         assert c["speedup_ci"][0] <= c["speedup"] <= c["speedup_ci"][1]
         assert c["baseline_times"]["sdpa"]["kernel_ms"] > 0
         # call mode's issue time, taken in its rounds: on the CPU, where a call is done when
-        # it returns, their time per call (a median over rounds beside one over pairs)
+        # it returns, about their time per call (a median over 4 rounds beside the mean of
+        # their two pairs: a busy CI host moves them apart by 10% and more; a time per batch
+        # instead of per call, or in ms, would be 8-1000x off)
         for t in (c["times"], c["baseline_times"]["sdpa"]):
-            assert t["issue_us"] == pytest.approx(t["call_ms"] * 1e3, rel=0.05)
+            assert 0.5 < t["issue_us"] / (t["call_ms"] * 1e3) < 1.5
 
 
 def test_kernel_timing_reproduces_the_kernel_time_fitness(tmp_path: Path) -> None:
