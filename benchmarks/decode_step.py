@@ -7,15 +7,20 @@
 The model is decode_generate.py's (hidden 2048, 16 layers, GQA 4:1, random weights; --tiny on
 the CPU). Per dtype, a StaticCache of --prompt + --new positions is filled by one forward of
 --batch random prompts (SDPA); then one step, the forward of one new token per sequence at
-position --prompt + --at, with the arguments generate passes a static cache's steps
-(cache_position, position_ids, a 2-D mask of ones), is timed for each implementation:
-  eager      the forward as it is (the cache set back before each step, two small device ops
-             in both implementations' time, so every step writes the same slot)
+position --prompt + --at, is timed for each implementation:
+  eager      the forward as it is, given what a user's own loop passes (cache_position,
+             position_ids, a 2-D mask of ones; the cache set back before each step, two small
+             device ops in both implementations' time, so every step writes the same slot)
   compiled   torch.compile(forward, fullgraph=True, mode="reduce-overhead") of our own (CUDA
-             graphs; what generate's compile config asks for, built here, not by generate),
-             each implementation on its own copy of the model. The evoattn step's op calls
-             before the replays are counted: with none (as on an H100 with transformers
-             5.17), that mode times SDPA on both sides, and the script warns
+             graphs on a GPU; what generate's compile config asks for), each implementation
+             on its own copy of the model, given what generate passes a static cache's
+             compiled steps: the attention mask built from the 2-D one before the compiled
+             forward, outside its trace (transformers' create_masks_for_generate, as
+             generate's prepare_inputs_for_generation calls it; for the kernel the cache's
+             lengths, for SDPA a mask over the whole cache). A 2-D mask handed to the
+             compiled forward itself sends a padded-or-not question into the trace, which
+             the package leaves to SDPA. The evoattn step's op calls before the replays are
+             counted: with none, that mode times SDPA on both sides, and the script warns
 Timing: triton.testing.do_bench (median; its own CUDA events and L2 flush) and a plain loop
 of --loop steps between two device syncs, host clock, the implementations taking turns for
 --rounds rounds (order reversed every round); the speedup is the median of the rounds'
@@ -103,18 +108,40 @@ def rewinder(cache: Any, pos: int) -> Callable[[], None]:
     return rewind
 
 
+def generate_mask(model: Any, token: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+    """The attention mask generate passes a static cache's compiled step for kwargs' 2-D one:
+    transformers' create_masks_for_generate (the model's own where it has one) called before
+    the compiled forward, with the arguments prepare_inputs_for_generation gives it (their
+    names vary across transformers versions, so they are matched to its signature)."""
+    from transformers.masking_utils import create_masks_for_generate
+    build = getattr(model, "create_masks_for_generate", create_masks_for_generate)
+    cache = kwargs[cache_keyword(model)]
+    given = {"config": model.config, "attention_mask": kwargs["attention_mask"],
+             "inputs_embeds": torch.empty((*token.shape, 0), dtype=model.dtype,
+                                          device=token.device),
+             "cache": cache, "past_key_values": cache, "position_ids": kwargs["position_ids"],
+             "cache_position": kwargs.get("cache_position")}
+    given["input_embeds"] = given["inputs_embeds"]
+    params = inspect.signature(build).parameters
+    return build(**{k: v for k, v in given.items() if k in params})
+
+
 def compiled_step(model: Any, impl: str, token: torch.Tensor, kwargs: dict[str, Any],
                   rewind: Callable[[], None]) -> Callable[[], Any]:
     """One implementation's step compiled on a copy of the model of its own (set to that
     implementation before tracing: one compiled forward switched between implementations
-    kept replaying one graph for both), sharing the weights' values and the cache."""
+    kept replaying one graph for both), sharing the weights' values and the cache, given the
+    mask generate would give it (every timed step is the same position, so one mask serves)."""
     own = copy.deepcopy(model)
     own.set_attn_implementation(impl)
-    compiled = torch.compile(own.forward, fullgraph=True, mode="reduce-overhead")
+    mode = "reduce-overhead" if token.device.type == "cuda" else None
+    compiled = torch.compile(own.forward, fullgraph=True, mode=mode)
+    rewind()                         # the mask reads the cache's position: the step's own
+    step_kwargs = {**kwargs, "attention_mask": generate_mask(own, token, kwargs)}
 
     def step() -> Any:
         rewind()
-        return compiled(token, **kwargs).logits
+        return compiled(token, **step_kwargs).logits
     return step
 
 
@@ -148,7 +175,7 @@ def run_dtype(pkg: Any, ref_model: Any, dtype: str, a: argparse.Namespace,
 
         steps: dict[str, dict[str, Callable[[], Any]]] = \
             {"eager": {i: eager for i in IMPLS}} if a.eager else {}
-        if a.compile and device.type == "cuda":
+        if a.compile:
             steps["compiled"] = {i: compiled_step(model, i, token, kwargs, rewind) for i in IMPLS}
         for mode, step_of in steps.items():
             logits = {}
