@@ -407,6 +407,41 @@ def test_seed_never_synchronises_and_replays_from_a_cuda_graph() -> None:
 
 
 @pytest.mark.gpu
+def test_seed_runs_under_torch_compile_cuda_graphs_from_a_first_call_there() -> None:
+    """torch.compile(mode="reduce-overhead") warms a graph up with every allocation of its
+    thread going to the graphs' private pool: the split kernel's merge tickets, kept across
+    calls, are first made there when the seed's first call is compiled (as a compiled
+    generate's first decode step is); torch refused that buffer before the tickets came from
+    another thread. Replays on new values in place stay right and leave every ticket zero."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("decode_seed_compiled", SEED)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    p = get_problem("decode")
+    c = cfg(4, 32, 8, 1, 8192, lens="ragged")          # split: the merge's tickets are used
+    dev = torch.device("cuda")
+    inp = p.make_inputs(c, torch.float16, dev, torch.Generator(device=dev).manual_seed(0))
+
+    @torch.library.custom_op("evoattn_test::decode_seed", mutates_args=())
+    def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           lens: torch.Tensor) -> torch.Tensor:       # as the exported package wraps it
+        return mod.attention(q, k, v, lens)
+
+    op.register_fake(lambda q, k, v, lens: torch.empty_like(q))
+    step = torch.compile(lambda q, k, v, lens: op(q, k, v, lens) * 1.0,
+                         mode="reduce-overhead", fullgraph=True)
+    args = (inp["q"], inp["k"], inp["v"], inp["cache_seqlens"])
+    for seed in range(4):                               # warm-up, record, replays
+        p.refill(inp, torch.Generator(device=dev).manual_seed(seed))
+        out = step(*args).clone()
+        torch.cuda.synchronize()
+        ref = p.reference(inp, c)
+        bound = 2 * (p.torch_in_dtype(inp, c).float() - ref).abs().max().item() + 1e-5
+        assert (out.float() - ref).abs().max().item() <= bound, seed
+    assert mod._TICKETS and all(int(t.abs().sum()) == 0 for t in mod._TICKETS.values())
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fused", [True, False])
 def test_a_growing_cache_reuses_one_prepared_launch_and_stays_right(fused: bool) -> None:
     """A generation's cache grows by one token a call: the seed prepares its launch once per

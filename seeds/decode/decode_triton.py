@@ -57,6 +57,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import threading
 
 import torch
 import triton
@@ -342,10 +343,37 @@ def _tickets(device: torch.device, stream: int, n: int) -> torch.Tensor | None:
     if t is None or t.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        t = torch.zeros(max(n, 2 * (0 if t is None else t.numel())), dtype=torch.int32,
-                        device=device)
+        size = max(n, 2 * (0 if t is None else t.numel()))
+        t = _kept_zeros(size, device) if device.type == "cuda" else \
+            torch.zeros(size, dtype=torch.int32, device=device)
         _TICKETS[(device, stream)] = t
     return t
+
+
+def _kept_zeros(n: int, device: torch.device) -> torch.Tensor:
+    """n zeroed int32 from the caching allocator's general pool, made by another thread: while
+    torch.compile's CUDA graphs warm up (mode="reduce-overhead"), every allocation of the
+    warming thread goes to the graphs' private pool, where a buffer kept across calls is not
+    the graphs' to reuse (torch refuses it) and would be overwritten if they did. The thread
+    synchronises before handing the zeros over; the calling stream is recorded on them, so
+    that they are not reused before its work is done when a larger set replaces them."""
+    made: list = []
+
+    def make() -> None:
+        try:
+            with torch.cuda.device(device):
+                z = torch.zeros(n, dtype=torch.int32, device=device)
+                torch.cuda.current_stream(device).synchronize()
+            made.append(z)
+        except BaseException as e:              # raised again in the calling thread
+            made.append(e)
+    worker = threading.Thread(target=make, name="decode-tickets")
+    worker.start()
+    worker.join()
+    if isinstance(made[0], BaseException):
+        raise made[0]
+    made[0].record_stream(torch.cuda.current_stream(device))
+    return made[0]
 
 
 def _no_hook(hook) -> bool:  # noqa: ANN001
