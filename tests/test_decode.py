@@ -409,10 +409,11 @@ def test_seed_never_synchronises_and_replays_from_a_cuda_graph() -> None:
 @pytest.mark.gpu
 def test_seed_runs_under_torch_compile_cuda_graphs_from_a_first_call_there() -> None:
     """torch.compile(mode="reduce-overhead") warms a graph up with every allocation of its
-    thread going to the graphs' private pool: the split kernel's merge tickets, kept across
-    calls, are first made there when the seed's first call is compiled (as a compiled
-    generate's first decode step is); torch refused that buffer before the tickets came from
-    another thread. Replays on new values in place stay right and leave every ticket zero."""
+    thread going to the graphs' private pool; the split kernel's merge tickets, kept across
+    calls, are first made during that warm-up when the seed's first call is compiled (as a
+    compiled generate's first decode step is), and torch refuses a kept buffer from the pool
+    (RuntimeError: tensors in the cudagraph pool not tracked as outputs). Replays on new
+    values in place stay right and leave every ticket zero."""
     import importlib.util
     spec = importlib.util.spec_from_file_location("decode_seed_compiled", SEED)
     mod = importlib.util.module_from_spec(spec)
