@@ -144,10 +144,9 @@ def _disturbed(m: Any) -> str | None:
 
 def _host_bound(m: Any) -> bool:
     """Whether any function's call-mode time was set by the host (Times.host_bound): then
-    the host's speed decides the ratio. On an H200 a slow host state slowed SDPA's launches
-    at (1,8,512,64) 1.5x and the seed's 1.25x in one config of one
-    evaluation (its speedup 1.64x against 1.34-1.39x in four others), both host-bound, and
-    neither the busy-CPU nor the disturbance re-measure caught it (benchmarks/noise.py)."""
+    the host's speed decides the ratio, and a slow host need not slow two launch paths alike
+    while neither the busy-CPU nor the disturbance re-measure sees it (BENCHMARKS.md, "How
+    far a figure can be trusted")."""
     return any(t.host_bound() for t in m.times.values())
 
 

@@ -7,7 +7,8 @@ from typing import Any
 from evaluator.types import ConfigResult, EvalResult
 
 from .export_package import KernelInfo
-from .report import duel_of, duel_phrase, host_bound, label, set_back_lines, side_by_side_lines
+from .report import (duel_of, duel_phrase, host_bound_labels, label, set_back_lines,
+                     side_by_side_lines)
 from .types import Program
 
 MODES = ("kernel", "call", "graph")
@@ -329,8 +330,8 @@ def timings_md(r: EvalResult | None) -> list[str]:
         errors = sorted({c.times.graph_error for c in r.configs if c.times and c.times.graph_error})
         if mode == "graph" and errors:
             lines += ["", "Not captured in a CUDA graph: " + "; ".join(errors)]
-        bound = [label(c.params) for c in r.configs if host_bound(r, c)]
-        if mode == "call" and bound:
+        bound = host_bound_labels(r) if mode == "call" else []
+        if bound:
             lines += ["", "Host-bound in call time (the calls issued at about their rate: these "
                       "ratios compare launch paths and move with the host's speed): "
                       + ", ".join(bound) + "."]

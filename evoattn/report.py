@@ -220,11 +220,16 @@ def host_bound(result: EvalResult, c: ConfigResult) -> bool:
     return c.times.host_bound() or (c.baseline_times.get(c.baseline_name) or Times()).host_bound()
 
 
+def host_bound_labels(result: EvalResult) -> list[str]:
+    """The labels of the configs whose call times the host set (host_bound)."""
+    return [label(c.params) for c in result.configs if host_bound(result, c)]
+
+
 def host_bound_lines(result: EvalResult) -> list[str]:
     """Names the configs whose call times the host set (the candidate's or its baseline's
     calls issued at about their rate, Times.host_bound): their ratios compare host paths, move
     with the host's speed, and say little about the kernels. GPU call-time results only."""
-    bound = [label(c.params) for c in result.configs if host_bound(result, c)]
+    bound = host_bound_labels(result)
     if not bound:
         return []
     return [f"host-bound in call time (calls issued at about their rate; the host's speed sets "
