@@ -12,8 +12,9 @@ For each config of a problem (GPU only), in one process:
 and the same again after the child's guards are installed (`--guards`), to show what the
 sandbox costs per call. Pinned (`--stages pinned`), the thread's CPU is checked as the
 evaluator checks it: before each config (picked again if it slowed), and after one (all of
-that config measured again, up to three times in all, if it slowed meanwhile: a host-bound
-time then tells the host's state, not the protocol's). Prints a table and writes JSON (--out).
+that config measured again, as many times as the evaluator would, if it slowed meanwhile: a
+host-bound time then tells the host's state, not the protocol's). Prints a table and writes
+JSON (--out).
 
     python benchmarks/protocol_check.py --out protocol.json [--configs "1,8,512,64;..."]
 """
@@ -66,6 +67,7 @@ def main() -> None:
     from evaluator.problems import get_problem
     from evaluator.request import EvalRequest
     from evaluator import timing
+    from evaluator.measure import CONTENTION_TRIES
     from evaluator.timing import GpuTimer, InputSets, Plan, set_bytes
 
     problem = get_problem(args.problem)
@@ -83,7 +85,7 @@ def main() -> None:
             cpu = pinned[0] if pinned else None
             if cpu is not None:
                 cpu.refresh()
-            for attempt in range(3):
+            for attempt in range(CONTENTION_TRIES):     # as the evaluator re-measures
                 row = one(tag, cfg)
                 why = cpu.slowed() if cpu is not None else None
                 if why is None:
