@@ -30,8 +30,13 @@ and:
   forced     teacher-forced agreement (eager, a dynamic cache): a float32 copy of the model
              on SDPA and each implementation take SDPA's greedy tokens, and every decode step's
              logits are compared with the float32 ones (largest abs difference, top-1
-             agreement); the kernel agrees when it is as close as SDPA (hf_model's rule).
-             Random weights make near ties, where identical tokens are luck
+             agreement); the kernel agrees when it is as close as SDPA (hf_model's rule)
+  ties       random weights make near ties, where identical tokens are a matter of rounding:
+             the share of the decode steps' decisions whose float32 top-2 logit gap is below
+             SDPA's own largest error; where the kernel's tokens first part from SDPA's, the
+             float32 model's logit of SDPA's token less the kernel's (the gap); and the same
+             for SDPA on PyTorch's math backend (another exact order of the same sums;
+             eager rows only), which parts from SDPA's fused kernels at near ties too
   calls      the package's kernel and fallback counts over the rounds' evoattn runs (the prefill
              falls back: a decode kernel serves the one-token steps; replays of compiled steps
              run no Python and are not counted); with --prefill-export, the prefill package's
@@ -91,6 +96,26 @@ def timed_generate(model: Any, ids: torch.Tensor, new: int, device: torch.device
 
 
 IMPLS = ("sdpa", "evoattn")
+SDPA_MATH = "sdpa_math"
+
+
+def register_sdpa_math() -> None:
+    """Registers SDPA_MATH with transformers: SDPA as transformers calls it, with SDPA's masks,
+    but every call of up to 16 new tokens (the decode steps) on PyTorch's math backend; the
+    prompt as SDPA takes it (the math backend would hold its whole score matrix)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def forward(module: Any, query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if query.shape[2] > 16:
+            return sdpa_attention_forward(module, query, *args, **kwargs)
+        with sdpa_kernel(SDPBackend.MATH):
+            return sdpa_attention_forward(module, query, *args, **kwargs)
+
+    AttentionInterface.register(SDPA_MATH, forward)
+    AttentionMaskInterface.register(SDPA_MATH, sdpa_mask)
 
 
 def timed_rounds(model: Any, ids: torch.Tensor, a: argparse.Namespace, device: torch.device,
@@ -149,45 +174,79 @@ def cache_keyword(model: Any) -> str:
 def forced_steps(model: Any, ids: torch.Tensor, forced: torch.Tensor,
                  each: Any) -> None:
     """The prompt's forwards (PREFILL_CHUNK tokens each), then one-token forwards over a
-    dynamic cache feeding `forced` (B, n) new tokens instead of the model's own: each(t,
-    logits (B, V) float32) gets the logits that predict forced[:, t + 1], for t < n - 1
-    (every step a decode call)."""
+    dynamic cache feeding `forced` (B, n) new tokens instead of the model's own: each(k,
+    logits (B, V) float32) gets the logits that predict forced[:, k], for k < n (k = 0: the
+    prompt's last forward; every later one a decode step)."""
     name = cache_keyword(model)
     # The prompt in chunks: in float32 SDPA has no fused kernel for GQA and would materialise
     # the whole (B, H, S, S) score matrix (128 GiB at batch 16 and an 8k prompt).
-    cache = None
+    out = None
     for i in range(0, ids.shape[1], PREFILL_CHUNK):
-        cache = model(ids[:, i:i + PREFILL_CHUNK], use_cache=True, logits_to_keep=1,
-                      **({} if cache is None else {name: cache})).past_key_values
+        out = model(ids[:, i:i + PREFILL_CHUNK], use_cache=True, logits_to_keep=1,
+                    **({} if out is None else {name: out.past_key_values}))
+    each(0, out.logits[:, -1].float())
+    cache = out.past_key_values
     for t in range(forced.shape[1] - 1):
         out = model(forced[:, t:t + 1], use_cache=True, **{name: cache})
-        each(t, out.logits[:, -1].float())
+        each(t + 1, out.logits[:, -1].float())
 
 
-def forced_agreement(model: Any, ref_model: Any, ids: torch.Tensor,
-                     forced: torch.Tensor) -> dict[str, Any]:
+def parting(forced: torch.Tensor, other: torch.Tensor,
+            refs: dict[int, torch.Tensor]) -> dict[str, Any] | None:
+    """Where `other` (B, n) new tokens first part from `forced` (SDPA's): the new token k
+    (from 0), the first sequence b that differs there, and `gap`, the reference's logit of
+    SDPA's token there less its logit of the other's (refs[k]: the reference's logits that
+    predict new token k, teacher-forced on SDPA's tokens, so on the context both saw; a gap
+    near 0 is a near tie, a negative one means the reference prefers the other token). None
+    where they never part."""
+    n = min(forced.shape[1], other.shape[1])
+    diff = forced[:, :n] != other[:, :n]
+    cols = diff.any(0).nonzero()
+    if not len(cols):
+        return None
+    k = int(cols[0])
+    b = int(diff[:, k].nonzero()[0])
+    r = refs[k][b]
+    return {"token": k, "sequence": b,
+            "gap": float(r[int(forced[b, k])] - r[int(other[b, k])])}
+
+
+def forced_agreement(model: Any, ref_model: Any, ids: torch.Tensor, forced: torch.Tensor,
+                     others: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """Teacher-forced agreement with a float32 reference: the reference model (float32 weights,
     SDPA) and each implementation in the model's dtype take the same tokens (SDPA's greedy
     ones), and every decode step's logits are compared: largest abs difference and top-1
-    agreement over all steps and sequences. Where random weights make near ties, identical
-    greedy tokens are luck; this says whether the kernel's steps are as close to exact as
-    SDPA's (hf_model.judge)."""
-    refs: list[torch.Tensor] = []
+    agreement over all steps and sequences. This says whether the kernel's steps are as close
+    to exact as SDPA's (hf_model.judge). Where random weights make near ties, identical
+    greedy tokens are a matter of rounding: `near_ties` is the share of the decode steps'
+    decisions whose reference top-2 gap is below SDPA's largest error, and `parting` says,
+    for each of `others` (name: its greedy new tokens), where and how near a tie it first
+    parts from SDPA's (parting())."""
+    refs: dict[int, torch.Tensor] = {}
     ref_model.set_attn_implementation("sdpa")
-    forced_steps(ref_model, ids, forced, lambda t, logits: refs.append(logits))
-    got: dict[str, Any] = {"steps": len(refs)}
+    forced_steps(ref_model, ids, forced, refs.__setitem__)
+    got: dict[str, Any] = {"steps": len(refs) - 1}
     for impl in IMPLS:
         model.set_attn_implementation(impl)
         acc = {"max_abs": 0.0, "hits": 0, "n": 0}
 
-        def each(t: int, logits: torch.Tensor) -> None:
-            acc["max_abs"] = max(acc["max_abs"], (logits - refs[t]).abs().max().item())
-            acc["hits"] += int((logits.argmax(-1) == refs[t].argmax(-1)).sum())
+        def each(k: int, logits: torch.Tensor) -> None:
+            if k == 0:                       # the prompt's forward, not a decode step
+                return
+            acc["max_abs"] = max(acc["max_abs"], (logits - refs[k]).abs().max().item())
+            acc["hits"] += int((logits.argmax(-1) == refs[k].argmax(-1)).sum())
             acc["n"] += logits.shape[0]
 
         forced_steps(model, ids, forced, each)
         got[impl] = {"max_abs": acc["max_abs"], "top1": acc["hits"] / max(acc["n"], 1)}
     got["agrees"] = judge(got["sdpa"], got["evoattn"])
+    steps = [refs[k] for k in range(1, len(refs))]
+    if steps:
+        top2 = torch.stack(steps).topk(2, dim=-1).values
+        gaps = top2[..., 0] - top2[..., 1]
+        got["near_ties"] = float((gaps < got["sdpa"]["max_abs"]).float().mean())
+        got["median_gap"] = float(gaps.median())
+    got["parting"] = {name: parting(forced, toks, refs) for name, toks in (others or {}).items()}
     return got
 
 
@@ -219,10 +278,14 @@ def run_dtype(pkg: Any, ref_model: Any, dtype: str,
                                        impl, Clock(device), only=lambda q: q.shape[2] == 1)
                 d = row[impl]["decode_s"]
                 row[impl]["attention_share"] = ms / 1e3 / d if d > 0 else None
-        row["forced"] = forced_agreement(model, ref_model, ids, tokens["sdpa"][:, a.prompt:])
+        if not row["compiled"]:              # SDPA on another backend, for its tokens
+            model.set_attn_implementation(SDPA_MATH)
+            tokens[SDPA_MATH] = timed_generate(model, ids, a.new, device, **kw)[0]
+        new = {impl: t[:, a.prompt:] for impl, t in tokens.items()}
+        row["forced"] = forced_agreement(model, ref_model, ids, new["sdpa"],
+                                         {impl: new[impl] for impl in new if impl != "sdpa"})
     row["same_tokens"] = bool(torch.equal(tokens["sdpa"], tokens["evoattn"]))
-    row["first_difference"] = None if row["same_tokens"] else int(
-        (tokens["sdpa"] != tokens["evoattn"]).any(0).nonzero()[0]) - a.prompt
+    row["first_difference"] = row["forced"]["parting"]["evoattn"]
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -236,6 +299,20 @@ def _fmt(x: float | None, spec: str) -> str:
 def _range(row: dict[str, Any]) -> str:
     r = row["speedup_range"]
     return "n/a" if r is None else f"{r[0]:.3f}-{r[1]:.3f}x"
+
+
+def _parting(p: dict[str, Any] | None) -> str:
+    return "never" if p is None else f"at new token {p['token']} (float32 gap {p['gap']:.3g})"
+
+
+def ties_line(f: dict[str, Any]) -> str:
+    """The teacher-forced check's near ties, in words."""
+    line = (f"near ties: {_fmt(f.get('near_ties'), '.1%')} of the decisions' float32 top-2 "
+            f"gaps (median {_fmt(f.get('median_gap'), '.3g')}) below SDPA's largest error; "
+            f"evoattn parts from SDPA {_parting(f['parting']['evoattn'])}")
+    if SDPA_MATH in f["parting"]:
+        line += f", SDPA's math backend {_parting(f['parting'][SDPA_MATH])}"
+    return line
 
 
 def model_args(ap: argparse.ArgumentParser) -> None:
@@ -290,6 +367,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         hf.register("evoattn", prefill=prefill_pkg)
     except ValueError as e:
         raise SystemExit(f"{a.prefill_export}: {e}") from None
+    register_sdpa_math()
     config, model = build_model(a, device)
     rows = []
     for dtype in a.dtypes.split(","):
@@ -303,11 +381,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"attention share SDPA "
               f"{_fmt(s.get('attention_share'), '.2f')}, evoattn "
               f"{_fmt(e.get('attention_share'), '.2f')}; "
-              f"first different new token {row['first_difference']}; teacher-forced top-1 "
-              f"against float32 SDPA {f['sdpa']['top1']:.4f}, evoattn {f['evoattn']['top1']:.4f}"
-              f" (max abs {f['sdpa']['max_abs']:.3g}, {f['evoattn']['max_abs']:.3g}): "
-              f"{'agrees' if f['agrees'] else 'DISAGREES'}; "
-              f"calls over the rounds {e['calls']}", flush=True)
+              f"teacher-forced top-1 against float32 SDPA {f['sdpa']['top1']:.4f}, evoattn "
+              f"{f['evoattn']['top1']:.4f} (max abs {f['sdpa']['max_abs']:.3g}, "
+              f"{f['evoattn']['max_abs']:.3g}): {'agrees' if f['agrees'] else 'DISAGREES'}; "
+              f"{ties_line(f)}; calls over the rounds {e['calls']}", flush=True)
     result = {"package": pkg.__name__, "device": torch.cuda.get_device_name(device)
               if device.type == "cuda" else "cpu", "config": config.to_dict(), "rows": rows}
     Path(a.out).write_text(json.dumps(result, indent=1, default=str))

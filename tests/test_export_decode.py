@@ -429,6 +429,8 @@ def test_generation_benchmark_runs_the_tiny_model_on_cpu(exported, tmp_path) -> 
     # 2 rounds x (the prompt alone + the prompt and 7 steps) x 2 layers
     assert row["evoattn"]["calls"]["fallback_reasons"] == {PATTERN: 8, CPU: 28}, row
     assert row["forced"]["steps"] == 7 and row["forced"]["agrees"], row["forced"]
+    assert set(row["forced"]["parting"]) == {"evoattn", "sdpa_math"}     # eager: both compared
+    assert 0.0 <= row["forced"]["near_ties"] <= 1.0
     ratios = sorted(s / e for s, e in zip(row["sdpa"]["decode_s_runs"],
                                           row["evoattn"]["decode_s_runs"]))
     assert row["speedup_range"] == [ratios[0], ratios[-1]]
@@ -457,14 +459,75 @@ def test_teacher_forced_agreement_tells_a_wrong_attention_from_sdpa(monkeypatch)
     model = LlamaForCausalLM(LlamaConfig(**TINY, initializer_range=0.5)).eval()
     ids = torch.randint(1, 97, (2, 12))
     with torch.no_grad():
-        model.set_attn_implementation("sdpa")
-        tokens = model.generate(ids, max_new_tokens=9, min_new_tokens=9, do_sample=False,
-                                pad_token_id=0)[:, 12:]
-        got = bench.forced_agreement(model, model, ids, tokens)
+        new = {}
+        for impl in ("sdpa", "evoattn"):
+            model.set_attn_implementation(impl)
+            new[impl] = model.generate(ids, max_new_tokens=9, min_new_tokens=9, do_sample=False,
+                                       pad_token_id=0)[:, 12:]
+        got = bench.forced_agreement(model, model, ids, new["sdpa"],
+                                     {"evoattn": new["evoattn"], "same": new["sdpa"].clone()})
     assert got["steps"] == 8
     assert got["sdpa"] == {"max_abs": 0.0, "top1": 1.0}
     assert got["evoattn"]["max_abs"] > 0.1 and got["evoattn"]["top1"] < 0.9
     assert not got["agrees"]
+    # SDPA is its own reference here: no gap is below its error of 0, and where the cacheless
+    # tokens part from its own, the reference prefers its token (a positive gap)
+    assert got["near_ties"] == 0.0 and got["median_gap"] > 0
+    part = got["parting"]["evoattn"]
+    k, b = part["token"], part["sequence"]
+    assert (new["sdpa"][:, :k] == new["evoattn"][:, :k]).all()
+    assert new["sdpa"][b, k] != new["evoattn"][b, k] and part["gap"] > 0
+    assert got["parting"]["same"] is None
+
+
+def test_parting_names_the_first_new_token_and_sequence_that_differ_and_the_gap() -> None:
+    """The first column where any sequence differs, its first differing sequence, and the
+    reference's logit of SDPA's token there less the other's."""
+    import torch
+    bench = bench_module("decode_generate")
+    forced = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]])
+    other = torch.tensor([[1, 2, 3, 0], [1, 2, 3, 4], [1, 2, 5, 4]])   # row 2 first, at k = 2
+    refs = {k: torch.zeros(3, 8) for k in range(4)}
+    refs[2][2, 3], refs[2][2, 5] = 1.5, 1.25
+    assert bench.parting(forced, other, refs) == {"token": 2, "sequence": 2, "gap": 0.25}
+    refs[2][2, 5] = 2.0                       # the reference prefers the other token
+    assert bench.parting(forced, other, refs)["gap"] == -0.5
+    assert bench.parting(forced, forced.clone(), refs) is None
+
+
+def test_sdpa_math_runs_decode_steps_on_the_math_backend_and_prompts_as_sdpa(monkeypatch):
+    """The benchmark's second SDPA: transformers' SDPA path, the decode steps with only the
+    math backend enabled, the prompt with SDPA's default backends; its greedy tokens are an
+    exact attention's (in float32 on the CPU, SDPA's own)."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import LlamaConfig, LlamaForCausalLM
+    bench = bench_module("decode_generate")
+    bench.register_sdpa_math()
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, *args, **kwargs):
+        seen.append((q.shape[2], torch.backends.cuda.flash_sdp_enabled(),
+                     torch.backends.cuda.math_sdp_enabled()))
+        return sdpa(q, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
+    ids = torch.randint(1, 97, (2, 20))       # a prompt of more than 16 tokens
+    out = {}
+    with torch.no_grad():
+        for impl in ("sdpa", "sdpa_math"):
+            model.set_attn_implementation(impl)
+            seen.clear()
+            out[impl] = model.generate(ids, max_new_tokens=5, min_new_tokens=5,
+                                       do_sample=False, pad_token_id=0)
+            calls = list(seen)
+    assert torch.equal(out["sdpa"], out["sdpa_math"])
+    layers = TINY["num_hidden_layers"]
+    assert calls[:layers] == [(20, True, True)] * layers               # the prompt: as SDPA
+    assert calls[layers:] == [(1, False, True)] * (4 * layers)         # each step: math only
 
 
 @pytest.mark.slow
