@@ -1,0 +1,144 @@
+"""The independent cross-check of an `evoattn eval`: a trusted program against its problem's
+baselines, timed by `triton.testing.do_bench` instead of the evaluator's timer.
+
+    python benchmarks/crosscheck.py PROGRAM [--problem NAME|FILE] [--configs SPEC]
+        [--dtype float16] [--rounds 3] [--json FILE]
+
+For trusted programs only (the seeds, the examples): PROGRAM is built and loaded in this process
+as the evaluator loads a candidate (evaluator.loader.build_candidate: companions built, a
+`prepare` honoured, a CUDA file through its fast form), without the sandbox. Per config of the
+problem (its default configs on a GPU, its CPU configs on the CPU, or --configs): one input set
+from the problem, PROGRAM's output checked against the float32 reference with the problem's
+tolerance rule (PyTorch's own error in the dtype times the factor, plus the floor), each
+baseline called once (what it compiles or plans is ready before timing), then --rounds rounds
+in which PROGRAM and every baseline are timed by `do_bench` (median ms per call, L2 flushed
+before each call: GPU time, not the host's), the order reversed every round. Prints per config
+each one's ms and PROGRAM's speedup over the fastest baseline (the median of the rounds'
+ratios), then the geometric mean over the configs: the figure to set beside `evoattn eval`'s
+kernel-time fitness. Without a GPU the same loop times a plain loop of calls on the CPU (the
+CPU test's mode; a CPU figure says nothing about a GPU). Exits 1 when a check fails.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from evaluator import checks  # noqa: E402
+from evaluator.cases import probe_backends  # noqa: E402
+from evaluator.loader import LoadFailure, build_candidate  # noqa: E402
+from evaluator.problems import get_problem  # noqa: E402
+
+
+def cpu_ms(fn: Callable[[], Any], reps: int = 5) -> float:
+    """The median ms of `reps` calls on the CPU, after one more."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def timer(on_gpu: bool) -> Callable[[Callable[[], Any]], float]:
+    if not on_gpu:
+        return cpu_ms
+    from triton.testing import do_bench
+    return lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def geomean(xs: list[float]) -> float | None:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def crosscheck(path: Path, problem_name: str, configs: str, dtype_name: str, rounds: int,
+               cache_dir: Path) -> dict[str, Any]:
+    """Returns {"configs": [per config: label, max_err, bound, passed, ms {name: [per round]},
+    speedup, fastest], "geomean": ...} (see the module docstring)."""
+    import torch
+    problem = get_problem(problem_name)
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if on_gpu else "cpu")
+    dtype = getattr(torch, dtype_name)
+    cfgs = problem.parse_configs(configs) if configs else \
+        list(problem.default_configs if on_gpu else problem.cpu_configs)
+    try:
+        run = build_candidate(path, problem, cache_dir, 600.0, None)().run
+    except LoadFailure as e:
+        raise SystemExit(f"{path}: {e}") from None
+    baselines = problem.baselines()
+    time_ms = timer(on_gpu)
+    gen = torch.Generator(device=device)
+    rows = []
+    for cfg in cfgs:
+        gen.manual_seed(0)
+        inputs = problem.make_inputs(cfg, dtype, device, gen)
+        ref = problem.reference(inputs, cfg)
+        with probe_backends(on_gpu):
+            torch_err = checks.max_abs_err(problem.torch_in_dtype(inputs, cfg), ref)
+        err = checks.max_abs_err(run(inputs, cfg), ref)
+        bound = problem.tolerance.bound(torch_err)
+        row: dict[str, Any] = {"config": problem.label(cfg), "max_err": err, "bound": bound,
+                               "passed": err <= bound}
+        rows.append(row)
+        if not row["passed"]:
+            continue
+        calls = {"program": lambda: run(inputs, cfg)}
+        for name, fn in baselines.items():
+            fn(inputs, cfg)                           # compiled or planned before timing
+            calls[name] = lambda fn=fn: fn(inputs, cfg)
+        ms: dict[str, list[float]] = {name: [] for name in calls}
+        for r in range(rounds):
+            for name in (list(calls) if r % 2 == 0 else list(calls)[::-1]):
+                ms[name].append(time_ms(calls[name]))
+        fastest = min(baselines, key=lambda n: statistics.median(ms[n]))
+        row.update(ms=ms, fastest=fastest, speedup=statistics.median(
+            b / p for b, p in zip(ms[fastest], ms["program"])))
+        del inputs, ref
+    return {"program": str(path), "problem": problem.name, "dtype": dtype_name,
+            "device": torch.cuda.get_device_name(device) if on_gpu else "cpu",
+            "timer": "do_bench" if on_gpu else "cpu loop", "rounds": rounds, "configs": rows,
+            "geomean": geomean([r["speedup"] for r in rows if "speedup" in r])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("program", type=Path)
+    ap.add_argument("--problem", default="sdpa", help="built-in name or problem .py")
+    ap.add_argument("--configs", default="", help="the problem's config syntax (default: its own)")
+    ap.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", type=Path, help="write the result")
+    a = ap.parse_args(argv)
+    if a.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    with tempfile.TemporaryDirectory(prefix="crosscheck-") as tmp:
+        got = crosscheck(a.program, a.problem, a.configs, a.dtype, a.rounds, Path(tmp))
+    for r in got["configs"]:
+        if not r["passed"]:
+            print(f"{r['config']}: FAIL, max error {r['max_err']:.3g} > {r['bound']:.3g}")
+            continue
+        times = ", ".join(f"{n} {statistics.median(v):.4f}" for n, v in r["ms"].items())
+        print(f"{r['config']}: {r['speedup']:.3f}x {r['fastest']} ({got['timer']} ms, median of "
+              f"{a.rounds}: {times})")
+    g = got["geomean"]
+    print(f"{got['program']} on {got['device']}, {got['dtype']}: "
+          f"{'n/a' if g is None else f'{g:.3f}x'} the fastest baseline ({got['timer']}, "
+          f"geometric mean over {sum('speedup' in r for r in got['configs'])} configs)")
+    if a.json:
+        a.json.write_text(json.dumps(got, indent=1))
+    return 0 if all(r["passed"] for r in got["configs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
