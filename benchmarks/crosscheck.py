@@ -2,7 +2,7 @@
 baselines, timed by `triton.testing.do_bench` instead of the evaluator's timer.
 
     python benchmarks/crosscheck.py PROGRAM [--problem NAME|FILE] [--configs SPEC]
-        [--dtype float16] [--rounds 3] [--json FILE]
+        [--dtype DTYPE] [--rounds 3] [--json FILE]
 
 For trusted programs only (the seeds, the examples): PROGRAM is built and loaded in this process
 as the evaluator loads a candidate (evaluator.loader.build_candidate: companions built, a
@@ -10,9 +10,11 @@ as the evaluator loads a candidate (evaluator.loader.build_candidate: companions
 problem (its default configs on a GPU, its CPU configs on the CPU, or --configs): one input set
 from the problem, PROGRAM's output checked against the float32 reference with the problem's
 tolerance rule (PyTorch's own error in the dtype times the factor, plus the floor), each
-baseline called once (what it compiles or plans is ready before timing), then --rounds rounds
-in which PROGRAM and every baseline are timed by `do_bench` (median ms per call, L2 flushed
-before each call: GPU time, not the host's), the order reversed every round. Prints per config
+baseline bound to the config as the evaluator binds it (a FlexAttention baseline's BlockMask
+built once, as a user's model builds it) and called once (what it compiles or plans is ready
+before timing), then --rounds rounds in which PROGRAM and every baseline are timed by
+`do_bench` (median ms per call, L2 flushed before each call: GPU time, but for a call whose
+host work outlasts the flush), the order reversed every round. Prints per config
 each one's ms and PROGRAM's speedup over the fastest baseline (the median of the rounds'
 ratios), then the geometric mean over the configs: the figure to set beside `evoattn eval`'s
 kernel-time fitness. Without a GPU the same loop times a plain loop of calls on the CPU (the
@@ -36,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 from evaluator import checks  # noqa: E402
 from evaluator.cases import probe_backends  # noqa: E402
 from evaluator.loader import LoadFailure, build_candidate  # noqa: E402
+from evaluator.measure import bind  # noqa: E402
 from evaluator.problems import get_problem  # noqa: E402
 
 
@@ -61,12 +64,14 @@ def geomean(xs: list[float]) -> float | None:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
 
-def crosscheck(path: Path, problem_name: str, configs: str, dtype_name: str, rounds: int,
+def crosscheck(path: Path, problem_name: str, configs: str, dtype_name: str | None, rounds: int,
                cache_dir: Path) -> dict[str, Any]:
     """Returns {"configs": [per config: label, max_err, bound, passed, ms {name: [per round]},
-    speedup, fastest], "geomean": ...} (see the module docstring)."""
+    speedup, fastest], "geomean": ...} (see the module docstring); dtype_name None: the
+    problem's default dtype."""
     import torch
     problem = get_problem(problem_name)
+    dtype_name = dtype_name or problem.default_dtype
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda" if on_gpu else "cpu")
     dtype = getattr(torch, dtype_name)
@@ -95,8 +100,9 @@ def crosscheck(path: Path, problem_name: str, configs: str, dtype_name: str, rou
             continue
         calls = {"program": lambda: run(inputs, cfg)}
         for name, fn in baselines.items():
-            fn(inputs, cfg)                           # compiled or planned before timing
-            calls[name] = lambda fn=fn: fn(inputs, cfg)
+            call = bind(fn, cfg)        # as the evaluator and a user's model call it
+            call(inputs)                # compiled or planned before timing
+            calls[name] = lambda call=call: call(inputs)
         ms: dict[str, list[float]] = {name: [] for name in calls}
         for r in range(rounds):
             for name in (list(calls) if r % 2 == 0 else list(calls)[::-1]):
@@ -116,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("program", type=Path)
     ap.add_argument("--problem", default="sdpa", help="built-in name or problem .py")
     ap.add_argument("--configs", default="", help="the problem's config syntax (default: its own)")
-    ap.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
+    ap.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),
+                    help="default: the problem's (float16 but for mha)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=Path, help="write the result")
     a = ap.parse_args(argv)
