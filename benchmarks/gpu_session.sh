@@ -2,6 +2,8 @@
 # Everything BENCHMARKS.md reports, measured on one GPU machine, in steps:
 #   OUT=dir STEPS="evals tests" bash benchmarks/gpu_session.sh      (or "run hf dask")
 # evals  `evoattn eval` of every shipped seed (every timing mode, every baseline), JSON each
+# crosscheck  the same seeds (the sdpa default aside: check_bf16_cuda.py) against their
+#        baselines by do_bench (benchmarks/crosscheck.py), JSON each
 # tests  the gpu-marked tests (GPU_TEST_FILES picks; the decode ones take about 100 s)
 # run    the default search (call time) for RUN_S seconds, then the best re-evaluated by
 #        `evoattn eval`, its export and its report
@@ -63,6 +65,23 @@ evals)
   ev mha seeds/mha/fused_triton.py --problem mha --reps 30
   ev alibi examples/alibi/seed.py --problem examples/alibi/problem.py --reps 30
   ev softcap examples/softcap/seed.py --problem examples/softcap/problem.py --reps 30
+  ;;
+crosscheck)
+  cc() {  # name, then crosscheck.py arguments
+    local name=$1; shift
+    log "crosscheck $name"
+    timeout "${CC_S:-150}" python benchmarks/crosscheck.py "$@" --json "$R/cc_$name.json" \
+      > "$R/cc_$name.txt" 2>&1
+    echo "exit $?" >> "$R/cc_$name.txt"; tail -2 "$R/cc_$name.txt"
+  }
+  cc sdpa_flash_triton seeds/sdpa/flash_triton.py
+  cc strided seeds/strided/strided_triton.py --problem strided
+  cc sliding_window seeds/sliding_window/window_triton.py --problem sliding_window
+  cc masked seeds/masked/masked_triton.py --problem masked
+  cc gqa seeds/gqa/gqa_triton.py --problem gqa
+  cc mha seeds/mha/fused_triton.py --problem mha
+  cc alibi examples/alibi/seed.py --problem examples/alibi/problem.py
+  cc softcap examples/softcap/seed.py --problem examples/softcap/problem.py
   ;;
 masked_evals)   # the masked, sparse and biased problems only
   ev strided seeds/strided/strided_triton.py --problem strided --reps 30

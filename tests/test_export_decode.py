@@ -430,7 +430,7 @@ def test_generation_benchmark_runs_the_tiny_model_on_cpu(exported, tmp_path) -> 
     assert row["evoattn"]["calls"]["fallback_reasons"] == {PATTERN: 8, CPU: 28}, row
     assert row["forced"]["steps"] == 7 and row["forced"]["agrees"], row["forced"]
     assert set(row["forced"]["parting"]) == {"evoattn", "sdpa_math"}     # eager: both compared
-    assert 0.0 <= row["forced"]["near_ties"] <= 1.0
+    assert row["forced"]["median_gap"] >= 0.0
     ratios = sorted(s / e for s, e in zip(row["sdpa"]["decode_s_runs"],
                                           row["evoattn"]["decode_s_runs"]))
     assert row["speedup_range"] == [ratios[0], ratios[-1]]
@@ -470,9 +470,9 @@ def test_teacher_forced_agreement_tells_a_wrong_attention_from_sdpa(monkeypatch)
     assert got["sdpa"] == {"max_abs": 0.0, "top1": 1.0}
     assert got["evoattn"]["max_abs"] > 0.1 and got["evoattn"]["top1"] < 0.9
     assert not got["agrees"]
-    # SDPA is its own reference here: no gap is below its error of 0, and where the cacheless
-    # tokens part from its own, the reference prefers its token (a positive gap)
-    assert got["near_ties"] == 0.0 and got["median_gap"] > 0
+    # SDPA is its own reference here: where the cacheless tokens part from its own, the
+    # reference prefers its token (a positive gap)
+    assert got["median_gap"] > 0
     part = got["parting"]["evoattn"]
     k, b = part["token"], part["sequence"]
     assert (new["sdpa"][:, :k] == new["evoattn"][:, :k]).all()
