@@ -96,19 +96,21 @@ def timed_generate(model: Any, ids: torch.Tensor, new: int, device: torch.device
 
 IMPLS = ("sdpa", "evoattn")
 SDPA_MATH = "sdpa_math"
+STEP_TOKENS = 16               # the most new tokens of a decode call (the decode problem's Sq)
 
 
 def register_sdpa_math() -> None:
     """Registers SDPA_MATH with transformers: SDPA as transformers calls it, with SDPA's masks,
-    but every call of up to 16 new tokens (the decode steps) on PyTorch's math backend; the
-    prompt as SDPA takes it (the math backend would hold its whole score matrix)."""
+    but every call of up to STEP_TOKENS new tokens (the decode steps) on PyTorch's math
+    backend; the prompt as SDPA takes it (the math backend would hold its whole score
+    matrix)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     def forward(module: Any, query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if query.shape[2] > 16:
+        if query.shape[2] > STEP_TOKENS:
             return sdpa_attention_forward(module, query, *args, **kwargs)
         with sdpa_kernel(SDPBackend.MATH):
             return sdpa_attention_forward(module, query, *args, **kwargs)
