@@ -18,7 +18,8 @@ host work outlasts the flush), the order reversed every round. Prints per config
 each one's ms and PROGRAM's speedup over the fastest baseline (the median of the rounds'
 ratios), then the geometric mean over the configs: the figure to set beside `evoattn eval`'s
 kernel-time fitness. Without a GPU the same loop times a plain loop of calls on the CPU (the
-CPU test's mode; a CPU figure says nothing about a GPU). Exits 1 when a check fails.
+CPU test's mode; a CPU figure says nothing about a GPU). Exits 1 when the program fails to
+build, load or pass a check, 2 on a bad argument (one line naming it).
 """
 from __future__ import annotations
 
@@ -64,19 +65,35 @@ def geomean(xs: list[float]) -> float | None:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
 
+def setup(problem_name: str, configs: str, dtype_name: str | None,
+          on_gpu: bool) -> tuple[Any, list[dict[str, Any]], str]:
+    """Returns (the problem, its configs, the dtype's name) for the arguments; raises
+    ValueError naming the argument that is wrong."""
+    try:
+        problem = get_problem(problem_name)
+    except ValueError as e:
+        raise ValueError(f"--problem: {e}") from None
+    dtype_name = dtype_name or problem.default_dtype
+    if dtype_name not in problem.dtypes:
+        raise ValueError(f"--dtype: problem {problem.name} takes {', '.join(problem.dtypes)}")
+    try:
+        cfgs = problem.parse_configs(configs) if configs else \
+            list(problem.default_configs if on_gpu else problem.cpu_configs)
+    except ValueError as e:
+        raise ValueError(f"--configs: {e}") from None
+    return problem, cfgs, dtype_name
+
+
 def crosscheck(path: Path, problem_name: str, configs: str, dtype_name: str | None, rounds: int,
                cache_dir: Path) -> dict[str, Any]:
     """Returns {"configs": [per config: label, max_err, bound, passed, ms {name: [per round]},
     speedup, fastest], "geomean": ...} (see the module docstring); dtype_name None: the
     problem's default dtype."""
     import torch
-    problem = get_problem(problem_name)
-    dtype_name = dtype_name or problem.default_dtype
     on_gpu = torch.cuda.is_available()
+    problem, cfgs, dtype_name = setup(problem_name, configs, dtype_name, on_gpu)
     device = torch.device("cuda" if on_gpu else "cpu")
     dtype = getattr(torch, dtype_name)
-    cfgs = problem.parse_configs(configs) if configs else \
-        list(problem.default_configs if on_gpu else problem.cpu_configs)
     try:
         run = build_candidate(path, problem, cache_dir, 600.0, None)().run
     except LoadFailure as e:
@@ -129,6 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.rounds < 1:
         ap.error("--rounds must be at least 1")
+    if not a.program.is_file():
+        ap.error(f"{a.program}: no such file")
+    import torch
+    try:
+        setup(a.problem, a.configs, a.dtype, torch.cuda.is_available())
+    except ValueError as e:
+        ap.error(str(e))
     with tempfile.TemporaryDirectory(prefix="crosscheck-") as tmp:
         got = crosscheck(a.program, a.problem, a.configs, a.dtype, a.rounds, Path(tmp))
     for r in got["configs"]:

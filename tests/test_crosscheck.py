@@ -93,3 +93,16 @@ def test_a_right_program_runs_end_to_end_and_writes_its_json(tmp_path) -> None:
     (row,) = got["configs"]
     assert row["passed"] and all(len(v) == 2 for v in row["ms"].values())
     assert "the fastest baseline (cpu loop, geometric mean over 1 configs)" in out.stdout
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--problem", "nosuch"], "--problem: unknown problem 'nosuch'"),
+    (["--problem", "mha", "--dtype", "float16"], "--dtype: problem mha takes float32"),
+    (["--configs", "1,2,x"], "--configs: config '1,2,x'"),
+    (["--rounds", "0"], "--rounds must be at least 1"),
+])
+def test_a_bad_argument_gets_one_line_naming_it_and_exit_2(args, says) -> None:
+    out = subprocess.run([sys.executable, str(SCRIPT), str(ROOT / "seeds/sdpa/naive_torch.py"),
+                          *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and says in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
