@@ -110,8 +110,8 @@ def crosscheck(path: Path, problem_name: str, configs: str, dtype_name: str | No
             torch_err = checks.max_abs_err(problem.torch_in_dtype(inputs, cfg), ref)
         err = checks.max_abs_err(run(inputs, cfg), ref)
         bound = problem.tolerance.bound(torch_err)
-        row: dict[str, Any] = {"config": problem.label(cfg), "max_err": err, "bound": bound,
-                               "passed": err <= bound}
+        row: dict[str, Any] = {"config": problem.label(cfg), "params": cfg, "max_err": err,
+                               "bound": bound, "passed": err <= bound}
         rows.append(row)
         if not row["passed"]:
             continue

@@ -4,8 +4,8 @@
     python benchmarks/make_page.py page [benchmarks/current.json] [--page BENCHMARKS.md]
 
 `collect` reads what benchmarks/gpu_session.sh left in each RESULTS_DIR (eval_<name>.json
-from `evoattn eval --json`, run.sqlite of the default search, machine.txt) and writes one
-small JSON of the current results; `page` rewrites the part of BENCHMARKS.md between the
+from `evoattn eval --json`, cc_<name>.json from benchmarks/crosscheck.py, run.sqlite of the
+default search, machine.txt) and writes one small JSON of the current results; `page` rewrites the part of BENCHMARKS.md between the
 `<!-- tables -->` and `<!-- /tables -->` lines from it. The prose around the tables is the
 page's own.
 """
@@ -54,16 +54,39 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
     return {"candidate": result.get("candidate"), "problem": result.get("problem"),
             "device": result.get("device"), "verdict": result.get("verdict"),
             "versions": result.get("versions"), "configs": configs,
-            "fitness": {m: _geo(v) if all(v) else None for m, v in by_mode.items()}}
+            "fitness": {m: _geo(v) if all(v) else None for m, v in by_mode.items()},
+            "timing": result.get("timing"),
+            "reported": {"fitness": result.get("fitness"), "ci": result.get("fitness_ci")}}
+
+
+def _fitness(ev: dict[str, Any], mode: str) -> str:
+    """The fitness in one mode: the evaluator's own, with its interval, in the mode it timed
+    fitness in (the median of paired rounds' ratios); else the geometric mean of the ratios
+    of median times."""
+    rep = ev.get("reported") or {}
+    if mode == ev.get("timing") and rep.get("fitness") and rep.get("ci"):
+        lo, hi = rep["ci"]
+        return f"{rep['fitness']:.3f}× [{lo:.3f}, {hi:.3f}]"
+    return f"{_f(ev['fitness'][mode])}×"
+
+
+def crosscheck_summary(result: dict[str, Any]) -> dict[str, Any]:
+    """Returns the compact form of one crosscheck.py result: its timer, each config's speedup
+    over its fastest baseline (labelled as the evaluations' configs are), and their geometric
+    mean."""
+    return {"timer": result.get("timer"), "geomean": result.get("geomean"),
+            "configs": {_label(c): c.get("speedup") for c in result["configs"]}}
 
 
 def collect(dirs: list[Path]) -> dict[str, Any]:
-    out: dict[str, Any] = {"evals": {}, "machine": ""}
+    out: dict[str, Any] = {"evals": {}, "crosschecks": {}, "machine": ""}
     for d in dirs:
         if (d / "machine.txt").is_file():
             out["machine"] = (d / "machine.txt").read_text().strip()
         for f in sorted(d.glob("eval_*.json")):
             out["evals"][f.stem[5:]] = summarise(json.loads(f.read_text()))
+        for f in sorted(d.glob("cc_*.json")):
+            out["crosschecks"][f.stem[3:]] = crosscheck_summary(json.loads(f.read_text()))
         if (d / "run.sqlite").is_file():
             db = sqlite3.connect(d / "run.sqlite")
             rows = db.execute("SELECT iteration, fitness, result_json FROM programs "
@@ -79,14 +102,16 @@ def _f(x: Any, fmt: str = ".3f") -> str:
     return "–" if x is None else format(x, fmt)
 
 
-def table(name: str, ev: dict[str, Any]) -> str:
+def table(name: str, ev: dict[str, Any], cc: dict[str, Any] | None = None) -> str:
     """One problem's table: per config, the candidate's ms in each mode, its host µs, and its
-    speedup over each baseline in each mode (call / kernel / graph)."""
+    speedup over each baseline in each mode (call / kernel / graph); with `cc` (the program's
+    crosscheck), its speedup over the fastest baseline by that harness."""
     names = list(dict.fromkeys(n for c in ev["configs"] for n in c["baselines"]))
     head = ["config", "call ms", "kernel ms", "graph ms", "host µs"] + \
-        [f"vs {n} (call / kernel / graph)" for n in names]
+        [f"vs {n} (call / kernel / graph)" for n in names] + \
+        ([f"vs the fastest, {cc['timer']}"] if cc else [])
     lines = [f"**{name}** — `{ev['candidate']}` ({ev['problem']}); fitness against the fastest "
-             "baseline: " + ", ".join(f"{m} time {_f(ev['fitness'][m])}×" for m in MODES), "",
+             "baseline: " + ", ".join(f"{m} time {_fitness(ev, m)}" for m in MODES), "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in ev["configs"]:
         me = c["candidate"]
@@ -96,18 +121,24 @@ def table(name: str, ev: dict[str, Any]) -> str:
             b = c["baselines"].get(n, {})
             cells.append(" / ".join(_f(b[m] / me[m] if b.get(m) and me.get(m) else None, ".2f")
                                     for m in MODES) + f" (host {_f(b.get('host_us'), '.0f')})")
+        if cc:
+            cells.append(_f(cc["configs"].get(c["config"]), ".2f"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def summary(rows: list[tuple[str, dict[str, Any]]]) -> str:
-    """One row per evaluation: its fitness in each mode against the fastest baseline."""
+def summary(rows: list[tuple[str, dict[str, Any]]], crosschecks: dict[str, Any]) -> str:
+    """One row per evaluation: its fitness in each mode against the fastest baseline (_fitness),
+    and the geometric mean of its crosscheck where there is one (same name)."""
     lines = ["| problem | program | baselines (fitness takes the fastest per config) | "
-             "call time | kernel time | graph time |", "|---|---|---|---|---|---|"]
+             "call time | kernel time | graph time | independent harness |",
+             "|---|---|---|---|---|---|---|"]
     for name, ev in rows:
         names = ", ".join(dict.fromkeys(n for c in ev["configs"] for n in c["baselines"]))
+        cc = crosschecks.get(name)
+        check = f"{_f(cc['geomean'])}× ({cc['timer']})" if cc else "–"
         lines.append(f"| {name} | `{ev['candidate']}` | {names} | "
-                     + " | ".join(f"{_f(ev['fitness'][m])}×" for m in MODES) + " |")
+                     + " | ".join(_fitness(ev, m) for m in MODES) + f" | {check} |")
     return "\n".join(lines) + "\n"
 
 
@@ -119,7 +150,8 @@ def page(current: dict[str, Any]) -> str:
         rows.insert(0, ("sdpa (the default search's best)", current["evals"]["best"]))
     if current.get("run"):
         rows.insert(0, ("sdpa (the default seed, in the search)", current["run"]["seed"]))
-    parts.append(summary(rows))
+    crosschecks = current.get("crosschecks", {})
+    parts.append(summary(rows, crosschecks))
     run = current.get("run")
     if run:
         parts.append(table("sdpa, the default search's best (re-evaluated side by side)",
@@ -128,7 +160,7 @@ def page(current: dict[str, Any]) -> str:
                            "slot's station)", run["seed"]))
     for name, ev in current["evals"].items():
         if name != "best":
-            parts.append(table(name, ev))
+            parts.append(table(name, ev, crosschecks.get(name)))
     return "\n".join(p for p in parts if p)
 
 

@@ -62,7 +62,7 @@ def test_the_page_gets_per_mode_fitness_against_the_fastest_baseline_and_keeps_i
     assert text.endswith("<!-- /tables -->\nprose after\n") and "old table" not in text
     assert "Machine: GPU X, driver 1; torch 9" in text
     assert "call time 0.707×, kernel time 2.000×, graph time 0.707×" in text
-    assert "| toy | `seed.py` | fast, slow | 0.707× | 2.000× | 0.707× |" in text
+    assert "| toy | `seed.py` | fast, slow | 0.707× | 2.000× | 0.707× | – |" in text
     # the first config's row: its times, its host cost, each baseline's ratio in every mode
     assert "| (1,2,64,64) | 1.0000 | 0.5000 | 0.4000 | 30 | 2.00 / 2.00 / 2.00 (host 20) | " \
            "4.00 / 4.00 / 4.00 (host 10) |" in text
@@ -75,3 +75,51 @@ def test_a_page_without_the_table_markers_is_refused_and_left_alone(tmp_path: Pa
     out = _run("page", tmp_path / "current.json", "--page", page, cwd=tmp_path)
     assert out.returncode == 1 and "no <!-- tables -->" in out.stderr
     assert page.read_text() == "# Results\n"
+
+
+def test_a_crosscheck_of_the_same_name_adds_its_harness_to_the_summary_and_the_table(
+        tmp_path: Path) -> None:
+    """crosscheck.py's cc_<name>.json beside eval_<name>.json: the summary's last column is its
+    geometric mean and timer, and each config's row gets its speedup, matched by the config's
+    parameters (the two scripts label configs differently)."""
+    res = tmp_path / "results"
+    res.mkdir()
+    _eval_json(res / "eval_toy.json")
+    (res / "cc_toy.json").write_text(json.dumps({
+        "timer": "do_bench", "geomean": 1.234,
+        "configs": [{"config": "B=1,H=2,S=128 whatever", "passed": True, "speedup": 0.5,
+                     "params": {"B": 1, "H": 2, "S": 128, "D": 64, "causal": True}},
+                    {"config": "first", "passed": True, "speedup": 2.5,
+                     "params": {"B": 1, "H": 2, "S": 64, "D": 64, "causal": False}}]}))
+    (res / "machine.txt").write_text("GPU X\n")
+    assert _run("collect", res, "-o", tmp_path / "current.json", cwd=tmp_path).returncode == 0
+    page = tmp_path / "BENCHMARKS.md"
+    page.write_text("<!-- tables -->\n<!-- /tables -->\n")
+    out = _run("page", tmp_path / "current.json", "--page", page, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    text = page.read_text()
+    assert "| toy | `seed.py` | fast, slow | 0.707× | 2.000× | 0.707× | 1.234× (do_bench) |" in text
+    assert "| vs the fastest, do_bench |" in text
+    rows = [line for line in text.splitlines() if line.startswith("| (1,2,")]
+    assert rows[0].startswith("| (1,2,64,64) |") and rows[0].endswith(" | 2.50 |")
+    assert rows[1].startswith("| (1,2,128,64) causal |") and rows[1].endswith(" | 0.50 |")
+
+
+def test_the_fitness_mode_shows_the_evaluators_own_fitness_and_interval(tmp_path: Path) -> None:
+    """Where the evaluation carries its fitness (the median of paired rounds' ratios) and its
+    interval, the page shows those in the mode it was timed in, not a ratio of medians; the
+    other modes keep the ratio of medians."""
+    res = tmp_path / "results"
+    res.mkdir()
+    path = _eval_json(res / "eval_toy.json")
+    data = json.loads(path.read_text())
+    data.update(timing="kernel", fitness=1.9, fitness_ci=[1.85, 1.95])
+    path.write_text(json.dumps(data))
+    (res / "machine.txt").write_text("GPU X\n")
+    assert _run("collect", res, "-o", tmp_path / "current.json", cwd=tmp_path).returncode == 0
+    page = tmp_path / "BENCHMARKS.md"
+    page.write_text("<!-- tables -->\n<!-- /tables -->\n")
+    assert _run("page", tmp_path / "current.json", "--page", page, cwd=tmp_path).returncode == 0
+    text = page.read_text()
+    assert "| toy | `seed.py` | fast, slow | 0.707× | 1.900× [1.850, 1.950] | 0.707× | – |" in text
+    assert "call time 0.707×, kernel time 1.900× [1.850, 1.950], graph time 0.707×" in text
