@@ -5,9 +5,9 @@
 
 `collect` reads what benchmarks/gpu_session.sh left in each RESULTS_DIR (eval_<name>.json
 from `evoattn eval --json`, cc_<name>.json from benchmarks/crosscheck.py, run.sqlite of the
-default search, machine.txt) and writes one small JSON of the current results; `page` rewrites the part of BENCHMARKS.md between the
-`<!-- tables -->` and `<!-- /tables -->` lines from it. The prose around the tables is the
-page's own.
+default search, machine.txt) and writes one small JSON of the current results; `page`
+rewrites the part of BENCHMARKS.md between the `<!-- tables -->` and `<!-- /tables -->` lines
+from it. The prose around the tables is the page's own.
 """
 from __future__ import annotations
 
