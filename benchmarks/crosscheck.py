@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import random
 import statistics
 import sys
 import tempfile
@@ -36,11 +36,13 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.host_cost import interleaved_samples  # noqa: E402
 from evaluator import checks  # noqa: E402
-from evaluator.cases import probe_backends  # noqa: E402
+from evaluator.cases import prepare_case  # noqa: E402
 from evaluator.loader import LoadFailure, build_candidate  # noqa: E402
 from evaluator.measure import bind  # noqa: E402
 from evaluator.problems import get_problem  # noqa: E402
+from evaluator.types import geometric_mean  # noqa: E402
 
 
 def cpu_ms(fn: Callable[[], Any], reps: int = 5) -> float:
@@ -59,10 +61,6 @@ def timer(on_gpu: bool) -> Callable[[Callable[[], Any]], float]:
         return cpu_ms
     from triton.testing import do_bench
     return lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def geomean(xs: list[float]) -> float | None:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
 
 def setup(problem_name: str, configs: str, dtype_name: str | None,
@@ -99,19 +97,15 @@ def crosscheck(path: Path, problem_name: str, configs: str, dtype_name: str | No
     except LoadFailure as e:
         raise SystemExit(f"{path}: {e}") from None
     baselines = problem.baselines()
-    time_ms = timer(on_gpu)
-    gen = torch.Generator(device=device)
     rows = []
     for cfg in cfgs:
-        gen.manual_seed(0)
-        inputs = problem.make_inputs(cfg, dtype, device, gen)
-        ref = problem.reference(inputs, cfg)
-        with probe_backends(on_gpu):
-            torch_err = checks.max_abs_err(problem.torch_in_dtype(inputs, cfg), ref)
-        err = checks.max_abs_err(run(inputs, cfg), ref)
-        bound = problem.tolerance.bound(torch_err)
-        row: dict[str, Any] = {"config": problem.label(cfg), "params": cfg, "max_err": err,
-                               "bound": bound, "passed": err <= bound}
+        # one input set, its float32 reference and tolerance, as the evaluator prepares them
+        case = prepare_case(problem, cfg, False, dtype, device, random.Random(0), 1,
+                            problem.tolerance)
+        inputs = case.trials[0].inputs
+        err = checks.max_abs_err(run(inputs, cfg), case.trials[0].ref)
+        row: dict[str, Any] = {"config": case.label, "params": cfg, "max_err": err,
+                               "bound": case.bound, "passed": err <= case.bound}
         rows.append(row)
         if not row["passed"]:
             continue
@@ -120,18 +114,16 @@ def crosscheck(path: Path, problem_name: str, configs: str, dtype_name: str | No
             call = bind(fn, cfg)        # as the evaluator and a user's model call it
             call(inputs)                # compiled or planned before timing
             calls[name] = lambda call=call: call(inputs)
-        ms: dict[str, list[float]] = {name: [] for name in calls}
-        for r in range(rounds):
-            for name in (list(calls) if r % 2 == 0 else list(calls)[::-1]):
-                ms[name].append(time_ms(calls[name]))
+        ms = interleaved_samples(calls, timer(on_gpu), rounds)
         fastest = min(baselines, key=lambda n: statistics.median(ms[n]))
         row.update(ms=ms, fastest=fastest, speedup=statistics.median(
             b / p for b, p in zip(ms[fastest], ms["program"])))
-        del inputs, ref
+        del case, inputs
+    speedups = [r["speedup"] for r in rows if "speedup" in r]
     return {"program": str(path), "problem": problem.name, "dtype": dtype_name,
             "device": torch.cuda.get_device_name(device) if on_gpu else "cpu",
             "timer": "do_bench" if on_gpu else "cpu loop", "rounds": rounds, "configs": rows,
-            "geomean": geomean([r["speedup"] for r in rows if "speedup" in r])}
+            "geomean": geometric_mean(speedups) or None}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,14 +63,20 @@ def host_us(fn, n: int = 40) -> float:  # noqa: ANN001
     return statistics.median(times) * 1e6
 
 
-def interleaved(fns: dict, measure, rounds: int = 5) -> dict:  # noqa: ANN001
-    """The median of `rounds` measurements of each function, taken in interleaved rounds (the
+def interleaved_samples(fns: dict, measure, rounds: int = 5) -> dict:  # noqa: ANN001
+    """Each function's `rounds` measurements, round by round, taken in interleaved rounds (the
     order reversed every round), so a drift in the host's or the GPU's speed falls on all."""
     samples: dict = {name: [] for name in fns}
     for r in range(rounds):
         for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
             samples[name].append(measure(fns[name]))
-    return {name: statistics.median(x) for name, x in samples.items()}
+    return samples
+
+
+def interleaved(fns: dict, measure, rounds: int = 5) -> dict:  # noqa: ANN001
+    """The median of each function's interleaved_samples."""
+    return {name: statistics.median(x)
+            for name, x in interleaved_samples(fns, measure, rounds).items()}
 
 
 def eager_ms(fn_on, sets, rounds: int = 7) -> float:  # noqa: ANN001
