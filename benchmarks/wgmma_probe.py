@@ -103,7 +103,8 @@ def ptxas_summary(log: str) -> str:
         elif "spill" in line and "wgmma_flash_kernel" in fn and any(
                 w.isdigit() and int(w) > 0 for w in line.split()):
             lines.append(f"SPILL/STACK({line.strip()})")
-    warn = [l.strip() for l in log.splitlines() if "warning" in l.lower()]
+    warn = [l.strip() for l in log.splitlines()   # ptxas reports serialised wgmma as info
+            if "warning" in l.lower() or "Potential Performance Loss" in l]
     return "regs " + " ".join(lines) + ("" if not warn else "  WARNINGS: " + " | ".join(warn))
 
 

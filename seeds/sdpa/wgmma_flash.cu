@@ -75,7 +75,11 @@
 // C7518); at D=64 the producer loading each tile's v before the next k (0.985x against 0.990x);
 // for the last wave, two consumer warpgroups at D=64 (10-14% slower per row) or its key tiles in
 // equal ranges over every SM, stream-K (0.975x of the equal parts where they split, 0.75x at
-// (8,32,512,64) where a fuller wave was split); setmaxnreg 40 / 232 at D=128 (1.003x, no gain).
+// (8,32,512,64) where a fuller wave was split); setmaxnreg 40 / 232 at D=128 (1.003x, no gain);
+// at both head dims, the next item's first q k^T issued before the current item's TMA-store
+// epilogue, which then ran under it (the store branchless: a branch in flight serialised every
+// wgmma, C7515/C7518): 0.969x and 0.970x over the 14 configs in two processes, slower on every
+// config, the long ones too (0.94-0.99x).
 // Any S >= 1, D in {64, 128}, fp32 accumulation. Needs the sm_90a target for wgmma (the
 // evaluator builds with -gencode=arch=compute_90a,code=sm_90a on H100/H200). Built for
 // another target (plain sm_90, or PTX JIT-compiled from an older one), the code the GPU runs
