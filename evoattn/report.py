@@ -5,9 +5,11 @@ import dataclasses
 from typing import Any, Callable, Iterable, Protocol
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from evaluator import scoring, stats
+from evaluator.runtime import perf_notes
 from evaluator.request import TIMING_MODES
 from evaluator.types import ConfigResult, EvalResult, Times, Verdict
 
@@ -192,6 +194,8 @@ def print_eval(console: Console, result: EvalResult,
             f"{k} {v:.1f}" for k, v in result.stage_s.items()) + ")")
     for flag in result.flags:
         console.print(f"[yellow]flag[/yellow]: {flag}")
+    for note in perf_notes(result.build_log):
+        console.print(f"[yellow]ptxas[/yellow]: {escape(note)}")
     for line in remeasured_lines(result) + host_bound_lines(result):
         console.print(line)
     ok = result.correct

@@ -202,3 +202,37 @@ def test_the_runtime_imports_only_the_standard_library():
            for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
            for a in (n.names if isinstance(n, ast.Import) else [n])}
     assert top - {"__future__"} <= set(sys.stdlib_module_names), top
+
+
+# A wgmma whose accumulator the code reads before waiting for it: ptxas injects a wait there and
+# says so (C7517, as "info"), in a build that succeeds.
+WGMMA_READ_IN_FLIGHT = r"""
+#include <cuda_runtime.h>
+__global__ void early_read(float* out, unsigned long long da, unsigned long long db, int flag) {
+  float d[4] = {0.f, 0.f, 0.f, 0.f};
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+  asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0,%1,%2,%3}, %4, %5, 1, 1, 1, 0, 0;\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "l"(da), "l"(db));
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+  if (flag) d[0] = 5.f;
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  out[threadIdx.x] = d[0] + d[1] + d[2] + d[3];
+}
+extern "C" int evoattn_sdpa(const void* q, const void* k, const void* v, void* out, int B,
+                            int H, int S, int D, int dtype, int causal, float scale,
+                            void* stream) {
+  early_read<<<1, 128, 0, (cudaStream_t)stream>>>((float*)out, 0, 0, causal);
+  return (int)cudaGetLastError();
+}
+"""
+
+
+@needs_nvcc
+def test_a_build_keeps_ptxas_wgmma_advisories_and_perf_notes_reads_them(tmp_path):
+    r = build_fast(_write(tmp_path, "k.cu", WGMMA_READ_IN_FLIGHT), tmp_path / "cache", ARCH, 120)
+    assert r.ok, r.log
+    notes = runtime.perf_notes(r.log)
+    assert len(notes) == 1 and notes[0].startswith("C7517: warpgroup.wait is injected"), r.log
+    assert notes[0].endswith("(1 function)") and "early_read" not in notes[0]
+    clean = build_fast(_write(tmp_path, "tiny.cu", TINY % "2.0f"), tmp_path / "cache", ARCH, 120)
+    assert clean.ok and runtime.perf_notes(clean.log) == []

@@ -215,3 +215,56 @@ def test_the_prompt_says_every_dtype_a_program_must_be_correct_in() -> None:
     assert "Checked in float16, bfloat16: a program must be correct in each" in text
     assert "Checked in" not in results(dataclasses.replace(two, dtypes=("float16",)),
                                        PromptLimits())
+
+
+# ptxas's advisories as nvcc prints them for a build that succeeds (no -v), and lines that are not
+PTXAS_LOG = """\
+ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma instructions defining accumulator registers of a wgmma between start and end of the pipeline stage in the function '_Z6kernelI6__halfEvv'
+ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma instructions defining accumulator registers of a wgmma between start and end of the pipeline stage in the function '_Z6kernelI13__nv_bfloat16Evv'
+ptxas info    : (C7511) Potential Performance Loss: wgmma.mma_async instructions are serialized due to insufficient register resources for the wgmma pipeline in the function '_Z6kernelI6__halfEvv'
+ptxas info    : Used 168 registers, used 1 barriers
+"""
+
+
+def test_ptxas_performance_notes_are_read_from_a_build_log_one_per_advisory() -> None:
+    from evaluator.runtime import perf_notes
+    assert perf_notes(PTXAS_LOG) == [
+        "C7515: wgmma.mma_async instructions are serialized due to non wgmma instructions "
+        "defining accumulator registers of a wgmma between start and end of the pipeline "
+        "stage (2 functions)",
+        "C7511: wgmma.mma_async instructions are serialized due to insufficient register "
+        "resources for the wgmma pipeline (1 function)"]
+    assert perf_notes("ptxas info    : Used 168 registers, used 1 barriers\n") == []
+    assert perf_notes("") == []
+
+
+def test_a_correct_parent_whose_build_serialised_its_wgmma_is_told_so() -> None:
+    import dataclasses
+
+    from evoattn.mutators.sections import PromptLimits, results
+    built = dataclasses.replace(_result(0.7), build_log=PTXAS_LOG)
+    text = results(built, PromptLimits())
+    assert "Compiler notes (ptxas" in text
+    assert "- C7515: wgmma.mma_async instructions are serialized" in text and "(2 functions)" in text
+    assert "Build log (excerpt)" not in text          # a correct build's log is not shown whole
+    assert "Compiler notes" not in results(_result(0.7), PromptLimits())
+    # a failed program gets its build log itself, not the notes
+    failed = dataclasses.replace(built, verdict=Verdict.INCORRECT, fitness=0.0)
+    failed_text = results(failed, PromptLimits())
+    assert "Build log (excerpt)" in failed_text and "Compiler notes" not in failed_text
+
+
+def test_evoattn_eval_prints_ptxas_performance_notes() -> None:
+    import dataclasses
+
+    from rich.console import Console
+
+    from evoattn.report import print_eval
+    console = Console(record=True, width=300)
+    print_eval(console, dataclasses.replace(_result(0.7), build_log=PTXAS_LOG))
+    text = console.export_text()
+    assert "ptxas: C7515: wgmma.mma_async instructions are serialized" in text
+    assert "ptxas: C7511:" in text
+    plain = Console(record=True, width=300)
+    print_eval(plain, _result(0.7))
+    assert "ptxas" not in plain.export_text()

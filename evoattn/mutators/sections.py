@@ -8,6 +8,7 @@ from typing import Any, Mapping, Sequence
 
 from evaluator import program
 from evaluator.knobs import active, find_knobs
+from evaluator.runtime import perf_notes
 from evaluator.types import EvalResult
 from evoattn.mutators.view import ProgramView
 from evoattn.types import Attempt, Program
@@ -109,6 +110,10 @@ def results(result: EvalResult | None, limits: PromptLimits) -> str:
         lines.append(f"Integrity flags raised: {', '.join(result.flags)}")
     if result.build_log.strip() and not result.correct:
         lines += ["", "Build log (excerpt):", "```", excerpt(result.build_log, limits.log_chars), "```"]
+    notes = perf_notes(result.build_log) if result.correct else []
+    if notes:
+        lines += ["", "Compiler notes (ptxas: the code runs, but slower than it is written to):",
+                  *(f"- {excerpt(n, limits.reason_chars)}" for n in notes[:5])]
     if result.log_tail.strip() and not result.correct:
         lines += ["", "Program output (excerpt):", "```", excerpt(result.log_tail, limits.log_chars), "```"]
     return "\n".join(lines)
