@@ -39,6 +39,7 @@ SEED = ROOT / "seeds" / "sdpa" / "wgmma_flash.cu"
 PROBE = ROOT / "benchmarks" / "wgmma_probe.cu"
 sys.path.insert(0, str(ROOT))                # evoattn, for the knob parser and setter
 from evoattn.mutators.knobs import find_knobs, set_knobs as mutator_set  # noqa: E402
+from evaluator.runtime import perf_notes  # noqa: E402
 GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
 SDPA_SHAPES = [(1, 1, 64, 64, False), (1, 2, 200, 64, True), (2, 2, 513, 128, False),
                (1, 1, 1000, 128, True), (1, 3, 77, 64, False), (1, 1, 1, 64, False),
@@ -103,8 +104,8 @@ def ptxas_summary(log: str) -> str:
         elif "spill" in line and "wgmma_flash_kernel" in fn and any(
                 w.isdigit() and int(w) > 0 for w in line.split()):
             lines.append(f"SPILL/STACK({line.strip()})")
-    warn = [l.strip() for l in log.splitlines()   # ptxas reports serialised wgmma as info
-            if "warning" in l.lower() or "Potential Performance Loss" in l]
+    # ptxas reports serialised wgmma and waits it injected as info, not as warnings
+    warn = [l.strip() for l in log.splitlines() if "warning" in l.lower()] + perf_notes(log)
     return "regs " + " ".join(lines) + ("" if not warn else "  WARNINGS: " + " | ".join(warn))
 
 

@@ -24,6 +24,7 @@ class PromptLimits:
     change_lines: int = 14             # changed lines quoted per attempt
     inspiration_diff_chars: int = 2500  # each other program's diff against the parent
     configs: int = 24                  # rows of a results table
+    notes: int = 5                     # ptxas notes on a correct parent's build
 
 
 def excerpt(text: str, max_chars: int) -> str:
@@ -113,7 +114,7 @@ def results(result: EvalResult | None, limits: PromptLimits) -> str:
     notes = perf_notes(result.build_log) if result.correct else []
     if notes:
         lines += ["", "Compiler notes (ptxas: the code runs, but slower than it is written to):",
-                  *(f"- {excerpt(n, limits.reason_chars)}" for n in notes[:5])]
+                  *(f"- {excerpt(n, limits.reason_chars)}" for n in notes[:limits.notes])]
     if result.log_tail.strip() and not result.correct:
         lines += ["", "Program output (excerpt):", "```", excerpt(result.log_tail, limits.log_chars), "```"]
     return "\n".join(lines)
