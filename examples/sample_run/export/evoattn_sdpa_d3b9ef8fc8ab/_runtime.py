@@ -202,6 +202,28 @@ def find_nvcc() -> str:
     return str(candidate) if candidate.is_file() else "nvcc"
 
 
+# ptxas's advisories on wgmma (C75xx), printed as "info" (no -v needed) by a build that
+# succeeds: "(C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized
+# due to ... in the function '...'" (every wgmma of that kernel serialised), "(C7517)
+# warpgroup.wait is injected in around line N by compiler to allow use of registers defined by
+# GMMA in function '...'" (a wait the code did not ask for).
+_PERF_NOTE = re.compile(r"\((C75\d\d)\)\s*(?:Potential Performance Loss:\s*)?(.+?)"
+                        r"(?: in (?:the )?function '[^']*')?\s*$")
+
+
+def perf_notes(log: str) -> list[str]:
+    """Returns ptxas's performance advisories in a build log, one line per distinct one, with
+    the number of functions it names: "C7515: wgmma.mma_async instructions are serialized due
+    to ... (4 functions)"."""
+    counts: dict[tuple[str, str], int] = {}
+    for line in log.splitlines():
+        if (m := _PERF_NOTE.search(line)):
+            key = (m.group(1), m.group(2).strip())
+            counts[key] = counts.get(key, 0) + 1
+    return [f"{code}: {text} ({n} function{'s' if n > 1 else ''})"
+            for (code, text), n in counts.items()]
+
+
 # ---- fast form -----------------------------------------------------------------
 
 def fast_flags(arch: str) -> list[str]:
