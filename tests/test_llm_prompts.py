@@ -268,3 +268,15 @@ def test_evoattn_eval_prints_ptxas_performance_notes() -> None:
     plain = Console(record=True, width=300)
     print_eval(plain, _result(0.7))
     assert "ptxas" not in plain.export_text()
+
+
+def test_a_prompt_shows_at_most_limits_notes_ptxas_notes() -> None:
+    import dataclasses
+
+    from evoattn.mutators.sections import PromptLimits, results
+    log = "".join(f"ptxas info    : (C75{10 + i}) Potential Performance Loss: wgmma.mma_async "
+                  f"instructions are serialized due to reason {i} in the function 'k'\n"
+                  for i in range(7))
+    text = results(dataclasses.replace(_result(0.7), build_log=log), PromptLimits(notes=3))
+    shown = [line for line in text.splitlines() if line.startswith("- C75")]
+    assert [line[2:7] for line in shown] == ["C7510", "C7511", "C7512"]
