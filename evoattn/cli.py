@@ -320,6 +320,23 @@ def export(run_dir: str, out_dir: str | None) -> None:
     console.print(f"install it with `pip install {target}`, then `import {summary.package}`")
 
 
+@cli.command("new-kernel")
+@click.argument("path", type=click.Path(dir_okay=False))
+@click.option("--problem", default="sdpa", show_default=True,
+              help="the problem whose entry the file defines")
+@click.option("--form", type=click.Choice(["cu", "py"]),
+              help="cu: CUDA fast form (entry, launcher, dtype dispatch); py: Python "
+                   "(default: PATH's suffix)")
+def new_kernel(path: str, problem: str, form: str | None) -> None:
+    """Write a kernel file ready to fill: the entry, launcher and dtype dispatch around a simple
+    correct body, which you replace with your kernel's. Never overwrites a file."""
+    from .skeleton import write_skeleton
+    written = write_skeleton(Path(path), problem, form)
+    flag = "" if problem == "sdpa" else f" --problem {problem}"
+    console.print(f"wrote {written}: replace the body between its '----' lines with your "
+                  f"kernel's, then `evoattn eval {written}{flag}`")
+
+
 @cli.command("report")
 @click.argument("run_dir", type=click.Path(file_okay=False))
 @click.option("--out", "out_dir", type=click.Path(file_okay=False),
