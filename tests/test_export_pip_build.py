@@ -29,7 +29,7 @@ def _pip_install(package_dir: Path, target: Path) -> None:
 
 
 def test_a_run_resumes_and_exports_after_pip_install_of_its_best(tmp_path: Path) -> None:
-    run = tmp_path / "run"
+    run = tmp_path / ("a-run-directory-whose-name-is-long-enough-to-pass-a-line-" * 3) / "run"
     cfg = tmp_path / "config.yaml"
     cfg.write_text(yaml.safe_dump({
         "problem": "sdpa", "seed": str(ROOT / "seeds/sdpa/naive_torch.py"),
@@ -37,6 +37,10 @@ def test_a_run_resumes_and_exports_after_pip_install_of_its_best(tmp_path: Path)
         "output": str(run), "evaluator": {"trials": 1, "run_timeout_s": 300}}))
     first = _evoattn("run", "--config", str(cfg), "--quiet")
     assert first.returncode == 0, first.stdout + first.stderr
+    # the advice prints whole into a file: each command in it on one line, to copy as it is
+    hint = next(ln for ln in first.stdout.splitlines() if ln.startswith("best kernel exported"))
+    assert f"`pip install {run / 'best'}`, then `import evoattn_sdpa_" in hint
+    assert f"(re-check it with `evoattn eval {run / 'best'}/best.py --device cpu" in hint
     best = run / "best"
     _pip_install(best, tmp_path / "site")
     dist = json.loads((best / "export.json").read_text())["dist"]
