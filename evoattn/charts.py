@@ -14,7 +14,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from .report_data import Candidate, LineageNode, LlmPoint, NotEvaluated, Speedup
+from .report_data import Candidate, Crowning, LineageNode, LlmPoint, NotEvaluated, Speedup
 
 PASS_COLOUR = "#2ca02c"
 FAIL_COLOUR = "#d62728"
@@ -35,8 +35,10 @@ def _png(fig: Figure) -> bytes:
     return buf.getvalue()
 
 
-def fitness_chart(candidates: Sequence[Candidate], seed_fitness: float | None) -> bytes | None:
-    """Returns the best-so-far line over every evaluated candidate's fitness, by iteration."""
+def fitness_chart(candidates: Sequence[Candidate], seed_fitness: float | None,
+                  best: Sequence[Crowning]) -> bytes | None:
+    """Returns every evaluated candidate's fitness by iteration, with the best so far (the
+    crowned programs' re-measured fitness, report_data.best_line)."""
     if not candidates:
         return None
     fig = Figure(figsize=(10, 4.2), layout="constrained")
@@ -44,22 +46,17 @@ def fitness_chart(candidates: Sequence[Candidate], seed_fitness: float | None) -
     ok = [c for c in candidates if c.verdict == "pass"]
     bad = [c for c in candidates if c.verdict != "pass"]
     ax.scatter([c.iteration for c in ok], [c.fitness for c in ok], s=16, alpha=0.6,
-               color=POINT_COLOUR, label="correct candidate")
+               color=POINT_COLOUR, label="correct candidate (first reading)")
     elites = [c for c in ok if c.elite]
     ax.scatter([c.iteration for c in elites], [c.fitness for c in elites], s=70,
                facecolors="none", edgecolors=ELITE_COLOUR, linewidths=1.5,
                label="in the population now" if elites else None)
     ax.scatter([c.iteration for c in bad], [0.0] * len(bad), marker="x", s=24,
                color=FAIL_COLOUR, label="failed (fitness 0)" if bad else None)
-    xs, ys, best = [], [], 0.0
-    for c in sorted(ok, key=lambda c: c.iteration):
-        best = max(best, c.fitness)
-        xs.append(c.iteration)
-        ys.append(best)
+    xs, ys = best_so_far(best, max(c.iteration for c in candidates))
     if xs:
-        xs.append(max(c.iteration for c in candidates))
-        ys.append(best)
-        ax.step(xs, ys, where="post", color=PASS_COLOUR, linewidth=2, label="best so far")
+        ax.step(xs, ys, where="post", color=PASS_COLOUR, linewidth=2,
+                label="best so far (crowned, re-measured)")
     if seed_fitness:
         ax.axhline(seed_fitness, linestyle="--", color="grey", linewidth=1, label="seed")
     low, high = ax.get_ylim()
@@ -70,6 +67,16 @@ def fitness_chart(candidates: Sequence[Candidate], seed_fitness: float | None) -
     fig.legend(loc="outside upper center", fontsize=8, ncols=5)
     ax.grid(alpha=0.3)
     return _png(fig)
+
+
+def best_so_far(best: Sequence[Crowning], last_iteration: int) -> tuple[list[int], list[float]]:
+    """Returns the best-so-far step line's points: each crowning, held to `last_iteration`."""
+    xs = [c.iteration for c in best]
+    ys = [c.fitness for c in best]
+    if xs:
+        xs.append(max(last_iteration, xs[-1]))
+        ys.append(ys[-1])
+    return xs, ys
 
 
 def speedup_chart(rows: Sequence[Speedup]) -> bytes | None:

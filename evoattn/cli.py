@@ -25,8 +25,13 @@ from evaluator.types import EXIT_OK, EXIT_USAGE, exit_code_for
 from . import report, settings
 from .errors import EvoattnError, Interrupted, RunDirError, UsageError
 
-console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
-err_console = Console(stderr=True, highlight=False)
+# Into a file or a pipe, lines print whole (soft wrap): a command in a hint must stay one line
+# to be copied; a terminal wraps what it shows itself.
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 200,
+                  soft_wrap=not sys.stdout.isatty())
+err_console = Console(stderr=True, highlight=False, soft_wrap=not sys.stderr.isatty())
+DEVICES = ["auto", "cuda", "cpu"]
+_DEVICE_HELP = "where to run: cuda, cpu (Triton's interpreter), or auto (cuda if there is a GPU)"
 
 
 def _die(name: str, message: str, code: int) -> None:
@@ -90,8 +95,8 @@ def main() -> None:
 @click.option("--dtype", "dtypes", type=click.Choice(DTYPES), multiple=True,
               help="check in this dtype; repeatable: correct only if correct in each, timed "
                    "in the first (default: the problem's default dtype)")
-@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto",
-              show_default=True)
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
+              help=_DEVICE_HELP)
 @click.option("--timing", type=click.Choice(TIMING_MODES),
               help="the time fitness uses (default: call, what a model's eager loop pays)")
 @click.option("--baseline", help="the baseline fitness uses: 'best' (default) or a name")
@@ -100,7 +105,9 @@ def main() -> None:
 @click.option("--reps", type=int, help="the most rounds of the fitness mode per config (rounds "
               "come in pairs: an odd number is rounded up)")
 @click.option("--warmup", type=int, help="untimed calls per config before timing")
-@click.option("--policy", type=click.Choice(["kernel-only", "allow-library"]))
+@click.option("--policy", type=click.Choice(["kernel-only", "allow-library"]),
+              help="kernel-only (default): library attention (PyTorch's SDPA, "
+                   "flash-attn, ...) is refused; allow-library permits it")
 @click.option("--max-abs", type=float, help="fixed absolute tolerance instead of the relative rule")
 @click.option("--tolerance-factor", type=float, help="factor x torch's own error (default: "
               "the problem's, 2 for the built-in ones)")
@@ -161,6 +168,7 @@ def eval_cmd(path: str, problem: str, configs: str | None, dtypes: tuple[str, ..
             result = evaluator.evaluate(source, p.suffix, name, rival_source)
     finally:
         evaluator.close()
+    result = report.in_user_terms(result, str(p), rival)
     report.print_eval(console, result, prob.flops)
     if json_path:
         _write_json_atomic(Path(json_path), result.to_json())
@@ -179,11 +187,13 @@ def _with_knobs(path: Path, source: str, knob_sets: tuple[str, ...]) -> str:
 
 
 @cli.command()
-@click.option("--problem", default="sdpa", show_default=True)
-@click.option("--configs", help="'B,H,S,D[,causal|nc];...'")
-@click.option("--dtype", type=click.Choice(DTYPES))
-@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False))
+@click.option("--problem", default="sdpa", show_default=True, help="built-in name or problem .py")
+@click.option("--configs", help="'B,H,S,D[,causal|nc];...' (default: the problem's configs)")
+@click.option("--dtype", type=click.Choice(DTYPES),
+              help="time in this dtype (default: the problem's default dtype)")
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
+              help=_DEVICE_HELP)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the timings")
 def baseline(problem: str, configs: str | None, dtype: str | None, device: str,
              json_path: str | None) -> None:
     """Time every baseline and PyTorch backend of a problem, per config, in every mode."""
@@ -225,8 +235,13 @@ def problems(paths: tuple[str, ...]) -> None:
               help="run YAML (default: configs/default.yaml)")
 @click.option("--iterations", type=int, help="override the config's iterations")
 @click.option("--output", help="override the run directory")
-@click.option("--seed", "random_seed", type=int, help="override the random seed")
-@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]))
+@click.option("--random-seed", type=int,
+              help="override the config's random_seed (the search's RNG; the seed program is "
+                   "the config's seed:)")
+@click.option("--seed", "old_seed", hidden=True,
+              help="deprecated spelling of --random-seed")
+@click.option("--device", type=click.Choice(DEVICES),
+              help=_DEVICE_HELP + " (default: the config's device)")
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False),
               help="continue the run in this directory")
 @click.option("--max-wall-s", type=float,
@@ -234,13 +249,28 @@ def problems(paths: tuple[str, ...]) -> None:
                    "(setting back, re-measuring the best) included")
 @click.option("--quiet", is_flag=True, help="log lines instead of the live view")
 def run(config_path: str | None, iterations: int | None, output: str | None,
-        random_seed: int | None, device: str | None, resume_dir: str | None,
-        max_wall_s: float | None, quiet: bool) -> None:
+        random_seed: int | None, old_seed: str | None, device: str | None,
+        resume_dir: str | None, max_wall_s: float | None, quiet: bool) -> None:
     """Evolve kernels from a seed program (the main job)."""
     from .runner import start_run
+    if old_seed is not None:
+        random_seed = _old_seed(old_seed, random_seed)
     sys.exit(start_run(config_path=config_path, iterations=iterations, output=output,
                        random_seed=random_seed, device=device, resume_dir=resume_dir,
                        quiet=quiet, console=console, max_wall_s=max_wall_s))
+
+
+def _old_seed(value: str, random_seed: int | None) -> int:
+    """Returns the random seed `--seed` gave (its old name); a path there is a UsageError."""
+    if random_seed is not None:
+        raise UsageError("--seed is the old name of --random-seed: give only --random-seed")
+    try:
+        seed = int(value)
+    except ValueError:
+        raise UsageError(f"--seed {value}: --seed is the random seed; use --random-seed N for "
+                         "the RNG, and seed: in the config for the seed program") from None
+    err_console.print("--seed is deprecated: use --random-seed")
+    return seed
 
 
 @cli.group()
@@ -288,6 +318,23 @@ def export(run_dir: str, out_dir: str | None) -> None:
     for f in sorted(target.iterdir()):
         console.print(f"  {f.name}")
     console.print(f"install it with `pip install {target}`, then `import {summary.package}`")
+
+
+@cli.command("new-kernel")
+@click.argument("path", type=click.Path(dir_okay=False))
+@click.option("--problem", default="sdpa", show_default=True,
+              help="the problem whose entry the file defines")
+@click.option("--form", type=click.Choice(["cu", "py"]),
+              help="cu: CUDA fast form (entry, launcher, dtype dispatch); py: Python "
+                   "(default: PATH's suffix)")
+def new_kernel(path: str, problem: str, form: str | None) -> None:
+    """Write a kernel file ready to fill: the entry, launcher and dtype dispatch around a simple
+    correct body, which you replace with your kernel's. Never overwrites a file."""
+    from .skeleton import write_skeleton
+    written = write_skeleton(Path(path), problem, form)
+    flag = "" if problem == "sdpa" else f" --problem {problem}"
+    console.print(f"wrote {written}: replace the body between its '----' lines with your "
+                  f"kernel's, then `evoattn eval {written}{flag}`")
 
 
 @cli.command("report")

@@ -15,7 +15,7 @@ from pathlib import Path
 from . import export_docs as docs
 from .errors import RunDirError
 from .export_package import KernelInfo, describe, package_files
-from .outdir import replace_directory
+from .outdir import build_leftovers, replace_directory
 from .report import crowned_changes
 from .store import RunStore
 from .types import Program
@@ -136,9 +136,13 @@ def _program_files(best: Program, info: KernelInfo) -> dict[str, str]:
 
 
 def _replaceable(out_dir: Path) -> set[str]:
-    """Returns the names in out_dir an earlier export wrote (from its manifest)."""
+    """Returns the names in out_dir an earlier export wrote (from its manifest), and those a
+    pip build of its package left."""
     try:
-        listed = json.loads((out_dir / MANIFEST).read_text())["files"]
+        manifest = json.loads((out_dir / MANIFEST).read_text())
+        listed = manifest["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return set(_EXPORT_NAMES)
-    return set(_EXPORT_NAMES) | {str(n) for n in listed}
+    # `pip install out_dir` builds in place: its build/ and egg-info go with the old export
+    return set(_EXPORT_NAMES) | {str(n) for n in listed} | \
+        build_leftovers(out_dir, str(manifest.get("dist", "")))

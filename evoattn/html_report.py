@@ -21,8 +21,11 @@ HTML_NAME = "report.html"
 # Each chart: its file, its heading, what it shows, and what the page says without it.
 _CHARTS: tuple[tuple[str, str, str, str], ...] = (
     ("fitness.png", "Fitness over iterations",
-     "Every evaluated candidate's fitness (failures at 0, marked ×), the best so far, the "
-     "seed's fitness (dashed) and, where in range, parity with the baseline (dotted, 1.0).",
+     "Every evaluated candidate's fitness as first read (failures at 0, marked ×); the best "
+     "so far: the seed, then each child crowned by a duel beside the best of its time, at "
+     "its re-measured fitness, ending at the best's figure above (a high first reading that "
+     "was never confirmed is not the best); the seed's fitness (dashed) and, where in range, "
+     "parity with the baseline (dotted, 1.0).",
      "No candidate has been evaluated yet."),
     ("speedup.png", "Speedup of the best, per config",
      "Baseline time / the best's time, one panel per timing mode, a bar per baseline; the "
@@ -74,7 +77,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
 
 def _draw(data: RunData) -> dict[str, bytes | None]:
     draw: dict[str, Callable[[], bytes | None]] = {
-        "fitness.png": lambda: charts.fitness_chart(data.candidates, data.seed_fitness),
+        "fitness.png": lambda: charts.fitness_chart(data.candidates, data.seed_fitness,
+                                                     data.best_line),
         "speedup.png": lambda: charts.speedup_chart(data.speedups),
         "lineage.png": lambda: charts.lineage_chart(data.lineage),
         "verdicts.png": lambda: charts.verdict_chart(data.candidates, data.not_evaluated),
@@ -114,17 +118,17 @@ def _summary(data: RunData) -> str:
         counts[c.verdict] = counts.get(c.verdict, 0) + 1
     for n in data.not_evaluated:
         counts[n.kind] = counts.get(n.kind, 0) + 1
-    best = data.best
+    best, shown = data.best, data.best_fitness
     duel = data.beside_seed[1] if data.beside_seed else None
-    if best is not None and duel is not None and duel.correct and duel.rival_fitness:
-        fitness = (f"{duel.rival_fitness:.4f} → {duel.fitness:.4f} "
-                   f"({duel.fitness / duel.rival_fitness - 1:+.1%}), re-measured side by side "
+    if shown is not None and duel is not None and duel.correct and duel.rival_fitness:
+        fitness = (f"{duel.rival_fitness:.4f} → {shown:.4f} "
+                   f"({shown / duel.rival_fitness - 1:+.1%}), re-measured side by side "
                    "at the end of the run (below)")
-    elif best is not None and data.seed_fitness:
-        change = f" ({best.fitness / data.seed_fitness - 1:+.1%})"
-        fitness = f"{data.seed_fitness:.4f} → {best.fitness:.4f}{change}"
-    elif best is not None:
-        fitness = f"seed failed → {best.fitness:.4f}"
+    elif shown is not None and data.seed_fitness:
+        change = f" ({shown / data.seed_fitness - 1:+.1%})"
+        fitness = f"{data.seed_fitness:.4f} → {shown:.4f}{change}"
+    elif shown is not None:
+        fitness = f"seed failed → {shown:.4f}"
     else:
         fitness = "no correct program yet"
     vs = "the fastest baseline per config" if data.baseline == "best" else data.baseline

@@ -1,13 +1,16 @@
 """Write a directory of generated files in one step: a reader sees the old one or the new one.
 
 Exports and reports are regenerated into the same directory; a crash half-way must not leave
-a mix, and files the user put there must never be deleted by us.
+a mix, and files the user put there must never be deleted by us. An export is a package the
+user installs in place (`pip install RUN/best`), and a build leaves its own files beside ours;
+those are the package's, stale once it is exported again, and go with the old export.
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -53,3 +56,31 @@ def replace_directory(out_dir: Path, files: dict[str, str | bytes],
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+# What setuptools puts under build/ (build_py's lib, bdist_wheel's staging, build_ext's temp).
+_BUILD_ENTRY = re.compile(r"(lib|bdist|temp)(\..*)?")
+_ARCHIVE = re.compile(r".+\.(whl|tar\.gz)")
+
+
+def build_leftovers(out_dir: Path, dist: str) -> set[str]:
+    """Returns the entries of out_dir that a pip build of the package `dist` there left.
+
+    `build/` holding only setuptools' staging, `<dist>.egg-info/` and a `dist/` of wheels and
+    sdists; anything else in them makes them the user's, and they are not named.
+    """
+    found: set[str] = set()
+    for entry in out_dir.iterdir() if dist and out_dir.is_dir() else ():
+        if not entry.is_dir() or entry.is_symlink():
+            continue
+        names = [e.name for e in entry.iterdir()]
+        if (entry.name == "build" and all(_BUILD_ENTRY.fullmatch(n) for n in names)) or \
+                entry.name == _normal(dist) + ".egg-info" or \
+                (entry.name == "dist" and all(_ARCHIVE.fullmatch(n) for n in names)):
+            found.add(entry.name)
+    return found
+
+
+def _normal(name: str) -> str:
+    """Returns a distribution name as setuptools spells it in file names (PEP 503, with _)."""
+    return re.sub(r"[-_.]+", "_", name).lower()

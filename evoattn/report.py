@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Callable, Iterable, Protocol
 
 from rich.console import Console
@@ -178,9 +179,26 @@ def cost_summary(results: list[EvalResult], elapsed_s: float | None = None,
             + ", ".join(f"{name} {sec:.1f}" for name, sec in top) + f"){rate}")
 
 
+# The sandbox's names for a single-file program and its rival (sandbox.py), with the
+# temporary directory a path to them may carry.
+_SANDBOX_NAME = re.compile(r"(?<![\w.-])(?:[\w.-]*/)*(candidate|rival)\.(?:cu|py)\b")
+
+
+def in_user_terms(result: EvalResult, path: str, rival: str | None = None) -> EvalResult:
+    """Returns the result with the sandbox's file names (candidate.cu, .../rival.py) replaced
+    by the user's paths in every message it carries: reasons, flags, build log, log tail."""
+    def user(text: str) -> str:
+        return _SANDBOX_NAME.sub(lambda m: path if m[1] == "candidate" else rival or m[0], text)
+    configs = tuple(dataclasses.replace(c, reason=user(c.reason)) for c in result.configs)
+    return dataclasses.replace(result, reason=user(result.reason),
+                               build_log=user(result.build_log), log_tail=user(result.log_tail),
+                               flags=tuple(user(f) for f in result.flags), configs=configs)
+
+
 def print_eval(console: Console, result: EvalResult,
                flops: Callable[[dict[str, Any]], float] | None = None) -> None:
-    """Prints the tables and the closing block (Correctness / Speedup / Score)."""
+    """Prints the tables and the closing block (Correctness / Speedup / Score); a file only
+    compiled (no GPU to run it) gets no score: nothing was scored."""
     if result.configs:
         console.print(eval_table(result))
         for extra in (modes_table(result), backends_table(result)):
@@ -213,7 +231,8 @@ def print_eval(console: Console, result: EvalResult,
             console.print(f"  the same times in the other modes: {other_modes(result, flops)}")
     for line in duel_lines(result):
         console.print(line)
-    console.print(f"Score: {result.fitness:.4f}")
+    if result.verdict is not Verdict.COMPILED:
+        console.print(f"Score: {result.fitness:.4f}")
 
 
 def host_bound(result: EvalResult, c: ConfigResult) -> bool:

@@ -14,7 +14,8 @@ from typing import Any
 from evaluator.request import TIMING_MODES
 from evaluator.types import EvalResult
 
-from .report import crowned_changes, duel_phrase, label
+from .prune import PRUNE
+from .report import crowned_changes, duel_of, duel_phrase, label
 from .search import DUPLICATE
 from .store import RunStore
 from .store_reads import StoredLlmCall
@@ -31,6 +32,15 @@ class Candidate:
     verdict: str
     minute: float                       # when it was stored
     elite: bool                         # in the population now
+
+
+@dataclasses.dataclass(frozen=True)
+class Crowning:
+    """The best from `iteration` on: the program crowned there and its re-measured fitness."""
+
+    program_id: str
+    iteration: int
+    fitness: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +126,18 @@ class RunData:
     # the changes from the seed the end of the run set back, where it did so for this best
     # (store.record_pruned: {before, best, steps})
     set_back: dict[str, Any] | None = None
+    # the best over the run: the seed, each child crowned by a duel, and the best it ends with
+    # at best_fitness (the report's one figure for the best)
+    best_line: tuple[Crowning, ...] = ()
+
+    @property
+    def best_fitness(self) -> float | None:
+        """The best's fitness as the report states it: re-measured beside the seed at the end
+        of the run where it was, else as stored (a crowned best's stored result is its duel)."""
+        duel = self.beside_seed[1] if self.beside_seed else None
+        if self.best is not None and duel is not None and duel.correct and duel.rival_fitness:
+            return duel.fitness
+        return self.best.fitness if self.best is not None else None
 
 
 def load_run(run_dir: str | Path) -> RunData:
@@ -139,7 +161,7 @@ def load_run(run_dir: str | Path) -> RunData:
     elites = {pid for island in state.get("population", {}).get("islands", [])
               for pid in island}
     evaluator = config.get("evaluator", {})
-    return RunData(
+    data = RunData(
         name=Path(run_dir).resolve().name, problem=meta.get("problem", ""),
         seed_path=meta.get("seed", ""),
         device=result.device if result else str(config.get("device", "")),
@@ -163,6 +185,28 @@ def load_run(run_dir: str | Path) -> RunData:
         llm_failed=sum(1 for c in calls if c.usage.status == "failed"),
         beside_seed=beside_seed,
         set_back=set_back)
+    return dataclasses.replace(data, best_line=best_line(programs, seed, best,
+                                                         data.best_fitness))
+
+
+def best_line(programs: dict[str, Program], seed: Program | None, best: Program | None,
+              best_fitness: float | None) -> tuple[Crowning, ...]:
+    """Returns the best over the run: the seed, then each child that won its duel beside the
+    best of its time (at the duel's fitness), ending at `best` with `best_fitness`. A child's
+    plain reading, never confirmed beside the best, is not on it however high it read."""
+    steps = [Crowning(seed.id, seed.iteration, seed.fitness)] if seed and seed.correct else []
+    for p in sorted(programs.values(), key=lambda q: q.iteration):
+        duel = duel_of(p)
+        if duel is not None and duel.won and p.mutator != PRUNE:
+            steps.append(Crowning(p.id, p.iteration, p.fitness))
+    if best is None or best_fitness is None:
+        return tuple(steps)
+    if steps and steps[-1].program_id == best.id:
+        steps[-1] = dataclasses.replace(steps[-1], fitness=best_fitness)
+    else:       # set back at the end of the run, or a run stored before champions were kept
+        last = max([best.iteration] + [c.iteration for c in steps])
+        steps.append(Crowning(best.id, last, best_fitness))
+    return tuple(steps)
 
 
 def lineage(best_id: str, programs: dict[str, Program]) -> tuple[LineageNode, ...]:

@@ -5,6 +5,7 @@ import dataclasses
 import hashlib
 import html
 import itertools
+import random
 import re
 import shutil
 import subprocess
@@ -401,3 +402,48 @@ def test_lineage_says_how_each_step_fared_beside_the_best_of_its_time(
     page = render(dataclasses.replace(load_run(finished_run), lineage=nodes), set())
     assert "<th>beside the best of its time</th>" in page
     assert "<td>never re-measured: unproven</td>" in page
+
+
+def _crowned_run(run_dir: Path) -> None:
+    """A run like the one a loaded CPU gave: a child read high once, never confirmed beside
+    the best; another child won its duel and is the best."""
+    from fakes import duel_result
+    loud = _program("loud", "seed", 1, 0.165)                   # a plain reading only
+    won = dataclasses.replace(_program("won", "seed", 2, 0.12),
+                              result=duel_result(0.12, 0.0969, 0.01))
+    steps = [_program("seed", None, 0, 0.0969), loud, won, _program("late", "won", 3, 0.11)]
+    with RunStore.open(run_dir, config_to_dict(RunConfig(device="cpu")), create=True) as s:
+        for i, p in enumerate(steps):
+            s.commit_iteration(iteration=i, program=p, rejection=None, llm_usage=None,
+                               rng_state=random.Random(i).getstate(), population_snapshot={
+                                   "champion": "won" if i >= 2 else "seed"})
+
+
+def _header_best(page: Path) -> float:
+    row = re.search(r"<th>seed → best fitness</th><td>([^<]*)</td>", page.read_text()).group(1)
+    return float(html.unescape(row).split("→")[1].split()[0])
+
+
+def test_the_fitness_charts_best_so_far_ends_at_the_headers_best(tmp_path: Path) -> None:
+    from evoattn.report_data import load_run
+    _crowned_run(tmp_path / "run")
+    page = write_report(tmp_path / "run")
+    data = load_run(tmp_path / "run")
+    xs, ys = charts.best_so_far(data.best_line, 3)
+    assert (xs, ys) == ([0, 2, 3], [0.0969, 0.12, 0.12])       # the seed, then the duel's won
+    assert ys[-1] == _header_best(page) == 0.12 and max(ys) < 0.165
+    assert (page.parent / "fitness.png").is_file()
+
+
+def test_the_best_so_far_ends_at_the_end_of_run_re_measurement(tmp_path: Path) -> None:
+    from fakes import duel_result
+    from evoattn.report_data import load_run
+    _crowned_run(tmp_path / "run")
+    store = RunStore.open(tmp_path / "run", None, create=False)
+    try:
+        store.record_side_by_side("seed", "won", duel_result(0.1111, 0.0950, 0.01))
+    finally:
+        store.close()
+    page = write_report(tmp_path / "run")
+    _, ys = charts.best_so_far(load_run(tmp_path / "run").best_line, 3)
+    assert ys[-1] == _header_best(page) == 0.1111
