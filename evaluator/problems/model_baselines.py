@@ -8,8 +8,8 @@ additive mask, the BlockMask) is built on a config's first call, always an untim
 call, and cached per process.
 
 SDPA cannot express softcap or sinks, nor flash_attn_func sinks: transformers raises there
-and the user runs eager. Such a row (`applies(cfg)` False) times the eager path instead, so
-fitness, which takes the fastest row, is unchanged by it.
+and the user runs eager. Such a row says so through `applies(cfg)` and is not timed for that
+config (evaluator/measure.py); called there anyway (a warm-up), it runs the eager path.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _key(inputs: dict[str, Any], cfg: Config, what: str) -> tuple[Any, ...]:
 
 
 class _Row:
-    """A baseline that runs only on the configs it can express, the eager path elsewhere."""
+    """A baseline for the configs it can express (`applies`); the eager path elsewhere."""
 
     def __init__(self, fn: Fn, applies: Callable[[Config], bool], eager: Fn) -> None:
         self._fn, self.applies, self._eager = fn, applies, eager

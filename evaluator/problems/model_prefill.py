@@ -21,6 +21,8 @@ OPTIONAL_KEYS = ("scale",)           # 0 or absent: 1/sqrt(D)
 # Head 0's sink: exp(10) outweighs a row of a thousand unit-scale scores, so every check
 # includes rows whose denominator the sink dominates (outputs near zero).
 DOMINANT_SINK = 10.0
+DOMAIN = ("any B >= 1, S >= 1; H % Hkv == 0; D in {64, 128, 256}; window >= 0 (0: none, "
+          ">= S: plain causal); softcap >= 0 (0: none); sinks or not; scale > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +50,8 @@ def shape_of(cfg: Config) -> ModelShape:
         raise ValueError(f"model config {cfg}: {what}")
     B, H, Hkv, S, D, window = (int(cfg[k]) for k in ("B", "H", "Hkv", "S", "D", "window"))
     bad = {"B": B < 1, "S": S < 1, "window": window < 0, "softcap": float(cfg["softcap"]) < 0,
-           "H": H < 1 or Hkv < 1 or H % Hkv != 0, "D": D not in HEAD_DIMS}
+           "H": H < 1 or Hkv < 1 or H % Hkv != 0, "D": D not in HEAD_DIMS,
+           "scale": float(cfg.get("scale", 0.0)) < 0}
     for key, wrong in bad.items():
         if wrong:
             raise ValueError(f"model config {cfg}: {key} is outside the contract ({DOMAIN})")
@@ -120,9 +123,6 @@ GEMMA2_2B = tuple(_cfg(TOKENS // s, 8, 4, s, 256, 0, 50.0) for s in (1024, 2048,
 GPT_OSS_20B = tuple(_cfg(b, 64, 8, s, 64, w, 0.0, True)
                     for b, s in ((16, 1024), (8, 2048), (4, 4096), (1, 8192)) for w in (0, 128))
 
-DOMAIN = ("any B >= 1, S >= 1; H % Hkv == 0; D in {64, 128, 256}; window >= 0 (0: none, "
-          ">= S: plain causal); softcap >= 0 (0: none); sinks or not; scale > 0")
-
 
 class ModelPrefill(Problem):
     name = "model"
@@ -146,10 +146,10 @@ class ModelPrefill(Problem):
         "transformers calls them: its eager path (scores materialised, softcap, additive "
         "mask, sinks concatenated, softmax), compiled FlexAttention (softcap score_mod, a "
         "BlockMask built once per config, sinks by renormalising with the log-sum-exp), SDPA "
-        "with a boolean mask (only without softcap and sinks: elsewhere that row times the "
-        "eager path) and flash-attn's flash_attn_func(softcap=, window_size=) where "
-        "importable (not with sinks: that row then times the eager path); fitness is the "
-        "speedup over the fastest. Shapes outside the contract must raise ValueError."
+        "with a boolean mask (timed only without softcap and sinks, which it cannot express) "
+        "and flash-attn's flash_attn_func(softcap=, window_size=) where importable (timed "
+        "only without sinks); fitness is the speedup over the fastest. Shapes outside the "
+        "contract must raise ValueError."
     )
     dtypes = ("float16", "bfloat16")
     default_dtype = "bfloat16"
