@@ -273,5 +273,14 @@ def test_eval_reports_the_seed_correct_and_times_only_the_baselines_that_apply(
     assert timed == [{"eager", "flex_attention", "sdpa"}, {"eager", "flex_attention"}]
 
 
+def test_a_config_outside_the_contract_is_a_one_line_usage_error() -> None:
+    p = subprocess.run([sys.executable, "-m", "evoattn.cli", "eval", str(SEED), "--problem",
+                        "model", "--device", "cpu", "--configs",
+                        "B=1,H=3,Hkv=2,S=8,D=64,window=0,softcap=0.0,sinks=false"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 4 and "H is outside the contract" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+
+
 if __name__ == "__main__":
     print(json.dumps(child(json.loads(sys.argv[1]))))

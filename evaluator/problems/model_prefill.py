@@ -186,6 +186,14 @@ class ModelPrefill(Problem):
         return f"(B{s.B},{s.H}/{s.Hkv},{s.S},{s.D}) " + (" ".join(f for f in feats if f)
                                                            or "causal")
 
+    def parse_configs(self, spec: str) -> list[Config]:
+        """Parses `--configs` text ('key=value,...;...'), each config checked against the
+        contract here, so a wrong one is a usage error, not a candidate's crash."""
+        configs = super().parse_configs(spec)
+        for cfg in configs:
+            shape_of(cfg)
+        return configs
+
     def flops(self, cfg: Config) -> float:
         s = shape_of(cfg)
         return flops_for_pairs(visible_pairs(s.S, s.window), s.B * s.H, s.D)
