@@ -22,9 +22,11 @@ Features are constexpr switches, so a call compiles only the code it uses:
            m' = max(m, sink), l' = l·2^(m - m') + 2^(sink - m'), acc scaled by 2^(m - m')
 
 Knobs (the lines marked `# evoattn: choice(...)`), per head dim: tile sizes, warps, stages;
-SPLIT_MASK (the three-stage loop; False masks every visited tile). Correct for any S >= 1,
-H % Hkv == 0, D in {64, 128, 256}, window >= 0, softcap >= 0; on a GPU, the largest tiles
-with deep pipelines may not fit in shared memory at D = 256 (the launch then fails).
+SPLIT_MASK (the three-stage loop; False masks every visited tile); HEAVY_FIRST (each head's
+query tiles in reverse, so the causal tiles with the most keys do not trail the grid).
+Correct for any S >= 1, H % Hkv == 0, D in {64, 128, 256}, window >= 0, softcap >= 0; on a
+GPU, the largest tiles with deep pipelines may not fit in shared memory at D = 256 (the
+launch then fails).
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ BLOCK_N_D256 = 32  # evoattn: choice(16, 32, 64)
 NUM_WARPS_D256 = 8  # evoattn: choice(4, 8)
 NUM_STAGES_D256 = 2  # evoattn: choice(1, 2, 3)
 SPLIT_MASK = True  # evoattn: choice(True, False)
+HEAVY_FIRST = True  # evoattn: choice(True, False)
 
 LOG2E = 1.44269504  # log2(e) = 1/ln 2: exp(x) == exp2(x * LOG2E)
 HEAD_DIMS = (64, 128, 256)
@@ -115,12 +118,15 @@ def _inner(acc, l_i, m_i, q, K, V, kv_head, offs_m, lo, hi, S, window, qk_scale,
 def _model_fwd(Q, K, V, O, SINK, S, G, H, window, qk_scale, cap2,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
-               SPLIT: tl.constexpr, UPCAST: tl.constexpr):
+               SPLIT: tl.constexpr, HEAVY_FIRST: tl.constexpr, UPCAST: tl.constexpr):
     """Q, O: contiguous (B, H, S, D); K, V: (B, Hkv, S, D); SINK: (H,) float32 logits, read
     only if SINKS. A 1-D grid of (query blocks) * B*H programs, query blocks fastest."""
     num_m = tl.cdiv(S, BLOCK_M)
     pid = tl.program_id(0)
-    start_m = (pid % num_m) * BLOCK_M
+    m_idx = pid % num_m
+    if HEAVY_FIRST:                 # the last query tiles see the most keys: start them first
+        m_idx = num_m - 1 - m_idx
+    start_m = m_idx * BLOCK_M
     off_hz = pid // num_m                            # flat query head b*H + h
     off_kv = off_hz // G                             # its key/value head b*Hkv + h // G
     offs_m = start_m + tl.arange(0, BLOCK_M)                              # query indices
@@ -233,5 +239,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
                      window if use_window else 0, qk_scale, cap2,
                      HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, WINDOW=use_window,
                      SOFTCAP=softcap > 0, SINKS=sinks is not None, SPLIT=SPLIT_MASK,
-                     UPCAST=upcast, num_warps=num_warps, num_stages=num_stages)
+                     HEAVY_FIRST=HEAVY_FIRST, UPCAST=upcast, num_warps=num_warps, num_stages=num_stages)
     return out.to(q.dtype) if upcast else out
