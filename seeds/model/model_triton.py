@@ -239,5 +239,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
                      window if use_window else 0, qk_scale, cap2,
                      HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, WINDOW=use_window,
                      SOFTCAP=softcap > 0, SINKS=sinks is not None, SPLIT=SPLIT_MASK,
-                     HEAVY_FIRST=HEAVY_FIRST, UPCAST=upcast, num_warps=num_warps, num_stages=num_stages)
+                     HEAVY_FIRST=HEAVY_FIRST, UPCAST=upcast, num_warps=num_warps,
+                     num_stages=num_stages)
     return out.to(q.dtype) if upcast else out
