@@ -16,7 +16,7 @@ def main() -> None:
     import torch
 
     from . import device as devinfo
-    from .measure import bind
+    from .measure import applies, bind
     from .problems import get_problem
     from .request import EvalRequest
     from .timing import CpuTimer, GpuTimer, Plan, set_bytes
@@ -40,6 +40,9 @@ def main() -> None:
                                set_bytes(inputs, problem.random_inputs), "all")
         times: dict[str, dict | None] = {}
         for name, fn in fns.items():
+            if not applies(fn, cfg):
+                times[name] = None
+                continue
             bound = bind(fn, cfg)
             try:
                 bound(inputs)                          # unsupported configs raise here

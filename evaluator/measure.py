@@ -63,7 +63,8 @@ def time_case(ctx: TimingContext, case: Case, run: Callable[..., Any], rng: rand
     given = _given_times(req, cfg)
     fns: dict[str, Fn] = {"candidate": lambda inp: run(inp, cfg)}
     if given is None:
-        fns.update({f"baseline:{n}": bind(f, cfg) for n, f in ctx.baselines.items()})
+        fns.update({f"baseline:{n}": bind(f, cfg) for n, f in ctx.baselines.items()
+                    if applies(f, cfg)})
     if req.all_backends:
         fns.update({f"backend:{n}": bind(f, cfg) for n, f in ctx.backends.items()
                     if _works(f, inputs, cfg)})
@@ -189,6 +190,13 @@ def bind(fn: Callable[..., Any], cfg: dict[str, Any]) -> Fn:
     if hasattr(fn, "bind"):
         return fn.bind(cfg)
     return lambda inp: fn(inp, cfg)
+
+
+def applies(fn: Callable[..., Any], cfg: dict[str, Any]) -> bool:
+    """Returns whether a baseline computes this config: one whose `applies(cfg)` says no (SDPA
+    for a soft-capped score) is not timed there, so no row stands for what it cannot do."""
+    check = getattr(fn, "applies", None)
+    return check is None or bool(check(cfg))
 
 
 def _given_times(req: EvalRequest, cfg: dict[str, Any]) -> dict[str, Times] | None:

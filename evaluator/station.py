@@ -73,9 +73,9 @@ class _Station:
         return out
 
     def _time_config(self, cfg: dict[str, Any], inputs: Any, gen: Any) -> dict[str, Any]:
-        from .measure import bind, config_key
+        from .measure import applies, bind, config_key
         from .timing import Plan, set_bytes
-        fns = {n: bind(f, cfg) for n, f in self.baselines.items()}
+        fns = {n: bind(f, cfg) for n, f in self.baselines.items() if applies(f, cfg)}
         plan = Plan.for_device(self.req.on_gpu, self.req.resolved_warmup(),
                                self.req.resolved_reps(),
                                set_bytes(inputs, self.problem.random_inputs), self.req.timing,

@@ -6,12 +6,13 @@ from .decode import Decode
 from .gqa import Gqa
 from .masked import Masked
 from .mha import Mha
+from .model_prefill import ModelPrefill
 from .sdpa import Sdpa
 from .sliding_window import SlidingWindow
 from .strided import Strided
 
 _BUILTIN: dict[str, type[Problem]] = {p.name: p for p in (Sdpa, Mha, Strided, Masked, Gqa,
-                                                           SlidingWindow, Decode)}
+                                                           SlidingWindow, Decode, ModelPrefill)}
 
 
 class UnknownProblem(ValueError):
