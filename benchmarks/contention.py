@@ -1,6 +1,6 @@
 """Honest kernels evaluated while another process keeps the same GPU busy: no verdict against them.
 
-    python benchmarks/contention.py --out contention.json [--seconds-per-eval 120]
+    python -m benchmarks.contention --out contention.json [--seconds-per-eval 120]
 
 A background process runs bf16 matmuls back to back on the GPU for the whole benchmark (a
 colleague's job, another Dask worker). Each honest fixture is then evaluated with

@@ -1,11 +1,11 @@
 """Greedy generation through an exported `decode` kernel against SDPA: same tokens, tokens/s.
 
-    python benchmarks/decode_generate.py --export RUN_DIR/best --out gen.json
-    python benchmarks/decode_generate.py --export RUN_DIR/best --dtypes bfloat16 --out g.json
-    python benchmarks/decode_generate.py --export RUN_DIR/best --cache static --out gs.json
-    python benchmarks/decode_generate.py --export RUN_DIR/best --prefill-export SDPA_RUN/best \
+    python -m benchmarks.decode_generate --export RUN_DIR/best --out gen.json
+    python -m benchmarks.decode_generate --export RUN_DIR/best --dtypes bfloat16 --out g.json
+    python -m benchmarks.decode_generate --export RUN_DIR/best --cache static --out gs.json
+    python -m benchmarks.decode_generate --export RUN_DIR/best --prefill-export SDPA_RUN/best \
         --out g.json          # the prompt through an exported prefill kernel as well
-    python benchmarks/decode_generate.py --export RUN_DIR/best --device cpu --tiny --out g.json
+    python -m benchmarks.decode_generate --export RUN_DIR/best --device cpu --tiny --out g.json
 
 A Llama-shaped model with random weights, no download (hidden 2048, 16 layers, MLP 8192, 32
 query heads of 64 and 8 key/value heads: GQA 4:1, vocabulary 32000), --batch prompts of
@@ -50,15 +50,13 @@ import importlib
 import inspect
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_model import Clock, attention_time, judge, load_export  # noqa: E402
+from benchmarks.hf_model import Clock, attention_time, judge, load_export
 
 
 def model_config(a: argparse.Namespace) -> Any:

@@ -1,8 +1,8 @@
 """One decode step of a Llama-shaped model over a static KV cache, SDPA against an exported
 `decode` kernel: the cross-check of decode_generate.py's tokens per second by another harness.
 
-    python benchmarks/decode_step.py --export RUN_DIR/best --out step.json
-    python benchmarks/decode_step.py --export RUN_DIR/best --device cpu --tiny --out s.json
+    python -m benchmarks.decode_step --export RUN_DIR/best --out step.json
+    python -m benchmarks.decode_step --export RUN_DIR/best --device cpu --tiny --out s.json
 
 The model is decode_generate.py's (hidden 2048, 16 layers, GQA 4:1, random weights; --tiny on
 the CPU). Per dtype, a StaticCache of --prompt + --new positions is filled by one forward of
@@ -43,8 +43,7 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_generate import (IMPLS, build_model, cache_keyword, decode_package,  # noqa: E402
+from benchmarks.decode_generate import (IMPLS, build_model, cache_keyword, decode_package,
                              model_args)
 
 

@@ -1,9 +1,9 @@
 """An exported kernel inside a Hugging Face Llama model: what the kernel gains, what the
 integration gains, logits agreement.
 
-    python benchmarks/hf_model.py --export RUN_DIR/best --device cuda --compile \\
+    python -m benchmarks.hf_model --export RUN_DIR/best --device cuda --compile \\
         --hidden 2048,4096 --seqs 1000,3000,6000 --dtypes float16,bfloat16 --json hf_model.json
-    python benchmarks/hf_model.py --export RUN_DIR/best --device cpu --tiny   # the CPU check
+    python -m benchmarks.hf_model --export RUN_DIR/best --device cpu --tiny   # the CPU check
 
 Builds a Llama-architecture model from a config with random weights (no download) per
 --hidden: 32 query heads and 8 kv heads (GQA 4:1), so hidden 2048 has head dim 64 and 4096 has

@@ -1,7 +1,7 @@
 """Writes BENCHMARKS.md's tables from measured results.
 
-    python benchmarks/make_page.py collect RESULTS_DIR... [-o benchmarks/current.json]
-    python benchmarks/make_page.py page [benchmarks/current.json] [--page BENCHMARKS.md]
+    python -m benchmarks.make_page collect RESULTS_DIR... [-o benchmarks/current.json]
+    python -m benchmarks.make_page page [benchmarks/current.json] [--page BENCHMARKS.md]
 
 `collect` reads what benchmarks/gpu_session.sh left in each RESULTS_DIR (eval_<name>.json
 from `evoattn eval --json`, cc_<name>.json from benchmarks/crosscheck.py, run.sqlite of the

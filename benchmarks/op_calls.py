@@ -1,6 +1,6 @@
 """An exported package's op as a user calls it, against SDPA, per default sdpa config (GPU only).
 
-    python benchmarks/op_calls.py --export DIR [--dtypes float16,bfloat16] [--layout bhsd|model]
+    python -m benchmarks.op_calls --export DIR [--dtypes float16,bfloat16] [--layout bhsd|model]
                                   [--fallback] [--pin-cpu] [--do-bench] [--json F]
 
 Imports the package from DIR (an `evoattn export` directory, or a run directory) and, per
@@ -22,13 +22,10 @@ import argparse
 import importlib
 import json
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.hf_model import load_export  # noqa: E402
-from benchmarks.host_cost import eager_ms, host_us, interleaved  # noqa: E402
+from benchmarks.hf_model import load_export
+from benchmarks.common import eager_ms, geomean, host_us, interleaved, label
 
 
 def inputs(cfg: dict, dtype, layout: str, n: int) -> list[tuple]:  # noqa: ANN001
@@ -108,8 +105,7 @@ def main() -> None:
                                     lambda f: do_bench(f, warmup=25, rep=100))
                 row.update(bench_ms=bench["ours"], sdpa_bench_ms=bench["sdpa"])
             rows.append(row)
-            label = f"({cfg['B']},{cfg['H']},{cfg['S']},{cfg['D']}){' causal' if causal else ''}"
-            print(f"{dtype_name:8} {label:24} {'kernel' if row['kernel_calls'] else 'fallback'}"
+            print(f"{dtype_name:8} {label('sdpa', cfg):24} {'kernel' if row['kernel_calls'] else 'fallback'}"
                   f"  host {row['host_us']:6.1f} us (SDPA {row['sdpa_host_us']:5.1f}, "
                   f"+{row['host_us'] - row['sdpa_host_us']:5.1f})  call {row['call_ms']:.4f} ms "
                   f"(SDPA {row['sdpa_call_ms']:.4f}, x{row['sdpa_call_ms'] / row['call_ms']:.3f})"
@@ -118,11 +114,11 @@ def main() -> None:
     speed = [r["sdpa_call_ms"] / r["call_ms"] for r in rows]
     extra = [r["host_us"] - r["sdpa_host_us"] for r in rows]
     print(f"geomean speedup over SDPA (eager back-to-back): "
-          f"{statistics.geometric_mean(speed):.3f} over {len(rows)} rows; host us over SDPA: "
+          f"{geomean(speed):.3f} over {len(rows)} rows; host us over SDPA: "
           f"median {statistics.median(extra):+.1f} ({min(extra):+.1f} to {max(extra):+.1f})")
     if a.do_bench:
         print(f"geomean speedup over SDPA (do_bench): "
-              f"{statistics.geometric_mean(r['sdpa_bench_ms'] / r['bench_ms'] for r in rows):.3f}")
+              f"{geomean(r['sdpa_bench_ms'] / r['bench_ms'] for r in rows):.3f}")
     if a.json:
         Path(a.json).write_text(json.dumps({"package": pkg.__name__, "call_path": path,
                                             "rows": rows,

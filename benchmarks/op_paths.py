@@ -1,7 +1,7 @@
 """An exported op's call paths side by side in one process, against SDPA (GPU only).
 
-    python benchmarks/op_paths.py --export DIR [--rounds 9] [--json F]
-    python benchmarks/op_paths.py --export DIR --cpu-tensors [--rounds 15]   # any machine
+    python -m benchmarks.op_paths --export DIR [--rounds 9] [--json F]
+    python -m benchmarks.op_paths --export DIR --cpu-tensors [--rounds 15]   # any machine
 
 The cross-check of op_calls.py by other means: per config (two launch-bound ones, both causal
 values and dtypes) it times SDPA and `attention()` on its C++ call path and on its Python path,
@@ -24,9 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.hf_model import load_export  # noqa: E402
+from benchmarks.hf_model import load_export
 
 PATHS = ("sdpa", "kernel_native", "kernel_python", "fallback_native", "fallback_python")
 CONFIGS = ((1, 8, 512, 64), (8, 32, 512, 64))

@@ -16,7 +16,7 @@ that config measured again, as many times as the evaluator would, if it slowed m
 host-bound time then tells the host's state, not the protocol's). Prints a table and writes
 JSON (--out).
 
-    python benchmarks/protocol_check.py --out protocol.json [--configs "1,8,512,64;..."]
+    python -m benchmarks.protocol_check --out protocol.json [--configs "1,8,512,64;..."]
 """
 from __future__ import annotations
 
@@ -24,12 +24,10 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def per_call_loop(fn, sets, calls: int, repeats: int, sync) -> float:

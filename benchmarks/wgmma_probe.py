@@ -14,7 +14,7 @@ Builds benchmarks/wgmma_probe.cu (which #includes the seed) with nvcc for sm_90a
                 instead of trapping.
 Prints one line per test with the max abs error and PASS/FAIL, then a few informational
 timings, and exits 1 on any FAIL (2 when it cannot run). Run from anywhere:
-    python benchmarks/wgmma_probe.py [--quick] [--no-timing] [--watchdog]
+    python -m benchmarks.wgmma_probe [--quick] [--no-timing] [--watchdog]
 --quick: only the seed's current knob setting. --watchdog: build with -DWGF_WATCHDOG (a
 deadlocked warp-specialised pipeline traps instead of hanging).
 """
@@ -37,9 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SEED = ROOT / "seeds" / "sdpa" / "wgmma_flash.cu"
 PROBE = ROOT / "benchmarks" / "wgmma_probe.cu"
-sys.path.insert(0, str(ROOT))                # evoattn, for the knob parser and setter
-from evoattn.mutators.knobs import find_knobs, set_knobs as mutator_set  # noqa: E402
-from evaluator.runtime import perf_notes  # noqa: E402
+from evoattn.mutators.knobs import find_knobs, set_knobs as mutator_set
+from evaluator.runtime import perf_notes
 GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
 SDPA_SHAPES = [(1, 1, 64, 64, False), (1, 2, 200, 64, True), (2, 2, 513, 128, False),
                (1, 1, 1000, 128, True), (1, 3, 77, 64, False), (1, 1, 1, 64, False),

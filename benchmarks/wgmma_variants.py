@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Knob settings of seeds/sdpa/wgmma_flash.cu side by side against SDPA (GPU only; Hopper).
 
-    python benchmarks/wgmma_variants.py --variant seed: --variant old:OVERLAP_D128=0,TMA_STORE_MAX_S=1024
-    python benchmarks/wgmma_variants.py --variant new: --variant prev:@/tmp/old.cu --head-dim 128 \\
+    python -m benchmarks.wgmma_variants --variant seed: --variant old:OVERLAP_D128=0,TMA_STORE_MAX_S=1024
+    python -m benchmarks.wgmma_variants --variant new: --variant prev:@/tmp/old.cu --head-dim 128 \\
         --do-bench 3 --json out.json
 
 Each --variant is NAME:SETTINGS, SETTINGS a comma-separated list of KNOB=VALUE (checked as
@@ -41,16 +41,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import check_bf16_cuda as cb  # noqa: E402  (its own import puts the repository on the path)
+from benchmarks import check_bf16_cuda as cb
+from benchmarks.common import ROOT
 
-from evaluator import stats  # noqa: E402
-from evaluator.knobs import set_knobs  # noqa: E402
-from evaluator.loader import LoadFailure, companion_headers  # noqa: E402
-from evaluator.problems import get_problem  # noqa: E402
-from evoattn.mutators.knobs import parse_settings  # noqa: E402
+from evaluator import stats
+from evaluator.knobs import set_knobs
+from evaluator.loader import LoadFailure, companion_headers
+from evaluator.problems import get_problem
+from evoattn.mutators.knobs import parse_settings
 
-SEED = cb.ROOT / "seeds" / "sdpa" / "wgmma_flash.cu"
+SEED = ROOT / "seeds" / "sdpa" / "wgmma_flash.cu"
 TARGET_MS = 3.0                               # GPU time per timed batch of calls
 
 
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             fns = dict(zip((v.name for v in variants),
                            pool.map(lambda v: load_variant(v, tmp), variants)))
-        triton = cb.load_program(cb.ROOT / "seeds" / "sdpa" / "flash_triton.py", [], tmp) \
+        triton = cb.load_program(ROOT / "seeds" / "sdpa" / "flash_triton.py", [], tmp) \
             if args.triton else None
     except LoadFailure as e:
         print(f"error: {e}\n{e.log[-3000:]}", file=sys.stderr)
