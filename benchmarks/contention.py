@@ -17,7 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common import ROOT
+
 HONEST = [("tests/adversarial/honest_torch.py", ["--policy", "allow-library"]),
           ("tests/adversarial/honest_triton.py", []),
           ("seeds/sdpa/flash_hybrid.py", [])]

@@ -34,11 +34,12 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SEED = ROOT / "seeds" / "sdpa" / "wgmma_flash.cu"
-PROBE = ROOT / "benchmarks" / "wgmma_probe.cu"
-from evoattn.mutators.knobs import find_knobs, set_knobs as mutator_set
+from benchmarks.common import ROOT
 from evaluator.runtime import perf_notes
+from evoattn.mutators.knobs import find_knobs, set_knobs as mutator_set
+
+SEED = ROOT / "seeds" / "sdpa" / "wgmma_flash.cu"
+PROBE = Path(__file__).resolve().parent / "wgmma_probe.cu"
 GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
 SDPA_SHAPES = [(1, 1, 64, 64, False), (1, 2, 200, 64, True), (2, 2, 513, 128, False),
                (1, 1, 1000, 128, True), (1, 3, 77, 64, False), (1, 1, 1, 64, False),
