@@ -56,6 +56,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import sync
 from benchmarks.hf_model import Clock, attention_time, judge, load_export
 
 
@@ -69,11 +70,6 @@ def model_config(a: argparse.Namespace) -> Any:
                        max_position_embeddings=a.prompt + a.new + 16)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def cache_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     """generate's keyword arguments for --cache and --eager."""
     if a.cache == "dynamic":
@@ -84,11 +80,11 @@ def cache_kwargs(a: argparse.Namespace) -> dict[str, Any]:
 def timed_generate(model: Any, ids: torch.Tensor, new: int, device: torch.device,
                    **kwargs: Any) -> tuple[Any, float]:
     """Returns (tokens, seconds) of one greedy generation of exactly `new` tokens."""
-    sync(device)
+    sync()
     t0 = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                          min_new_tokens=new, do_sample=False, pad_token_id=0, **kwargs)
-    sync(device)
+    sync()
     return out, time.perf_counter() - t0
 
 

@@ -43,22 +43,18 @@ from typing import Any, Callable
 
 import torch
 
+from benchmarks.common import sync
 from benchmarks.decode_generate import (IMPLS, build_model, cache_keyword, decode_package,
-                             model_args)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+                                        model_args)
 
 
 def loop_ms(step: Callable[[], Any], n: int, device: torch.device) -> float:
     """Host time of n back-to-back steps between two syncs, per step (ms)."""
-    sync(device)
+    sync()
     t0 = time.perf_counter()
     for _ in range(n):
         step()
-    sync(device)
+    sync()
     return (time.perf_counter() - t0) * 1e3 / n
 
 
@@ -187,7 +183,7 @@ def run_dtype(pkg: Any, ref_model: Any, dtype: str, a: argparse.Namespace,
                     step()
                 if impl == "evoattn":          # compiled: the calls before replays began
                     row.setdefault("calls", {})[mode] = pkg.stats()
-            sync(device)
+            sync()
             t: dict[str, dict[str, list[float]]] = {"do_bench": {i: [] for i in IMPLS},
                                                     "loop": {i: [] for i in IMPLS}}
             for n in range(a.rounds):

@@ -42,12 +42,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import check_bf16_cuda as cb
-from benchmarks.common import ROOT
-
+from benchmarks.common import ROOT, label
 from evaluator import stats
 from evaluator.knobs import set_knobs
 from evaluator.loader import LoadFailure, companion_headers
 from evaluator.problems import get_problem
+from evaluator.types import geometric_mean
 from evoattn.mutators.knobs import parse_settings
 
 SEED = ROOT / "seeds" / "sdpa" / "wgmma_flash.cu"
@@ -174,7 +174,7 @@ def paired_gain(first: list[float], other: list[float]) -> Gain:
 def geomean_gain(gains: list[Gain]) -> Gain:
     """The geometric mean of per-config gains and its interval (the configs independent)."""
     points = [g for g, _ in gains]
-    return statistics.geometric_mean(points), stats.geomean_ci(points, [ci for _, ci in gains])
+    return geometric_mean(points), stats.geomean_ci(points, [ci for _, ci in gains])
 
 
 def fmt_gain(gain: Gain) -> str:
@@ -188,19 +188,19 @@ def summary_lines(rows: list[dict[str, Any]], names: list[str], first: str, othe
     SDPA, then the first variant's paired gain over each other one, with its interval."""
     lines = []
     for mode in modes:
-        for label, keep in (("all", lambda r: True), ("D=64", lambda r: r["cfg"]["D"] == 64),
+        for subset, keep in (("all", lambda r: True), ("D=64", lambda r: r["cfg"]["D"] == 64),
                             ("D=128", lambda r: r["cfg"]["D"] == 128)):
-            cells = [f"{n} {statistics.geometric_mean(ratios):.4f}x" for n in names
+            cells = [f"{n} {geometric_mean(ratios):.4f}x" for n in names
                      if (ratios := [r["ms"]["sdpa"][mode] / r["ms"][n][mode] for r in rows
                                     if keep(r) and n in r["ms"]])]
             if cells:
-                lines.append(f"geomean vs sdpa, {mode}, {label}: " + "  ".join(cells))
+                lines.append(f"geomean vs sdpa, {mode}, {subset}: " + "  ".join(cells))
             kept = [r for r in rows if keep(r)]
             cells = [f"{first} vs {n} " + fmt_gain(geomean_gain(
                 [paired_gain(r["samples"][first][mode], r["samples"][n][mode]) for r in kept]))
                      for n in others if kept and all(mode in r["samples"][n] for r in kept)]
             if cells:
-                lines.append(f"paired gain, {mode}, {label}: " + "  ".join(cells))
+                lines.append(f"paired gain, {mode}, {subset}: " + "  ".join(cells))
     return lines
 
 
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                          for n, t in ms.items() if n != "sdpa")
         gains = "".join(f"  {first} vs {n} " + fmt_gain(
             paired_gain(samples[first]["graph"], samples[n]["graph"])) for n in others)
-        print(f"{cb.label(cfg):26s} sdpa {base * 1e3:8.1f} us ({flops / base / 1e9:.0f} TFLOP/s)  "
+        print(f"{label('sdpa', cfg):26s} sdpa {base * 1e3:8.1f} us ({flops / base / 1e9:.0f} TFLOP/s)  "
               f"{cells}{gains}", flush=True)
     names = [n for n in ["triton", *fns] if any(n in r["ms"] for r in rows)]
     modes = ("graph", "eager") + (("do_bench",) if args.do_bench else ())
