@@ -4,7 +4,7 @@
     python -m benchmarks.make_page page [benchmarks/current.json] [--page BENCHMARKS.md]
 
 `collect` reads what benchmarks/gpu_session.sh left in each RESULTS_DIR (eval_<name>.json
-from `evoattn eval --json`, cc_<name>.json from benchmarks/crosscheck.py, run.sqlite of the
+from `evoattn eval --json`, cc_<name>.json from benchmarks.crosscheck, run.sqlite of the
 default search, machine.txt) and writes one small JSON of the current results; `page`
 rewrites the part of BENCHMARKS.md between the `<!-- tables -->` and `<!-- /tables -->` lines
 from it. The prose around the tables is the page's own.
