@@ -1,1 +1,2 @@
-"""Benchmarks of evoattn: maintained tools, run as `python -m benchmarks.NAME` from the repository root."""
+"""evoattn's benchmarks: maintained tools, each run as `python -m benchmarks.NAME` from the
+repository root; one-off investigations in experiments/."""

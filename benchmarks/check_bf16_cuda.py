@@ -167,11 +167,13 @@ def check(impls: dict[str, Run], seeds: set[str], trials: int, hopper: bool,
                 elif (row["ok"] and name in seeds and hopper
                         and row["route"] not in TENSOR_CORE | {"-"}):
                     row.update(ok=False, why=f"16-bit call on Hopper took {row['route']}")
-                twin = routes.setdefault((name, label("sdpa", cfg)), row["route"])   # float16's, first
+                # float16's route, first
+                twin = routes.setdefault((name, label("sdpa", cfg)), row["route"])
                 if row["ok"] and row["route"] != twin:                        # bf16 goes there too
                     row.update(ok=False, why=f"route {row['route']}, float16 took {twin}")
                 rows.append(row)
-                print(f"{'PASS' if row['ok'] else 'FAIL'}  {name:<18} {label('sdpa', cfg):<26} {dname:<8} "
+                print(f"{'PASS' if row['ok'] else 'FAIL'}  {name:<18} {label('sdpa', cfg):<26} "
+                      f"{dname:<8} "
                       f"{row['route']:<10} err {row['err']:.2e} bound {row['bound']:.2e}"
                       f"{'  ' + row['why'] if row['why'] else ''}", flush=True)
             del case
@@ -208,11 +210,13 @@ def time_all(impls: dict[str, Run], pair: tuple[str, str] | None = None) -> list
             d128 = [r["speedup"] for r in rows if r["impl"] == name and r["dtype"] == dname
                     and r["cfg"]["D"] == 128]
             print(f"geomean speedup vs SDPA  {name:<18} {dname:<8} "
-                  f"all {geometric_mean(sp):.3f}  D=128 {geometric_mean(d128):.3f}  min {min(sp):.3f}")
+                  f"all {geometric_mean(sp):.3f}  D=128 {geometric_mean(d128):.3f}  "
+                  f"min {min(sp):.3f}")
     if pair:
         for dname in DTYPES:
             gains = pair_gains(rows, *pair, dname)
-            print(f"geomean speedup {pair[0]} over {pair[1]}  {dname:<8} {geometric_mean(gains):.3f}"
+            print(f"geomean speedup {pair[0]} over {pair[1]}  {dname:<8} "
+                  f"{geometric_mean(gains):.3f}"
                   f"  (min {min(gains):.3f}, max {max(gains):.3f})")
     return rows
 

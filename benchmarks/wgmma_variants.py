@@ -271,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                          for n, t in ms.items() if n != "sdpa")
         gains = "".join(f"  {first} vs {n} " + fmt_gain(
             paired_gain(samples[first]["graph"], samples[n]["graph"])) for n in others)
-        print(f"{label('sdpa', cfg):26s} sdpa {base * 1e3:8.1f} us ({flops / base / 1e9:.0f} TFLOP/s)  "
+        print(f"{label('sdpa', cfg):26s} sdpa {base * 1e3:8.1f} us "
+              f"({flops / base / 1e9:.0f} TFLOP/s)  "
               f"{cells}{gains}", flush=True)
     names = [n for n in ["triton", *fns] if any(n in r["ms"] for r in rows)]
     modes = ("graph", "eager") + (("do_bench",) if args.do_bench else ())
