@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.common import label
+
 ROOT = Path(__file__).resolve().parents[1]
 MODULE = "benchmarks.check_bf16_cuda"
 CFGS = [({"B": 1, "H": 2, "S": 33, "D": 64, "causal": True}, True),
@@ -70,7 +72,7 @@ def test_a_seed_on_hopper_must_run_a_tensor_core_kernel(script):
 
 def test_the_cases_cover_both_head_dims_causality_and_odd_lengths_once_each(script):
     cases = script.all_cases()
-    labels = [script.label(c) for c, _ in cases]
+    labels = [label("sdpa", c) for c, _ in cases]
     assert len(labels) == len(set(labels))
     for d in (64, 128):
         for causal in (False, True):
