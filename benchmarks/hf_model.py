@@ -65,6 +65,8 @@ from typing import Any, Callable
 
 import torch
 
+from benchmarks.common import interleaved_samples
+
 # (label, attn_implementation, kernel switched on) of the three rows
 ROWS = (("a", "sdpa", True), ("b", "evoattn", False), ("c", "evoattn", True))
 MLP = {2048: 8192, 4096: 14336}        # Llama 3.2 1B, Llama 3.1 8B; 4x hidden otherwise
@@ -230,10 +232,12 @@ def measure_rows(pkg: Any, model: Any, ids: torch.Tensor, ref: torch.Tensor, clo
     for label, impl, kernel in ROWS:
         say_row(f"row {label} ({impl}, kernel {'on' if kernel else 'off'})")
         got[label] = prepare(pkg, model, impl, kernel, forward, prefill, ref, a)
-    for n in range(a.runs):
-        for label, impl, kernel in (ROWS if n % 2 == 0 else ROWS[::-1]):
-            switch(pkg, model, impl, kernel)
-            got[label]["runs_ms"].append(clock.ms(prefill))
+    def timed(row: tuple[str, str, bool]) -> float:
+        switch(pkg, model, row[1], row[2])
+        return clock.ms(prefill)
+    for label, runs in interleaved_samples({row[0]: row for row in ROWS}, timed,
+                                           a.runs).items():
+        got[label]["runs_ms"] += runs
     if a.cross_check:
         got["do_bench"] = cross_check(pkg, model, prefill, a)
     for label, impl, kernel in ROWS:
@@ -253,12 +257,10 @@ def cross_check(pkg: Any, model: Any, forward: Callable[[], Any],
     and c, taking turns for --cross-check rounds; the gain is the median of the rounds'
     ratios, with their range."""
     import triton.testing
-    ms: dict[str, list[float]] = {"b": [], "c": []}
-    for n in range(a.cross_check):
-        for label, impl, kernel in (ROWS[1:] if n % 2 == 0 else ROWS[:0:-1]):
-            switch(pkg, model, impl, kernel)
-            ms[label].append(triton.testing.do_bench(forward, warmup=50, rep=300,
-                                                     return_mode="median"))
+    def timed(row: tuple[str, str, bool]) -> float:
+        switch(pkg, model, row[1], row[2])
+        return triton.testing.do_bench(forward, warmup=50, rep=300, return_mode="median")
+    ms = interleaved_samples({row[0]: row for row in ROWS[1:]}, timed, a.cross_check)
     ratios = [b / c for b, c in zip(ms["b"], ms["c"])]
     return {"b_ms": ms["b"], "c_ms": ms["c"], "kernel_gain": statistics.median(ratios),
             "kernel_gain_range": [min(ratios), max(ratios)]}
