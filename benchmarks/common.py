@@ -9,7 +9,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, TypeVar
 
 from evaluator import program, runtime
 from evaluator.knobs import set_knobs
@@ -21,6 +21,7 @@ from evaluator.types import geometric_mean
 from evoattn.mutators.knobs import parse_settings
 
 ROOT = Path(__file__).resolve().parents[1]
+T = TypeVar("T")
 
 
 def sync() -> None:
@@ -30,15 +31,15 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def interleaved_samples(fns: dict[str, Any], measure: Callable[[Any], float],
-                        rounds: int = 5) -> dict[str, list[float]]:
+def interleaved_samples(fns: dict[str, Any], measure: Callable[[Any], T],
+                        rounds: int = 5) -> dict[str, list[T]]:
     """Returns each function's `rounds` measurements, taken in the evaluator's interleaved
     rounds (the order reversed every round), so a drift in the host's or the GPU's speed
     falls on all."""
     plan = Plan(warmup=0, reps=rounds, rounds=rounds, graph_rounds=rounds, sets=2,
                 graph=False, mode="call")
 
-    def one_round(_: int, order: list[str], samples: dict[str, list[float]]) -> None:
+    def one_round(_: int, order: list[str], samples: dict[str, list[Any]]) -> None:
         for name in order:
             samples[name].append(measure(fns[name]))
     return adapt("call", list(fns), plan, lambda mode, samples: False, one_round)

@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import sync
+from benchmarks.common import interleaved_samples, sync
 from benchmarks.hf_model import Clock, attention_time, judge, load_export
 
 
@@ -125,15 +125,17 @@ def timed_rounds(model: Any, ids: torch.Tensor, a: argparse.Namespace, device: t
         timed_generate(model, ids, a.new, device, **kw)
     for p in pkgs:
         p.reset_stats()
-    times: dict[str, Any] = {impl: {"prefill_s": [], "total_s": []} for impl in IMPLS}
     tokens: dict[str, Any] = {}
-    for n in range(a.runs):
-        for impl in (IMPLS if n % 2 == 0 else IMPLS[::-1]):
-            model.set_attn_implementation(impl)
-            times[impl]["prefill_s"].append(timed_generate(model, ids, 1, device, **kw)[1])
-            out, total = timed_generate(model, ids, a.new, device, **kw)
-            times[impl]["total_s"].append(total)
-            tokens.setdefault(impl, out)
+
+    def one(impl: str) -> tuple[float, float]:
+        model.set_attn_implementation(impl)
+        prefill = timed_generate(model, ids, 1, device, **kw)[1]
+        out, total = timed_generate(model, ids, a.new, device, **kw)
+        tokens.setdefault(impl, out)
+        return prefill, total
+    samples = interleaved_samples({impl: impl for impl in IMPLS}, one, a.runs)
+    times = {impl: {"prefill_s": [p for p, _ in s], "total_s": [t for _, t in s]}
+             for impl, s in samples.items()}
     return times, tokens
 
 

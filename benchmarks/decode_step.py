@@ -43,12 +43,12 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.common import sync
+from benchmarks.common import interleaved_samples, sync
 from benchmarks.decode_generate import (IMPLS, build_model, cache_keyword, decode_package,
                                         model_args)
 
 
-def loop_ms(step: Callable[[], Any], n: int, device: torch.device) -> float:
+def loop_ms(step: Callable[[], Any], n: int) -> float:
     """Host time of n back-to-back steps between two syncs, per step (ms)."""
     sync()
     t0 = time.perf_counter()
@@ -184,15 +184,12 @@ def run_dtype(pkg: Any, ref_model: Any, dtype: str, a: argparse.Namespace,
                 if impl == "evoattn":          # compiled: the calls before replays began
                     row.setdefault("calls", {})[mode] = pkg.stats()
             sync()
-            t: dict[str, dict[str, list[float]]] = {"do_bench": {i: [] for i in IMPLS},
-                                                    "loop": {i: [] for i in IMPLS}}
-            for n in range(a.rounds):
-                for impl in (IMPLS if n % 2 == 0 else IMPLS[::-1]):
-                    model.set_attn_implementation(impl)
-                    b = bench_ms(step_of[impl], device)
-                    if b is not None:
-                        t["do_bench"][impl].append(b)
-                    t["loop"][impl].append(loop_ms(step_of[impl], a.loop, device))
+            def one(impl: str) -> tuple[float | None, float]:
+                model.set_attn_implementation(impl)
+                return bench_ms(step_of[impl], device), loop_ms(step_of[impl], a.loop)
+            samples = interleaved_samples({i: i for i in IMPLS}, one, a.rounds)
+            t = {"do_bench": {i: [b for b, _ in s if b is not None] for i, s in samples.items()},
+                 "loop": {i: [loop for _, loop in s] for i, s in samples.items()}}
             row[mode] = {h: ratio_summary(v) for h, v in t.items() if v["sdpa"]}
             row[mode]["max_abs_logits"] = (logits["sdpa"] - logits["evoattn"]).abs().max().item()
             for h, r in row[mode].items():

@@ -204,6 +204,19 @@ def summary_lines(rows: list[dict[str, Any]], names: list[str], first: str, othe
     return lines
 
 
+def config_line(flops: float, row: dict[str, Any], first: str, others: list[str]) -> str:
+    """One config's line: every function's speedup over SDPA and TFLOP/s (graph time), and the
+    first variant's paired gain over each other one."""
+    ms, samples = row["ms"], row["samples"]
+    base = ms["sdpa"]["graph"]
+    cells = " ".join(f"{n} {base / t['graph']:.3f}x ({flops / t['graph'] / 1e9:.0f})"
+                     for n, t in ms.items() if n != "sdpa")
+    gains = "".join(f"  {first} vs {n} " + fmt_gain(
+        paired_gain(samples[first]["graph"], samples[n]["graph"])) for n in others)
+    return (f"{label('sdpa', row['cfg']):26s} sdpa {base * 1e3:8.1f} us "
+            f"({flops / base / 1e9:.0f} TFLOP/s)  {cells}{gains}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variant", action="append", required=True, metavar="NAME:SETTINGS")
@@ -266,14 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         samples = time_config(timed, cfg, getattr(torch, args.dtype), args.rounds, args.do_bench)
         ms = medians(samples)
         rows.append({"cfg": cfg, "ms": ms, "samples": samples})
-        flops, base = problem.flops(cfg), ms["sdpa"]["graph"]
-        cells = " ".join(f"{n} {base / t['graph']:.3f}x ({flops / t['graph'] / 1e9:.0f})"
-                         for n, t in ms.items() if n != "sdpa")
-        gains = "".join(f"  {first} vs {n} " + fmt_gain(
-            paired_gain(samples[first]["graph"], samples[n]["graph"])) for n in others)
-        print(f"{label('sdpa', cfg):26s} sdpa {base * 1e3:8.1f} us "
-              f"({flops / base / 1e9:.0f} TFLOP/s)  "
-              f"{cells}{gains}", flush=True)
+        print(config_line(problem.flops(cfg), rows[-1], first, others), flush=True)
     names = [n for n in ["triton", *fns] if any(n in r["ms"] for r in rows)]
     modes = ("graph", "eager") + (("do_bench",) if args.do_bench else ())
     for line in summary_lines(rows, names, first, others, modes):
