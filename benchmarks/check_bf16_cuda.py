@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """float16 and bfloat16 on the CUDA paths of the default sdpa program (GPU only; wgmma: Hopper).
 
-    PYTHONPATH=$PWD python benchmarks/check_bf16_cuda.py [PROGRAM] [--set KNOB=VALUE ...]
+    python -m benchmarks.check_bf16_cuda [PROGRAM] [--set KNOB=VALUE ...]
         [--rival PROGRAM [--rival-set KNOB=VALUE ...]] [--cu SEED.cu ...] [--trials N]
         [--no-timing] [--no-routes] [--json FILE]
 
@@ -32,8 +32,6 @@ Prints one line per check and per timing, a summary, and exits 0 when every chec
 from __future__ import annotations
 
 import argparse
-import ctypes
-import importlib.util
 import json
 import math
 import random
@@ -42,14 +40,12 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from evaluator import cases, checks, program, runtime as build  # noqa: E402
-from evaluator.knobs import set_knobs  # noqa: E402
-from evaluator.loader import LoadFailure, build_companions, companion_headers  # noqa: E402
-from evaluator.problems import get_problem  # noqa: E402
-from evoattn.mutators.knobs import parse_settings  # noqa: E402
+from benchmarks import common
+from benchmarks.common import ROOT, label
+from evaluator import cases, checks, program, runtime as build
+from evaluator.loader import LoadFailure, companion_headers
+from evaluator.problems import get_problem
+from evaluator.types import geometric_mean
 
 DTYPES = ("float16", "bfloat16")          # float16 first: its route is the one to match
 # Odd lengths beyond the problem's own domain shapes: S = 1, a partial last tile, lengths
@@ -73,20 +69,8 @@ Run = Callable[[dict[str, Any], dict[str, Any]], Any]
 def load_program(path: Path, sets: list[str], tmp: Path, module: str = "check_bf16_program"
                  ) -> Run:
     """The program with its knobs set and its CUDA companions built, as the evaluator does."""
-    import torch
-    source = program.read(path)
-    if sets:
-        source = set_knobs(source, parse_settings(str(path), source, sets))
-    tmp.mkdir(parents=True, exist_ok=True)
-    main = program.write(source, tmp, path.name)
-    major, minor = torch.cuda.get_device_capability()
-    libs, log, _, _ = build_companions(main, main.read_text(), tmp / "cache", 600,
-                                       build.detect_arch(), f"sm{major}{minor}")
+    mod, libs = common.load_program(path, sets, tmp, module)
     print(f"built {path.name}'s companions: {sorted(libs) or 'none (no condition holds)'}")
-    spec = importlib.util.spec_from_file_location(module, main)
-    mod = importlib.util.module_from_spec(spec)
-    mod.EVOATTN_LIBRARIES = libs
-    spec.loader.exec_module(mod)
     problem = get_problem("sdpa")
     return lambda inputs, cfg: problem.call(mod.attention, inputs, cfg)
 
@@ -128,10 +112,6 @@ def route_of(run: Run, inputs: dict[str, Any], cfg: dict[str, Any]) -> tuple[str
 def no_route(run: Run, inputs: dict[str, Any], cfg: dict[str, Any]) -> tuple[str, Any]:
     """--no-routes: the call without the profiler; every route reads "-" and is not checked."""
     return "-", run(inputs, cfg)
-
-
-def label(cfg: dict[str, Any]) -> str:
-    return f"({cfg['B']},{cfg['H']},{cfg['S']},{cfg['D']}){' causal' if cfg['causal'] else ''}"
 
 
 def all_cases() -> list[tuple[dict[str, Any], bool]]:
@@ -187,11 +167,13 @@ def check(impls: dict[str, Run], seeds: set[str], trials: int, hopper: bool,
                 elif (row["ok"] and name in seeds and hopper
                         and row["route"] not in TENSOR_CORE | {"-"}):
                     row.update(ok=False, why=f"16-bit call on Hopper took {row['route']}")
-                twin = routes.setdefault((name, label(cfg)), row["route"])   # float16's, first
+                # float16's route, first
+                twin = routes.setdefault((name, label("sdpa", cfg)), row["route"])
                 if row["ok"] and row["route"] != twin:                        # bf16 goes there too
                     row.update(ok=False, why=f"route {row['route']}, float16 took {twin}")
                 rows.append(row)
-                print(f"{'PASS' if row['ok'] else 'FAIL'}  {name:<18} {label(cfg):<26} {dname:<8} "
+                print(f"{'PASS' if row['ok'] else 'FAIL'}  {name:<18} {label('sdpa', cfg):<26} "
+                      f"{dname:<8} "
                       f"{row['route']:<10} err {row['err']:.2e} bound {row['bound']:.2e}"
                       f"{'  ' + row['why'] if row['why'] else ''}", flush=True)
             del case
@@ -218,7 +200,7 @@ def time_all(impls: dict[str, Run], pair: tuple[str, str] | None = None) -> list
                        "tflops": flops / ms / 1e9, "sdpa_tflops": flops / sdpa_ms / 1e9,
                        "speedup": sdpa_ms / ms}
                 rows.append(row)
-                print(f"time  {name:<18} {label(cfg):<26} {dname:<8} {ms:8.4f} ms "
+                print(f"time  {name:<18} {label('sdpa', cfg):<26} {dname:<8} {ms:8.4f} ms "
                       f"{row['tflops']:6.1f} TFLOP/s  SDPA {sdpa_ms:8.4f} ms "
                       f"{row['sdpa_tflops']:6.1f}  x{row['speedup']:.3f}", flush=True)
             del inputs
@@ -228,24 +210,22 @@ def time_all(impls: dict[str, Run], pair: tuple[str, str] | None = None) -> list
             d128 = [r["speedup"] for r in rows if r["impl"] == name and r["dtype"] == dname
                     and r["cfg"]["D"] == 128]
             print(f"geomean speedup vs SDPA  {name:<18} {dname:<8} "
-                  f"all {_geomean(sp):.3f}  D=128 {_geomean(d128):.3f}  min {min(sp):.3f}")
+                  f"all {geometric_mean(sp):.3f}  D=128 {geometric_mean(d128):.3f}  "
+                  f"min {min(sp):.3f}")
     if pair:
         for dname in DTYPES:
             gains = pair_gains(rows, *pair, dname)
-            print(f"geomean speedup {pair[0]} over {pair[1]}  {dname:<8} {_geomean(gains):.3f}"
+            print(f"geomean speedup {pair[0]} over {pair[1]}  {dname:<8} "
+                  f"{geometric_mean(gains):.3f}"
                   f"  (min {min(gains):.3f}, max {max(gains):.3f})")
     return rows
 
 
 def pair_gains(rows: list[dict], program: str, rival: str, dtype: str) -> list[float]:
     """PROGRAM's speedup over RIVAL per config in DTYPE (rival's time / program's time)."""
-    ms = {(r["impl"], label(r["cfg"])): r["ms"] for r in rows if r["dtype"] == dtype}
+    ms = {(r["impl"], label("sdpa", r["cfg"])): r["ms"] for r in rows if r["dtype"] == dtype}
     return [ms[(rival, cfg)] / t for (impl, cfg), t in ms.items()
             if impl == program and (rival, cfg) in ms]
-
-
-def _geomean(xs: list[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
 def main() -> int:

@@ -1,6 +1,6 @@
 """Honest kernels evaluated while another process keeps the same GPU busy: no verdict against them.
 
-    python benchmarks/contention.py --out contention.json [--seconds-per-eval 120]
+    python -m benchmarks.contention --out contention.json [--seconds-per-eval 120]
 
 A background process runs bf16 matmuls back to back on the GPU for the whole benchmark (a
 colleague's job, another Dask worker). Each honest fixture is then evaluated with
@@ -17,7 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common import ROOT
+
 HONEST = [("tests/adversarial/honest_torch.py", ["--policy", "allow-library"]),
           ("tests/adversarial/honest_triton.py", []),
           ("seeds/sdpa/flash_hybrid.py", [])]

@@ -1,7 +1,7 @@
 """The independent cross-check of an `evoattn eval`: a trusted program against its problem's
 baselines, timed by `triton.testing.do_bench` instead of the evaluator's timer.
 
-    python benchmarks/crosscheck.py PROGRAM [--problem NAME|FILE] [--configs SPEC]
+    python -m benchmarks.crosscheck PROGRAM [--problem NAME|FILE] [--configs SPEC]
         [--dtype DTYPE] [--rounds 3] [--json FILE]
 
 For trusted programs only (the seeds, the examples): PROGRAM is built and loaded in this process
@@ -33,16 +33,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.host_cost import interleaved_samples  # noqa: E402
-from evaluator import checks  # noqa: E402
-from evaluator.cases import prepare_case  # noqa: E402
-from evaluator.loader import LoadFailure, build_candidate  # noqa: E402
-from evaluator.measure import bind  # noqa: E402
-from evaluator.problems import get_problem  # noqa: E402
-from evaluator.types import geometric_mean  # noqa: E402
+from benchmarks.common import interleaved_samples
+from evaluator import checks
+from evaluator.cases import prepare_case
+from evaluator.loader import LoadFailure, build_candidate
+from evaluator.measure import bind
+from evaluator.problems import get_problem
+from evaluator.types import geometric_mean
 
 
 def cpu_ms(fn: Callable[[], Any], reps: int = 5) -> float:

@@ -1,9 +1,9 @@
 """Decode attention against the memory-bandwidth limit: the seed and every baseline, per config.
 
-    python benchmarks/decode_bw.py --out decode_bw.json                 # every default config
-    python benchmarks/decode_bw.py --out b.json --dtype bfloat16 --configs 0,5,10
-    python benchmarks/decode_bw.py --out cpu.json --device cpu          # the CPU configs, a check
-    python benchmarks/decode_bw.py --out r.json --rival OTHER.py --no-baselines  # two seeds
+    python -m benchmarks.decode_bw --out decode_bw.json                 # every default config
+    python -m benchmarks.decode_bw --out b.json --dtype bfloat16 --configs 0,5,10
+    python -m benchmarks.decode_bw --out cpu.json --device cpu          # the CPU configs, a check
+    python -m benchmarks.decode_bw --out r.json --rival OTHER.py --no-baselines  # two seeds
 
 A decode call must read the valid cache once: bytes = 2 * sum(cache_seqlens) * Hkv * D *
 element size, plus q and the output (the problem's `bytes_moved`). Per config and function:
@@ -37,24 +37,19 @@ holds every number.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from evaluator import device as devinfo  # noqa: E402
-from evaluator.problems import get_problem  # noqa: E402
-from evaluator.problems.decode import lengths  # noqa: E402
-from benchmarks.host_cost import host_us  # noqa: E402
+from benchmarks.common import ROOT, eager_ms, geomean, host_us, load_module, sync
+from evaluator import device as devinfo
+from evaluator.problems import get_problem
+from evaluator.problems.decode import lengths
 
 EAGER_SET_BYTES = 256 * 2 ** 20      # the eager loop's input copies fill at least this ...
 EAGER_MAX_COPIES = 16                # ... with at most this many copies
@@ -65,12 +60,7 @@ MODES = ("do_bench", "clean", "eager", "graph")
 
 def load_seed(path: Path, module_name: str = "decode_candidate") -> Any:
     """Imports a decode candidate file by path; returns its `attention`."""
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"{path}: cannot import")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.attention
+    return load_module(path, module_name).attention
 
 
 def copies_of(inputs: dict[str, Any], n: int, problem: Any, gen: Any) -> list[dict[str, Any]]:
@@ -82,26 +72,6 @@ def copies_of(inputs: dict[str, Any], n: int, problem: Any, gen: Any) -> list[di
         problem.refill(s, gen)
         out.append(s)
     return out
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def eager_us(fn: Callable[[dict[str, Any]], Any], sets: list[dict[str, Any]],
-             rounds: int) -> float:
-    """Returns the median over rounds of the host time per call of back-to-back calls."""
-    per_call = []
-    for r in range(rounds + 1):                        # round 0 warms up
-        sync()
-        t0 = time.perf_counter()
-        for s in sets:
-            fn(s)
-        sync()
-        if r:
-            per_call.append((time.perf_counter() - t0) * 1e6 / len(sets))
-    return statistics.median(per_call)
 
 
 def graph_us(fn: Callable[[dict[str, Any]], Any], sets: list[dict[str, Any]],
@@ -184,11 +154,6 @@ class CleanFlush:
         return us
 
 
-def geomean(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x and x > 0]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
-
-
 def bench_config(problem: Any, cfg: dict[str, Any], fns: dict[str, Callable[..., Any]],
                  dtype: Any, device: Any, args: argparse.Namespace, peak_tbps: float | None,
                  clean: CleanFlush | None = None) -> dict[str, Any]:
@@ -231,7 +196,7 @@ def bench_config(problem: Any, cfg: dict[str, Any], fns: dict[str, Callable[...,
         res["do_bench_us"] = do_bench_us(lambda: bound_fn(inputs), on_gpu, args.rep_ms)
         if clean is not None:
             res["clean_us"] = clean.us(lambda: bound_fn(inputs))
-        res["eager_us"] = eager_us(bound_fn, sets, args.rounds)
+        res["eager_us"] = eager_ms(bound_fn, sets, args.rounds) * 1e3
         if on_gpu:
             res["host_us"] = host_us(lambda: bound_fn(inputs))
         if on_gpu and not args.no_graph:

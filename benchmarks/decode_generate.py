@@ -1,11 +1,11 @@
 """Greedy generation through an exported `decode` kernel against SDPA: same tokens, tokens/s.
 
-    python benchmarks/decode_generate.py --export RUN_DIR/best --out gen.json
-    python benchmarks/decode_generate.py --export RUN_DIR/best --dtypes bfloat16 --out g.json
-    python benchmarks/decode_generate.py --export RUN_DIR/best --cache static --out gs.json
-    python benchmarks/decode_generate.py --export RUN_DIR/best --prefill-export SDPA_RUN/best \
+    python -m benchmarks.decode_generate --export RUN_DIR/best --out gen.json
+    python -m benchmarks.decode_generate --export RUN_DIR/best --dtypes bfloat16 --out g.json
+    python -m benchmarks.decode_generate --export RUN_DIR/best --cache static --out gs.json
+    python -m benchmarks.decode_generate --export RUN_DIR/best --prefill-export SDPA_RUN/best \
         --out g.json          # the prompt through an exported prefill kernel as well
-    python benchmarks/decode_generate.py --export RUN_DIR/best --device cpu --tiny --out g.json
+    python -m benchmarks.decode_generate --export RUN_DIR/best --device cpu --tiny --out g.json
 
 A Llama-shaped model with random weights, no download (hidden 2048, 16 layers, MLP 8192, 32
 query heads of 64 and 8 key/value heads: GQA 4:1, vocabulary 32000), --batch prompts of
@@ -50,15 +50,14 @@ import importlib
 import inspect
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_model import Clock, attention_time, judge, load_export  # noqa: E402
+from benchmarks.common import interleaved_samples, sync
+from benchmarks.hf_model import Clock, attention_time, judge, load_export
 
 
 def model_config(a: argparse.Namespace) -> Any:
@@ -71,11 +70,6 @@ def model_config(a: argparse.Namespace) -> Any:
                        max_position_embeddings=a.prompt + a.new + 16)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def cache_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     """generate's keyword arguments for --cache and --eager."""
     if a.cache == "dynamic":
@@ -86,11 +80,11 @@ def cache_kwargs(a: argparse.Namespace) -> dict[str, Any]:
 def timed_generate(model: Any, ids: torch.Tensor, new: int, device: torch.device,
                    **kwargs: Any) -> tuple[Any, float]:
     """Returns (tokens, seconds) of one greedy generation of exactly `new` tokens."""
-    sync(device)
+    sync()
     t0 = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                          min_new_tokens=new, do_sample=False, pad_token_id=0, **kwargs)
-    sync(device)
+    sync()
     return out, time.perf_counter() - t0
 
 
@@ -131,15 +125,17 @@ def timed_rounds(model: Any, ids: torch.Tensor, a: argparse.Namespace, device: t
         timed_generate(model, ids, a.new, device, **kw)
     for p in pkgs:
         p.reset_stats()
-    times: dict[str, Any] = {impl: {"prefill_s": [], "total_s": []} for impl in IMPLS}
     tokens: dict[str, Any] = {}
-    for n in range(a.runs):
-        for impl in (IMPLS if n % 2 == 0 else IMPLS[::-1]):
-            model.set_attn_implementation(impl)
-            times[impl]["prefill_s"].append(timed_generate(model, ids, 1, device, **kw)[1])
-            out, total = timed_generate(model, ids, a.new, device, **kw)
-            times[impl]["total_s"].append(total)
-            tokens.setdefault(impl, out)
+
+    def one(impl: str) -> tuple[float, float]:
+        model.set_attn_implementation(impl)
+        prefill = timed_generate(model, ids, 1, device, **kw)[1]
+        out, total = timed_generate(model, ids, a.new, device, **kw)
+        tokens.setdefault(impl, out)
+        return prefill, total
+    samples = interleaved_samples({impl: impl for impl in IMPLS}, one, a.runs)
+    times = {impl: {"prefill_s": [p for p, _ in s], "total_s": [t for _, t in s]}
+             for impl, s in samples.items()}
     return times, tokens
 
 

@@ -1,8 +1,8 @@
 """One decode step of a Llama-shaped model over a static KV cache, SDPA against an exported
 `decode` kernel: the cross-check of decode_generate.py's tokens per second by another harness.
 
-    python benchmarks/decode_step.py --export RUN_DIR/best --out step.json
-    python benchmarks/decode_step.py --export RUN_DIR/best --device cpu --tiny --out s.json
+    python -m benchmarks.decode_step --export RUN_DIR/best --out step.json
+    python -m benchmarks.decode_step --export RUN_DIR/best --device cpu --tiny --out s.json
 
 The model is decode_generate.py's (hidden 2048, 16 layers, GQA 4:1, random weights; --tiny on
 the CPU). Per dtype, a StaticCache of --prompt + --new positions is filled by one forward of
@@ -43,23 +43,18 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_generate import (IMPLS, build_model, cache_keyword, decode_package,  # noqa: E402
-                             model_args)
+from benchmarks.common import interleaved_samples, sync
+from benchmarks.decode_generate import (IMPLS, build_model, cache_keyword, decode_package,
+                                        model_args)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def loop_ms(step: Callable[[], Any], n: int, device: torch.device) -> float:
+def loop_ms(step: Callable[[], Any], n: int) -> float:
     """Host time of n back-to-back steps between two syncs, per step (ms)."""
-    sync(device)
+    sync()
     t0 = time.perf_counter()
     for _ in range(n):
         step()
-    sync(device)
+    sync()
     return (time.perf_counter() - t0) * 1e3 / n
 
 
@@ -188,16 +183,13 @@ def run_dtype(pkg: Any, ref_model: Any, dtype: str, a: argparse.Namespace,
                     step()
                 if impl == "evoattn":          # compiled: the calls before replays began
                     row.setdefault("calls", {})[mode] = pkg.stats()
-            sync(device)
-            t: dict[str, dict[str, list[float]]] = {"do_bench": {i: [] for i in IMPLS},
-                                                    "loop": {i: [] for i in IMPLS}}
-            for n in range(a.rounds):
-                for impl in (IMPLS if n % 2 == 0 else IMPLS[::-1]):
-                    model.set_attn_implementation(impl)
-                    b = bench_ms(step_of[impl], device)
-                    if b is not None:
-                        t["do_bench"][impl].append(b)
-                    t["loop"][impl].append(loop_ms(step_of[impl], a.loop, device))
+            sync()
+            def one(impl: str) -> tuple[float | None, float]:
+                model.set_attn_implementation(impl)
+                return bench_ms(step_of[impl], device), loop_ms(step_of[impl], a.loop)
+            samples = interleaved_samples({i: i for i in IMPLS}, one, a.rounds)
+            t = {"do_bench": {i: [b for b, _ in s if b is not None] for i, s in samples.items()},
+                 "loop": {i: [loop for _, loop in s] for i, s in samples.items()}}
             row[mode] = {h: ratio_summary(v) for h, v in t.items() if v["sdpa"]}
             row[mode]["max_abs_logits"] = (logits["sdpa"] - logits["evoattn"]).abs().max().item()
             for h, r in row[mode].items():

@@ -2,34 +2,34 @@
 # Everything BENCHMARKS.md reports, measured on one GPU machine, in steps:
 #   OUT=dir STEPS="evals tests" bash benchmarks/gpu_session.sh      (or "run hf dask")
 # evals  `evoattn eval` of every shipped seed (every timing mode, every baseline), JSON each
-# crosscheck  the same seeds (the sdpa default aside: check_bf16_cuda.py) against their
-#        baselines by do_bench (benchmarks/crosscheck.py), JSON each
+# crosscheck  the same seeds (the sdpa default aside: benchmarks.check_bf16_cuda) against their
+#        baselines by do_bench (benchmarks.crosscheck), JSON each
 # tests  the gpu-marked tests (GPU_TEST_FILES picks; the decode ones take about 100 s)
 # run    the default search (call time) for RUN_S seconds, then the best re-evaluated by
 #        `evoattn eval`, its export and its report
 # seed   the default seed alone: a 0-iteration run of configs/default.yaml (the seed checked
 #        and exported: what `hf` and `op` need, without a search)
-# hf     the exported best inside a Hugging Face Llama model (benchmarks/hf_model.py), eager
+# hf     the exported best inside a Hugging Face Llama model (benchmarks.hf_model), eager
 #        and compiled (HF_COMPILE="" for eager only), the kernel gain cross-checked by do_bench
-# op     the exported best's op against SDPA per default config (benchmarks/op_calls.py)
+# op     the exported best's op against SDPA per default config (benchmarks.op_calls)
 # dask   a short search through a Dask scheduler and one GPU worker on this machine
-# noise  the default seed evaluated stand-alone and as a candidate in runs (benchmarks/noise.py)
-# protocol  SDPA in the evaluator against a plain eager loop and do_bench (protocol_check.py)
-# contention  an honest candidate while other processes use the GPU (contention.py)
-# decode the decode seed's bandwidth against the baselines (decode_bw.py), both dtypes
+# noise  the default seed evaluated stand-alone and as a candidate in runs (benchmarks.noise)
+# protocol  SDPA in the evaluator against a plain eager loop and do_bench (benchmarks.protocol_check)
+# contention  an honest candidate while other processes use the GPU (benchmarks.contention)
+# decode the decode seed's bandwidth against the baselines (benchmarks.decode_bw), both dtypes
 # decode_gen  greedy generation through the exported decode seed over the dynamic cache, the
-#        static cache eager and compiled (decode_generate.py; GEN_CACHES from dynamic,
+#        static cache eager and compiled (benchmarks.decode_generate; GEN_CACHES from dynamic,
 #        static_eager, static; GEN_DTYPES pick; about 160 s each); after `seed` or `run`,
 #        the prompt through that export's kernel
 # decode_step  one decode step over a static cache, eager and compiled by us, timed by do_bench
-#        and a plain loop (decode_step.py): the cross-check of decode_gen's static rows.
+#        and a plain loop (benchmarks.decode_step): the cross-check of decode_gen's static rows.
 #        The decode steps export the decode seed by a
 #        0-iteration run first (the seed checked and exported), where this machine has none yet
 # A device call runs at most 10 minutes: give a call the steps that fit (each step's timeouts
 # say how long it may take), e.g. STEPS="noise", then STEPS="decode", then STEPS="decode_gen"
 # GEN_CACHES="dynamic static_eager", then STEPS=decode_gen GEN_CACHES=static.
 # Results land in $OUT/results.tgz. Unpack it into benchmarks/results/ (git ignores it), then
-#   python benchmarks/make_page.py collect benchmarks/results && python benchmarks/make_page.py page
+#   python -m benchmarks.make_page collect benchmarks/results && python -m benchmarks.make_page page
 # writes benchmarks/current.json and BENCHMARKS.md's tables from it.
 # Packages the machine lacks (dask, distributed) come as wheels in .whl/ (see the device tool).
 set -u
@@ -67,10 +67,10 @@ evals)
   ev softcap examples/softcap/seed.py --problem examples/softcap/problem.py --reps 30
   ;;
 crosscheck)
-  cc() {  # name, then crosscheck.py arguments
+  cc() {  # name, then benchmarks.crosscheck arguments
     local name=$1; shift
     log "crosscheck $name"
-    timeout "${CC_S:-150}" python benchmarks/crosscheck.py "$@" --json "$R/cc_$name.json" \
+    timeout "${CC_S:-150}" python -m benchmarks.crosscheck "$@" --json "$R/cc_$name.json" \
       > "$R/cc_$name.txt" 2>&1
     echo "exit $?" >> "$R/cc_$name.txt"; tail -2 "$R/cc_$name.txt"
   }
@@ -116,7 +116,7 @@ seed)
 hf)
   for h in ${HF_HIDDEN:-4096 2048}; do
     log "hf model hidden=$h"
-    timeout "${HF_S:-300}" python benchmarks/hf_model.py --export /tmp/run-default/best \
+    timeout "${HF_S:-300}" python -m benchmarks.hf_model --export /tmp/run-default/best \
       --device cuda --hidden $h --seqs "${HF_SEQS:-1000,3000,6000}" ${HF_COMPILE---compile --dynamic} \
       --runs ${HF_RUNS:-5} --warmup 2 --cross-check ${HF_XCHECK:-3} --json "$R/hf_h$h.json" \
       > "$R/hf_h$h.txt" 2>&1
@@ -129,21 +129,21 @@ op)
   for how in "--layout bhsd" "--layout model" "--layout bhsd --fallback"; do
     name=$(echo "$how" | tr -d ' -')
     log "op calls $how"
-    timeout "${OP_S:-300}" python benchmarks/op_calls.py --export /tmp/run-default/best $how --pin-cpu \
+    timeout "${OP_S:-300}" python -m benchmarks.op_calls --export /tmp/run-default/best $how --pin-cpu \
       --json "$R/op_$name.json" > "$R/op_$name.txt" 2>&1
     echo "exit $?" >> "$R/op_$name.txt"; tail -3 "$R/op_$name.txt"
   done
   ;;
 noise)
   log "noise"
-  timeout "${NOISE_S:-540}" python benchmarks/noise.py seeds/sdpa/flash_hybrid.py --standalone 5 \
+  timeout "${NOISE_S:-540}" python -m benchmarks.noise seeds/sdpa/flash_hybrid.py --standalone 5 \
     --in-run 5 --out "$R/noise.json" > "$R/noise.txt" 2>&1
   echo "exit $?" >> "$R/noise.txt"; tail -20 "$R/noise.txt"
   ;;
 protocol|contention)
   script=protocol_check; [ "$step" = contention ] && script=contention
   log "$script"
-  timeout "${PROTO_S:-540}" python "benchmarks/$script.py" --out "$R/$script.json" \
+  timeout "${PROTO_S:-540}" python -m "benchmarks.$script" --out "$R/$script.json" \
     > "$R/$script.txt" 2>&1
   echo "exit $?" >> "$R/$script.txt"; tail -20 "$R/$script.txt"
   ;;
@@ -156,14 +156,14 @@ decode|decode_gen|decode_step)
   fi
   if [ "$step" = decode_step ]; then
     log "decode_step"
-    timeout "${STEP_S:-400}" python benchmarks/decode_step.py --export /tmp/run-decode/best \
+    timeout "${STEP_S:-400}" python -m benchmarks.decode_step --export /tmp/run-decode/best \
       --dtypes "${GEN_DTYPES:-float16,bfloat16}" ${STEP_ARGS:-} --out "$R/decode_step.json" \
       > "$R/decode_step.txt" 2>&1
     echo "exit $?" >> "$R/decode_step.txt"; grep -v Warning "$R/decode_step.txt" | tail -16
   elif [ "$step" = decode ]; then
     for dt in ${DECODE_DTYPES:-float16 bfloat16}; do
       log "decode_bw $dt"
-      timeout "${DECODE_S:-280}" python benchmarks/decode_bw.py --dtype $dt \
+      timeout "${DECODE_S:-280}" python -m benchmarks.decode_bw --dtype $dt \
         --out "$R/decode_bw_$dt.json" > "$R/decode_bw_$dt.txt" 2>&1
       echo "exit $?" >> "$R/decode_bw_$dt.txt"; tail -4 "$R/decode_bw_$dt.txt"
     done
@@ -173,7 +173,7 @@ decode|decode_gen|decode_step)
     for cache in ${GEN_CACHES:-dynamic static_eager}; do
       log "decode_generate $cache"
       how="--cache ${cache%_eager}"; [ "$cache" = static_eager ] && how="$how --eager"
-      timeout "${GEN_S:-280}" python benchmarks/decode_generate.py \
+      timeout "${GEN_S:-280}" python -m benchmarks.decode_generate \
         --export /tmp/run-decode/best $pre $how \
         --dtypes "${GEN_DTYPES:-float16,bfloat16}" --out "$R/decode_gen_$cache.json" \
         > "$R/decode_gen_$cache.txt" 2>&1

@@ -1,9 +1,9 @@
 """An exported kernel inside a Hugging Face Llama model: what the kernel gains, what the
 integration gains, logits agreement.
 
-    python benchmarks/hf_model.py --export RUN_DIR/best --device cuda --compile \\
+    python -m benchmarks.hf_model --export RUN_DIR/best --device cuda --compile \\
         --hidden 2048,4096 --seqs 1000,3000,6000 --dtypes float16,bfloat16 --json hf_model.json
-    python benchmarks/hf_model.py --export RUN_DIR/best --device cpu --tiny   # the CPU check
+    python -m benchmarks.hf_model --export RUN_DIR/best --device cpu --tiny   # the CPU check
 
 Builds a Llama-architecture model from a config with random weights (no download) per
 --hidden: 32 query heads and 8 kv heads (GQA 4:1), so hidden 2048 has head dim 64 and 4096 has
@@ -64,6 +64,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from benchmarks.common import interleaved_samples
 
 # (label, attn_implementation, kernel switched on) of the three rows
 ROWS = (("a", "sdpa", True), ("b", "evoattn", False), ("c", "evoattn", True))
@@ -230,10 +232,12 @@ def measure_rows(pkg: Any, model: Any, ids: torch.Tensor, ref: torch.Tensor, clo
     for label, impl, kernel in ROWS:
         say_row(f"row {label} ({impl}, kernel {'on' if kernel else 'off'})")
         got[label] = prepare(pkg, model, impl, kernel, forward, prefill, ref, a)
-    for n in range(a.runs):
-        for label, impl, kernel in (ROWS if n % 2 == 0 else ROWS[::-1]):
-            switch(pkg, model, impl, kernel)
-            got[label]["runs_ms"].append(clock.ms(prefill))
+    def timed(row: tuple[str, str, bool]) -> float:
+        switch(pkg, model, row[1], row[2])
+        return clock.ms(prefill)
+    for label, runs in interleaved_samples({row[0]: row for row in ROWS}, timed,
+                                           a.runs).items():
+        got[label]["runs_ms"] += runs
     if a.cross_check:
         got["do_bench"] = cross_check(pkg, model, prefill, a)
     for label, impl, kernel in ROWS:
@@ -253,12 +257,10 @@ def cross_check(pkg: Any, model: Any, forward: Callable[[], Any],
     and c, taking turns for --cross-check rounds; the gain is the median of the rounds'
     ratios, with their range."""
     import triton.testing
-    ms: dict[str, list[float]] = {"b": [], "c": []}
-    for n in range(a.cross_check):
-        for label, impl, kernel in (ROWS[1:] if n % 2 == 0 else ROWS[:0:-1]):
-            switch(pkg, model, impl, kernel)
-            ms[label].append(triton.testing.do_bench(forward, warmup=50, rep=300,
-                                                     return_mode="median"))
+    def timed(row: tuple[str, str, bool]) -> float:
+        switch(pkg, model, row[1], row[2])
+        return triton.testing.do_bench(forward, warmup=50, rep=300, return_mode="median")
+    ms = interleaved_samples({row[0]: row for row in ROWS[1:]}, timed, a.cross_check)
     ratios = [b / c for b, c in zip(ms["b"], ms["c"])]
     return {"b_ms": ms["b"], "c_ms": ms["c"], "kernel_gain": statistics.median(ratios),
             "kernel_gain_range": [min(ratios), max(ratios)]}

@@ -1,6 +1,6 @@
 """Where the host time of one call goes: a seed program against SDPA, per config (GPU only).
 
-    python benchmarks/host_cost.py [seeds/sdpa/flash_hybrid.py] [--set KNOB=VALUE ...] [--json F]
+    python -m benchmarks.host_cost [seeds/sdpa/flash_hybrid.py] [--set KNOB=VALUE ...] [--json F]
 
 For trusted files only (the seeds): the program is loaded in this process, its CUDA companions
 built as the evaluator builds them. Per default sdpa config it prints the host time of one call
@@ -15,82 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from evaluator import program, runtime  # noqa: E402
-from evaluator.knobs import set_knobs  # noqa: E402
-from evaluator.loader import build_companions  # noqa: E402
-from evoattn.mutators.knobs import parse_settings  # noqa: E402
-
-
-def load(path: Path, sets: list[str], tmp: Path):  # noqa: ANN201
-    """Imports the program with its knobs set and its companions built."""
-    import importlib.util
-
-    import torch
-    source = program.read(path)
-    source = set_knobs(source, parse_settings(str(path), source, sets)) if sets else source
-    main = program.write(source, tmp, path.name)
-    major, minor = torch.cuda.get_device_capability()
-    libs = build_companions(main, main.read_text(), tmp / "cache", 600, runtime.detect_arch(),
-                            f"sm{major}{minor}")[0]
-    spec = importlib.util.spec_from_file_location("host_cost_program", main)
-    mod = importlib.util.module_from_spec(spec)
-    mod.EVOATTN_LIBRARIES = libs
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def host_us(fn, n: int = 40) -> float:  # noqa: ANN001
-    """Median host time of one call (µs) while a sleep kernel holds the GPU."""
-    import torch
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(80e6))                # ~40 ms at 2 GHz: longer than n calls take
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return statistics.median(times) * 1e6
-
-
-def interleaved_samples(fns: dict, measure, rounds: int = 5) -> dict:  # noqa: ANN001
-    """Each function's `rounds` measurements, round by round, taken in interleaved rounds (the
-    order reversed every round), so a drift in the host's or the GPU's speed falls on all."""
-    samples: dict = {name: [] for name in fns}
-    for r in range(rounds):
-        for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-            samples[name].append(measure(fns[name]))
-    return samples
-
-
-def interleaved(fns: dict, measure, rounds: int = 5) -> dict:  # noqa: ANN001
-    """The median of each function's interleaved_samples."""
-    return {name: statistics.median(x)
-            for name, x in interleaved_samples(fns, measure, rounds).items()}
-
-
-def eager_ms(fn_on, sets, rounds: int = 7) -> float:  # noqa: ANN001
-    """Median per-call time of back-to-back calls, one per input set."""
-    import torch
-    out = []
-    for _ in range(rounds + 1):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for s in sets:
-            fn_on(s)
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - t0) / len(sets) * 1e3)
-    return statistics.median(out[1:])
+from benchmarks.common import eager_ms, host_us, interleaved, label, load_program
 
 
 def breakdown(mod) -> dict:  # noqa: ANN001
@@ -154,7 +82,7 @@ def main() -> None:
     from evaluator.problems import get_problem
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        mod = load(Path(a.program), a.sets, Path(tmp))
+        mod = load_program(Path(a.program), a.sets, Path(tmp), "host_cost_program")[0]
         if a.pin_cpu:                 # after the build: nvcc keeps every CPU
             from evaluator.cpu_pin import TimingCpu
             cpu = TimingCpu()
@@ -175,7 +103,7 @@ def main() -> None:
             row = {"cfg": cfg, "host_us": host["ours"], "sdpa_host_us": host["sdpa"],
                    "call_ms": call["ours"], "sdpa_call_ms": call["sdpa"]}
             rows.append(row)
-            print(f"({B},{H},{S},{D}){' causal' if causal else '':7}  host {row['host_us']:6.1f} us"
+            print(f"{label('sdpa', cfg):24}  host {row['host_us']:6.1f} us"
                   f" (SDPA {row['sdpa_host_us']:5.1f}, x{row['host_us'] / row['sdpa_host_us']:.2f})"
                   f"  call {row['call_ms']:.4f} ms (SDPA {row['sdpa_call_ms']:.4f}, "
                   f"speedup {row['sdpa_call_ms'] / row['call_ms']:.3f})", flush=True)

@@ -1,10 +1,10 @@
 """Writes BENCHMARKS.md's tables from measured results.
 
-    python benchmarks/make_page.py collect RESULTS_DIR... [-o benchmarks/current.json]
-    python benchmarks/make_page.py page [benchmarks/current.json] [--page BENCHMARKS.md]
+    python -m benchmarks.make_page collect RESULTS_DIR... [-o benchmarks/current.json]
+    python -m benchmarks.make_page page [benchmarks/current.json] [--page BENCHMARKS.md]
 
 `collect` reads what benchmarks/gpu_session.sh left in each RESULTS_DIR (eval_<name>.json
-from `evoattn eval --json`, cc_<name>.json from benchmarks/crosscheck.py, run.sqlite of the
+from `evoattn eval --json`, cc_<name>.json from benchmarks.crosscheck, run.sqlite of the
 default search, machine.txt) and writes one small JSON of the current results; `page`
 rewrites the part of BENCHMARKS.md between the `<!-- tables -->` and `<!-- /tables -->` lines
 from it. The prose around the tables is the page's own.
@@ -13,50 +13,38 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import sqlite3
 import sys
 from pathlib import Path
 from typing import Any
+
+from benchmarks.common import label
+from evaluator.scoring import rescore
+from evaluator.types import EvalResult, Times
+from evoattn.store import RunStore
 
 MODES = ("call", "kernel", "graph")
 BEGIN, END = "<!-- tables -->", "<!-- /tables -->"
 
 
-def _label(c: dict[str, Any]) -> str:
-    p = c["params"]
-    if {"B", "H", "S", "D"} <= p.keys():
-        rest = "".join(f" {k}={v}" for k, v in p.items() if k not in ("B", "H", "S", "D", "causal"))
-        return f"({p['B']},{p['H']},{p['S']},{p['D']}){' causal' if p.get('causal') else ''}{rest}"
-    return ",".join(f"{k}={v}" for k, v in p.items())
+def _in_modes(t: Times | None) -> dict[str, float | None]:
+    t = t or Times()
+    return {m: t.in_mode(m) for m in MODES} | {"host_us": t.host_us}
 
 
-def _geo(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
-
-
-def summarise(result: dict[str, Any]) -> dict[str, Any]:
+def summarise(result: EvalResult) -> dict[str, Any]:
     """Returns the compact form of one evaluation: per config, every mode of the candidate and
-    of each baseline, and the fitness each mode gives against the fastest baseline."""
-    configs, by_mode = [], {m: [] for m in MODES}
-    for c in result["configs"]:
-        base = c.get("baseline_times") or {}
-        row = {"config": _label(c), "flops_tflops": c.get("tflops"),
-               "candidate": {m: c.get(f"{m}_ms") for m in MODES} | {"host_us": c.get("host_us")},
-               "baselines": {n: {m: t.get(f"{m}_ms") for m in MODES} | {"host_us": t.get("host_us")}
-                             for n, t in base.items()}}
-        for m in MODES:
-            times = [t[m] for t in row["baselines"].values() if t.get(m)]
-            mine = row["candidate"][m]
-            by_mode[m].append(min(times) / mine if times and mine else None)
-        configs.append(row)
-    return {"candidate": result.get("candidate"), "problem": result.get("problem"),
-            "device": result.get("device"), "verdict": result.get("verdict"),
-            "versions": result.get("versions"), "configs": configs,
-            "fitness": {m: _geo(v) if all(v) else None for m, v in by_mode.items()},
-            "timing": result.get("timing"),
-            "reported": {"fitness": result.get("fitness"), "ci": result.get("fitness_ci")}}
+    of each baseline, and the fitness the evaluator's rule gives in each mode (scoring.rescore:
+    the result's baseline policy, ratios of median times)."""
+    configs = [{"config": label(result.problem, c.params), "flops_tflops": c.tflops,
+                "candidate": _in_modes(c.times),
+                "baselines": {n: _in_modes(t) for n, t in c.baseline_times.items()}}
+               for c in result.configs]
+    fitness = {m: rescore(result.configs, m, result.baseline, lambda params: 0.0)[1] or None
+               for m in MODES}
+    return {"candidate": result.candidate, "problem": result.problem, "device": result.device,
+            "verdict": result.verdict.value, "versions": result.versions, "configs": configs,
+            "fitness": fitness, "timing": result.timing,
+            "reported": {"fitness": result.fitness, "ci": result.fitness_ci}}
 
 
 def _fitness(ev: dict[str, Any], mode: str) -> str:
@@ -75,7 +63,21 @@ def crosscheck_summary(result: dict[str, Any]) -> dict[str, Any]:
     over its fastest baseline (labelled as the evaluations' configs are), and their geometric
     mean."""
     return {"timer": result.get("timer"), "geomean": result.get("geomean"),
-            "configs": {_label(c): c.get("speedup") for c in result["configs"]}}
+            "configs": {label(result["problem"], c["params"]): c.get("speedup")
+                        for c in result["configs"]}}
+
+
+def run_summary(run_dir: Path) -> dict[str, Any]:
+    """Returns the default search's evaluations: how many, its seed and its best (the first of
+    the fittest), read through the run store."""
+    store = RunStore.open_readonly(run_dir)
+    try:
+        judged = sorted((j for j in store.judgements() if j.result), key=lambda j: j.iteration)
+    finally:
+        store.close()
+    best = max(judged, key=lambda j: j.result.fitness)
+    return {"evaluations": len(judged), "seed": summarise(judged[0].result),
+            "best_iteration": best.iteration, "best": summarise(best.result)}
 
 
 def collect(dirs: list[Path]) -> dict[str, Any]:
@@ -84,17 +86,11 @@ def collect(dirs: list[Path]) -> dict[str, Any]:
         if (d / "machine.txt").is_file():
             out["machine"] = (d / "machine.txt").read_text().strip()
         for f in sorted(d.glob("eval_*.json")):
-            out["evals"][f.stem[5:]] = summarise(json.loads(f.read_text()))
+            out["evals"][f.stem[5:]] = summarise(EvalResult.from_json(json.loads(f.read_text())))
         for f in sorted(d.glob("cc_*.json")):
             out["crosschecks"][f.stem[3:]] = crosscheck_summary(json.loads(f.read_text()))
         if (d / "run.sqlite").is_file():
-            db = sqlite3.connect(d / "run.sqlite")
-            rows = db.execute("SELECT iteration, fitness, result_json FROM programs "
-                              "ORDER BY iteration").fetchall()
-            seed = json.loads(rows[0][2])
-            best = max(rows, key=lambda r: r[1] or 0)
-            out["run"] = {"evaluations": len(rows), "seed": summarise(seed),
-                          "best_iteration": best[0], "best": summarise(json.loads(best[2]))}
+            out["run"] = run_summary(d)
     return out
 
 

@@ -2,7 +2,7 @@
 """Runs one fast-form CUDA seed on one sdpa config, for Nsight Compute (trusted seeds only).
 
     ncu --kernel-name regex:wgmma_ws --launch-skip 1 --launch-count 1 --section SpeedOfLight \\
-        python benchmarks/ncu_seed.py seeds/sdpa/wgmma_flash.cu --config 4,16,4096,128 \\
+        python -m benchmarks.ncu_seed seeds/sdpa/wgmma_flash.cu --config 4,16,4096,128 \\
         [--set KNOB=VALUE ...] [--causal] [--calls 2]
 
 Builds the seed with the knob values given (checked as `evoattn eval --set` checks them)
@@ -21,11 +21,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from evaluator import runtime  # noqa: E402
-from evaluator.loader import companion_headers  # noqa: E402
-from evoattn.mutators.knobs import parse_settings, set_knobs  # noqa: E402
+from evaluator import runtime
+from evaluator.loader import companion_headers
+from evoattn.mutators.knobs import parse_settings, set_knobs
 
 MAX_ABS_ERR = 1e-2           # float16 attention against SDPA; a wrong kernel is off by far more
 

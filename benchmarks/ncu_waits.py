@@ -3,10 +3,10 @@
 mbarrier and per instruction (no GPU needed to read a report).
 
     ncu --section SourceCounters --section WarpStateStats --kernel-name regex:wgmma_ws \\
-        --launch-skip 1 --launch-count 1 -o REP python benchmarks/ncu_seed.py \\
+        --launch-skip 1 --launch-count 1 -o REP python -m benchmarks.ncu_seed \\
         seeds/sdpa/wgmma_flash.cu --config 8,32,512,64
     ncu -i REP.ncu-rep --page source --csv --print-source sass > SRC.csv
-    python benchmarks/ncu_waits.py SRC.csv [--top 20]
+    python -m benchmarks.ncu_waits SRC.csv [--top 20]
 
 Reads the SASS source page: every `SYNCS.PHASECHK...TRYWAIT` names an mbarrier by its
 shared-memory offset, and its samples, with those of the branch that retries it, are that

@@ -1,6 +1,6 @@
 """How much a fitness moves when nothing changes: one program evaluated again and again.
 
-    python benchmarks/noise.py SEED.py --standalone 5 --in-run 5 --out noise.json [--config C]
+    python -m benchmarks.noise SEED.py --standalone 5 --in-run 5 --out noise.json [--config C]
                                [--no-pin-cpu]
 
 standalone  `evoattn eval SEED.py --json` in a fresh process each time
@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import ROOT, label
+from evaluator.types import geometric_mean
 
 MODES = ("call", "kernel", "graph")
 
@@ -76,17 +75,12 @@ def speedups(result: dict, mode: str) -> dict[str, float]:
     from evaluator.types import Times
     out = {}
     for c in result["configs"]:
-        label = ",".join(str(c[k]) for k in ("B", "H", "S", "D")) + (" c" if c.get("causal") else "")
         base = {n: Times.from_json(t) for n, t in (c.get("baseline_times") or {}).items()}
         _, base_ms = pick_baseline(result.get("baseline", "best"), base, mode)
         ms = c.get(f"{mode}_ms")
         if base_ms and ms:
-            out[label] = base_ms / ms
+            out[label(result["problem"], c["params"])] = base_ms / ms
     return out
-
-
-def geomean(v: list[float]) -> float:
-    return math.exp(sum(math.log(x) for x in v) / len(v)) if v else 0.0
 
 
 def spread(v: list[float]) -> float:
@@ -102,8 +96,7 @@ def _raw(result: dict) -> dict:
     info = result.get("device_info") or {}
     return {"timing_cpu": info.get("timing_cpu"), "cpu_speed_spread": info.get("cpu_speed_spread"),
             "cpu_probe_us": info.get("cpu_probe_us"),
-            "configs": {",".join(str(c[k]) for k in ("B", "H", "S", "D")) +
-                        (" c" if c.get("causal") else ""):
+            "configs": {label(result["problem"], c["params"]):
                         {"candidate": times(c.get("times") or {}),
                          **{n: times(t) for n, t in (c.get("baseline_times") or {}).items()}}
                         for c in result.get("configs") or []}}
@@ -127,7 +120,7 @@ def summarise(name: str, results: list[dict]) -> dict:
         per = [speedups(r, mode) for r in results]
         labels = sorted(set().union(*per)) if per else []
         rows = {lab: [p[lab] for p in per if lab in p] for lab in labels}
-        fits = [geomean(list(p.values())) for p in per if p]
+        fits = [geometric_mean(list(p.values())) for p in per if p]
         table["modes"][mode] = {"fitness": fits, "fitness_spread": spread(fits),
                                 "configs": {lab: {"speedups": v, "spread": spread(v)}
                                             for lab, v in rows.items()}}

@@ -1,7 +1,7 @@
 """An exported op's call paths side by side in one process, against SDPA (GPU only).
 
-    python benchmarks/op_paths.py --export DIR [--rounds 9] [--json F]
-    python benchmarks/op_paths.py --export DIR --cpu-tensors [--rounds 15]   # any machine
+    python -m benchmarks.op_paths --export DIR [--rounds 9] [--json F]
+    python -m benchmarks.op_paths --export DIR --cpu-tensors [--rounds 15]   # any machine
 
 The cross-check of op_calls.py by other means: per config (two launch-bound ones, both causal
 values and dtypes) it times SDPA and `attention()` on its C++ call path and on its Python path,
@@ -24,9 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.hf_model import load_export  # noqa: E402
+from benchmarks.common import interleaved_samples
+from benchmarks.hf_model import load_export
 
 PATHS = ("sdpa", "kernel_native", "kernel_python", "fallback_native", "fallback_python")
 CONFIGS = ((1, 8, 512, 64), (8, 32, 512, 64))
@@ -62,18 +61,17 @@ def cpu_rows(pkg, ops, native, rounds: int) -> list[dict]:  # noqa: ANN001
         sdpa = F.scaled_dot_product_attention
         fns = {"sdpa": lambda: sdpa(q, k, v, is_causal=causal),
                "op": lambda: pkg.attention(q, k, v, causal=causal)}
-        times: dict[str, list[float]] = {n: [] for n in CPU_PATHS}
+        def one(n: str) -> float:
+            ops._native_call = native if n.endswith("native") else None
+            fn = fns["sdpa" if n == "sdpa" else "op"]
+            fn(), fn()
+            t0 = time.perf_counter()
+            for _ in range(CPU_CALLS):
+                fn()
+            return (time.perf_counter() - t0) / CPU_CALLS * 1e6
         gc.disable()
         try:
-            for r in range(rounds):
-                for n in (CPU_PATHS if r % 2 == 0 else CPU_PATHS[::-1]):
-                    ops._native_call = native if n.endswith("native") else None
-                    fn = fns["sdpa" if n == "sdpa" else "op"]
-                    fn(), fn()
-                    t0 = time.perf_counter()
-                    for _ in range(CPU_CALLS):
-                        fn()
-                    times[n].append((time.perf_counter() - t0) / CPU_CALLS * 1e6)
+            times = interleaved_samples({n: n for n in CPU_PATHS}, one, rounds)
         finally:
             gc.enable()
             ops._native_call = native
@@ -133,15 +131,15 @@ def main() -> None:
                     def op() -> torch.Tensor:
                         return pkg.attention(q, k, v, causal=causal)
 
-                    times = {n: {"host": [], "bench": []} for n in PATHS}
-                    for r in range(a.rounds):
-                        for n in (PATHS if r % 2 == 0 else PATHS[::-1]):
-                            pkg.use_kernel(not n.startswith("fallback"))
-                            ops._native_call = native if n.endswith("native") else None
-                            fn = sdpa if n == "sdpa" else op
-                            fn(), fn()
-                            times[n]["host"].append(host_us(fn))
-                            times[n]["bench"].append(do_bench(fn, warmup=25, rep=100) * 1e3)
+                    def one(n: str) -> tuple[float, float]:
+                        pkg.use_kernel(not n.startswith("fallback"))
+                        ops._native_call = native if n.endswith("native") else None
+                        fn = sdpa if n == "sdpa" else op
+                        fn(), fn()
+                        return host_us(fn), do_bench(fn, warmup=25, rep=100) * 1e3
+                    samples = interleaved_samples({n: n for n in PATHS}, one, a.rounds)
+                    times = {n: {"host": [h for h, _ in s], "bench": [b for _, b in s]}
+                             for n, s in samples.items()}
                     row = {"cfg": [B, H, S, D, causal], "dtype": str(dtype).split(".")[1]}
                     for n in PATHS:
                         row[n] = {m: statistics.median(x) for m, x in times[n].items()}

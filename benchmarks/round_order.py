@@ -1,6 +1,6 @@
 """What a function's place in a round does to its call time: SDPA timed against itself.
 
-    python benchmarks/round_order.py [--configs "8,32,512,64,nc;1,8,512,64,causal"]
+    python -m benchmarks.round_order [--configs "8,32,512,64,nc;1,8,512,64,causal"]
                                      [--rounds 30] [--repeats 2] [--out order.json]
 
 Two copies of `F.scaled_dot_product_attention` (cuDNN on Hopper) are timed by the evaluator's
@@ -26,7 +26,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PAUSES = ("none", "rule", "sleep", "both")
 DEFAULT = "8,32,512,64,nc;4,32,1024,64,nc;16,16,1024,128,nc;1,8,512,64,nc;2,32,2048,64,causal"

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Knob settings of seeds/sdpa/wgmma_flash.cu side by side against SDPA (GPU only; Hopper).
 
-    python benchmarks/wgmma_variants.py --variant seed: --variant old:OVERLAP_D128=0,TMA_STORE_MAX_S=1024
-    python benchmarks/wgmma_variants.py --variant new: --variant prev:@/tmp/old.cu --head-dim 128 \\
+    python -m benchmarks.wgmma_variants --variant seed: --variant old:OVERLAP_D128=0,TMA_STORE_MAX_S=1024
+    python -m benchmarks.wgmma_variants --variant new: --variant prev:@/tmp/old.cu --head-dim 128 \\
         --do-bench 3 --json out.json
 
 Each --variant is NAME:SETTINGS, SETTINGS a comma-separated list of KNOB=VALUE (checked as
@@ -41,16 +41,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import check_bf16_cuda as cb  # noqa: E402  (its own import puts the repository on the path)
+from benchmarks import check_bf16_cuda as cb
+from benchmarks.common import ROOT, label
+from evaluator import stats
+from evaluator.knobs import set_knobs
+from evaluator.loader import LoadFailure, companion_headers
+from evaluator.problems import get_problem
+from evaluator.types import geometric_mean
+from evoattn.mutators.knobs import parse_settings
 
-from evaluator import stats  # noqa: E402
-from evaluator.knobs import set_knobs  # noqa: E402
-from evaluator.loader import LoadFailure, companion_headers  # noqa: E402
-from evaluator.problems import get_problem  # noqa: E402
-from evoattn.mutators.knobs import parse_settings  # noqa: E402
-
-SEED = cb.ROOT / "seeds" / "sdpa" / "wgmma_flash.cu"
+SEED = ROOT / "seeds" / "sdpa" / "wgmma_flash.cu"
 TARGET_MS = 3.0                               # GPU time per timed batch of calls
 
 
@@ -174,7 +174,7 @@ def paired_gain(first: list[float], other: list[float]) -> Gain:
 def geomean_gain(gains: list[Gain]) -> Gain:
     """The geometric mean of per-config gains and its interval (the configs independent)."""
     points = [g for g, _ in gains]
-    return statistics.geometric_mean(points), stats.geomean_ci(points, [ci for _, ci in gains])
+    return geometric_mean(points), stats.geomean_ci(points, [ci for _, ci in gains])
 
 
 def fmt_gain(gain: Gain) -> str:
@@ -188,20 +188,33 @@ def summary_lines(rows: list[dict[str, Any]], names: list[str], first: str, othe
     SDPA, then the first variant's paired gain over each other one, with its interval."""
     lines = []
     for mode in modes:
-        for label, keep in (("all", lambda r: True), ("D=64", lambda r: r["cfg"]["D"] == 64),
+        for subset, keep in (("all", lambda r: True), ("D=64", lambda r: r["cfg"]["D"] == 64),
                             ("D=128", lambda r: r["cfg"]["D"] == 128)):
-            cells = [f"{n} {statistics.geometric_mean(ratios):.4f}x" for n in names
+            cells = [f"{n} {geometric_mean(ratios):.4f}x" for n in names
                      if (ratios := [r["ms"]["sdpa"][mode] / r["ms"][n][mode] for r in rows
                                     if keep(r) and n in r["ms"]])]
             if cells:
-                lines.append(f"geomean vs sdpa, {mode}, {label}: " + "  ".join(cells))
+                lines.append(f"geomean vs sdpa, {mode}, {subset}: " + "  ".join(cells))
             kept = [r for r in rows if keep(r)]
             cells = [f"{first} vs {n} " + fmt_gain(geomean_gain(
                 [paired_gain(r["samples"][first][mode], r["samples"][n][mode]) for r in kept]))
                      for n in others if kept and all(mode in r["samples"][n] for r in kept)]
             if cells:
-                lines.append(f"paired gain, {mode}, {label}: " + "  ".join(cells))
+                lines.append(f"paired gain, {mode}, {subset}: " + "  ".join(cells))
     return lines
+
+
+def config_line(flops: float, row: dict[str, Any], first: str, others: list[str]) -> str:
+    """One config's line: every function's speedup over SDPA and TFLOP/s (graph time), and the
+    first variant's paired gain over each other one."""
+    ms, samples = row["ms"], row["samples"]
+    base = ms["sdpa"]["graph"]
+    cells = " ".join(f"{n} {base / t['graph']:.3f}x ({flops / t['graph'] / 1e9:.0f})"
+                     for n, t in ms.items() if n != "sdpa")
+    gains = "".join(f"  {first} vs {n} " + fmt_gain(
+        paired_gain(samples[first]["graph"], samples[n]["graph"])) for n in others)
+    return (f"{label('sdpa', row['cfg']):26s} sdpa {base * 1e3:8.1f} us "
+            f"({flops / base / 1e9:.0f} TFLOP/s)  {cells}{gains}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             fns = dict(zip((v.name for v in variants),
                            pool.map(lambda v: load_variant(v, tmp), variants)))
-        triton = cb.load_program(cb.ROOT / "seeds" / "sdpa" / "flash_triton.py", [], tmp) \
+        triton = cb.load_program(ROOT / "seeds" / "sdpa" / "flash_triton.py", [], tmp) \
             if args.triton else None
     except LoadFailure as e:
         print(f"error: {e}\n{e.log[-3000:]}", file=sys.stderr)
@@ -266,13 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         samples = time_config(timed, cfg, getattr(torch, args.dtype), args.rounds, args.do_bench)
         ms = medians(samples)
         rows.append({"cfg": cfg, "ms": ms, "samples": samples})
-        flops, base = problem.flops(cfg), ms["sdpa"]["graph"]
-        cells = " ".join(f"{n} {base / t['graph']:.3f}x ({flops / t['graph'] / 1e9:.0f})"
-                         for n, t in ms.items() if n != "sdpa")
-        gains = "".join(f"  {first} vs {n} " + fmt_gain(
-            paired_gain(samples[first]["graph"], samples[n]["graph"])) for n in others)
-        print(f"{cb.label(cfg):26s} sdpa {base * 1e3:8.1f} us ({flops / base / 1e9:.0f} TFLOP/s)  "
-              f"{cells}{gains}", flush=True)
+        print(config_line(problem.flops(cfg), rows[-1], first, others), flush=True)
     names = [n for n in ["triton", *fns] if any(n in r["ms"] for r in rows)]
     modes = ("graph", "eager") + (("do_bench",) if args.do_bench else ())
     for line in summary_lines(rows, names, first, others, modes):

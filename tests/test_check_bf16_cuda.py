@@ -1,26 +1,25 @@
-"""benchmarks/check_bf16_cuda.py's verdicts, on the CPU with stand-in implementations and routes
+"""benchmarks.check_bf16_cuda's verdicts, on the CPU with stand-in implementations and routes
 (the script itself runs on a GPU: tests/test_wgmma_gpu.py)."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks.common import label
+
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "check_bf16_cuda.py"
+MODULE = "benchmarks.check_bf16_cuda"
 CFGS = [({"B": 1, "H": 2, "S": 33, "D": 64, "causal": True}, True),
         ({"B": 1, "H": 1, "S": 17, "D": 128, "causal": False}, True)]
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("check_bf16_cuda", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from benchmarks import check_bf16_cuda
+    return check_bf16_cuda
 
 
 def _reference_in_dtype(inputs, cfg):
@@ -73,7 +72,7 @@ def test_a_seed_on_hopper_must_run_a_tensor_core_kernel(script):
 
 def test_the_cases_cover_both_head_dims_causality_and_odd_lengths_once_each(script):
     cases = script.all_cases()
-    labels = [script.label(c) for c, _ in cases]
+    labels = [label("sdpa", c) for c, _ in cases]
     assert len(labels) == len(set(labels))
     for d in (64, 128):
         for causal in (False, True):
@@ -86,8 +85,8 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_2():
     import torch
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--no-timing"], capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", MODULE, "--no-timing"], capture_output=True,
+                          cwd=ROOT, text=True, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["check_bf16_cuda: needs a CUDA GPU"]
 

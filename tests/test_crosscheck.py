@@ -1,8 +1,7 @@
-"""benchmarks/crosscheck.py on the CPU: a program is checked before it is timed, timed beside
+"""benchmarks.crosscheck on the CPU: a program is checked before it is timed, timed beside
 every baseline in rounds of reversed order, and its speedup is over the fastest baseline."""
 from __future__ import annotations
 
-import importlib.util
 import statistics
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "crosscheck.py"
+MODULE = "benchmarks.crosscheck"
 
 RIGHT = """
     import torch.nn.functional as F
@@ -29,10 +28,8 @@ WRONG = """
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("crosscheck_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from benchmarks import crosscheck
+    return crosscheck
 
 
 def _program(tmp_path: Path, name: str, text: str) -> Path:
@@ -72,9 +69,9 @@ def test_a_right_program_is_timed_beside_every_baseline_in_reversed_rounds(
 
 def test_a_wrong_program_fails_its_check_untimed_and_exits_1(tmp_path) -> None:
     wrong = _program(tmp_path, "wrong", WRONG)
-    out = subprocess.run([sys.executable, str(SCRIPT), str(wrong), "--configs", "1,2,64,64",
+    out = subprocess.run([sys.executable, "-m", MODULE, str(wrong), "--configs", "1,2,64,64",
                           "--dtype", "float32", "--rounds", "1"],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, cwd=ROOT, text=True, timeout=300)
     assert out.returncode == 1, out.stderr
     assert "1,2,64,64" in out.stdout or "(1,2,64,64)" in out.stdout
     assert "FAIL, max error" in out.stdout and "n/a the fastest baseline" in out.stdout
@@ -84,9 +81,9 @@ def test_a_right_program_runs_end_to_end_and_writes_its_json(tmp_path) -> None:
     import json
     right = _program(tmp_path, "right", RIGHT)
     out_json = tmp_path / "cc.json"
-    out = subprocess.run([sys.executable, str(SCRIPT), str(right), "--configs", "1,2,64,64,nc",
+    out = subprocess.run([sys.executable, "-m", MODULE, str(right), "--configs", "1,2,64,64,nc",
                           "--dtype", "float32", "--rounds", "2", "--json", str(out_json)],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, cwd=ROOT, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     got = json.loads(out_json.read_text())
     assert got["timer"] == "cpu loop" and got["device"] == "cpu"
@@ -102,7 +99,7 @@ def test_a_right_program_runs_end_to_end_and_writes_its_json(tmp_path) -> None:
     (["--rounds", "0"], "--rounds must be at least 1"),
 ])
 def test_a_bad_argument_gets_one_line_naming_it_and_exit_2(args, says) -> None:
-    out = subprocess.run([sys.executable, str(SCRIPT), str(ROOT / "seeds/sdpa/naive_torch.py"),
-                          *args], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-m", MODULE, str(ROOT / "seeds/sdpa/naive_torch.py"),
+                          *args], capture_output=True, cwd=ROOT, text=True, timeout=300)
     assert out.returncode == 2 and says in out.stderr, out.stderr
     assert "Traceback" not in out.stderr

@@ -1,4 +1,4 @@
-"""benchmarks/decode_bw.py on the CPU (Triton's interpreter): its checks and its JSON. The GPU
+"""benchmarks.decode_bw on the CPU (Triton's interpreter): its checks and its JSON. The GPU
 modes (the clean-L2 event timing, the streaming-read reference, CUDA graphs) run on a GPU."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "decode_bw.py"
+MODULE = "benchmarks.decode_bw"
 
 WRONG = '''import torch
 def attention(q, k, v, cache_seqlens, scale=None):
@@ -20,9 +20,9 @@ def attention(q, k, v, cache_seqlens, scale=None):
 def _run(tmp_path: Path, *args: str) -> dict:
     out = tmp_path / "bw.json"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", MODULE, "--device", "cpu", "--out", str(out),
                            "--no-baselines", "--rounds", "1", *args],
-                          capture_output=True, text=True, env=env, timeout=600)
+                          capture_output=True, cwd=ROOT, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 

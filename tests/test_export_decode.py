@@ -13,7 +13,7 @@ from evaluator.types import Verdict
 from evoattn import settings
 from evoattn.export import export_run
 from evoattn.sandbox import SubprocessEvaluator
-from test_export_package import _py, _store_run, bench_module, export_naive
+from test_export_package import _py, _store_run, export_naive
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = ROOT / "seeds" / "decode" / "decode_triton.py"
@@ -367,7 +367,7 @@ def test_generation_benchmark_times_both_implementations_in_interleaved_rounds(m
     of the rounds' decode-time ratios, with their range."""
     import argparse
     import torch
-    bench = bench_module("decode_generate")
+    from benchmarks import decode_generate as bench
     state, calls = {}, []
     # (prefill, whole generation) seconds per implementation and round: decode 2, 4, 3 s for
     # SDPA and 1, 1, 2 s for evoattn
@@ -418,10 +418,10 @@ def test_generation_benchmark_runs_the_tiny_model_on_cpu(exported, tmp_path) -> 
     import subprocess
     import sys
     out = tmp_path / "g.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_generate.py"),
+    subprocess.run([sys.executable, "-m", "benchmarks.decode_generate",
                     "--export", str(exported["out"]), "--device", "cpu", "--tiny",
                     "--dtypes", "float32", "--runs", "2", "--out", str(out)],
-                   check=True, capture_output=True, text=True, timeout=600)
+                   check=True, capture_output=True, text=True, timeout=600, cwd=ROOT)
     row = json.loads(out.read_text())["rows"][0]
     assert row["same_tokens"] and row["first_difference"] is None
     for impl in ("sdpa", "evoattn"):
@@ -444,7 +444,7 @@ def test_teacher_forced_agreement_tells_a_wrong_attention_from_sdpa(monkeypatch)
     from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface
-    bench = bench_module("decode_generate")
+    from benchmarks import decode_generate as bench
 
     def no_cache(module, query, key, value, attention_mask, **kw):
         return sdpa_attention_forward(module, query, key[:, :, -query.shape[2]:],
@@ -484,7 +484,7 @@ def test_parting_names_the_first_new_token_and_sequence_that_differ_and_the_gap(
     """The first column where any sequence differs, its first differing sequence, and the
     reference's logit of SDPA's token there less the other's."""
     import torch
-    bench = bench_module("decode_generate")
+    from benchmarks import decode_generate as bench
     forced = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]])
     other = torch.tensor([[1, 2, 3, 0], [1, 2, 3, 4], [1, 2, 5, 4]])   # row 2 first, at k = 2
     refs = {k: torch.zeros(3, 8) for k in range(4)}
@@ -502,7 +502,7 @@ def test_sdpa_math_runs_decode_steps_on_the_math_backend_and_prompts_as_sdpa(mon
     import torch
     import torch.nn.functional as F
     from transformers import LlamaConfig, LlamaForCausalLM
-    bench = bench_module("decode_generate")
+    from benchmarks import decode_generate as bench
     bench.register_sdpa_math()
     seen = []
     sdpa = F.scaled_dot_product_attention
@@ -541,7 +541,7 @@ def test_decode_step_benchmark_repeats_one_step_and_counts_its_calls(exported, t
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    bench = bench_module("decode_step")
+    from benchmarks import decode_step as bench
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128,
                                          num_hidden_layers=2, num_attention_heads=4,
@@ -565,10 +565,10 @@ def test_decode_step_benchmark_repeats_one_step_and_counts_its_calls(exported, t
         assert cache.get_seq_length() == 14
 
     out = tmp_path / "s.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_step.py"), "--export",
+    subprocess.run([sys.executable, "-m", "benchmarks.decode_step", "--export",
                     str(exported["out"]), "--device", "cpu", "--tiny", "--dtypes", "float32",
                     "--rounds", "3", "--loop", "2", "--out", str(out)],
-                   check=True, capture_output=True, text=True, timeout=600)
+                   check=True, capture_output=True, text=True, timeout=600, cwd=ROOT)
     row = json.loads(out.read_text())["rows"][0]
     loop = row["eager"]["loop"]
     ratios = sorted(s / e for s, e in zip(loop["sdpa_runs_ms"], loop["evoattn_runs_ms"]))

@@ -50,14 +50,11 @@ def exported(tmp_path_factory) -> dict:
     return export_naive(tmp_path_factory.mktemp("pkg"))
 
 
-def bench_module(script: str):
-    """benchmarks/<script>.py, imported as a module."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(f"{script}_bench",
-                                                  ROOT / "benchmarks" / f"{script}.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+def bench_env() -> dict[str, str]:
+    """The environment a `python -m benchmarks.NAME` process needs outside the repository
+    root: the root on its path (the benchmarks are not installed)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))}
 
 
 def export_naive(tmp: Path) -> dict:
@@ -353,11 +350,12 @@ def test_model_benchmark_runs_on_cpu_with_a_tiny_config(exported):
     """Rows a, b, c with both gains per dtype and mode, the eager attention share, and the
     CPU's fallback in row c said as a warning."""
     out = exported["tmp"] / "hf_model.json"
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hf_model.py"), "--export",
+    p = subprocess.run([sys.executable, "-m", "benchmarks.hf_model", "--export",
                         str(exported["out"]), "--device", "cpu", "--tiny", "--compile",
                         "--dtypes", "float16,bfloat16", "--seqs", "24", "--runs", "2",
                         "--warmup", "1", "--json", str(out)],
-                       capture_output=True, text=True, timeout=900, cwd=exported["tmp"])
+                       capture_output=True, text=True, timeout=900, cwd=exported["tmp"],
+                       env=bench_env())
     assert p.returncode == 0, p.stdout + p.stderr
     r = json.loads(out.read_text())
     assert r["all_agree"] and r["program_id"] == exported["summary"].best_id
@@ -390,7 +388,7 @@ def test_model_benchmark_runs_on_cpu_with_a_tiny_config(exported):
 def test_model_benchmark_row_c_runs_the_kernel_and_row_b_does_not(exported):
     """With the guard told the CPU may run the kernel (verified in float16 at head dim 64), row
     c's calls reach it, row b's fall back as switched off, and bfloat16 falls back, said."""
-    bench = bench_module("hf_model")
+    from benchmarks import hf_model as bench
     pkg = bench.load_export(str(exported["out"]))
     guard = sys.modules[f"{pkg.__name__}.guard"]
     guard.KERNEL_DEVICE_TYPES = ("cpu",)
@@ -419,7 +417,7 @@ def test_model_benchmark_times_its_rows_in_interleaved_rounds(monkeypatch):
     cross-check times rows b and c taking turns, its gain the median of its rounds' ratios."""
     import argparse
     import torch
-    bench = bench_module("hf_model")
+    from benchmarks import hf_model as bench
     state, timed = {}, []
 
     class Pkg:
@@ -568,7 +566,7 @@ def test_the_export_serves_every_dtype_a_correct_result_was_checked_in() -> None
 def test_model_benchmark_judges_agreement_against_sdpa_with_a_slack_for_near_ties():
     """A row agrees when its logits are as close to the float32 reference as SDPA's: a few
     near ties flipped the other way pass, a real loss of accuracy does not."""
-    bench = bench_module("hf_model")
+    from benchmarks import hf_model as bench
     sdpa = {"max_abs": 0.02, "top1": 0.995}
     assert bench.judge(sdpa, {"max_abs": 0.03, "top1": 0.99})       # 5 in 1000 ties flipped
     assert not bench.judge(sdpa, {"max_abs": 0.03, "top1": 0.97})   # accuracy lost
@@ -581,7 +579,7 @@ def test_attention_time_leaves_transformers_attention_interface_as_it_found_it(m
     interface's local mapping would shadow it: a leak from one test, or package, to the next)."""
     from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    bench = bench_module("hf_model")
+    from benchmarks import hf_model as bench
     first, second = (lambda *a, **k: "first"), (lambda *a, **k: "second")
     monkeypatch.setitem(AttentionInterface._global_mapping, "timed_impl", first)
 

@@ -25,6 +25,7 @@ from evoattn.export import export_run
 from evoattn.sandbox import SubprocessEvaluator
 from evoattn.store import RunStore
 from evoattn.types import Program, program_id
+from test_export_package import bench_env
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.gpu
@@ -146,11 +147,12 @@ def test_kernel_runs_through_the_op_eager_compiled_and_in_cuda_graphs(tmp_path, 
 def test_llama_model_runs_the_kernel_in_every_layer(tmp_path):
     s = _evaluated_export(tmp_path, "seeds/sdpa/flash_triton.py")
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hf_model.py"), "--export",
+    p = subprocess.run([sys.executable, "-m", "benchmarks.hf_model", "--export",
                         str(out), "--device", "cuda", "--seqs", "512", "--hidden", "2048,4096",
                         "--layers", "2", "--dtypes", "float16", "--compile", "--runs", "3",
                         "--warmup", "2", "--json", str(tmp_path / "hf.json")],
-                       capture_output=True, text=True, timeout=900, cwd=tmp_path)
+                       capture_output=True, text=True, timeout=900, cwd=tmp_path,
+                       env=bench_env())
     # exit 1 says a row's top-1 agreement fell below SDPA's: a near tie of random weights can
     # do that at one length; the logits' max abs difference is the firm check here
     assert p.returncode in (0, 1) and (tmp_path / "hf.json").is_file(), p.stdout + p.stderr

@@ -1,41 +1,59 @@
-"""benchmarks/make_page.py: BENCHMARKS.md's tables are computed from `evoattn eval --json` files."""
+"""benchmarks.make_page: BENCHMARKS.md's tables are computed from `evoattn eval --json` files
+and a run's store, with the evaluator's fitness rule."""
 from __future__ import annotations
 
 import json
 import math
+import os
+import random
 import subprocess
 import sys
 from pathlib import Path
+
+from evaluator.types import ConfigResult, EvalResult, Times, Verdict
+from evoattn.config import RunConfig, config_to_dict
+from evoattn.store import RunStore
+from evoattn.types import Program
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("call", "kernel", "graph")
 
 
-def _times(call: float, kernel: float, graph: float, host: float) -> dict:
-    return {"call_ms": call, "kernel_ms": kernel, "graph_ms": graph, "graph_error": "",
-            "host_us": host}
+def _times(call: float, kernel: float, graph: float, host: float) -> Times:
+    return Times(call_ms=call, kernel_ms=kernel, graph_ms=graph, host_us=host)
 
 
-def _eval_json(path: Path) -> Path:
+def _result(scale: float = 1.0, **kw) -> EvalResult:
     """Two configs, two baselines: `fast` is the fastest in every mode but one (graph time of
     the second config, where `slow` wins). The candidate's ratios differ per mode, and a
-    ratio taken the wrong way round or a product instead of a mean gives other numbers."""
+    ratio taken the wrong way round or a product instead of a mean gives other numbers.
+    `scale` divides the candidate's times (a faster candidate)."""
     configs = []
     for i, (mine, fast, slow) in enumerate([((1.0, 0.5, 0.4, 30.0), (2.0, 1.0, 0.8, 20.0),
                                              (4.0, 2.0, 1.6, 10.0)),
                                             ((4.0, 0.25, 2.0, 40.0), (1.0, 0.5, 2.0, 20.0),
                                              (3.0, 3.0, 0.5, 10.0))]):
-        configs.append({"params": {"B": 1, "H": 2, "S": 64 * (i + 1), "D": 64, "causal": i == 1},
-                        **_times(*mine),
-                        "baseline_times": {"fast": _times(*fast), "slow": _times(*slow)}})
-    path.write_text(json.dumps({"candidate": "seed.py", "problem": "sdpa", "verdict": "pass",
-                                "device": "GPU X", "versions": {}, "configs": configs}))
+        configs.append(ConfigResult(
+            params={"B": 1, "H": 2, "S": 64 * (i + 1), "D": 64, "causal": i == 1},
+            dtype="float16", verdict=Verdict.PASS,
+            times=_times(*(t / scale for t in mine[:3]), mine[3]),
+            baseline_times={"fast": _times(*fast), "slow": _times(*slow)}))
+    return EvalResult(verdict=Verdict.PASS, reason="", fitness=kw.pop("fitness", 0.7),
+                      configs=tuple(configs), candidate="seed.py", problem="sdpa",
+                      device="GPU X", **kw)
+
+
+def _eval_json(path: Path, **kw) -> Path:
+    """An evaluation as `evoattn eval --json` writes it."""
+    path.write_text(json.dumps(_result(**kw).to_json()))
     return path
 
 
 def _run(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "make_page.py"),
-                           *map(str, args)], cwd=cwd, capture_output=True, text=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))}
+    return subprocess.run([sys.executable, "-m", "benchmarks.make_page", *map(str, args)],
+                          cwd=cwd, capture_output=True, text=True, env=env)
 
 
 def test_the_page_gets_per_mode_fitness_against_the_fastest_baseline_and_keeps_its_prose(
@@ -86,7 +104,7 @@ def test_a_crosscheck_of_the_same_name_adds_its_harness_to_the_summary_and_the_t
     res.mkdir()
     _eval_json(res / "eval_toy.json")
     (res / "cc_toy.json").write_text(json.dumps({
-        "timer": "do_bench", "geomean": 1.234,
+        "problem": "sdpa", "timer": "do_bench", "geomean": 1.234,
         "configs": [{"config": "B=1,H=2,S=128 whatever", "passed": True, "speedup": 0.5,
                      "params": {"B": 1, "H": 2, "S": 128, "D": 64, "causal": True}},
                     {"config": "first", "passed": True, "speedup": 2.5,
@@ -111,10 +129,7 @@ def test_the_fitness_mode_shows_the_evaluators_own_fitness_and_interval(tmp_path
     other modes keep the ratio of medians."""
     res = tmp_path / "results"
     res.mkdir()
-    path = _eval_json(res / "eval_toy.json")
-    data = json.loads(path.read_text())
-    data.update(timing="kernel", fitness=1.9, fitness_ci=[1.85, 1.95])
-    path.write_text(json.dumps(data))
+    _eval_json(res / "eval_toy.json", timing="kernel", fitness=1.9, fitness_ci=(1.85, 1.95))
     (res / "machine.txt").write_text("GPU X\n")
     assert _run("collect", res, "-o", tmp_path / "current.json", cwd=tmp_path).returncode == 0
     page = tmp_path / "BENCHMARKS.md"
@@ -123,3 +138,27 @@ def test_the_fitness_mode_shows_the_evaluators_own_fitness_and_interval(tmp_path
     text = page.read_text()
     assert "| toy | `seed.py` | fast, slow | 0.707× | 1.900× [1.850, 1.950] | 0.707× | – |" in text
     assert "call time 0.707×, kernel time 1.900× [1.850, 1.950], graph time 0.707×" in text
+
+
+def test_a_runs_seed_and_best_come_from_its_store(tmp_path: Path) -> None:
+    """run.sqlite beside the evaluations: the seed is iteration 0, the best the fittest stored
+    program, each summarised as an evaluation is (a faster candidate: every mode's fitness
+    scales with it)."""
+    res = tmp_path / "results"
+    store = RunStore.open(res, config_to_dict(RunConfig()), create=True)
+    for it, (scale, fitness) in enumerate([(1.0, 0.7), (2.0, 1.4), (1.5, 1.05)]):
+        store.commit_iteration(
+            iteration=it, program=Program(
+                id=f"p{it}", source="def attention(): pass\n", suffix=".py",
+                parent_id=None if it == 0 else "p0", iteration=it, island=0,
+                mutator="seed" if it == 0 else "knobs", change="",
+                result=_result(scale, fitness=fitness)),
+            rejection=None, llm_usage=None, rng_state=random.Random(it).getstate(),
+            population_snapshot={})
+    store.close()
+    assert _run("collect", res, "-o", tmp_path / "current.json", cwd=tmp_path).returncode == 0
+    run = json.loads((tmp_path / "current.json").read_text())["run"]
+    assert run["evaluations"] == 3 and run["best_iteration"] == 1
+    assert math.isclose(run["seed"]["fitness"]["kernel"], 2.0)
+    assert math.isclose(run["best"]["fitness"]["kernel"], 4.0)
+    assert math.isclose(run["best"]["fitness"]["call"], 2 * math.sqrt(0.5))

@@ -256,10 +256,10 @@ def test_the_package_ships_the_cpp_source_it_builds(package):
 
 def test_op_paths_times_the_fallbacks_host_work_on_cpu_tensors(package, tmp_path):
     out = tmp_path / "paths.json"
-    p = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks"
-                                            / "op_paths.py"), "--export", str(package["out"]),
-                        "--cpu-tensors", "--rounds", "2", "--json", str(out)],
-                       capture_output=True, text=True, timeout=BUILD_WAIT_S + 120,
+    p = subprocess.run([sys.executable, "-m", "benchmarks.op_paths", "--export",
+                        str(package["out"]), "--cpu-tensors", "--rounds", "2", "--json",
+                        str(out)], capture_output=True, text=True, timeout=BUILD_WAIT_S + 120,
+                       cwd=Path(__file__).resolve().parents[1],
                        env={**os.environ, "EVOATTN_KERNEL_CACHE": str(package["cache"]),
                             "EVOATTN_NATIVE": "1"})
     assert p.returncode == 0, p.stdout + p.stderr

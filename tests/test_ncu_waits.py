@@ -1,24 +1,21 @@
-"""benchmarks/ncu_waits.py on a source page written as Nsight Compute writes one (CPU only)."""
+"""benchmarks.ncu_waits on a source page written as Nsight Compute writes one (CPU only)."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "ncu_waits.py"
+MODULE = "benchmarks.ncu_waits"
 KERNEL = ("void wgmma_ws_kernel<__half, (int)64, (int)128, (bool)0, (int)2>(CUtensorMap_st, "
           "CUtensorMap_st, CUtensorMap_st, CUtensorMap_st, T1 *, int, int, int, float, int *, "
           "int, int, HeadLayout)")
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("ncu_waits", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from benchmarks import ncu_waits
+    return ncu_waits
 
 
 def _page(path: Path, kernel: str, lines: list[tuple[str, float]]) -> Path:
@@ -59,8 +56,8 @@ def test_waits_are_named_by_the_seeds_barrier_layout(tmp_path):
 
 def test_the_report_prints_shares_and_a_bad_file_gets_one_line(tmp_path):
     page = _page(tmp_path / "src.csv", KERNEL, LINES)
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(page), "--top", "2"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", MODULE, str(page), "--top", "2"],
+                          capture_output=True, cwd=ROOT, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout.splitlines()
     assert "100 stall samples, 2 q tile(s)" in out[1]
@@ -68,7 +65,7 @@ def test_the_report_prints_shares_and_a_bad_file_gets_one_line(tmp_path):
     assert out[-2].strip() == "40.0%  HGMMA.64x64x16.F32 R88, R24, gdesc[UR16].tnspB, R88"
     bad = tmp_path / "bad.csv"
     bad.write_text("a,b\n1,2\n")
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(bad)], capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", MODULE, str(bad)], capture_output=True,
+                          cwd=ROOT, text=True, timeout=60)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "not an ncu source page" in proc.stderr

@@ -1,7 +1,6 @@
-"""benchmarks/round_order.py without a GPU: its arguments are checked before anything runs."""
+"""benchmarks.round_order without a GPU: its arguments are checked before anything runs."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -9,18 +8,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "round_order.py"
+MODULE = "benchmarks.round_order"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run([sys.executable, "-m", MODULE, *args], capture_output=True, cwd=ROOT,
+                          text=True, timeout=300)
 
 
 def test_configs_parse_with_their_causal_mark() -> None:
-    spec = importlib.util.spec_from_file_location("round_order", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from benchmarks import round_order as mod
     assert mod.parse_configs("8,32,512,64,nc; 2,32,2048,64,causal;") == [
         (8, 32, 512, 64, False), (2, 32, 2048, 64, True)]
     assert mod.parse_configs("1,8,512,64") == [(1, 8, 512, 64, False), (1, 8, 512, 64, True)]

@@ -7,7 +7,6 @@ each instantiation's tensor-core instructions and conversions use.
 """
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import re
@@ -27,10 +26,8 @@ SEED = ROOT / "seeds" / "sdpa" / "wgmma_flash.cu"
 
 
 def _probe_module():
-    spec = importlib.util.spec_from_file_location("wgmma_probe", ROOT / "benchmarks" / "wgmma_probe.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from benchmarks import wgmma_probe
+    return wgmma_probe
 
 
 def test_probe_builds_every_structural_combination_and_every_knob_value():
@@ -309,8 +306,8 @@ def test_bfloat16_instantiations_run_bf16_wgmma_and_round_to_bf16(seed_builds):
     (["--config", "4,16,x"], "expected four positive integers"),
 ])
 def test_ncu_seed_rejects_bad_arguments_with_one_line(args, message):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ncu_seed.py"), str(SEED),
-                           *args], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.ncu_seed", str(SEED), *args],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr

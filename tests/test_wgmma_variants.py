@@ -1,8 +1,7 @@
-"""benchmarks/wgmma_variants.py: its --variant grammar and its refusals without a GPU; on a
+"""benchmarks.wgmma_variants: its --variant grammar and its refusals without a GPU; on a
 Hopper GPU (gpu marker) a real run of two settings."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,15 +10,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "wgmma_variants.py"
+MODULE = "benchmarks.wgmma_variants"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("wgmma_variants", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod              # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    from benchmarks import wgmma_variants
+    return wgmma_variants
 
 
 def test_a_variant_is_a_name_an_optional_file_and_knob_settings(tmp_path):
@@ -127,9 +123,10 @@ def test_two_settings_build_check_and_time_on_hopper(tmp_path):
         pytest.skip("needs a Hopper (sm_90) GPU")
     wv = _module()
     out = tmp_path / "v.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--variant", "seed:", "--variant",
+    proc = subprocess.run([sys.executable, "-m", MODULE, "--variant", "seed:", "--variant",
                            "no_overlap:OVERLAP_D128=0", "--head-dim", "128", "--rounds", "2",
-                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+                           "--json", str(out)], capture_output=True, cwd=ROOT, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "checks: 0 failed" in proc.stdout and "geomean vs sdpa, graph, D=128" in proc.stdout
     rows = json.loads(out.read_text())["rows"]

@@ -1,6 +1,6 @@
 """How fast each CPU of this machine runs a launch-bound call's host work (GPU only).
 
-    python benchmarks/host_probe.py [--rounds 6] [--json F]
+    python -m benchmarks.experiments.host_probe [--rounds 6] [--json F]
 
 Per CPU the process may use, this thread pinned to it: the host time of one SDPA call at
 (1,8,512,64) causal while the GPU is held busy (a sleep kernel queued first, so only the CPU's
@@ -14,11 +14,10 @@ import argparse
 import json
 import os
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.common import host_us
+from benchmarks.protocol_check import per_call_loop
 
 
 def main() -> None:
@@ -28,9 +27,6 @@ def main() -> None:
     a = ap.parse_args()
     import torch
     import torch.nn.functional as F
-    from host_cost import host_us                      # the same measurements as there
-    from protocol_check import per_call_loop
-
     from evaluator.cpu_pin import TimingCpu, interpreter_work, median_seconds
     q = torch.randn(1, 8, 512, 64, device="cuda", dtype=torch.float16)
     k, v = torch.randn_like(q), torch.randn_like(q)

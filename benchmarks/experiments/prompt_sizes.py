@@ -1,8 +1,9 @@
 """Prints the size of the LLM mutator's prompt, per call, for every shipped seed.
 
-    python benchmarks/prompt_sizes.py                 # this checkout
-    python benchmarks/prompt_sizes.py --repo DIR      # another checkout (e.g. `git worktree
-                                                      # add DIR COMMIT`): before/after
+    python -m benchmarks.experiments.prompt_sizes
+
+It measures the checkout it is run from (its seeds, its configs, its mutator): for a
+before/after, run it from the root of each (`git worktree add DIR COMMIT`, this file copied in).
 
 Each seed is the parent of one call, through the real LlmMutator (a recording client stands
 in for the server): evaluated and passing at the problem's configs (CPU configs on the CPU
@@ -19,15 +20,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
-import sys
 from pathlib import Path
 
+from benchmarks.common import ROOT
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repo", default=str(Path(__file__).resolve().parent.parent))
-    args = ap.parse_args()
-    repo = Path(args.repo).resolve()
-    sys.path.insert(0, str(repo))
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    repo = ROOT
     rows = []
     for problem, path, source in seeds(repo):
         targets = ("sm90",) if path.endswith(".cu") else ("cpu", "sm90")
