@@ -3,7 +3,7 @@
 On a GPU the host's speed decides every launch-bound time (a call's Python, the binding, the
 launch), and the CPUs of one machine do not all run at one speed: on a cloud H200 (16 vCPUs)
 SDPA's host time per call at (1,8,512,64) causal was 18-21 µs on ten vCPUs and 27-31 µs on
-six (benchmarks/host_probe.py), and which ones were slow changed within seconds. A process
+six (benchmarks/experiments/host_probe.py), and which ones were slow changed within seconds. A process
 left to the scheduler lands on either, and moves between them while it times: the same
 program's launch-bound figures then differ between processes by the ratio of the CPUs'
 speeds, and within one by where each round ran.
