@@ -131,7 +131,7 @@ with pkg.kernel_off():
 print(json.dumps({"path": pkg.call_path(), "equal": outs, "stats": pkg.stats(),
                   "entries": sorted({type(k[0]).__name__ for k in ops._entries}),
                   "n": len(ops._entries),
-                  "direct": sum(type(e).__name__ == "_Direct" for e in ops._entries.values()),
+                  "direct": sum(type(e).__name__ == "Direct" for e in ops._entries.values()),
                   "closures": sum(type(e).__name__ == "function" for e in ops._entries.values())}))
 """
 
