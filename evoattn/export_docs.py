@@ -243,7 +243,9 @@ def _usage(info: KernelInfo) -> list[str]:
               "kernel does not cover (" + ("a padding mask, the prefill of a prompt over 16 "
                                            "tokens" if info.problem == "decode"
                                            else "a padding mask, decoding with a cache")
-              + ", dropout while training) run transformers' SDPA path; `hf.py` lists them.",
+              + ", dropout while training) run transformers' SDPA path, or the model's own "
+              "eager attention where they pass what SDPA lacks (softcap, attention sinks, "
+              "output_attentions), counted in `stats()` with the reason; `hf.py` lists them.",
               ""]
     if info.problem == "decode":
         lines += ["The kernel serves `generate`'s steps (and up to 16 new tokens at once) over "
