@@ -243,7 +243,9 @@ def _usage(info: KernelInfo) -> list[str]:
               "kernel does not cover (" + ("a padding mask, the prefill of a prompt over 16 "
                                            "tokens" if info.problem == "decode"
                                            else "a padding mask, decoding with a cache")
-              + ", dropout while training) run transformers' SDPA path; `hf.py` lists them.",
+              + ", dropout while training) run transformers' SDPA path, or the model's own "
+              "eager attention where they pass what SDPA lacks (softcap, attention sinks, "
+              "output_attentions), counted in `stats()` with the reason; `hf.py` lists them.",
               ""]
     if info.problem == "decode":
         lines += ["The kernel serves `generate`'s steps (and up to 16 new tokens at once) over "
@@ -268,8 +270,12 @@ def _no_op(info: KernelInfo) -> list[str]:
 
 def _guard(info: KernelInfo) -> list[str]:
     v = info.meta["verified"]
-    where = v["device_type"] + (f" (compute capability {', '.join(v['capabilities'])}, "
-                                f"{v['device_name']})" if v["capabilities"] else "")
+    # the guard serves the kernel on CUDA GPUs only: say so, not the device the run used
+    where = ("CUDA GPUs" + (f" of compute capability {', '.join(v['capabilities'])} "
+                            f"({v['device_name']})" if v["capabilities"] else "")
+             + "; calls on the CPU fall back" if v["device_type"] == "cuda" else
+             "none: every call falls back, on the CPU too (the kernel runs on CUDA GPUs only, "
+             "and this run verified it on no GPU)")
     lines = ["## Where it runs", "",
              "The op runs the evolved kernel only on what its evaluation verified, and PyTorch "
              "SDPA elsewhere (logged once per reason at debug level on the logger "
@@ -300,8 +306,10 @@ def _guard(info: KernelInfo) -> list[str]:
               "timed both ways shows what the kernel itself gains. Each setting keeps its own "
               "decisions (switching back and forth decides nothing twice); compiled graphs "
               "follow it, CUDA graphs captured before replay what they captured.", ""]
-    if v["device_type"] != "cuda":
-        lines += ["This kernel was verified on the CPU only, so the op always falls back.", ""]
+    if v["device_type"] == "cpu":
+        lines += ["This run verified the kernel in CPU mode (Triton's interpreter, too slow to "
+                  "serve), so the op always falls back; export a run made on a CUDA GPU to "
+                  "serve it.", ""]
     return lines
 
 

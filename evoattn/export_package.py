@@ -26,7 +26,9 @@ TEMPLATES = Path(__file__).resolve().parent / "export_templates"
 TEMPLATE_MODULES = {"package_init.py": "__init__.py", "_loader.py": "_loader.py",
                     "guard.py": "guard.py", "hf.py": "hf.py", "ops.py": "ops.py",
                     "problems.py": "problems.py", "decode.py": "decode.py",
-                    "_native.py": "_native.py", "_callkey.cpp": "_callkey.cpp"}
+                    "_native.py": "_native.py", "_callkey.cpp": "_callkey.cpp",
+                    "_meta.py": "_meta.py", "_keys.py": "_keys.py", "_route.py": "_route.py",
+                    "_stats.py": "_stats.py", "_hf_fallback.py": "_hf_fallback.py"}
 # The evaluator's build, cache key, flags and when(...) rules, shipped unchanged: a package
 # builds its kernel exactly as the run that verified it did.
 RUNTIME = Path(runtime.__file__).resolve()

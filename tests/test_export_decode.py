@@ -81,7 +81,7 @@ def test_a_growing_cache_is_decided_once_per_doubling_of_its_length(exported) ->
     got = _py(f"""
         import json, torch
         import {s.package} as pkg
-        from {s.package} import decode, guard, ops
+        from {s.package} import _keys, decode, guard, ops
         guard.KERNEL_DEVICE_TYPES = ("cpu",)
         made = []
         decide = ops._decide
@@ -113,7 +113,7 @@ def test_a_growing_cache_is_decided_once_per_doubling_of_its_length(exported) ->
         print(json.dumps({{"made": contiguous, "strided": strided,
                           "mismatch_decided": mismatch_decided,
                           "err": err, "stats": stats,
-                          "too_far": [ops._grown_too_far({{"k": t, "v": t}})
+                          "too_far": [_keys.grown_too_far({{"k": t, "v": t}})
                                       for t in (big, small)]}}))
     """, cwd=exported["out"], env={"TRITON_INTERPRET": "1"})
     r = json.loads(got.splitlines()[-1])

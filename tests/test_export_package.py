@@ -92,8 +92,12 @@ def test_export_writes_a_package_with_the_kernel_and_its_evidence(exported):
     for text in (f"from {s.package} import attention", f"torch.ops.{s.namespace}.attention",
                  'hf.register("evoattn")', 'attn_implementation="evoattn"', "fullgraph=True",
                  "### kernel", "### call", "### graph", "class SelfAttention",
-                 f"{s.package}.use_kernel(False)"):
+                 f"{s.package}.use_kernel(False)",
+                 # verified on the CPU: where the kernel runs is said, and that calls fall back
+                 "- device: none: every call falls back, on the CPU too (the kernel runs on "
+                 "CUDA GPUs only", "verified the kernel in CPU mode (Triton's interpreter"):
         assert text in readme, text
+    assert "device: cpu" not in readme
 
 
 def test_the_package_ships_the_evaluators_runtime_unchanged_and_imports_it(exported):

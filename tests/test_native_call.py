@@ -131,7 +131,7 @@ with pkg.kernel_off():
 print(json.dumps({"path": pkg.call_path(), "equal": outs, "stats": pkg.stats(),
                   "entries": sorted({type(k[0]).__name__ for k in ops._entries}),
                   "n": len(ops._entries),
-                  "direct": sum(type(e).__name__ == "_Direct" for e in ops._entries.values()),
+                  "direct": sum(type(e).__name__ == "Direct" for e in ops._entries.values()),
                   "closures": sum(type(e).__name__ == "function" for e in ops._entries.values())}))
 """
 
@@ -268,3 +268,48 @@ def test_op_paths_times_the_fallbacks_host_work_on_cpu_tensors(package, tmp_path
     for r in rows:
         assert r["sdpa_us"] > 0
         assert {"fallback_native", "fallback_python"} <= set(r)
+
+
+_COUNT = """
+from importlib import import_module
+guard, stats_mod = import_module(pkg.__name__ + ".guard"), import_module(pkg.__name__ + "._stats")
+guard.KERNEL_DEVICE_TYPES = ("cpu",)           # the naive kernel runs on the CPU: kernel calls
+stats_mod.GRAPH_DEVICE_TYPES = ("cpu",)        # and the CPU stands in for a graphed device
+op = getattr(torch.ops, pkg.NAMESPACE).attention
+half, bf16, d16 = (torch.randn(1, 2, 8, 64).half(), torch.randn(1, 2, 8, 64).bfloat16(),
+                   torch.randn(1, 2, 8, 16).half())
+made = {"kernel": 0, "dtype": 0, "head dim": 0}
+for i in range(7):
+    pkg.attention(half, half, half, causal=bool(i % 2)); made["kernel"] += 1
+    pkg.attention(bf16, bf16, bf16); made["dtype"] += 1
+    if i % 3 == 0:
+        pkg.attention(d16, d16, d16, causal=True, scale=0.5); made["head dim"] += 1
+        op(half, half, half, True); made["kernel"] += 1
+eager = pkg.stats()
+stats_mod.capturing = lambda: True             # as while a CUDA graph captures these calls
+for _ in range(5):
+    pkg.attention(half, half, half, causal=True)
+    op(half, half, half, False)
+captured = stats_mod._on_device[torch.device("cpu")][0].item()
+print(json.dumps({"path": pkg.call_path(), "made": made, "eager": eager,
+                  "captured": captured, "after": pkg.stats()}))
+"""
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_stats_count_every_call_made_on_either_path_and_in_a_graph(package, native):
+    """stats() equals the calls made, kernel and fallback by reason, whether attention()'s
+    per-call work runs in C++ or in Python; calls made while a graph is captured are counted
+    by the device's counter (which each replay raises), not on the host."""
+    code = ("assert pkg.call_path(wait_s=None) == 'native'\n" if native else "") + _COUNT
+    out = _run(package, code, env=None if native else {"EVOATTN_NATIVE": "0"})
+    assert out["path"] == ("native" if native else "python (turned off by EVOATTN_NATIVE)")
+    made = out["made"]
+    assert out["eager"] == {"kernel": made["kernel"],
+                            "fallback": made["dtype"] + made["head dim"],
+                            "fallback_reasons": {
+                                "dtype bfloat16 (verified: float16, all inputs alike)":
+                                    made["dtype"],
+                                "head dim 16 (verified: 64)": made["head dim"]}}, out
+    assert out["captured"] == 10
+    assert out["after"]["kernel"] == made["kernel"] + 10, out

@@ -5,8 +5,8 @@ the device type and GPU compute capability it ran on, the dtypes, head dims and 
 values of its checked configs. Shapes follow the problem's contract (its evaluation also
 checked odd sequence lengths); tensors past 2**31 elements are refused because no
 evaluation reaches them and 32-bit offsets are common in kernels. A layout the contract does
-not have (strides, k/v with fewer heads under `sdpa`) is not refused: ops.py passes it to a
-kernel that takes it, and gives other kernels contiguous copies. ops.py asks once per call
+not have (strides, k/v with fewer heads under `sdpa`) is not refused: _route.py passes it to
+a kernel that takes it, and gives other kernels contiguous copies. ops.py asks once per call
 key and keeps the answer.
 """
 from __future__ import annotations

@@ -4,7 +4,8 @@
     torch.ops.NAMESPACE.attention            # the same op, for graphs and compile
     from PACKAGE import hf; hf.register()    # Hugging Face: attn_implementation="evoattn"
 
-`stats()` counts calls that ran the kernel and calls that fell back to PyTorch SDPA;
+`stats()` counts calls that ran the kernel and calls that fell back (to PyTorch SDPA, or to a
+model's eager attention for a feature SDPA lacks), by reason;
 `use_kernel(False)` or `with kernel_off():` makes every call fall back (to time the kernel's
 own share of a model);
 `call_path()` says whether eager calls run their per-call work in C++ yet (built in the

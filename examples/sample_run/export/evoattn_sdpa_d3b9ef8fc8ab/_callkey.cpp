@@ -2,13 +2,13 @@
 //
 // call(table, miss, args, kwargs) forms the key of one eager call, looks it up in `table` (a
 // dict: key -> entry) and returns entry(*args, **kwargs); on a miss it asks
-// miss(args, kwargs, key) for the entry first. An entry that is a tuple (ops._Direct: a
+// miss(args, kwargs, key) for the entry first. An entry that is a tuple (_route.Direct: a
 // counted fallback) is called here: its count raised, its function called with the call's
 // leading tensors and the values its key fixes, with no Python frame. The key holds, for each
 // positional argument in order, a plain tensor's dim, sizes, strides, dtype, device, layout
 // and requires_grad (packed into one bytes object) or the value itself; then each keyword
 // argument's name and value in the order given; and whether grad mode is on: everything the
-// Python key (ops._key) keeps, so a key never joins calls the Python key would tell apart.
+// Python key (_keys.key) keeps, so a key never joins calls the Python key would tell apart.
 // Where the key cannot be formed here (a tensor subclass, a nested tensor, a tensor passed by
 // name, more arguments than the buffers hold) `key` is None and miss decides with the Python
 // key.
@@ -96,7 +96,7 @@ PyObject* make_key(PyObject* args, PyObject* kwargs) {
 }
 
 // entry = (cell, fn, n, values, names): cell[0] += 1, then fn(args[0], ..., args[n-1],
-// *values), the last len(names) values by those names, as ops._Direct.__call__ does. Returns
+// *values), the last len(names) values by those names, as _route.Direct.__call__ does. Returns
 // the result, NULL with an error set, or NULL with none where the entry is not laid out so
 // (the caller then calls it as Python would).
 PyObject* call_direct(PyObject* entry, PyObject* args) {
@@ -154,7 +154,7 @@ PyObject* call(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
     }
   }
   Py_DECREF(key);
-  if (PyTuple_Check(entry)) {             // a counted fallback called directly (ops._Direct)
+  if (PyTuple_Check(entry)) {             // a counted fallback called directly (_route.Direct)
     PyObject* out = call_direct(entry, args);
     if (out != nullptr || PyErr_Occurred()) {
       Py_DECREF(entry);

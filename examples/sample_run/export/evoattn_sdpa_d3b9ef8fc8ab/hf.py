@@ -12,10 +12,11 @@ heads under GQA) and wants (B, S, H, D) back: eagerly, a kernel that lays its ou
 torch.compile the op's output is contiguous, and transposing it back copies). `register` also
 registers the mask builder, so that a call with nothing to mask but causality gets no mask (as
 SDPA does) and a padded batch gets its mask. A call the kernel's problem covers goes through
-the op (whose guard may still fall back); anything else runs transformers' own SDPA path,
-counted as a fallback: an attention mask, query and key lengths that differ (decoding with a
-cache), dropout while training, output_attentions, softcap, a position bias, attention sinks, a
-paged cache.
+the op (whose guard may still fall back); anything else is counted as a fallback with its
+reason (an attention mask, query and key lengths that differ (decoding with a cache), dropout
+while training, output_attentions, softcap, a position bias, attention sinks, a paged cache)
+and runs transformers' own SDPA path, or, where it passes a feature SDPA lacks (softcap,
+sinks, output_attentions), the model's own eager attention (_hf_fallback).
 
 Per problem: `sdpa` and `gqa` take causal and non-causal prefill, k and v passed as they are
 (the op gives them to a kernel that takes GQA and strides, and contiguous, repeated copies to
@@ -35,9 +36,10 @@ from typing import Any
 
 import torch
 
-from . import decode, ops
+from . import _hf_fallback, decode, ops
 
 NAME = "evoattn"
+# Keyword arguments the kernel does not take (those SDPA lacks too: _hf_fallback.BEYOND_SDPA).
 _UNSUPPORTED_KWARGS = ("output_attentions", "softcap", "position_bias", "cache", "s_aux", "sinks")
 
 
@@ -133,7 +135,8 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                is_causal: bool | None = None, then: Any = None,
                **kwargs: Any) -> tuple[torch.Tensor, None]:
     """attention_forward; a call the kernel does not take goes to `then` (another package's
-    attention function) if given, else to transformers' SDPA path, counted."""
+    attention function) if given, else, counted, to transformers' SDPA path, or to the model's
+    eager attention where the call passes a feature SDPA lacks (_hf_fallback)."""
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     reason = _refusal(module, query, key, attention_mask, dropout, kwargs)
@@ -149,23 +152,26 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
         return then(module, query, key, value, attention_mask, scaling=scaling,
                     dropout=dropout, sliding_window=sliding_window, is_causal=is_causal,
                     **kwargs)
+    beyond = _hf_fallback.passed(kwargs, _hf_fallback.BEYOND_SDPA)
+    run = _hf_fallback.run_eager if beyond else _hf_fallback.run_sdpa
+    if beyond:
+        reason += f"; ran {_hf_fallback.eager_function(module)[1]}"
     ops.note_fallback(reason)
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                  scaling=scaling, is_causal=is_causal,
-                                  sliding_window=sliding_window, **kwargs)
+    return run(module, query, key, value, attention_mask, scaling, dropout, sliding_window,
+               bool(is_causal), **kwargs)
 
 
 def _refusal(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
              attention_mask: Any, dropout: float, kwargs: dict[str, Any]) -> str | None:
     if ops.SPEC is None or ops.SPEC.fallback_for is None:
         return f"problem {ops.META['problem']} has no transformers mapping"
+    unsupported = _hf_fallback.passed(kwargs, _UNSUPPORTED_KWARGS)
+    if unsupported:                       # named first: they decide where the call goes
+        return f"{', '.join(unsupported)} passed (the kernel takes none)"
     if attention_mask is not None and not decode.is_lengths(attention_mask):
         return "an attention mask (padding or a pattern)"
     if dropout and module.training:
         return "dropout while training"
-    if any(kwargs.get(k) not in (None, False) for k in _UNSUPPORTED_KWARGS):
-        return "output_attentions, softcap, a position bias, sinks or a paged cache"
     if query.shape[2] != key.shape[2] and ops.META["problem"] != "decode":
         return "query and key lengths differ (decoding with a cache)"
     return None
