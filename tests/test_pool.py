@@ -16,15 +16,16 @@ from evaluator.request import EvalRequest
 from evaluator.types import EvalResult, Verdict
 from evoattn.config import PopulationConfig, RunConfig, config_to_dict
 from evoattn.mutators.knobs import KnobMutator
-from evoattn.pool import LocalPool, slot_evaluator, visible_gpus
+from evoattn.pool import LocalPool, visible_gpus
 from evoattn.prebuild import Prebuilder
 from evoattn.sandbox import SandboxSettings
 from evoattn.search import Search
 from evoattn.store import RunStore
-from fakes import TOY_SEED, FakeEvaluator, sandboxed
+from evoattn.slots import Slot, SlotSpec
+from fakes import TOY_SEED, FakeEvaluator, FakeSlot, sandboxed
 
 
-class _EnvProbe:
+class _EnvProbe(FakeSlot):
     """Stands in for a slot's evaluator: records the environment its real one would give a
     child, and this process's own CUDA_VISIBLE_DEVICES while it runs."""
 
@@ -49,7 +50,7 @@ def test_each_slot_gives_its_children_one_gpu_and_never_changes_this_process(
     probes: dict[str, _EnvProbe] = {}
 
     def make(device: str) -> _EnvProbe:
-        real = slot_evaluator(EvalRequest(device="cuda"), device, (), 10.0, 60.0)
+        real = SlotSpec(EvalRequest(device="cuda"), (), 10.0, 60.0, None).slot(device)
         probes[device] = _EnvProbe(real, tmp_path)
         return probes[device]
 
@@ -65,7 +66,7 @@ def test_each_slot_gives_its_children_one_gpu_and_never_changes_this_process(
     assert "EVOATTN_TEST_TOKEN" not in probes["3"].real.evaluator.child_environment(str(tmp_path))
 
 
-class _Gate:
+class _Gate(FakeSlot):
     """A fake evaluator whose every evaluation waits until `parties` are running at once."""
 
     def __init__(self, barrier: threading.Barrier) -> None:
@@ -158,7 +159,7 @@ def attention(q, k, v, causal=False, scale=None):
 """
 
 
-class _Blocked:
+class _Blocked(FakeSlot):
     """A fake slot evaluator: the first job waits for `release`; records, when each job
     starts, whether its CUDA library is already in the cache."""
 
@@ -196,7 +197,7 @@ class _SlowBuilds:
             t.cancel()
 
 
-class _Quick:
+class _Quick(FakeSlot):
     """A fake slot evaluator that records the order it is given jobs in."""
 
     def __init__(self) -> None:
@@ -264,7 +265,8 @@ def test_zygotes_started_ahead_outlive_the_thread_that_asked_for_them(
     evs = [sandboxed(device="cpu", cache_dir=str(tmp_path / str(i)), zygote=True, reps=2,
                      warmup=1, policy="allow-library") for i in range(slots)]
     given = iter(evs)
-    pool = LocalPool(["cpu"] * slots, lambda d: next(given),
+    spec = SlotSpec(EvalRequest(device="cpu"), (), 10.0, 60.0, None)
+    pool = LocalPool(["cpu"] * slots, lambda d: Slot(next(given), spec),
                      _SlowBuilds(0) if builds else None)   # type: ignore[arg-type]
     try:
         deadline = time.monotonic() + 120
