@@ -35,7 +35,8 @@ def main() -> None:
     a = ap.parse_args()
     cache = os.environ.get("EVOATTN_CACHE") or tempfile.mkdtemp(prefix="evoattn-prof-")
     work = tempfile.mkdtemp(prefix="evoattn-prof-work-")
-    from evoattn.sandbox import _stage_seconds, child_env
+    from evoattn.childenv import child_env
+    from evoattn.watch import stage_seconds as _stage_seconds
     os.environ.update(child_env(dict(os.environ), work, cache, a.device))   # as a child has it
     tempfile.tempdir = None
     candidate = os.path.abspath(a.candidate)

@@ -28,9 +28,9 @@ from evaluator.cpu_pin import gpu_block
 from evaluator.request import EvalRequest
 from evaluator.types import EvalResult
 
+from .childenv import SandboxSettings
 from .errors import UsageError
 from .prebuild import Prebuilder
-from .sandbox import SandboxSettings
 from .slots import slot_spec
 from .types import Evaluator, Pool
 

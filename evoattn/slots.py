@@ -13,7 +13,8 @@ from typing import Any, Mapping
 from evaluator.request import EvalRequest
 from evaluator.types import EvalResult
 
-from .sandbox import SandboxSettings, SubprocessEvaluator, run_deadline
+from .childenv import SandboxSettings
+from .sandbox import SubprocessEvaluator, run_deadline
 
 
 @dataclasses.dataclass(frozen=True)
