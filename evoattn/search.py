@@ -247,6 +247,7 @@ class Search:
                    f"{reason}"
         pid = entry.program_id or program_id(proposal.source or "")
         self._count(result)
+        reading = result.fitness                 # its plain evaluation's, before any duel
         result, crowned, verdict = self._challenge(pop, pid, proposal.source or "", result)
         child = Program(pid, proposal.source or "", self.suffix, parent.id, iteration, island,
                         proposal.mutator, proposal.change, result, proposal.second_parent_id)
@@ -258,7 +259,7 @@ class Search:
         change = first_line(proposal.change, 160)   # a knob mutation's three settings fit
         if not child.correct:
             return f"{proposal.mutator}: {result.verdict.value}: {result.reason[:70]} ({change})"
-        return (f"{proposal.mutator}: {result.verdict.value} fitness {result.fitness:.3f} "
+        return (f"{proposal.mutator}: {result.verdict.value} fitness {reading:.3f} "
                 f"({change}){verdict}")
 
     def _challenge(self, pop: Population, pid: str, source: str,
@@ -273,8 +274,7 @@ class Search:
         # (the point where it has none), so that a child as fast as the best, which reads
         # above it half the time, does not cost a duel every other iteration.
         floor = result.fitness_ci[0] if result.fitness_ci else result.fitness
-        if champ is None or not result.correct or champ.id == pid or \
-                floor <= self.bar(champ):
+        if champ is None or not result.correct or champ.id == pid or floor <= self.bar(champ):
             return result, False, ""
         started = self.clock()
         duel = self.duel(source, f"{pid} vs {champ.id}", champ.source)
@@ -286,24 +286,29 @@ class Search:
             return result, False, f" (challenge: {duel.verdict.value}: {duel.reason[:60]})"
         gain = duel.gain or 0.0
         won = beats(duel)
+        raised = ""
         if won:
             self._stats["crowned"] += 1
             self._plain_fitness[pid] = result.fitness
-        elif gain > 0:
-            self._raise_bar(champ, result.fitness / max(gain, 1.0))
+        elif gain > 0 and self._raise_bar(champ, result.fitness / max(gain, 1.0)):
+            # The figure that set the bar: this plain reading (over the gain), not the duel's.
+            raised = (f"; a duel now takes a plain reading above {self.bar(champ):.3f}, set by "
+                      f"this one's {result.fitness:.3f}" + (f" / {gain:.3f}" if gain > 1 else ""))
         note = (f" -> {duel.fitness:.3f} re-measured beside the best ({champ.id}: "
                 f"{duel.rival_fitness or 0:.3f}), {gain:.3f}x"
-                f"{ci_text(duel.gain_ci)}: {'new best' if won else 'not beyond noise'}")
+                f"{ci_text(duel.gain_ci)}: {'new best' if won else 'not beyond noise'}{raised}")
         return duel, won, note
 
-    def _raise_bar(self, champ: Program, reading: float) -> None:
+    def _raise_bar(self, champ: Program, reading: float) -> bool:
         """After a duel the child lost: its plain reading, over its gain where it was faster
         within noise, is a plain reading the best itself could have had in that evaluation.
         The bar rises to the highest such reading, so that children as fast as the best do
         not send duel after duel to the GPU for the same noise; a child faster than the spread
-        of plain readings still reads above it."""
-        if reading > self.bar(champ):
-            self._plain_fitness[champ.id] = reading
+        of plain readings still reads above it. Returns whether it rose."""
+        if reading <= self.bar(champ):
+            return False
+        self._plain_fitness[champ.id] = reading
+        return True
 
     @property
     def challenges(self) -> tuple[int, int]:
@@ -334,12 +339,10 @@ class Search:
     # ---- the end of the run (endofrun.py) -------------------------------------------
     def prune(self, best: Program, seed: Program,
               say: Callable[[str], None] = lambda line: None) -> Program:
-        """The end of a run (prune.py): sets back each knob in which the best differs from the
-        seed, one at a time, keeping it set back when the duel of the result beside `best`
-        shows it costs nothing. Each step is committed as it is measured (its program, the
-        champion after it); `say` gets a line per step. Returns the champion after the phase:
-        `best` when every change pays, when nothing differs, or when this best was pruned
-        already (a resumed run that had finished)."""
+        """Returns the champion after setting back, one at a time, each knob in which `best`
+        differs from the seed that costs nothing beside it (prune.py): `best` when every change
+        pays, nothing differs, or it was pruned already; each step is committed, `say` gets a
+        line per step."""
         assert self._pop is not None, "prune() follows run()"
         return self._end.prune(self._pop, best, seed, say)
 
@@ -349,9 +352,8 @@ class Search:
         return self._end.tried, self._end.set_back
 
     def remeasure(self, best: Program, seed: Program) -> EvalResult | None:
-        """Returns the best re-measured beside the seed (a duel in one process), recorded in the
-        run for its export, or None when there is nothing to compare (the best is the seed, or
-        either is not correct)."""
+        """Returns the best re-measured beside the seed (a duel), recorded for its export; None
+        when the best is the seed or either is not correct."""
         return self._end.remeasure(best, seed)
 
     def _count(self, result: EvalResult) -> None:
@@ -428,13 +430,13 @@ class Search:
             seed_fitness=seed.fitness, last_note=note, counts=dict(counts),
             flags=flagged, rejected=self._stats["rejected"], cached=self._stats["cached"],
             elapsed_s=elapsed, evaluated=self.evaluated_this_session,
-            llm=self.llm_totals(),
-            gpu_busy=self._timing_share(elapsed)))
+            llm=self.llm_totals(), gpu_busy=self._timing_share(elapsed)))
 
     def _timing_share(self, elapsed: float) -> float:
         """Timing seconds / (wall seconds × the GPUs, or CPU slots, the evaluations run on)."""
         gpus = max(1, self.evaluator.gpus)
         return self._gpu_s / (elapsed * gpus) if elapsed > 0 else 0.0
+
 
 _INTEGRITY = {Verdict.POLICY, Verdict.TAMPERING, Verdict.HIDDEN_WORK, Verdict.NONDETERMINISTIC,
               Verdict.IMPLAUSIBLE, Verdict.SANDBOX}
