@@ -401,3 +401,22 @@ def test_slots_per_gpu_share_each_gpu_its_lock_and_the_run_s_plain_protocol(
                    for ev in bare._evaluators)
     finally:
         bare.close()
+
+
+def test_both_backends_slots_come_from_one_spec_with_a_station_only_when_asked() -> None:
+    from evoattn.config import EvaluatorConfig
+    from evoattn.slots import slot_spec
+    request = EvalRequest(device="cuda")
+    plain = slot_spec(RunConfig(evaluator=EvaluatorConfig(run_factor=4.0)), request, ("K",))
+    assert plain.station_refresh_s is None and plain.run_factor == 4.0
+    assert plain.secret_names == ("K",)
+    assert plain.plain["width"] == RunConfig().evaluator.candidate_width
+    asked = slot_spec(RunConfig(evaluator=EvaluatorConfig(station=True, baseline_refresh_s=30.0)),
+                      request, ())
+    assert asked.station_refresh_s == 30.0
+    # what a Dask task carries is the same spec, and calibrating it sets the seed's deadline
+    assert SlotSpec.from_json(asked.to_json()) == asked
+    seed = EvalResult(Verdict.PASS, "ok", 1.0, (), stage_s={"build": 50.0, "time": 20.0})
+    calibrated = asked.calibrated(seed)
+    assert calibrated.request.run_timeout_s == asked.deadline_s(seed) == \
+        max(asked.run_floor_s, min(request.run_timeout_s, asked.run_factor * 20.0))

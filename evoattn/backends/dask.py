@@ -1,12 +1,12 @@
 """Evaluation on a Dask distributed cluster: each candidate is one Dask task on a GPU worker.
 
-    DaskPool        the orchestrator's side: the pool face of evoattn/pool.py
+    DaskPool        the orchestrator's side: a types.Pool, as evoattn/pool.py's LocalPool
     evaluate_task   the worker's side: one candidate, in a sandboxed child process
 
 Workers are the standard ones, one per GPU, with evoattn installed:
 `CUDA_VISIBLE_DEVICES=N dask worker tcp://HOST:8786 --resources GPU=1 --nthreads 1`. Every
-task asks for {"GPU": 1}, so a worker evaluates one candidate at a time, through a
-SubprocessEvaluator kept warm in the worker process (its zygote serves every candidate).
+task asks for {"GPU": 1}, so a worker evaluates one candidate at a time, through a slot
+(evoattn/slots.py) kept warm in the worker process (its zygote serves every candidate).
 
 What travels to a worker: the run's SlotSpec as JSON (evoattn/slots.py: the EvalRequest, which
 holds no secret, the NAMES of the variables a candidate must never see, the plain protocol and
