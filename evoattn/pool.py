@@ -8,11 +8,11 @@
     make_evaluator(...)  what a run config asks for: the local pool, or a Dask cluster, their
                          slots made from one SlotSpec (evoattn/slots.py)
 
-Every pool implements types.Pool: `slots`, `gpus`, `prefetch`, `submit(source, suffix, label)
--> Future[EvalResult]`, `calibrate(seed_result)` and `close()`. A pool starts jobs in the order they were submitted,
-except that a job whose CPU build is still running lets later jobs that are ready go first;
-the search commits results in its own order, so neither that nor how fast a slot is ever
-changes a run.
+Every pool implements types.Pool: `slots`, `gpus`, `prefetch`, `submit(source, suffix,
+label) -> Future[EvalResult]`, `calibrate(seed_result)` and `close()`. A pool starts jobs in
+the order they were submitted, except that a job whose CPU build is still running lets later
+jobs that are ready go first; the search commits results in its own order, so neither that
+nor how fast a slot is ever changes a run.
 """
 from __future__ import annotations
 

@@ -17,6 +17,9 @@ changes it).
 A stop (other than Ctrl-C) first commits the window up to its last iteration holding an LLM
 call already made, so no paid answer is lost. An LlmError from a mutator (the LLM cannot serve
 the run) is committed as that iteration's rejection and stops the run cleanly, exit code 1.
+
+The window itself is window.py; the end of the run (the best's changes set back, the best
+re-measured beside the seed) is endofrun.py, which commits through this class.
 """
 from __future__ import annotations
 
@@ -113,11 +116,9 @@ class Search:
         self._gpu_s = 0.0
         self._prior_elapsed = 0.0
         self._window: Window | None = None   # the iterations in flight, while run() runs
-        # A crowned best's fitness as a plain candidate (before its duel): the bar that plain
-        # children are held to, measured by the same protocol as theirs (a run's plain
-        # protocol may leave out the duel's heat, which reads lower). Kept with the population
-        # (PLAIN_BAR), so a resumed run holds children to the same bar; lost duels raise it
-        # (_raise_bar).
+        # A crowned best's plain fitness (before its duel): the bar plain children are held
+        # to, by their protocol (which may leave out the duel's heat, which reads lower); kept
+        # with the population (PLAIN_BAR) for a resume; lost duels raise it (_raise_bar).
         self._plain_fitness: dict[str, float] = {}
         self._pop: Population | None = None
         self._t0 = clock()
@@ -222,8 +223,7 @@ class Search:
         island = pop.island_of_next(iteration)
         parent = pop.select_parent(island, self.rng)
         insp = pop.inspirations(island, self.cfg.llm.inspirations, self.rng, exclude_id=parent.id)
-        weights = [w for _, w in self.mutators]
-        mutator = self.rng.choices([m for m, _ in self.mutators], weights=weights)[0]
+        mutator = self.rng.choices([m for m, _ in self.mutators], [w for _, w in self.mutators])[0]
         req = MutationRequest(parent=parent, inspirations=tuple(insp),
                               seed=self.rng.getrandbits(32), iteration=iteration,
                               problem_contract=self.contract, gpu_info=self.gpu_info,
