@@ -60,22 +60,22 @@ class EndOfRun:
                     + ("each tried alone" if joint else "kept"))
                 queue[:0] = [[step] for step in group] if joint else []
                 continue
-            stopped = self._stopped(source, pid, best)
-            if isinstance(stopped, str):
-                say(f"  setting back stopped{stopped}; "
+            duel = self._duel_or_stop(source, pid, best)
+            if isinstance(duel, str):
+                say(f"  setting back stopped{duel}; "
                     "the best is what it reached; a resumed run goes on from it")
                 complete = False
                 break
-            current, kept = self._keep(pop, group, current, best, known, stopped)
+            current, kept = self._keep(pop, group, source, current, best, known, duel)
             if not kept and joint:           # asleep by their conditions, yet they cost
                 queue[:0] = [[step] for step in group]
-            record.append(_line(group, pid, known is not None, kept, stopped))
+            record.append(_line(group, pid, known is not None, kept, duel))
             s.commit_step(pop, None if known else s.programs[pid])
             say("  " + set_back_line(record[-1]))
         s.store.record_pruned(best.id, current.id, record, complete)
         return current
 
-    def _stopped(self, source: str, pid: str, best: Program) -> EvalResult | str:
+    def _duel_or_stop(self, source: str, pid: str, best: Program) -> EvalResult | str:
         """Returns the duel of a set-back program beside the best, or why there is none now
         (the wall time, a lost cluster: the text that follows 'setting back stopped')."""
         s = self.search
@@ -86,18 +86,17 @@ class EndOfRun:
         except Exception as e:  # noqa: BLE001 - a lost cluster, say: keep what was set back
             return f" ({type(e).__name__}: {first_line(str(e), 120)})"
 
-    def _keep(self, pop: Population, group: list[Setback], current: Program, best: Program,
-              known: Program | None, duel: EvalResult) -> tuple[Program, bool]:
-        """Adds a set-back program to the population, crowned when it costs nothing; returns
-        the champion and whether the group was kept set back."""
+    def _keep(self, pop: Population, group: list[Setback], source: str, current: Program,
+              best: Program, known: Program | None, duel: EvalResult) -> tuple[Program, bool]:
+        """Adds the program with `group` set back to the population, crowned when it costs
+        nothing; returns the champion and whether the group was kept set back."""
         s = self.search
-        pid = program_id(apply_setbacks(current.source, group))
+        pid = program_id(source)
         kept = costs_nothing(duel)
         # A program the search met (the best's parent, the seed, ...) keeps its stored
         # record; the duel is kept in the phase's record.
-        child = known or Program(pid, apply_setbacks(current.source, group), s.suffix,
-                                 current.id, s.iteration, current.island, PRUNE,
-                                 change_of(group), duel)
+        child = known or Program(pid, source, s.suffix, current.id, s.iteration,
+                                 current.island, PRUNE, change_of(group), duel)
         if known is None:
             s.programs[pid] = child
             pop.add(child)
