@@ -66,6 +66,10 @@ class SandboxSettings:
     # a set-up never overlaps another evaluation's timing (a GPU lock, evaluator/gpu_turn.py).
     # A run's slots on a GPU keep them; without the zygote or with a station, none is kept.
     spare: bool = False
+    # The run deadline calibrate() derives from the seed's evaluation: run_factor × its run
+    # stages, at least run_floor_s (sandbox.run_deadline); None: the request's stays.
+    run_factor: float | None = None
+    run_floor_s: float = 0.0
 
     def gpu_wait_s(self, run_timeout_s: float) -> float:
         """How long a child may wait for its turn: each other sharer's turn (its run stage,

@@ -39,7 +39,7 @@ def run_deadline(seed: EvalResult, factor: float, floor_s: float, ceiling_s: flo
 
 
 class SubprocessEvaluator:
-    """Evaluates candidates in child processes (a slot of a pool: evoattn/slots.py)."""
+    """Evaluates candidates in child processes (implements evoattn.types.Evaluator)."""
 
     def __init__(self, request: EvalRequest, sandbox: SandboxSettings = SandboxSettings(),
                  plain: dict[str, Any] | None = None) -> None:
@@ -110,16 +110,17 @@ class SubprocessEvaluator:
         return dataclasses.replace(again, flags=again.flags + (
             f"evaluated again without spare processes: {result.reason}",))
 
-    def calibrate(self, seed: EvalResult, factor: float, floor_s: float) -> float:
-        """Derives the run deadline from the seed's evaluation, and takes the GPU's matmul
-        ceiling its child measured (alone on the GPU) for every later child; returns the
-        deadline."""
-        deadline = run_deadline(seed, factor, floor_s, self.request.run_timeout_s)
+    def calibrate(self, seed: EvalResult) -> None:
+        """Derives the run deadline from the seed's evaluation (SandboxSettings.run_factor),
+        and takes the GPU's matmul ceiling its child measured (alone on the GPU) for every
+        later child."""
+        s, deadline = self.sandbox, self.request.run_timeout_s
+        if s.run_factor is not None:
+            deadline = run_deadline(seed, s.run_factor, s.run_floor_s, deadline)
         ceiling = (seed.device_info or {}).get("measured_matmul_tflops")
         self.request = dataclasses.replace(
             self.request, run_timeout_s=deadline,
             ceiling_tflops=self.request.ceiling_tflops or ceiling or None)
-        return deadline
 
     def abort(self) -> None:
         """Ends the evaluation in progress, if any, at once (its child is killed); for good."""

@@ -2,8 +2,8 @@
 
     SlotSpec       the run's request, the secrets' names, the deadline rule, the station and
                    the plain protocol: built once from the config (slot_spec), read by both
-                   backends, so a slot is the same whichever pool runs it
-    Slot           one slot: a SubprocessEvaluator whose calibrate() takes only the seed
+                   backends, so a slot (a SubprocessEvaluator) is the same whichever pool
+                   runs it
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class SlotSpec:
     spare: bool = False                 # a GPU slot keeps spare children (SandboxSettings)
 
     def slot(self, visible_device: str | None = None, share: int = 1,
-             timing_cpus: tuple[int, ...] = ()) -> "Slot":
+             timing_cpus: tuple[int, ...] = ()) -> SubprocessEvaluator:
         """Returns one slot: its children see only `visible_device` (a GPU id; None: what this
         process sees), take turns on it with the other `share` - 1 slots of that GPU and time
         on the fastest of `timing_cpus` (empty: of any CPU). Spares need the GPU's id, which
@@ -41,8 +41,9 @@ class SlotSpec:
                                   visible_device=visible_device,
                                   station_refresh_s=self.station_refresh_s, gpu_share=share,
                                   timing_cpus=tuple(timing_cpus),
-                                  spare=self.spare and visible_device is not None)
-        return Slot(SubprocessEvaluator(self.request, sandbox, dict(self.plain)), self)
+                                  spare=self.spare and visible_device is not None,
+                                  run_factor=self.run_factor, run_floor_s=self.run_floor_s)
+        return SubprocessEvaluator(self.request, sandbox, dict(self.plain))
 
     def deadline_s(self, seed: EvalResult) -> float:
         """Returns the run-stage deadline of every candidate after this seed."""
@@ -76,26 +77,3 @@ def slot_spec(cfg: Any, request: EvalRequest, secret_names: tuple[str, ...]) -> 
                     {"width": ev.candidate_width, "graph": ev.candidate_graph,
                      "heat": ev.candidate_heat},
                     ev.spare)
-
-
-class Slot:
-    """A SubprocessEvaluator whose calibrate() takes only the seed (the spec's deadline rule)."""
-
-    def __init__(self, evaluator: SubprocessEvaluator, spec: SlotSpec) -> None:
-        self.evaluator, self.spec = evaluator, spec
-
-    def evaluate(self, source: str, suffix: str, label: str,
-                 rival: str | None = None) -> EvalResult:
-        return self.evaluator.evaluate(source, suffix, label, rival)
-
-    def calibrate(self, seed: EvalResult) -> None:
-        self.evaluator.calibrate(seed, self.spec.run_factor, self.spec.run_floor_s)
-
-    def prestart(self) -> None:
-        self.evaluator.prestart()
-
-    def abort(self) -> None:
-        self.evaluator.abort()
-
-    def close(self) -> None:
-        self.evaluator.close()

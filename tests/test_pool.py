@@ -21,7 +21,7 @@ from evoattn.prebuild import Prebuilder
 from evoattn.sandbox import SandboxSettings
 from evoattn.search import Search
 from evoattn.store import RunStore
-from evoattn.slots import Slot, SlotSpec
+from evoattn.slots import SlotSpec
 from fakes import TOY_SEED, FakeEvaluator, FakeSlot, sandboxed
 
 
@@ -34,7 +34,7 @@ class _EnvProbe(FakeSlot):
         self.seen: list[tuple[str | None, str | None]] = []
 
     def evaluate(self, source: str, suffix: str, label: str) -> EvalResult:
-        child = self.real.evaluator.child_environment(str(self.work))
+        child = self.real.child_environment(str(self.work))
         self.seen.append((child.get("CUDA_VISIBLE_DEVICES"),
                           os.environ.get("CUDA_VISIBLE_DEVICES")))
         time.sleep(0.05)
@@ -63,7 +63,7 @@ def test_each_slot_gives_its_children_one_gpu_and_never_changes_this_process(
     assert {seen for p in probes.values() for seen in p.seen} <= {("3", "3,5,7"), ("7", "3,5,7")}
     assert all(child == d for d, p in probes.items() for child, _ in p.seen)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "3,5,7"
-    assert "EVOATTN_TEST_TOKEN" not in probes["3"].real.evaluator.child_environment(str(tmp_path))
+    assert "EVOATTN_TEST_TOKEN" not in probes["3"].real.child_environment(str(tmp_path))
 
 
 class _Gate(FakeSlot):
@@ -265,8 +265,7 @@ def test_zygotes_started_ahead_outlive_the_thread_that_asked_for_them(
     evs = [sandboxed(device="cpu", cache_dir=str(tmp_path / str(i)), zygote=True, reps=2,
                      warmup=1, policy="allow-library") for i in range(slots)]
     given = iter(evs)
-    spec = SlotSpec(EvalRequest(device="cpu"), (), 10.0, 60.0, None)
-    pool = LocalPool(["cpu"] * slots, lambda d: Slot(next(given), spec),
+    pool = LocalPool(["cpu"] * slots, lambda d: next(given),
                      _SlowBuilds(0) if builds else None)   # type: ignore[arg-type]
     try:
         deadline = time.monotonic() + 120
@@ -372,7 +371,7 @@ def test_slots_per_gpu_share_each_gpu_its_lock_and_the_run_s_plain_protocol(
     pool = make_evaluator(cfg, EvalRequest(device="cuda"), ())
     try:
         assert (pool.slots, pool.gpus) == (4, 2)
-        subs = [ev.evaluator for ev in pool._evaluators]
+        subs = list(pool._evaluators)
         locks = [s.request.gpu_lock for s in subs]
         assert [os.path.basename(p) for p in locks] == ["gpu-4.lock"] * 2 + ["gpu-6.lock"] * 2
         assert [s.sandbox.visible_device for s in subs] == ["4", "4", "6", "6"]
@@ -389,15 +388,15 @@ def test_slots_per_gpu_share_each_gpu_its_lock_and_the_run_s_plain_protocol(
     alone = make_evaluator(RunConfig(evaluator=EvaluatorConfig(per_gpu=1)),
                            EvalRequest(device="cuda"), ())
     try:
-        assert alone.slots == 2 and [os.path.basename(ev.evaluator.request.gpu_lock)
+        assert alone.slots == 2 and [os.path.basename(ev.request.gpu_lock)
                                      for ev in alone._evaluators] == ["gpu-4.lock", "gpu-6.lock"]
-        assert all(ev.evaluator._spares for ev in alone._evaluators)
+        assert all(ev._spares for ev in alone._evaluators)
     finally:
         alone.close()
     bare = make_evaluator(RunConfig(evaluator=EvaluatorConfig(per_gpu=1, spare=False)),
                           EvalRequest(device="cuda"), ())
     try:
-        assert all(not ev.evaluator.request.gpu_lock and not ev.evaluator._spares
+        assert all(not ev.request.gpu_lock and not ev._spares
                    for ev in bare._evaluators)
     finally:
         bare.close()

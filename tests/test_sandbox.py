@@ -321,11 +321,11 @@ def test_slots_sharing_a_gpu_lock_one_file_per_gpu_and_only_on_the_gpu(tmp_path)
 
 def test_the_seed_s_measured_ceiling_serves_every_later_child(tmp_path) -> None:  # noqa: ANN001
     from evaluator.request import EvalRequest
-    ev = sandbox.SubprocessEvaluator(EvalRequest(device="cuda"),
-                                     sandbox.SandboxSettings(cache_dir=str(tmp_path)))
+    ev = sandbox.SubprocessEvaluator(EvalRequest(device="cuda"), sandbox.SandboxSettings(
+        cache_dir=str(tmp_path), run_factor=10.0, run_floor_s=1.0))
     seed = sandbox.EvalResult(Verdict.PASS, "ok", 1.0, (), stage_s={"time": 2.0},
                               device_info={"measured_matmul_tflops": 712.5})
-    ev.calibrate(seed, 10.0, 1.0)
+    ev.calibrate(seed)
     assert ev.request.ceiling_tflops == 712.5 and ev.request.run_timeout_s == 20.0
 
 
