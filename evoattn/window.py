@@ -35,7 +35,7 @@ class InFlight:
     note: str | None = None              # why it is not evaluated
 
 
-Prepare = Callable[[int, Sequence[InFlight]], "tuple[MutationRequest, Mutator]"]
+Prepare = Callable[[int, Sequence[InFlight]], tuple[MutationRequest, Mutator]]   # (iteration, window) -> its request
 
 
 class Window:
