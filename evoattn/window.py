@@ -35,7 +35,8 @@ class InFlight:
     note: str | None = None              # why it is not evaluated
 
 
-Prepare = Callable[[int, Sequence[InFlight]], tuple[MutationRequest, Mutator]]   # (iteration, window) -> its request
+# (an iteration's number, the window before it) -> its request and mutator
+Prepare = Callable[[int, Sequence[InFlight]], tuple[MutationRequest, Mutator]]
 
 
 class Window:
