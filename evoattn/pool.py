@@ -1,17 +1,18 @@
 """Evaluation slots: where the search's evaluations run, and how many at once.
 
-    as_pool(evaluator)   an evaluator with evaluate(), as one slot (the tests' fakes)
+    as_pool(evaluator)   a one-slot Evaluator (types.py) as a pool (the tests' fakes)
     LocalPool            `per_gpu` slots per GPU of this machine (CUDA_VISIBLE_DEVICES set per
                          child, never in this process; the children of one GPU take turns on
                          it through a file lock), or one on the CPU; a CUDA candidate's nvcc
                          builds start on CPU threads when it is submitted (evoattn/prebuild.py)
-    make_evaluator(...)  what a run config asks for: the local pool, or a Dask cluster
+    make_evaluator(...)  what a run config asks for: the local pool, or a Dask cluster, their
+                         slots made from one SlotSpec (evoattn/slots.py)
 
-Every pool has the same face: `slots`, `submit(source, suffix, label) -> Future[EvalResult]`,
-`calibrate(seed_result)` and `close()`. A pool starts jobs in the order they were submitted,
-except that a job whose CPU build is still running lets later jobs that are ready go first;
-the search commits results in its own order, so neither that nor how fast a slot is ever
-changes a run.
+Every pool implements types.Pool: `slots`, `gpus`, `prefetch`, `submit(source, suffix,
+label) -> Future[EvalResult]`, `calibrate(seed_result)` and `close()`. A pool starts jobs in
+the order they were submitted, except that a job whose CPU build is still running lets later
+jobs that are ready go first; the search commits results in its own order, so neither that
+nor how fast a slot is ever changes a run.
 """
 from __future__ import annotations
 
@@ -27,17 +28,20 @@ from evaluator.cpu_pin import gpu_block
 from evaluator.request import EvalRequest
 from evaluator.types import EvalResult
 
+from .childenv import SandboxSettings
 from .errors import UsageError
 from .prebuild import Prebuilder
-from .sandbox import SandboxSettings, SubprocessEvaluator
+from .slots import slot_spec
+from .types import Evaluator, Pool
 
 
 class SerialPool:
-    """An evaluator with `evaluate()` as a one-slot pool: each job runs when submitted."""
+    """A one-slot Evaluator as a pool: each job runs when submitted."""
 
-    slots = 1
+    slots = gpus = 1
+    prefetch = 0
 
-    def __init__(self, evaluator: Any) -> None:
+    def __init__(self, evaluator: Evaluator) -> None:
         self.evaluator = evaluator
 
     def submit(self, source: str, suffix: str, label: str,
@@ -50,14 +54,10 @@ class SerialPool:
         return fut
 
     def calibrate(self, seed: EvalResult) -> None:
-        calibrate = getattr(self.evaluator, "calibrate", None)
-        if calibrate is not None:
-            calibrate(seed)
+        self.evaluator.calibrate(seed)
 
     def close(self) -> None:
-        close = getattr(self.evaluator, "close", None)
-        if close is not None:
-            close()
+        self.evaluator.close()
 
 
 def _duel(rival: str | None) -> dict[str, str]:
@@ -65,9 +65,9 @@ def _duel(rival: str | None) -> dict[str, str]:
     return {} if rival is None else {"rival": rival}
 
 
-def as_pool(evaluator: Any) -> Any:
+def as_pool(evaluator: Pool | Evaluator) -> Pool:
     """Returns the evaluator as a pool (a pool as it is)."""
-    return evaluator if hasattr(evaluator, "submit") else SerialPool(evaluator)
+    return evaluator if isinstance(evaluator, Pool) else SerialPool(evaluator)
 
 
 @dataclasses.dataclass
@@ -89,7 +89,7 @@ class LocalPool:
     that is ready; `prebuild` starts each CUDA job's builds on CPU threads at submission, and
     such a job is ready once they are done."""
 
-    def __init__(self, devices: Sequence[str], make: Callable[[str], Any],
+    def __init__(self, devices: Sequence[str], make: Callable[[str], Evaluator],
                  prebuild: Prebuilder | None = None, per_device: int = 1) -> None:
         if not devices:
             raise UsageError("no evaluation slot: the list of GPUs is empty")
@@ -144,8 +144,7 @@ class LocalPool:
 
     def calibrate(self, seed: EvalResult) -> None:
         for ev in self._evaluators:
-            if hasattr(ev, "calibrate"):
-                ev.calibrate(seed)
+            ev.calibrate(seed)
 
     def close(self) -> None:
         """Stops the slots: queued jobs are dropped, running children are killed."""
@@ -158,23 +157,18 @@ class LocalPool:
         if self._prebuild is not None:
             self._prebuild.close()
         for ev in self._evaluators:
-            abort = getattr(ev, "abort", None)
-            if abort is not None:
-                abort()
+            ev.abort()
         for t in self._threads:
             t.join(timeout=15)
         for ev in self._evaluators:
-            close = getattr(ev, "close", None)
-            if close is not None:
-                close()
+            ev.close()
 
-    def _serve(self, evaluator: Any) -> None:
+    def _serve(self, evaluator: Evaluator) -> None:
         # Each slot's zygote starts at once, while another slot works or the seed's build
         # runs, and from this thread, which lives as long as the pool: Linux kills a child
         # that asked to die with its parent when the thread that started it ends.
-        prestart = getattr(evaluator, "prestart", None)
-        if prestart is not None and (self.slots > 1 or self._prebuild is not None):
-            prestart()
+        if self.slots > 1 or self._prebuild is not None:
+            evaluator.prestart()
         while True:
             job, waited = self._next_job()   # built first: the child finds its libraries cached
             if job is None:
@@ -219,71 +213,18 @@ def visible_gpus(chosen: Sequence[int] | None = None) -> list[str]:
     return [ids[i] for i in chosen]
 
 
-def make_evaluator(cfg: Any, request: EvalRequest, secret_names: tuple[str, ...]) -> Any:
+def make_evaluator(cfg: Any, request: EvalRequest, secret_names: tuple[str, ...]) -> Pool:
     """Returns the pool a run config asks for (local slots or a Dask cluster)."""
     ev = cfg.evaluator
-    plain = {"width": ev.candidate_width, "graph": ev.candidate_graph,
-             "heat": ev.candidate_heat}
+    spec = slot_spec(cfg, request, secret_names)
     if ev.backend == "dask":
         from .backends.dask import DaskPool
-        return DaskPool(ev.scheduler_address, request, secret_names, ev.run_factor,
-                        ev.run_floor_s, plain=plain)
-    refresh = ev.baseline_refresh_s if ev.station else None
-    share = 1 if request.device == "cpu" else ev.per_gpu
-
-    gpus = [] if request.device == "cpu" else visible_gpus(ev.gpus)
+        return DaskPool(ev.scheduler_address, spec)
+    if request.device == "cpu":
+        return LocalPool(["cpu"], lambda device: spec.slot())
+    gpus = visible_gpus(ev.gpus)
     blocks = {g: gpu_block(g, i, len(gpus)) for i, g in enumerate(gpus)} \
         if hasattr(os, "sched_getaffinity") else {}
-
-    def make(device: str) -> Any:
-        return slot_evaluator(request, device, secret_names, ev.run_factor, ev.run_floor_s,
-                              refresh, plain, share, blocks.get(device, ()),
-                              spare=ev.spare and device != "cpu")
-    if request.device == "cpu":
-        return LocalPool(["cpu"], make)
-    return LocalPool(gpus, make,
+    return LocalPool(gpus, lambda device: spec.slot(device, ev.per_gpu, blocks.get(device, ())),
                      Prebuilder(request, SandboxSettings(secret_env_names=secret_names)),
-                     per_device=share)
-
-
-def slot_evaluator(request: EvalRequest, device: str, secret_names: tuple[str, ...],
-                   factor: float, floor_s: float, station_refresh_s: float | None = None,
-                   plain: dict[str, Any] | None = None, share: int = 1,
-                   timing_cpus: tuple[int, ...] = (), spare: bool = False) -> Any:
-    """Returns the evaluator of one slot: its children see only `device` (a GPU id), take
-    turns on it with the other `share` - 1 slots of that GPU, time on the fastest of
-    `timing_cpus` (empty: of any CPU), and its station (when station_refresh_s is set) times
-    the baselines for them; `plain`: the request fields of a candidate evaluated without a
-    rival; `spare`: keep spare children setting up the next candidates (SandboxSettings)."""
-    sandbox = SandboxSettings(secret_env_names=secret_names,
-                              visible_device=None if device == "cpu" else device,
-                              station_refresh_s=station_refresh_s, gpu_share=share,
-                              timing_cpus=tuple(timing_cpus), spare=spare)
-    return _Calibrated(SubprocessEvaluator(request, sandbox, plain), factor, floor_s)
-
-
-class _Calibrated:
-    """A SubprocessEvaluator whose calibrate() takes only the seed (the run's deadline rule)."""
-
-    def __init__(self, evaluator: Any, factor: float, floor_s: float) -> None:
-        self.evaluator, self.factor, self.floor_s = evaluator, factor, floor_s
-
-    def evaluate(self, source: str, suffix: str, label: str,
-                 rival: str | None = None) -> EvalResult:
-        return self.evaluator.evaluate(source, suffix, label, rival)
-
-    def calibrate(self, seed: EvalResult) -> None:
-        if hasattr(self.evaluator, "calibrate"):
-            self.evaluator.calibrate(seed, self.factor, self.floor_s)
-
-    def prestart(self) -> None:
-        if hasattr(self.evaluator, "prestart"):
-            self.evaluator.prestart()
-
-    def abort(self) -> None:
-        if hasattr(self.evaluator, "abort"):
-            self.evaluator.abort()
-
-    def close(self) -> None:
-        if hasattr(self.evaluator, "close"):
-            self.evaluator.close()
+                     per_device=ev.per_gpu)

@@ -26,7 +26,7 @@ from evaluator.knobs import find_knobs, values_of
 from evaluator.loader import companion_headers
 from evaluator.request import EvalRequest
 
-from .sandbox import SandboxSettings, child_env, default_cache_dir, detect_target
+from .childenv import SandboxSettings, child_env, default_cache_dir, detect_target
 
 BUILD_THREADS = max(1, (os.cpu_count() or 2) // 2)
 

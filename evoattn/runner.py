@@ -16,7 +16,7 @@ from . import settings
 from .config import RunConfig, check_config, config_from_dict, config_to_dict, load_config
 from .errors import EvoattnError, RunDirError, UsageError
 from .report import cost_summary, host_bound, label, side_by_side_lines
-from .sandbox import detect_target
+from .childenv import detect_target
 
 DEFAULT_CONFIG = "configs/default.yaml"
 # Keys that may differ when a run is resumed (everything else must match the stored config):

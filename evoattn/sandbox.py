@@ -11,89 +11,24 @@ candidate is evaluated once more on a fresh zygote.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import re
 import secrets
-import select
 import shutil
-import signal
-import subprocess
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from evaluator import program
 from evaluator.request import EvalRequest
 from evaluator.types import EvalResult, Verdict
-from evaluator.worker import SPARE_UNPREPARED
 
+from .childenv import SPARES, SandboxSettings, child_env, default_cache_dir, gpu_lock_path
 from .launch import LaunchError, PopenChild, Zygote, ZygoteChild, pid_alive, private_dir
 from .station import Station, StationError
-
-_ENV_KEEP = re.compile(r"^(PATH|LD_LIBRARY_PATH|LANG|LC_\w+|CUDA_\w+|NVIDIA_\w+|TRITON_\w+|"
-                       r"TORCH_\w+|PYTORCH_\w+|NCCL_\w+|CC|CXX|CUDAHOSTCXX|OMP_NUM_THREADS|"
-                       r"MKL_\w+|OPENBLAS_\w+|TERM|VIRTUAL_ENV|CONDA_PREFIX|NVCC_\w+|"
-                       r"TORCH_CUDA_ARCH_LIST|MAX_JOBS|TORCH_EXTENSIONS_DIR)$")
-_ENV_SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH|COOKIE|SESSION|PRIVATE",
-                         re.IGNORECASE)
-_STARTUP_S = 120.0   # importing torch and CUDA initialisation, before the build starts
-GPU_WAIT_SLACK_S = 10.0   # a turn's end: the kill of a child past its deadline, its exit
-SPARES = 2                # spare children a slot keeps (SandboxSettings.spare): one set up,
-                          # one setting up while a candidate checks
-
-
-def child_env(base: dict[str, str], workdir: str, cache_dir: str, device: str,
-              extra_secret_names: tuple[str, ...] = ()) -> dict[str, str]:
-    """Returns the child's environment: an allow-list of the parent's, minus anything secret."""
-    env = {k: v for k, v in base.items()
-           if _ENV_KEEP.match(k) and not _ENV_SECRET.search(k) and k not in extra_secret_names}
-    repo_root = str(Path(__file__).resolve().parent.parent)
-    pythonpath = os.pathsep.join(p for p in [repo_root, base.get("PYTHONPATH", "")] if p)
-    env.update(HOME=workdir, TMPDIR=workdir, PYTHONPATH=pythonpath, PYTHONUNBUFFERED="1",
-               PYTHONDONTWRITEBYTECODE="1", TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"),
-               TORCH_EXTENSIONS_DIR=os.path.join(cache_dir, "torch_ext"),
-               TORCHINDUCTOR_COMPILE_THREADS="1")   # compiles in-process, no worker pool
-    if device == "cpu":
-        env["TRITON_INTERPRET"] = "1"
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    else:
-        env.pop("TRITON_INTERPRET", None)
-    return env
-
-
-@dataclasses.dataclass(frozen=True)
-class SandboxSettings:
-    """How the parent runs children: limits, the cache, which GPU, what never reaches them."""
-
-    cache_dir: str = ""                        # "" = $EVOATTN_CACHE or ~/.cache/evoattn
-    max_host_mem_bytes: int = 32 * 2 ** 30
-    visible_device: str | None = None          # the child's CUDA_VISIBLE_DEVICES (one GPU)
-    secret_env_names: tuple[str, ...] = ()     # e.g. the LLM key's variable
-    # Fork candidates from a warm zygote (torch imported once); EVOATTN_ZYGOTE=0 turns it off.
-    zygote: bool = dataclasses.field(
-        default_factory=lambda: os.environ.get("EVOATTN_ZYGOTE", "1") != "0")
-    # A run's station (evoattn/station.py) times the baselines once for every candidate,
-    # again when its times are older than station_refresh_s; None: each child times them.
-    station_refresh_s: float | None = None
-    # Evaluations sharing visible_device (a run's `evaluator.per_gpu`): their children take
-    # turns on it through a lock file in the cache (gpu_lock_path).
-    gpu_share: int = 1
-    # The CPUs the children's timing picks its CPU from (evaluator/cpu_pin.py); empty: any
-    # of theirs. A machine's GPUs get disjoint blocks.
-    timing_cpus: tuple[int, ...] = ()
-    # Keep spare children (SPARES), forked from the zygote, that set up the next candidates'
-    # evaluations (CUDA, the baselines' plans, inputs and references) while one is evaluated;
-    # a set-up never overlaps another evaluation's timing (a GPU lock, evaluator/gpu_turn.py).
-    # A run's slots on a GPU keep them; without the zygote or with a station, none is kept.
-    spare: bool = False
-
-    def gpu_wait_s(self, run_timeout_s: float) -> float:
-        """How long a child may wait for its turn: each other sharer's turn (its run stage,
-        after which its parent kills it) and some slack."""
-        return max(1, self.gpu_share - 1) * (run_timeout_s + GPU_WAIT_SLACK_S)
+from .watch import Watch, classify_death, stage_seconds, tail
 
 
 def run_deadline(seed: EvalResult, factor: float, floor_s: float, ceiling_s: float) -> float:
@@ -170,22 +105,22 @@ class SubprocessEvaluator:
         if again.verdict is Verdict.OOM:
             self._spares = True
             return again
-        import sys
         print("evoattn: a candidate ran out of GPU memory beside this slot's spare processes "
               "and not alone; the slot keeps none from now on (evaluator.spare)", file=sys.stderr)
         return dataclasses.replace(again, flags=again.flags + (
             f"evaluated again without spare processes: {result.reason}",))
 
-    def calibrate(self, seed: EvalResult, factor: float, floor_s: float) -> float:
-        """Derives the run deadline from the seed's evaluation, and takes the GPU's matmul
-        ceiling its child measured (alone on the GPU) for every later child; returns the
-        deadline."""
-        deadline = run_deadline(seed, factor, floor_s, self.request.run_timeout_s)
+    def calibrate(self, seed: EvalResult) -> None:
+        """Derives the run deadline from the seed's evaluation (SandboxSettings.run_factor),
+        and takes the GPU's matmul ceiling its child measured (alone on the GPU) for every
+        later child."""
+        s, deadline = self.sandbox, self.request.run_timeout_s
+        if s.run_factor is not None:
+            deadline = run_deadline(seed, s.run_factor, s.run_floor_s, deadline)
         ceiling = (seed.device_info or {}).get("measured_matmul_tflops")
         self.request = dataclasses.replace(
             self.request, run_timeout_s=deadline,
             ceiling_tflops=self.request.ceiling_tflops or ceiling or None)
-        return deadline
 
     def abort(self) -> None:
         """Ends the evaluation in progress, if any, at once (its child is killed); for good."""
@@ -319,7 +254,6 @@ class SubprocessEvaluator:
         try:
             times, ceiling = self._station.for_candidate()
         except StationError as e:
-            import sys
             print(f"evoattn: {e}; each candidate times its baselines itself from now on",
                   file=sys.stderr)
             self._station.close()
@@ -336,7 +270,6 @@ class SubprocessEvaluator:
                 return self._ready_zygote().launch(message, work, env, log_path)
             except LaunchError as e:
                 self._zygote_failed = True     # say so once, then use fresh interpreters
-                import sys
                 print(f"evoattn: the zygote failed ({e}); starting each candidate in a "
                       "fresh interpreter", file=sys.stderr)
         return PopenChild(message, work, env, log_path)
@@ -359,7 +292,7 @@ class SubprocessEvaluator:
         self._fork_spare(only_if_none=True)    # the next candidate's, set up meanwhile
         # More once this child's timing is over: their set-up (which waits for the end of any
         # timing) then overlaps the next candidate's checks, not its timing.
-        watch = _Watch(child, req, s, self._zygote if s.zygote else None, self._abort,
+        watch = Watch(child, req, s, self._zygote if s.zygote else None, self._abort,
                        self._fork_spare)
         try:
             result, reason = watch.follow(nonce, marks)
@@ -367,15 +300,15 @@ class SubprocessEvaluator:
             child.kill()
             if spare is None:
                 child.close()
-        stages = _stage_seconds(marks, time.monotonic())
-        tail = _tail(log_path)
-        common = dict(log_tail=tail, problem=req.problem, timing=req.timing,
+        stages = stage_seconds(marks, time.monotonic())
+        log = tail(log_path)
+        common = dict(log_tail=log, problem=req.problem, timing=req.timing,
                       baseline=req.baseline, timing_device=req.device)
         if reason is not None:
             return EvalResult.failure(reason[0], reason[1], **common), stages
         if result is not None:
-            return dataclasses.replace(EvalResult.from_json(result), log_tail=tail), stages
-        return EvalResult.failure(*_classify_death(child.returncode(), tail, watch.stage),
+            return dataclasses.replace(EvalResult.from_json(result), log_tail=log), stages
+        return EvalResult.failure(*classify_death(child.returncode(), log, watch.stage),
                                   **common), stages
 
 
@@ -403,200 +336,3 @@ class _Spare:
         shutil.rmtree(self.work, ignore_errors=True)
 
 
-class _Watch:
-    """Follows one child: its messages, its deadlines, its memory, and the evaluator's health."""
-
-    def __init__(self, child: Any, req: EvalRequest, s: SandboxSettings,
-                 zygote: Zygote | None, abort: threading.Event,
-                 timed: Callable[[], None] = lambda: None) -> None:
-        """`timed`: called once the child is past its timing (or has answered)."""
-        self.child, self.req, self.s, self.zygote = child, req, s, zygote
-        self.abort = abort
-        self.stage = "start"
-        self._timed: Callable[[], None] | None = timed
-
-    def follow(self, nonce: str, marks: list[tuple[str, float]]
-               ) -> tuple[dict[str, Any] | None, tuple[Verdict, str] | None]:
-        """Returns (the child's result JSON, None) or (None, a verdict the parent reached)."""
-        req, rfd = self.req, self.child.result_fd
-        deadline = time.monotonic() + _STARTUP_S + req.build_timeout_s
-        left = req.run_timeout_s           # the run stage's time left when it began to wait
-        buf = b""
-        while True:
-            now = time.monotonic()
-            if self.abort.is_set():
-                return None, (Verdict.EVALUATOR_FAULT, "the evaluation was stopped (the run "
-                              "is ending)")
-            if now > deadline and self.stage == "gpu-wait":
-                return None, (Verdict.EVALUATOR_FAULT, "waited over "
-                              f"{self.s.gpu_wait_s(req.run_timeout_s):.0f} s for its turn on "
-                              "the GPU, which another evaluation held")
-            if now > deadline:
-                limit = req.build_timeout_s if self.stage in ("start", "build") else \
-                    req.run_timeout_s
-                return None, (Verdict.TIMEOUT, f"timed out in stage '{self.stage}' "
-                              f"(limit {limit:.0f} s)")
-            rss = _rss_bytes(self.child.pid)
-            if rss > self.s.max_host_mem_bytes:
-                return None, (Verdict.OOM, f"host memory {rss / 2**30:.1f} GiB over the limit "
-                              f"{self.s.max_host_mem_bytes / 2**30:.1f} GiB")
-            fault = self._fault()
-            if fault:
-                return None, (Verdict.EVALUATOR_FAULT, fault)
-            dead = self.child.returncode() is not None
-            ready, _, _ = select.select([rfd], [], [], 0 if dead else
-                                        min(0.2, max(0.0, deadline - now)))
-            chunk = _read(rfd) if ready else b""
-            if chunk is None:                     # EOF: every writer has gone
-                return None, self._death_fault()
-            buf += chunk
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                msg = _parse(line, nonce)
-                if msg is None:
-                    continue
-                if msg["type"] == "stage":
-                    now, was = time.monotonic(), self.stage
-                    self.stage = str(msg["payload"])[:40]
-                    marks.append((self.stage, now))
-                    if was == "time" != self.stage:
-                        self._past_timing()
-                    if was == "build" != self.stage:  # the run: everything after the build
-                        deadline = now + req.run_timeout_s
-                    if self.stage == "build":
-                        deadline = now + req.build_timeout_s
-                    elif self.stage == "gpu-wait":    # the others' turns: not its own time
-                        left = deadline - now
-                        deadline = now + self.s.gpu_wait_s(req.run_timeout_s)
-                    elif was == "gpu-wait":
-                        deadline = now + left
-                elif msg["type"] == "result":
-                    self._past_timing()
-                    return msg["payload"], None    # the first result wins
-            if dead and not chunk:
-                return None, self._death_fault()
-
-    def _past_timing(self) -> None:
-        if self._timed is not None:
-            timed, self._timed = self._timed, None
-            timed()
-
-    def _fault(self) -> str | None:
-        """Returns why the evaluator itself failed (its zygote died), or None."""
-        if self.zygote is not None and not self.zygote.alive():
-            return (f"the evaluator's zygote process died (exit code {self.zygote.exit_code()}) "
-                    f"in stage '{self.stage}', taking the candidate's process with it")
-        return None
-
-    def _death_fault(self) -> tuple[Verdict, str] | None:
-        """A child killed by SIGKILL that the parent did not send: the OOM killer or a stray
-        kill, from outside; the candidate is evaluated again (None: judge the death as usual)."""
-        code = self.child.returncode()
-        until = time.monotonic() + 2.0        # the zygote reports a child's exit within 0.1 s
-        while code is None and time.monotonic() < until and self._fault() is None:
-            time.sleep(0.02)
-            code = self.child.returncode()
-        if code == -signal.SIGKILL or (code is None and not pid_alive(self.child.pid)):
-            return Verdict.EVALUATOR_FAULT, (f"the candidate's process was killed from outside "
-                                             f"(SIGKILL) in stage '{self.stage}'")
-        if code == SPARE_UNPREPARED and self.stage == "start":
-            return Verdict.EVALUATOR_FAULT, "the spare process's set-up failed before it " \
-                "was told its candidate"
-        return self._fault_verdict()
-
-    def _fault_verdict(self) -> tuple[Verdict, str] | None:
-        fault = self._fault()
-        return (Verdict.EVALUATOR_FAULT, fault) if fault else None
-
-
-def _stage_seconds(marks: list[tuple[str, float]], end: float) -> dict[str, float]:
-    """Turns (stage, time it began) marks into wall seconds per stage ('start': the launch
-    and imports before the child's first report)."""
-    out: dict[str, float] = {}
-    for (name, t), nxt in zip(marks, [m[1] for m in marks[1:]] + [end]):
-        out[name] = round(out.get(name, 0.0) + nxt - t, 3)
-    return out
-
-
-def _read(fd: int) -> bytes | None:
-    """Returns what is readable on fd (b"" when nothing), or None at end of file."""
-    try:
-        chunk = os.read(fd, 1 << 20)
-    except BlockingIOError:
-        return b""
-    return chunk or None
-
-
-def gpu_lock_path(cache_dir: str, device: str) -> str:
-    """Returns the file that the children sharing one GPU lock to take turns on it (named by
-    the GPU's id as the orchestrator sees it: runs on one machine with one cache share it)."""
-    return os.path.join(cache_dir, "gpu-locks", f"gpu-{device}.lock")
-
-
-def default_cache_dir() -> str:
-    """Returns the build/Triton cache directory ($EVOATTN_CACHE or ~/.cache/evoattn)."""
-    return os.environ.get("EVOATTN_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "evoattn")
-
-
-def _parse(line: bytes, nonce: str) -> dict[str, Any] | None:
-    try:
-        msg = json.loads(line)
-    except ValueError:
-        return None
-    if not isinstance(msg, dict) or msg.get("nonce") != nonce:
-        return None
-    return msg
-
-
-def _rss_bytes(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def _classify_death(code: int | None, tail: str, stage: str) -> tuple[Verdict, str]:
-    low = tail.lower()
-    if "out of memory" in low or "outofmemoryerror" in low or "cudaerrormemoryallocation" in low:
-        return Verdict.OOM, f"ran out of memory in stage '{stage}'"
-    if code is not None and code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return Verdict.CRASH, f"child died with {name} in stage '{stage}'"
-    hint = next((ln.strip() for ln in reversed(tail.splitlines()) if ln.strip()), "")
-    return Verdict.CRASH, f"child exited with code {code} in stage '{stage}' without a result" + (
-        f": {hint[:200]}" if hint else "")
-
-
-def _tail(path: Path, lines: int = 40, max_bytes: int = 64 * 1024) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
-            data = f.read().decode(errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(data.splitlines()[-lines:])
-
-
-def detect_target(device: str) -> str | None:
-    """The run's `@target` fact for knob conditions: "cpu", or "smXY" from the visible GPUs'
-    compute capability (nvidia-smi, so CUDA is not initialised here) when they all agree;
-    None when that cannot be told (the mutator then rules nothing out)."""
-    if device == "cpu":
-        return "cpu"
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    caps = {c.strip() for c in out.splitlines() if re.fullmatch(r"\d+\.\d+", c.strip())}
-    return "sm" + caps.pop().replace(".", "") if len(caps) == 1 else None

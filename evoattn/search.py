@@ -17,11 +17,13 @@ changes it).
 A stop (other than Ctrl-C) first commits the window up to its last iteration holding an LLM
 call already made, so no paid answer is lost. An LlmError from a mutator (the LLM cannot serve
 the run) is committed as that iteration's rejection and stops the run cleanly, exit code 1.
+
+The window itself is window.py; the end of the run (the best's changes set back, the best
+re-measured beside the seed) is endofrun.py, which commits through this class.
 """
 from __future__ import annotations
 
 import collections
-import concurrent.futures as cf
 import dataclasses
 import random
 import time
@@ -30,13 +32,14 @@ from typing import Any, Callable, Mapping, Sequence
 from evaluator.types import EXIT_INTERRUPTED, EvalResult, Verdict
 
 from .config import RunConfig
-from .errors import ClusterError, LlmError
+from .endofrun import EndOfRun, first_line
+from .errors import ClusterError
 from .pool import as_pool
 from .population import Population
-from .prune import PRUNE, apply_setbacks, change_of, costs_nothing, duels, setbacks
-from .report import beats, ci_text, set_back_line
+from .report import beats, ci_text
 from .store import RunStore
-from .types import Evaluator, MutationRequest, Mutator, Program, Proposal, program_id
+from .types import Evaluator, MutationRequest, Mutator, Pool, Program, Proposal, program_id
+from .window import DUPLICATE, InFlight, Window
 
 # Where an evaluation has its GPU to itself (evaluator/gpu_turn.py when slots share one): the
 # share of the wall time the GPUs spend in it is what more slots per GPU would raise.
@@ -78,29 +81,10 @@ class Outcome:
     gpu_busy: float = 0.0                # timing seconds / (wall seconds × GPUs), this session
 
 
-# The end-of-run duels' time over the estimate from the search's duels: on an H200 they ran
-# about 1.2x the search's challenges.
-END_MARGIN = 1.25
-
-
-@dataclasses.dataclass
-class _InFlight:
-    """One iteration in the window."""
-
-    iteration: int
-    request: MutationRequest
-    mutator: Mutator
-    proposal: cf.Future[Proposal]
-    evaluation: cf.Future[EvalResult] | None = None
-    decided: bool = False                # rejected, a duplicate, or sent to the evaluator
-    program_id: str | None = None
-    note: str | None = None              # why it is not evaluated
-
-
 class Search:
     """Runs the evolutionary loop over a store, an evaluator and weighted mutators."""
 
-    def __init__(self, cfg: RunConfig, store: RunStore, evaluator: Evaluator | Any,
+    def __init__(self, cfg: RunConfig, store: RunStore, evaluator: Pool | Evaluator,
                  mutators: Sequence[tuple[Mutator, float]], seed_source: str, seed_suffix: str,
                  contract: str = "", on_progress: Callable[[Progress], None] = lambda p: None,
                  clock: Callable[[], float] = time.monotonic,
@@ -121,7 +105,7 @@ class Search:
         self.budget_exhausted = budget_exhausted
         self.llm_totals = llm_totals
         self.lookahead = lookahead
-        self.window = window
+        self._depth = window                 # the window's size (None: Window.depth)
         self.stop_requested = False
         self.rng = random.Random(cfg.random_seed)
         self.programs: dict[str, Program] = {}
@@ -131,27 +115,35 @@ class Search:
         self._stats: collections.Counter[str] = collections.Counter()
         self._gpu_s = 0.0
         self._prior_elapsed = 0.0
-        self._in_flight: set[str] = set()
-        self._llm_stop: str | None = None    # why the LLM cannot go on (LlmUnavailable)
-        # A crowned best's fitness as a plain candidate (before its duel): the bar that plain
-        # children are held to, measured by the same protocol as theirs (a run's plain
-        # protocol may leave out the duel's heat, which reads lower). Kept with the population
-        # (PLAIN_BAR), so a resumed run holds children to the same bar; lost duels raise it
-        # (_raise_bar).
+        self._window: Window | None = None   # the iterations in flight, while run() runs
+        # A crowned best's plain fitness (before its duel): the bar plain children are held
+        # to, by their protocol (which may leave out the duel's heat, which reads lower); kept
+        # with the population (PLAIN_BAR) for a resume; lost duels raise it (_raise_bar).
         self._plain_fitness: dict[str, float] = {}
         self._pop: Population | None = None
         self._t0 = clock()
         self._duel_s: list[float] = []       # seconds this session's duels took
-        self._end_duels = ("", 0)            # (best id, its setting-back duels) for the wall time
+        self._end = EndOfRun(self)
         self._first_iteration = 0            # the iteration this session's loop started from
         self._loop_t0 = self._t0             # when it started (the seed evaluated or restored)
 
     def known(self, pid: str) -> bool:
         """Returns whether a program was evaluated or is being evaluated (mutators skip it)."""
-        return pid in self.programs or pid in self._in_flight or self.store.has_program(pid)
+        evaluating = self._window.evaluating if self._window is not None else ()
+        return pid in self.programs or pid in evaluating or self.store.has_program(pid)
 
     # ---- setup ---------------------------------------------------------------
     def _start(self) -> tuple[Population, Program]:
+        """Returns the population and the seed, restored or evaluated; sets the deadlines."""
+        pop, seed = self._restore_or_seed()
+        self._pop = pop
+        if seed.result is not None:
+            self.gpu_info = {"name": seed.result.device, **seed.result.device_info}
+        if seed.correct:
+            self.evaluator.calibrate(seed.result)
+        return pop, seed
+
+    def _restore_or_seed(self) -> tuple[Population, Program]:
         state = self.store.load_state()
         self.programs = self.store.load_programs()
         if state is not None:
@@ -178,39 +170,28 @@ class Search:
     # ---- the loop ------------------------------------------------------------
     def run(self) -> Outcome:
         """Runs until iterations, wall time, target fitness, budget or a stop request."""
-        t0 = self.clock()
-        self._t0 = t0
-        exit_code = 0
-        window: collections.deque[_InFlight] = collections.deque()
-        pool = cf.ThreadPoolExecutor(max_workers=self.lookahead) if self.lookahead else None
+        t0 = self._t0 = self.clock()
+        window = self._window = Window(self.evaluator, self.suffix, self.lookahead, self._depth)
         seed: Program | None = None
         interrupted: KeyboardInterrupt | None = None
         try:
             pop, seed = self._start()
-            self._pop = pop
-            self._gpu_info_from(seed)
-            if seed.correct:
-                self.evaluator.calibrate(seed.result)
-            stop = self._stop_reason(pop, t0)
-            if not seed.correct and stop is None:
-                r = seed.result
-                stop = f"the seed is not correct ({r.verdict.value if r else '?'}: " \
-                       f"{r.reason if r else ''})"
+            stop = self._stop_reason(pop, t0) or _seed_fails(seed)
             next_iter = self.iteration + 1
             self._first_iteration, self._loop_t0 = self.iteration, self.clock()
             while stop is None:
-                next_iter = self._fill(window, pop, next_iter, pool)
+                next_iter = window.fill(next_iter, self.cfg.iterations,
+                                        lambda i, flying: self._prepare(pop, i, flying))
                 if not window:
                     stop = "iterations"
                     break
                 self._commit_head(window, pop, seed, t0)
-                stop = self._llm_stop or self._stop_reason(pop, t0)
+                stop = window.llm_stop or self._stop_reason(pop, t0)
             # LLM calls under way finish, and those paid for are not thrown away: the window
             # is committed up to the last of them (at most `lookahead` calls).
-            cf.wait([e.proposal for e in window])
-            while any(_holds_a_paid_call(e) for e in window):
+            while window.holds_a_paid_call():
                 self._commit_head(window, pop, seed, t0)
-            exit_code = 1 if self._llm_stop else 0
+            exit_code = 1 if window.llm_stop else 0
         except KeyboardInterrupt as e:
             interrupted = e
             signum = getattr(e, "signum", 2)
@@ -222,12 +203,7 @@ class Search:
                 raise
             exit_code, stop = 1, f"{e}; in-flight candidates were not recorded"
         finally:
-            for entry in window:
-                entry.proposal.cancel()
-                if entry.evaluation is not None:
-                    entry.evaluation.cancel()
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+            window.cancel()
         if seed is None:                       # interrupted while the seed was evaluated
             raise interrupted or KeyboardInterrupt()
         self.store.record_stop(stop)
@@ -235,80 +211,19 @@ class Search:
         return Outcome(pop.best(), seed, self.iteration, stop, elapsed,
                        self._prior_elapsed + elapsed, exit_code, self._timing_share(elapsed))
 
-    def _commit_head(self, window: collections.deque[_InFlight], pop: Population, seed: Program,
-                     t0: float) -> None:
+    def _commit_head(self, window: Window, pop: Population, seed: Program, t0: float) -> None:
         """Waits for the oldest iteration in flight, commits it and reports it."""
-        self._dispatch(window)
-        head = window[0]
-        proposal = self._proposal_of(head)
-        self._dispatch(window)
-        result = head.evaluation.result() if head.evaluation is not None else None
-        window.popleft()
+        head, proposal, result = window.take(lambda pid: pid in self.programs)
         note = self._step(pop, head, proposal, result)
         self.iteration = head.iteration
         self._report(pop, seed, t0, note)
 
-    def _proposal_of(self, entry: _InFlight) -> Proposal:
-        """Returns an entry's proposal; an LlmError becomes a rejection and stops the run."""
-        try:
-            return entry.proposal.result()
-        except LlmError as e:
-            self._llm_stop = self._llm_stop or str(e)
-            return Proposal(entry.request.parent.id, getattr(entry.mutator, "name", "llm"), None,
-                            rejected_reason=str(e), usage=getattr(e, "usage", None))
-
-    def _fill(self, window: collections.deque[_InFlight], pop: Population, next_iter: int,
-              pool: cf.ThreadPoolExecutor | None) -> int:
-        """Prepares iterations until the window is full; returns the next iteration number."""
-        # A pool that builds ahead (nvcc on CPU cores) gets `prefetch` iterations more than its
-        # slots even without LLM lookahead: their builds overlap the GPU work of the others.
-        ahead = self.lookahead or int(getattr(self.evaluator, "prefetch", 0))
-        depth = self.window or max(1, self.evaluator.slots) + ahead
-        while next_iter <= self.cfg.iterations and len(window) < depth and not self._llm_stop:
-            req, mut = self._prepare(pop, next_iter, window)
-            fut: cf.Future[Proposal]
-            if pool is None or not getattr(mut, "blocking_io", False):
-                # Local mutators answer here, in order, seeing the state as it is now: only
-                # requests that wait on the network go to the pool.
-                fut = cf.Future()
-                try:
-                    fut.set_result(_safe_propose(mut, req))
-                except LlmError as e:        # committed in order, as from the pool
-                    fut.set_exception(e)
-            else:
-                fut = pool.submit(_safe_propose, mut, req)
-            window.append(_InFlight(next_iter, req, mut, fut))
-            next_iter += 1
-        return next_iter
-
-    def _dispatch(self, window: collections.deque[_InFlight]) -> None:
-        """Sends answered proposals to the evaluator, in order, up to the first unanswered one
-        (so which earlier program a later one duplicates never depends on timing)."""
-        for entry in window:
-            if entry.decided:
-                continue
-            if not entry.proposal.done():
-                return
-            entry.decided = True
-            proposal = self._proposal_of(entry)
-            if proposal.source is None:
-                entry.note = proposal.rejected_reason or "rejected"
-                continue
-            pid = program_id(proposal.source)
-            entry.program_id = pid
-            if pid in self.programs or pid in self._in_flight:
-                entry.note = f"{DUPLICATE} {pid} (not evaluated again)"
-                continue
-            self._in_flight.add(pid)
-            entry.evaluation = self.evaluator.submit(proposal.source, self.suffix, pid)
-
     def _prepare(self, pop: Population, iteration: int,
-                 window: Sequence[_InFlight] = ()) -> tuple[MutationRequest, Mutator]:
+                 window: Sequence[InFlight] = ()) -> tuple[MutationRequest, Mutator]:
         island = pop.island_of_next(iteration)
         parent = pop.select_parent(island, self.rng)
         insp = pop.inspirations(island, self.cfg.llm.inspirations, self.rng, exclude_id=parent.id)
-        weights = [w for _, w in self.mutators]
-        mutator = self.rng.choices([m for m, _ in self.mutators], weights=weights)[0]
+        mutator = self.rng.choices([m for m, _ in self.mutators], [w for _, w in self.mutators])[0]
         req = MutationRequest(parent=parent, inspirations=tuple(insp),
                               seed=self.rng.getrandbits(32), iteration=iteration,
                               problem_contract=self.contract, gpu_info=self.gpu_info,
@@ -316,7 +231,7 @@ class Search:
                                             if e.request.parent.id == parent.id))
         return req, mutator
 
-    def _step(self, pop: Population, entry: _InFlight, proposal: Proposal,
+    def _step(self, pop: Population, entry: InFlight, proposal: Proposal,
               result: EvalResult | None) -> str:
         """Commits one iteration (its child, or why there is none); returns a note for the view."""
         iteration, parent = entry.iteration, entry.request.parent
@@ -331,8 +246,8 @@ class Search:
             return f"{proposal.mutator}: {'' if reason.startswith(DUPLICATE) else 'rejected: '}" \
                    f"{reason}"
         pid = entry.program_id or program_id(proposal.source or "")
-        self._in_flight.discard(pid)
         self._count(result)
+        reading = result.fitness                 # its plain evaluation's, before any duel
         result, crowned, verdict = self._challenge(pop, pid, proposal.source or "", result)
         child = Program(pid, proposal.source or "", self.suffix, parent.id, iteration, island,
                         proposal.mutator, proposal.change, result, proposal.second_parent_id)
@@ -344,7 +259,7 @@ class Search:
         change = first_line(proposal.change, 160)   # a knob mutation's three settings fit
         if not child.correct:
             return f"{proposal.mutator}: {result.verdict.value}: {result.reason[:70]} ({change})"
-        return (f"{proposal.mutator}: {result.verdict.value} fitness {result.fitness:.3f} "
+        return (f"{proposal.mutator}: {result.verdict.value} fitness {reading:.3f} "
                 f"({change}){verdict}")
 
     def _challenge(self, pop: Population, pid: str, source: str,
@@ -359,145 +274,87 @@ class Search:
         # (the point where it has none), so that a child as fast as the best, which reads
         # above it half the time, does not cost a duel every other iteration.
         floor = result.fitness_ci[0] if result.fitness_ci else result.fitness
-        if champ is None or not result.correct or champ.id == pid or \
-                floor <= self._plain_fitness.get(champ.id, champ.fitness):
+        if champ is None or not result.correct or champ.id == pid or floor <= self.bar(champ):
             return result, False, ""
         started = self.clock()
-        duel = self.evaluator.submit(source, self.suffix, f"{pid} vs {champ.id}",
-                                     rival=champ.source).result()
+        duel = self.duel(source, f"{pid} vs {champ.id}", champ.source)
         # The duel's own time, not its wait behind the candidates queued before it: the end
         # of the run's duels queue behind nothing.
         self._duel_s.append(duel.duration_s or self.clock() - started)
-        self._gpu_s += duel.stage_s.get(TIMING_STAGE, 0.0)
         self._stats["challenges"] += 1
         if not duel.correct:
             return result, False, f" (challenge: {duel.verdict.value}: {duel.reason[:60]})"
         gain = duel.gain or 0.0
         won = beats(duel)
+        raised = ""
         if won:
             self._stats["crowned"] += 1
             self._plain_fitness[pid] = result.fitness
-        elif gain > 0:
-            self._raise_bar(champ, result.fitness / max(gain, 1.0))
+        elif gain > 0 and self._raise_bar(champ, result.fitness / max(gain, 1.0)):
+            # The figure that set the bar: this plain reading (over the gain), not the duel's.
+            raised = (f"; a duel now takes a plain reading above {self.bar(champ):.3f}, set by "
+                      f"this one's {result.fitness:.3f}" + (f" / {gain:.3f}" if gain > 1 else ""))
         note = (f" -> {duel.fitness:.3f} re-measured beside the best ({champ.id}: "
                 f"{duel.rival_fitness or 0:.3f}), {gain:.3f}x"
-                f"{ci_text(duel.gain_ci)}: {'new best' if won else 'not beyond noise'}")
+                f"{ci_text(duel.gain_ci)}: {'new best' if won else 'not beyond noise'}{raised}")
         return duel, won, note
 
-    def _raise_bar(self, champ: Program, reading: float) -> None:
+    def _raise_bar(self, champ: Program, reading: float) -> bool:
         """After a duel the child lost: its plain reading, over its gain where it was faster
         within noise, is a plain reading the best itself could have had in that evaluation.
         The bar rises to the highest such reading, so that children as fast as the best do
         not send duel after duel to the GPU for the same noise; a child faster than the spread
-        of plain readings still reads above it."""
-        if reading > self._plain_fitness.get(champ.id, champ.fitness):
-            self._plain_fitness[champ.id] = reading
+        of plain readings still reads above it. Returns whether it rose."""
+        if reading <= self.bar(champ):
+            return False
+        self._plain_fitness[champ.id] = reading
+        return True
 
     @property
     def challenges(self) -> tuple[int, int]:
         """Returns (duels held, duels won) this session."""
         return self._stats["challenges"], self._stats["crowned"]
 
+    def bar(self, champ: Program) -> float:
+        """Returns the plain fitness a child must read above to challenge `champ`."""
+        return self._plain_fitness.get(champ.id, champ.fitness)
+
+    def hold_to_bar(self, pid: str, best: Program) -> None:
+        """Holds the challengers of program `pid` to the bar of `best` (within its noise)."""
+        self._plain_fitness[pid] = self.bar(best)
+
+    def duel(self, source: str, label: str, rival: str) -> EvalResult:
+        """Returns `source` timed beside `rival` in one process (raises what the pool raises)."""
+        duel = self.evaluator.submit(source, self.suffix, label, rival=rival).result()
+        self._gpu_s += duel.stage_s.get(TIMING_STAGE, 0.0)
+        return duel
+
+    def commit_step(self, pop: Population, program: Program | None) -> None:
+        """Commits a step of the end of the run under the last iteration's number."""
+        self.store.commit_iteration(
+            iteration=self.iteration, program=program, rejection=None, llm_usage=None,
+            rng_state=self.rng.getstate(), population_snapshot=self._snapshot(pop),
+            elapsed_s=self._prior_elapsed + self.clock() - self._t0)
+
+    # ---- the end of the run (endofrun.py) -------------------------------------------
     def prune(self, best: Program, seed: Program,
               say: Callable[[str], None] = lambda line: None) -> Program:
-        """The end of a run (prune.py): sets back each knob in which the best differs from the
-        seed, one at a time, keeping it set back when the duel of the result beside `best`
-        shows it costs nothing. Each step is committed as it is measured (its program, the
-        champion after it); `say` gets a line per step. Returns the champion after the phase:
-        `best` when every change pays, when nothing differs, or when this best was pruned
-        already (a resumed run that had finished)."""
-        if not self.cfg.population.prune or best.id == seed.id or \
-                not (best.correct and seed.correct) or self._pruned(best):
-            return best
-        pop, current = self._pop, best
-        assert pop is not None, "prune() follows run()"
-        steps = setbacks(best.source, seed.source)
-        queue = duels(steps, best.source, self.facts)
-        if steps:
-            quiet = len(queue[0]) if len(queue[0]) > 1 else 0
-            say(f"setting back the best's {len(steps)} changes from the seed, one at a time, "
-                "each kept only if it pays beyond noise"
-                + (f" ({quiet} whose code runs no call together first)" if quiet else "")
-                + " ...")
-        record: list[dict[str, Any]] = []
-        complete = True
-        while queue:
-            group = queue.pop(0)
-            joint = len(group) > 1           # knobs whose code runs no call, together
-            source = apply_setbacks(current.source, group)
-            change = change_of(group)
-            pid = program_id(source)
-            known = self.programs.get(pid) or self.store.get_program(pid)
-            if known is not None and not known.correct:
-                say(f"  {change}: {pid} failed its checks in the search; "
-                    + ("each tried alone" if joint else "kept"))
-                queue[:0] = [[s] for s in group] if joint else []
-                continue
-            if self._past_wall_time():
-                say(f"  setting back stopped: wall time {self.cfg.max_wall_s:.0f} s reached; "
-                    "the best is what it reached; a resumed run goes on from it")
-                complete = False
-                break
-            try:
-                duel = self.evaluator.submit(source, self.suffix, f"{pid} vs {best.id}",
-                                             rival=best.source).result()
-            except Exception as e:  # noqa: BLE001 - a lost cluster, say: keep what was set back
-                say(f"  setting back stopped ({type(e).__name__}: {first_line(str(e), 120)}); "
-                    "the best is what it reached; a resumed run goes on from it")
-                complete = False
-                break
-            self._gpu_s += duel.stage_s.get(TIMING_STAGE, 0.0)    # a duel, as a challenge's
-            kept = costs_nothing(duel)
-            # A program the search met (the best's parent, the seed, ...) keeps its stored
-            # record; the duel is kept in the phase's record below.
-            child = known or Program(pid, source, self.suffix, current.id, self.iteration,
-                                     current.island, PRUNE, change, duel)
-            if known is None:
-                self.programs[pid] = child
-                pop.add(child)
-            if kept or not joint:           # a group that costs is tried again knob by knob
-                self._stats["set_back_tried"] += len(group)
-            if kept:
-                pop.crown(child)
-                self._stats["set_back"] += len(group)
-                # Within noise of the best: children of a resumed run face the best's bar.
-                self._plain_fitness[pid] = self._plain_fitness.get(best.id, best.fitness)
-                current = child
-            elif joint:                      # asleep by their conditions, yet they cost
-                queue[:0] = [[s] for s in group]
-            record.append({"change": change, "program": pid, "met": known is not None,
-                           "kept_back": kept, "verdict": duel.verdict.value,
-                           "reason": "" if duel.correct else first_line(duel.reason, 80),
-                           "gain": duel.gain,
-                           "gain_ci": list(duel.gain_ci) if duel.gain_ci else None,
-                           **({"runs_no_call": True} if joint else {})})
-            self.store.commit_iteration(
-                iteration=self.iteration, program=None if known else child, rejection=None,
-                llm_usage=None, rng_state=self.rng.getstate(),
-                population_snapshot=self._snapshot(pop),
-                elapsed_s=self._prior_elapsed + self.clock() - self._t0)
-            say("  " + set_back_line(record[-1]))
-        self.store.record_pruned(best.id, current.id, record, complete)
-        return current
+        """Returns the champion after setting back, one at a time, each knob in which `best`
+        differs from the seed that costs nothing beside it (prune.py): `best` when every change
+        pays, nothing differs, or it was pruned already; each step is committed, `say` gets a
+        line per step."""
+        assert self._pop is not None, "prune() follows run()"
+        return self._end.prune(self._pop, best, seed, say)
 
     @property
     def set_back(self) -> tuple[int, int]:
         """Returns (changes tried, changes set back) at the end of the run."""
-        return self._stats["set_back_tried"], self._stats["set_back"]
+        return self._end.tried, self._end.set_back
 
     def remeasure(self, best: Program, seed: Program) -> EvalResult | None:
-        """Returns the best re-measured beside the seed (a duel in one process), recorded in the
-        run for its export, or None when there is nothing to compare (the best is the seed, or
-        either is not correct)."""
-        if best.id == seed.id or not (best.correct and seed.correct):
-            return None
-        try:
-            duel = self.evaluator.submit(best.source, self.suffix, f"{best.id} vs seed",
-                                         rival=seed.source).result()
-        except Exception:  # noqa: BLE001 - the summary then shows the run's own figures only
-            return None
-        self.store.record_side_by_side(seed.id, best.id, duel)
-        return duel
+        """Returns the best re-measured beside the seed (a duel), recorded for its export; None
+        when the best is the seed or either is not correct."""
+        return self._end.remeasure(best, seed)
 
     def _count(self, result: EvalResult) -> None:
         self._stats["evaluated"] += 1
@@ -549,7 +406,7 @@ class Search:
         now = self.clock()
         done = self.iteration - self._first_iteration
         step = (now - self._loop_t0) / done if done else 0.0
-        end = self._end_of_run_s(pop)
+        end = self._end.estimate_s(pop, self._duel_s)
         if now - t0 + step + end < wall:
             return None
         if end and now - t0 < wall:
@@ -557,33 +414,8 @@ class Search:
                     "run: setting back the best's changes and re-measuring it)")
         return f"wall time {wall:.0f} s"
 
-    def _end_of_run_s(self, pop: Population) -> float:
-        """Returns the seconds the end of the run would take now: the duels setting back the
-        best's changes from the seed (prune.duels) and one re-measuring it beside the seed, at
-        this session's mean duel time (before any, the duel that crowned the best, else the
-        best's and the seed's evaluations together), with a margin (END_MARGIN)."""
-        best, seed = pop.best(), pop.seed
-        if best is None or best.id == seed.id or not (best.correct and seed.correct):
-            return 0.0
-        if self._end_duels[0] != best.id:      # read once per best, not per iteration
-            planned = 0
-            if self.cfg.population.prune and not self._pruned(best):
-                planned = len(duels(setbacks(best.source, seed.source), best.source, self.facts))
-            self._end_duels = (best.id, planned)
-        count = 1 + self._end_duels[1]
-        if self._duel_s:
-            per = sum(self._duel_s) / len(self._duel_s)
-        elif best.result is not None and best.result.rival:
-            per = best.result.duration_s
-        else:
-            per = sum(p.result.duration_s for p in (best, seed) if p.result)
-        return count * per * END_MARGIN
-
-    def _pruned(self, best: Program) -> bool:
-        """Returns whether the run's end already tried every change of this best."""
-        return bool((self.store.pruned(best.id) or {}).get("complete"))
-
-    def _past_wall_time(self) -> bool:
+    def past_wall_time(self) -> bool:
+        """Returns whether this session has reached the run's wall time."""
         return self.cfg.max_wall_s is not None and \
             self.clock() - self._t0 >= self.cfg.max_wall_s
 
@@ -598,48 +430,21 @@ class Search:
             seed_fitness=seed.fitness, last_note=note, counts=dict(counts),
             flags=flagged, rejected=self._stats["rejected"], cached=self._stats["cached"],
             elapsed_s=elapsed, evaluated=self.evaluated_this_session,
-            llm=self.llm_totals(),
-            gpu_busy=self._timing_share(elapsed)))
+            llm=self.llm_totals(), gpu_busy=self._timing_share(elapsed)))
 
     def _timing_share(self, elapsed: float) -> float:
         """Timing seconds / (wall seconds × the GPUs, or CPU slots, the evaluations run on)."""
-        gpus = max(1, getattr(self.evaluator, "gpus", self.evaluator.slots))
+        gpus = max(1, self.evaluator.gpus)
         return self._gpu_s / (elapsed * gpus) if elapsed > 0 else 0.0
-
-    def _gpu_info_from(self, seed: Program) -> None:
-        if seed.result is not None:
-            self.gpu_info = {"name": seed.result.device, **seed.result.device_info}
-
-
-DUPLICATE = "duplicate of program"    # how a rejection for an already-stored program starts
-
-
-def first_line(text: str, limit: int) -> str:
-    """Returns the first line of a text (an LLM's change may be a diff, a rejection may quote a
-    server's answer), cut to `limit` characters."""
-    lines = (text or "").strip().splitlines()
-    first = lines[0] if lines else ""
-    return first if len(first) <= limit else first[:limit - 3] + "..."
 
 
 _INTEGRITY = {Verdict.POLICY, Verdict.TAMPERING, Verdict.HIDDEN_WORK, Verdict.NONDETERMINISTIC,
               Verdict.IMPLAUSIBLE, Verdict.SANDBOX}
 
 
-def _holds_a_paid_call(entry: _InFlight) -> bool:
-    """Returns whether an iteration's (finished) proposal carries an LLM call's usage."""
-    if entry.proposal.exception() is not None:
-        return getattr(entry.proposal.exception(), "usage", None) is not None
-    return entry.proposal.result().usage is not None
-
-
-def _safe_propose(mutator: Mutator, request: MutationRequest) -> Proposal:
-    """Calls a mutator; an unexpected exception becomes a rejection, except fatal tool errors."""
-    from .errors import EvoattnError
-    try:
-        return mutator.propose(request)
-    except EvoattnError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a mutator bug must not kill a long run
-        return Proposal(request.parent.id, getattr(mutator, "name", "?"), None,
-                        rejected_reason=f"mutator raised {type(e).__name__}: {e}")
+def _seed_fails(seed: Program) -> str | None:
+    """Returns why the search cannot start from this seed (it is not correct), or None."""
+    if seed.correct:
+        return None
+    r = seed.result
+    return f"the seed is not correct ({r.verdict.value if r else '?'}: {r.reason if r else ''})"

@@ -1,10 +1,11 @@
 """Data that crosses the orchestrator's internal boundaries: programs, proposals, usage."""
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import hashlib
 import re
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from evaluator.types import EvalResult
 
@@ -112,9 +113,39 @@ class Mutator(Protocol):
 
 
 class Evaluator(Protocol):
-    """Evaluates one candidate source in isolation and returns its verdict."""
+    """One evaluation slot: evaluates one candidate at a time, in isolation."""
 
-    def evaluate(self, source: str, suffix: str, label: str) -> EvalResult: ...
+    def evaluate(self, source: str, suffix: str, label: str,
+                 rival: str | None = None) -> EvalResult:
+        """Returns the verdict on `source` (beside `rival`, timed in the same rounds: a duel)."""
+
+    def calibrate(self, seed: EvalResult) -> None:
+        """Derives the later candidates' deadlines from the seed's evaluation."""
+
+    def prestart(self) -> None:
+        """Starts now what the first evaluation would wait for (a zygote), if anything."""
+
+    def abort(self) -> None:
+        """Ends the evaluation in progress, if any, for good (the run is ending)."""
 
     def close(self) -> None:
         """Releases what the evaluator holds (its zygote process, say)."""
+
+
+@runtime_checkable
+class Pool(Protocol):
+    """Where the search's evaluations run (evoattn/pool.py, evoattn/backends/dask.py)."""
+
+    slots: int                          # evaluations at once
+    gpus: int                           # the devices they share (a CPU run: its slots)
+    prefetch: int                       # jobs worth queueing beyond the slots (builds ahead)
+
+    def submit(self, source: str, suffix: str, label: str,
+               rival: str | None = None) -> cf.Future[EvalResult]:
+        """Starts one evaluation (a duel with `rival`); its result arrives on the future."""
+
+    def calibrate(self, seed: EvalResult) -> None:
+        """Derives every later candidate's deadlines from the seed's evaluation."""
+
+    def close(self) -> None:
+        """Drops queued jobs, stops running ones and releases the slots."""

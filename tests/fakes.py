@@ -8,8 +8,24 @@ from evoattn.mutators.knobs import find_knobs
 from evoattn.sandbox import SandboxSettings, SubprocessEvaluator
 
 
+class FakeSlot:
+    """The lifecycle of an evaluation slot (types.Evaluator) with nothing to start or stop."""
+
+    def calibrate(self, seed: EvalResult) -> None:
+        pass
+
+    def prestart(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 @dataclasses.dataclass
-class FakeEvaluator:
+class FakeEvaluator(FakeSlot):
     """Scores a program from its knob values: deterministic, instant, records every call."""
 
     fail_when: dict[str, str] = dataclasses.field(default_factory=dict)  # knob=value -> fails

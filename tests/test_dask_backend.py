@@ -4,6 +4,7 @@ travelling to a worker."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ from evaluator.request import EvalRequest
 from evaluator.types import Verdict
 from evoattn.backends.dask import START_TOPIC, DaskPool
 from evoattn.runner import plan_run
+from evoattn.slots import SlotSpec
 from rundb import query
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,6 +53,12 @@ def _cluster(allowed_failures: int | None = None, port: int = 0
         yield cluster
     finally:
         cluster.close()
+
+
+def _spec(request: EvalRequest, secret_names: tuple[str, ...] = (),
+          plain: dict[str, Any] | None = None) -> SlotSpec:
+    """A run's slots, with the default deadline rule and no station."""
+    return SlotSpec(request, secret_names, 10.0, 60.0, None, plain or {})
 
 
 def _free_port() -> int:
@@ -132,8 +140,8 @@ def test_a_candidate_whose_worker_dies_twice_is_marked_and_no_secret_travels(
     # the scheduler's default allowed-failures (3) would run it four times: the pool stops
     # the third try
     with _cluster() as cluster, distributed.Client(cluster) as client:
-        pool = DaskPool(cluster.scheduler_address, EvalRequest(device="cpu", trials=1),
-                        ("OPENAI_API_KEY",), 10.0, 60.0)
+        pool = DaskPool(cluster.scheduler_address, _spec(EvalRequest(device="cpu", trials=1),
+                                                         ("OPENAI_API_KEY",)))
         sent: list[bytes] = []
         submit = pool._client.submit
         monkeypatch.setattr(pool._client, "submit", lambda *a, **k: (
@@ -223,16 +231,18 @@ def test_a_worker_times_on_its_gpu_s_cpus_and_plain_candidates_take_the_run_s_pr
 
         def close(self) -> None:
             pass
-    monkeypatch.setattr(backend, "SubprocessEvaluator", Fake)
+    monkeypatch.setattr("evoattn.slots.SubprocessEvaluator", Fake)
     monkeypatch.setattr(backend, "_here", {})
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
     monkeypatch.setattr("evaluator.cpu_pin.host_gpu_count", lambda: 2)
-    req = EvalRequest(device="cuda").to_json()
     plain = {"width": 0.02, "graph": False, "heat": True}
-    backend._evaluate_here(req, (), "x = 1\n", ".py", "a", None, plain)
-    backend._evaluate_here(req, (), "x = 1\n", ".py", "b", None, plain)       # the same one
-    backend._evaluate_here(req, (), "x = 1\n", ".py", "c", None, {**plain, "width": 0.01})
+    spec = _spec(EvalRequest(device="cuda"), plain=plain)
+    backend._evaluate_here(spec.to_json(), "x = 1\n", ".py", "a", None)
+    backend._evaluate_here(spec.to_json(), "x = 1\n", ".py", "b", None)       # the same one
+    wider = dataclasses.replace(spec, plain={**plain, "width": 0.01})
+    backend._evaluate_here(wider.to_json(), "x = 1\n", ".py", "c", None)
     assert len(made) == 2 and made[0][2] == plain and made[1][2]["width"] == 0.01
+    assert made[0][1].station_refresh_s is None         # as a local slot: no station asked
     mine = sorted(os.sched_getaffinity(0))
     want = tuple(mine[len(mine) // 2:]) if len(mine) >= 2 else tuple(mine)
     assert made[0][1].timing_cpus == want
@@ -244,8 +254,8 @@ def test_the_pool_sends_the_plain_protocol_with_each_task(monkeypatch: pytest.Mo
                                                           ) -> None:
     with _cluster() as cluster:
         plain = {"width": 0.02, "graph": False, "heat": False}
-        pool = DaskPool(cluster.scheduler_address, EvalRequest(device="cpu", trials=1), (),
-                        10.0, 60.0, plain=plain)
+        pool = DaskPool(cluster.scheduler_address,
+                        _spec(EvalRequest(device="cpu", trials=1), plain=plain))
         sent: list[tuple] = []
         submit = pool._client.submit
         monkeypatch.setattr(pool._client, "submit", lambda *a, **k: (
@@ -255,4 +265,4 @@ def test_the_pool_sends_the_plain_protocol_with_each_task(monkeypatch: pytest.Mo
         finally:
             pool.close()
     assert result.verdict is not Verdict.PASS
-    assert sent and sent[0][-1] == plain
+    assert sent and SlotSpec.from_json(sent[0][1]).plain == plain

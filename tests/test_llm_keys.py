@@ -8,7 +8,7 @@ import pytest
 import yaml
 from rich.console import Console
 
-from evoattn import pool, runner
+from evoattn import runner, slots
 from evoattn.config import ModelConfig
 from evoattn.errors import UsageError
 from evoattn.mutators.keys import NO_KEY, check_destination, key_env, resolve_key
@@ -73,7 +73,7 @@ def _start(config: Path) -> int:
 
 @pytest.fixture(autouse=True)
 def _fake_evaluator(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pool, "SubprocessEvaluator", lambda *_, **__: FakeEvaluator())
+    monkeypatch.setattr(slots, "SubprocessEvaluator", lambda *_, **__: FakeEvaluator())
     monkeypatch.setenv("OPENAI_API_KEY", SECRET)
 
 

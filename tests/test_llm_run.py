@@ -16,7 +16,7 @@ import pytest
 import yaml
 from rich.console import Console
 
-from evoattn import pool, runner
+from evoattn import runner, slots
 from fakes import TOY_SEED, FakeEvaluator
 from llm_server import LlmServer, error, reply, stall
 from rundb import query
@@ -38,7 +38,7 @@ FAILING_EDIT = ("<<<<<<< SEARCH\nBLOCK_N = 32  # evoattn: choice(16, 32, 64)\n==
 
 @pytest.fixture(autouse=True)
 def _fake_evaluator(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pool, "SubprocessEvaluator",
+    monkeypatch.setattr(slots, "SubprocessEvaluator",
                         lambda *_, **__: FakeEvaluator(fail_when={"BLOCK_N": "16"}))
 
 

@@ -16,15 +16,16 @@ from evaluator.request import EvalRequest
 from evaluator.types import EvalResult, Verdict
 from evoattn.config import PopulationConfig, RunConfig, config_to_dict
 from evoattn.mutators.knobs import KnobMutator
-from evoattn.pool import LocalPool, slot_evaluator, visible_gpus
+from evoattn.pool import LocalPool, visible_gpus
 from evoattn.prebuild import Prebuilder
 from evoattn.sandbox import SandboxSettings
 from evoattn.search import Search
 from evoattn.store import RunStore
-from fakes import TOY_SEED, FakeEvaluator, sandboxed
+from evoattn.slots import SlotSpec
+from fakes import TOY_SEED, FakeEvaluator, FakeSlot, sandboxed
 
 
-class _EnvProbe:
+class _EnvProbe(FakeSlot):
     """Stands in for a slot's evaluator: records the environment its real one would give a
     child, and this process's own CUDA_VISIBLE_DEVICES while it runs."""
 
@@ -33,7 +34,7 @@ class _EnvProbe:
         self.seen: list[tuple[str | None, str | None]] = []
 
     def evaluate(self, source: str, suffix: str, label: str) -> EvalResult:
-        child = self.real.evaluator.child_environment(str(self.work))
+        child = self.real.child_environment(str(self.work))
         self.seen.append((child.get("CUDA_VISIBLE_DEVICES"),
                           os.environ.get("CUDA_VISIBLE_DEVICES")))
         time.sleep(0.05)
@@ -49,7 +50,7 @@ def test_each_slot_gives_its_children_one_gpu_and_never_changes_this_process(
     probes: dict[str, _EnvProbe] = {}
 
     def make(device: str) -> _EnvProbe:
-        real = slot_evaluator(EvalRequest(device="cuda"), device, (), 10.0, 60.0)
+        real = SlotSpec(EvalRequest(device="cuda"), (), 10.0, 60.0, None).slot(device)
         probes[device] = _EnvProbe(real, tmp_path)
         return probes[device]
 
@@ -62,10 +63,10 @@ def test_each_slot_gives_its_children_one_gpu_and_never_changes_this_process(
     assert {seen for p in probes.values() for seen in p.seen} <= {("3", "3,5,7"), ("7", "3,5,7")}
     assert all(child == d for d, p in probes.items() for child, _ in p.seen)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "3,5,7"
-    assert "EVOATTN_TEST_TOKEN" not in probes["3"].real.evaluator.child_environment(str(tmp_path))
+    assert "EVOATTN_TEST_TOKEN" not in probes["3"].real.child_environment(str(tmp_path))
 
 
-class _Gate:
+class _Gate(FakeSlot):
     """A fake evaluator whose every evaluation waits until `parties` are running at once."""
 
     def __init__(self, barrier: threading.Barrier) -> None:
@@ -158,7 +159,7 @@ def attention(q, k, v, causal=False, scale=None):
 """
 
 
-class _Blocked:
+class _Blocked(FakeSlot):
     """A fake slot evaluator: the first job waits for `release`; records, when each job
     starts, whether its CUDA library is already in the cache."""
 
@@ -196,7 +197,7 @@ class _SlowBuilds:
             t.cancel()
 
 
-class _Quick:
+class _Quick(FakeSlot):
     """A fake slot evaluator that records the order it is given jobs in."""
 
     def __init__(self) -> None:
@@ -370,7 +371,7 @@ def test_slots_per_gpu_share_each_gpu_its_lock_and_the_run_s_plain_protocol(
     pool = make_evaluator(cfg, EvalRequest(device="cuda"), ())
     try:
         assert (pool.slots, pool.gpus) == (4, 2)
-        subs = [ev.evaluator for ev in pool._evaluators]
+        subs = list(pool._evaluators)
         locks = [s.request.gpu_lock for s in subs]
         assert [os.path.basename(p) for p in locks] == ["gpu-4.lock"] * 2 + ["gpu-6.lock"] * 2
         assert [s.sandbox.visible_device for s in subs] == ["4", "4", "6", "6"]
@@ -387,15 +388,34 @@ def test_slots_per_gpu_share_each_gpu_its_lock_and_the_run_s_plain_protocol(
     alone = make_evaluator(RunConfig(evaluator=EvaluatorConfig(per_gpu=1)),
                            EvalRequest(device="cuda"), ())
     try:
-        assert alone.slots == 2 and [os.path.basename(ev.evaluator.request.gpu_lock)
+        assert alone.slots == 2 and [os.path.basename(ev.request.gpu_lock)
                                      for ev in alone._evaluators] == ["gpu-4.lock", "gpu-6.lock"]
-        assert all(ev.evaluator._spares for ev in alone._evaluators)
+        assert all(ev._spares for ev in alone._evaluators)
     finally:
         alone.close()
     bare = make_evaluator(RunConfig(evaluator=EvaluatorConfig(per_gpu=1, spare=False)),
                           EvalRequest(device="cuda"), ())
     try:
-        assert all(not ev.evaluator.request.gpu_lock and not ev.evaluator._spares
+        assert all(not ev.request.gpu_lock and not ev._spares
                    for ev in bare._evaluators)
     finally:
         bare.close()
+
+
+def test_both_backends_slots_come_from_one_spec_with_a_station_only_when_asked() -> None:
+    from evoattn.config import EvaluatorConfig
+    from evoattn.slots import slot_spec
+    request = EvalRequest(device="cuda")
+    plain = slot_spec(RunConfig(evaluator=EvaluatorConfig(run_factor=4.0)), request, ("K",))
+    assert plain.station_refresh_s is None and plain.run_factor == 4.0
+    assert plain.secret_names == ("K",)
+    assert plain.plain["width"] == RunConfig().evaluator.candidate_width
+    asked = slot_spec(RunConfig(evaluator=EvaluatorConfig(station=True, baseline_refresh_s=30.0)),
+                      request, ())
+    assert asked.station_refresh_s == 30.0
+    # what a Dask task carries is the same spec, and calibrating it sets the seed's deadline
+    assert SlotSpec.from_json(asked.to_json()) == asked
+    seed = EvalResult(Verdict.PASS, "ok", 1.0, (), stage_s={"build": 50.0, "time": 20.0})
+    calibrated = asked.calibrated(seed)
+    assert calibrated.request.run_timeout_s == asked.deadline_s(seed) == \
+        max(asked.run_floor_s, min(request.run_timeout_s, asked.run_factor * 20.0))

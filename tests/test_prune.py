@@ -12,7 +12,8 @@ from evaluator.types import EvalResult, Verdict
 from evoattn.config import PopulationConfig, RunConfig, config_to_dict
 from evoattn.mutators.knobs import KnobMutator
 from evoattn.prune import PRUNE, apply_setbacks, change_of, costs_nothing, setbacks
-from evoattn.search import END_MARGIN, Search
+from evoattn.endofrun import END_MARGIN
+from evoattn.search import Search
 from evoattn.store import RunStore
 
 from fakes import TOY_SEED, FakeEvaluator, duel_result, duel_with_a_hidden_kernel_loss

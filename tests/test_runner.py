@@ -9,14 +9,14 @@ import pytest
 import yaml
 from rich.console import Console
 
-from evoattn import pool, runner, settings
+from evoattn import runner, settings, slots
 from evoattn.errors import ConfigError, EvoattnError, RunDirError, UsageError
 from fakes import TOY_SEED, FakeEvaluator
 
 
 @pytest.fixture(autouse=True)
 def fake_evaluator(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pool, "SubprocessEvaluator", lambda *_, **__: FakeEvaluator())
+    monkeypatch.setattr(slots, "SubprocessEvaluator", lambda *_, **__: FakeEvaluator())
 
 
 def _config(tmp: Path, **over: object) -> Path:
@@ -87,7 +87,7 @@ def test_resume_refuses_a_config_or_output_it_would_ignore(tmp_path: Path) -> No
 
 def test_an_incorrect_seed_is_an_error_not_success(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pool, "SubprocessEvaluator",
+    monkeypatch.setattr(slots, "SubprocessEvaluator",
                         lambda *_, **__: FakeEvaluator(fail_when={"BLOCK_M": "64"}))
     with pytest.raises(EvoattnError, match="no correct program.*seed is not correct"):
         _start(_config(tmp_path))
@@ -111,7 +111,7 @@ def test_the_llm_budget_counts_spend_from_before_a_resume(tmp_path: Path) -> Non
 def test_the_evaluator_is_closed_when_the_run_ends(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     made: list[FakeEvaluator] = []
-    monkeypatch.setattr(pool, "SubprocessEvaluator",
+    monkeypatch.setattr(slots, "SubprocessEvaluator",
                         lambda *_, **__: made.append(FakeEvaluator()) or made[-1])
     _start(_config(tmp_path))
     assert len(made) == 1 and made[0].closed and made[0].calls
@@ -120,7 +120,7 @@ def test_the_evaluator_is_closed_when_the_run_ends(tmp_path: Path,
 def test_the_run_passes_its_evaluator_settings_to_the_sandbox(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list = []
-    monkeypatch.setattr(pool, "SubprocessEvaluator",
+    monkeypatch.setattr(slots, "SubprocessEvaluator",
                         lambda request, sandbox, plain=None: seen.append((request, sandbox,
                                                                           plain)) or
                         FakeEvaluator())

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from evoattn import sandbox
-from evoattn.sandbox import child_env, detect_target
+from evoattn import childenv, sandbox, watch
+from evoattn.childenv import child_env, detect_target
 from fakes import sandboxed
 from evaluator.types import Verdict
 
@@ -47,11 +47,11 @@ def test_cpu_child_runs_triton_interpreted_with_no_gpu_visible() -> None:
 def test_messages_without_the_nonce_are_ignored() -> None:
     nonce = "ab" * 16
     good = json.dumps({"nonce": nonce, "type": "result", "payload": {}}).encode()
-    assert sandbox._parse(good, nonce)["type"] == "result"
-    assert sandbox._parse(json.dumps({"nonce": "0" * 32, "type": "result"}).encode(), nonce) is None
-    assert sandbox._parse(json.dumps({"type": "result", "payload": {}}).encode(), nonce) is None
-    assert sandbox._parse(b"not json", nonce) is None
-    assert sandbox._parse(b"[1, 2]", nonce) is None
+    assert watch.parse(good, nonce)["type"] == "result"
+    assert watch.parse(json.dumps({"nonce": "0" * 32, "type": "result"}).encode(), nonce) is None
+    assert watch.parse(json.dumps({"type": "result", "payload": {}}).encode(), nonce) is None
+    assert watch.parse(b"not json", nonce) is None
+    assert watch.parse(b"[1, 2]", nonce) is None
 
 
 @pytest.mark.parametrize("code,tail,verdict,fragment", [
@@ -61,7 +61,7 @@ def test_messages_without_the_nonce_are_ignored() -> None:
     (0, "last words", Verdict.CRASH, "exited with code 0 in stage 'check' without a result: last"),
 ])
 def test_child_death_is_classified(code: int, tail: str, verdict: Verdict, fragment: str) -> None:
-    got, reason = sandbox._classify_death(code, tail, "check")
+    got, reason = watch.classify_death(code, tail, "check")
     assert got is verdict and fragment in reason
 
 
@@ -105,7 +105,7 @@ def test_zygote_and_fresh_interpreter_give_the_same_verdicts(tmp_path) -> None: 
 
 def test_stage_seconds_splits_the_wall_time_between_reported_stages() -> None:
     marks = [("start", 0.0), ("build", 1.0), ("reference", 1.5), ("check", 4.0), ("check", 5.0)]
-    assert sandbox._stage_seconds(marks, 10.0) == {"start": 1.0, "build": 0.5,
+    assert watch.stage_seconds(marks, 10.0) == {"start": 1.0, "build": 0.5,
                                                     "reference": 2.5, "check": 6.0}
 
 
@@ -272,7 +272,7 @@ def test_a_child_sets_up_its_baselines_then_waits_for_its_turn_on_a_shared_gpu(
 def test_a_turn_that_never_comes_is_an_evaluator_fault_not_a_verdict(
         tmp_path, monkeypatch) -> None:  # noqa: ANN001
     import fcntl
-    monkeypatch.setattr(sandbox, "GPU_WAIT_SLACK_S", 0.0)
+    monkeypatch.setattr(childenv, "GPU_WAIT_SLACK_S", 0.0)
     lock = tmp_path / "gpu.lock"
     held = open(lock, "a+")
     fcntl.flock(held.fileno(), fcntl.LOCK_EX)
@@ -315,17 +315,17 @@ def test_slots_sharing_a_gpu_lock_one_file_per_gpu_and_only_on_the_gpu(tmp_path)
                                       sandbox.SandboxSettings(cache_dir=str(tmp_path),
                                                               gpu_share=2))
     assert alone.request.gpu_lock == "" and cpu.request.gpu_lock == ""
-    assert share.gpu_wait_s(60.0) == 60.0 + sandbox.GPU_WAIT_SLACK_S
+    assert share.gpu_wait_s(60.0) == 60.0 + childenv.GPU_WAIT_SLACK_S
     assert dataclasses.replace(share, gpu_share=3).gpu_wait_s(60.0) == 2 * share.gpu_wait_s(60.0)
 
 
 def test_the_seed_s_measured_ceiling_serves_every_later_child(tmp_path) -> None:  # noqa: ANN001
     from evaluator.request import EvalRequest
-    ev = sandbox.SubprocessEvaluator(EvalRequest(device="cuda"),
-                                     sandbox.SandboxSettings(cache_dir=str(tmp_path)))
+    ev = sandbox.SubprocessEvaluator(EvalRequest(device="cuda"), sandbox.SandboxSettings(
+        cache_dir=str(tmp_path), run_factor=10.0, run_floor_s=1.0))
     seed = sandbox.EvalResult(Verdict.PASS, "ok", 1.0, (), stage_s={"time": 2.0},
                               device_info={"measured_matmul_tflops": 712.5})
-    ev.calibrate(seed, 10.0, 1.0)
+    ev.calibrate(seed)
     assert ev.request.ceiling_tflops == 712.5 and ev.request.run_timeout_s == 20.0
 
 

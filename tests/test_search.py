@@ -336,3 +336,36 @@ def test_a_short_search_with_the_run_history_finds_the_two_knobs_that_matter(
     seeds = range(1, 21)
     assert all(found(seed, True) for seed in seeds)
     assert sum(found(seed, False) for seed in seeds) < len(seeds)
+
+
+class _Disturbed(FakeEvaluator):
+    """Every program is as fast as the seed; a child's plain evaluation reads 3x its true speed
+    (a disturbed baseline), its duel beside the best the truth."""
+
+    def score(self, source: str) -> float:
+        return 1.0
+
+    def evaluate(self, source: str, suffix: str, label: str = "",
+                 rival: str | None = None) -> EvalResult:
+        r = super().evaluate(source, suffix, label, rival)
+        if rival is not None or source == TOY_SEED or not r.correct:
+            return r
+        return dataclasses.replace(r, fitness=3 * r.fitness)
+
+
+def test_a_lost_duel_s_log_line_shows_the_plain_reading_that_raised_the_bar(
+        tmp_path: Path) -> None:
+    import re
+    notes: list[str] = []
+    s, out = _run(tmp_path, _cfg(iterations=25), _Disturbed(),
+                  on_progress=lambda p: notes.append(p.last_note))
+    raised = [n for n in notes if "a duel now takes a plain reading above" in n]
+    assert raised, notes
+    for note in raised:
+        plain = re.search(r" fitness (\d+\.\d+) \(", note).group(1)
+        duel = re.search(r"\) -> (\d+\.\d+) re-measured", note).group(1)
+        bar, setter = re.search(r"above (\d+\.\d+), set by this one's (\d+\.\d+)", note).groups()
+        assert plain == setter == bar != duel
+        assert float(plain) == pytest.approx(3 * float(duel), rel=0.01)
+    # The champion's figure is never a reading that only a plain evaluation gave.
+    assert out.best.id == out.seed.id and out.best.fitness == pytest.approx(1.0)

@@ -1,16 +1,18 @@
 """Evaluation on a Dask distributed cluster: each candidate is one Dask task on a GPU worker.
 
-    DaskPool        the orchestrator's side: the pool face of evoattn/pool.py
+    DaskPool        the orchestrator's side: a types.Pool, as evoattn/pool.py's LocalPool
     evaluate_task   the worker's side: one candidate, in a sandboxed child process
 
 Workers are the standard ones, one per GPU, with evoattn installed:
 `CUDA_VISIBLE_DEVICES=N dask worker tcp://HOST:8786 --resources GPU=1 --nthreads 1`. Every
-task asks for {"GPU": 1}, so a worker evaluates one candidate at a time, through a
-SubprocessEvaluator kept warm in the worker process (its zygote serves every candidate).
+task asks for {"GPU": 1}, so a worker evaluates one candidate at a time, through a slot
+(evoattn/slots.py) kept warm in the worker process (its zygote serves every candidate).
 
-What travels to a worker: the EvalRequest's JSON (it holds no secret), the program text, and
-the NAMES of the variables a candidate must never see; a candidate's environment is built
-from the worker's own by the sandbox's scrub. What comes back: the EvalResult's JSON.
+What travels to a worker: the run's SlotSpec as JSON (evoattn/slots.py: the EvalRequest, which
+holds no secret, the NAMES of the variables a candidate must never see, the plain protocol and
+the station's refresh, so a worker's slot is the one a local run builds), and the program
+text; a candidate's environment is built from the worker's own by the sandbox's scrub. What
+comes back: the EvalResult's JSON.
 
 Faults:
   a candidate crashes    its child dies, never the worker: a verdict, as on one machine
@@ -37,11 +39,10 @@ import uuid
 from typing import Any
 
 from evaluator.cpu_pin import gpu_block
-from evaluator.request import EvalRequest
 from evaluator.types import EvalResult, Verdict
 
 from ..errors import ClusterError, UsageError
-from ..sandbox import SandboxSettings, SubprocessEvaluator, run_deadline
+from ..slots import SlotSpec
 
 CONNECT_TIMEOUT_S = 10.0       # a scheduler that does not answer in this time is not there
 SLOTS_REFRESH_S = 5.0          # how often the GPU count of the cluster is asked again
@@ -66,22 +67,17 @@ class _Candidate:
 class DaskPool:
     """Evaluation slots on a Dask cluster: one per GPU its workers declare (at least 1)."""
 
-    def __init__(self, scheduler_address: str, request: EvalRequest,
-                 secret_names: tuple[str, ...], run_factor: float, run_floor_s: float,
-                 connect_timeout_s: float = CONNECT_TIMEOUT_S,
-                 plain: dict[str, Any] | None = None) -> None:
-        """`plain`: the request fields a plain candidate (one without a rival) takes instead
-        of `request`'s (a run's candidate_width, candidate_graph, candidate_heat), as a local
-        slot's; duels keep `request`."""
+    prefetch = 0                       # builds run on the workers, not ahead here
+
+    def __init__(self, scheduler_address: str, spec: SlotSpec,
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+        """`spec`: what each worker's slot is made from (calibrate() adds the deadline)."""
         distributed = _import_distributed()
         # The client's own reports of a lost scheduler (tracebacks included) say what
         # ClusterError says in one line.
         logging.getLogger("distributed.client").setLevel(logging.CRITICAL)
         self.address = scheduler_address
-        self._request = request
-        self._plain = dict(plain or {})
-        self._secret_names = tuple(secret_names)
-        self._factor, self._floor_s = run_factor, run_floor_s
+        self._spec = spec
         self._killed_worker = distributed.KilledWorker
         try:
             _probe(scheduler_address, connect_timeout_s)   # fails fast, leaving no client
@@ -118,6 +114,11 @@ class DaskPool:
                 self._slots = max(1, gpus)
         return self._slots
 
+    @property
+    def gpus(self) -> int:
+        """Returns the GPUs the evaluations share: one per slot."""
+        return self.slots
+
     def _declared_gpus(self) -> int | None:
         """Returns the GPUs the workers declare now (None: the scheduler cannot say)."""
         if self._client.status != "running":
@@ -140,8 +141,7 @@ class DaskPool:
 
     def calibrate(self, seed: EvalResult) -> None:
         """Derives every later candidate's run deadline from the seed's evaluation."""
-        deadline = run_deadline(seed, self._factor, self._floor_s, self._request.run_timeout_s)
-        self._request = dataclasses.replace(self._request, run_timeout_s=deadline)
+        self._spec = self._spec.calibrated(seed)
 
     def close(self) -> None:
         """Cancels the tasks still out and leaves the cluster (the workers go on serving)."""
@@ -169,8 +169,8 @@ class DaskPool:
             self._tokens[token] = cand
         try:
             task = self._client.submit(
-                evaluate_task, self._request.to_json(), list(self._secret_names), cand.source,
-                cand.suffix, cand.label, token, cand.rival, self._plain, key=f"evoattn-{token}",
+                evaluate_task, self._spec.to_json(), cand.source, cand.suffix, cand.label, token,
+                cand.rival, key=f"evoattn-{token}",
                 pure=False, resources={"GPU": 1})
         except Exception as e:  # noqa: BLE001 - a client that lost its scheduler
             self._lost(cand, e)
@@ -244,15 +244,12 @@ class DaskPool:
 
 
 # ---- the worker's side ---------------------------------------------------------------------
-STATION_REFRESH_S = 60.0     # each worker times the baselines in its own warm station
-
 _here_lock = threading.Lock()
-_here: dict[str, Any] = {}             # this worker process's evaluator and its request key
+_here: dict[str, Any] = {}             # this worker process's slot and its spec's key
 
 
-def evaluate_task(request_json: dict[str, Any], secret_names: list[str], source: str,
-                  suffix: str, label: str, token: str, rival: str | None = None,
-                  plain: dict[str, Any] | None = None) -> dict[str, Any]:
+def evaluate_task(spec_json: dict[str, Any], source: str, suffix: str, label: str, token: str,
+                  rival: str | None = None) -> dict[str, Any]:
     """Evaluates one candidate on this Dask worker (a task); returns its EvalResult's JSON."""
     _announce(token)
     with _here_lock:
@@ -262,25 +259,21 @@ def evaluate_task(request_json: dict[str, Any], secret_names: list[str], source:
             _here["thread"] = cf.ThreadPoolExecutor(max_workers=1,
                                                     thread_name_prefix="evoattn-eval")
         thread = _here["thread"]
-    return thread.submit(_evaluate_here, request_json, tuple(secret_names), source, suffix,
-                         label, rival, plain).result()
+    return thread.submit(_evaluate_here, spec_json, source, suffix, label, rival).result()
 
 
-def _evaluate_here(request_json: dict[str, Any], secret_names: tuple[str, ...], source: str,
-                   suffix: str, label: str, rival: str | None = None,
-                   plain: dict[str, Any] | None = None) -> dict[str, Any]:
-    key = json.dumps([request_json, secret_names, plain or {}], sort_keys=True)
+def _evaluate_here(spec_json: dict[str, Any], source: str, suffix: str, label: str,
+                   rival: str | None = None) -> dict[str, Any]:
+    key = json.dumps(spec_json, sort_keys=True)
     if _here.get("key") != key:                  # a new run, or the calibrated deadline
-        old = _here.pop("evaluator", None)
+        old = _here.pop("slot", None)
         if old is not None:
             old.close()
-        sandbox = SandboxSettings(secret_env_names=secret_names,    # the worker's own cache,
-                                  station_refresh_s=STATION_REFRESH_S,   # its own station,
-                                  timing_cpus=worker_cpus())        # and its GPU's CPUs
-        _here["evaluator"] = SubprocessEvaluator(EvalRequest.from_json(request_json), sandbox,
-                                                 plain)
+        # The worker's own cache, and the timing CPUs of its GPU: the worker's CUDA devices
+        # reach the children as they are.
+        _here["slot"] = SlotSpec.from_json(spec_json).slot(timing_cpus=worker_cpus())
         _here["key"] = key
-    return _here["evaluator"].evaluate(source, suffix, label, rival).to_json()
+    return _here["slot"].evaluate(source, suffix, label, rival).to_json()
 
 
 def worker_cpus() -> tuple[int, ...]:
