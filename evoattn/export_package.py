@@ -183,15 +183,13 @@ def package_files(info: KernelInfo, evidence: dict[str, str]) -> dict[str, str]:
 
 def shipped_problem_modules(problem: str | None) -> list[str]:
     """Returns the modules of evaluator/problems/ a package ships: those the templates import,
-    the problem's (and its OP_MODULE's), and every module they import from there in turn."""
-    roots = {name for template in TEMPLATE_MODULES if template.endswith(".py")
-             for name in _imports(TEMPLATES / template, f".{PROBLEMS_PACKAGE}")}
-    if problem is not None and problem in problem_modules.builtin_names():
+    the problem's own (and its OP_MODULE), and every module they import from there in turn."""
+    todo = [name for template in TEMPLATE_MODULES if template.endswith(".py")
+            for name in _imports(TEMPLATES / template, PROBLEMS_PACKAGE)]
+    if problem in problem_modules.builtin_names():
         module = problem_modules.module_of(problem)
-        roots |= {module.__name__.rsplit(".", 1)[1], *filter(None, [getattr(module, "OP_MODULE",
-                                                                             None)])}
+        todo += [problem, *([module.OP_MODULE] if hasattr(module, "OP_MODULE") else [])]
     seen: set[str] = set()
-    todo = sorted(roots)
     while todo:
         name = todo.pop()
         if name not in seen:
@@ -201,18 +199,19 @@ def shipped_problem_modules(problem: str | None) -> list[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _imports(path: Path, within: str) -> tuple[str, ...]:
-    """Returns the modules of the package `within` (relative to path's own, "" for it) that
-    path imports anywhere in its text, function bodies included."""
+def _imports(path: Path, package: str) -> tuple[str, ...]:
+    """Returns the problem modules `path` imports from its sibling package `package` ("": from
+    its own), anywhere in its text (function bodies too): `from .<package>.x import ...` or
+    `from .<package> import x`."""
+    prefix = package.split(".") if package else []
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            if (node.module or "") == within.lstrip("."):
-                found += [a.name for a in node.names]
-            elif within == "" and node.module:
-                found.append(node.module)
-            elif within and node.module and node.module.startswith(within.lstrip(".") + "."):
-                found.append(node.module.split(".", 1)[1])
+        if not isinstance(node, ast.ImportFrom) or node.level != 1:
+            continue
+        parts = node.module.split(".") if node.module else []
+        if parts[:len(prefix)] == prefix:
+            rest = parts[len(prefix):]
+            found += rest[:1] if rest else [a.name for a in node.names]
     return tuple(n for n in found if (PROBLEMS / f"{n}.py").is_file())
 
 

@@ -27,6 +27,12 @@ def test_only_problems_whose_module_has_an_op_export_one() -> None:
     assert not has_op("nope")
 
 
+def test_a_problems_baselines_go_by_the_names_it_lists() -> None:
+    for name in builtin_names():
+        p = get_problem(name)
+        assert set(p.baselines()) | set(p.skipped_baselines()) == set(p.baseline_names), name
+
+
 def test_a_package_ships_its_problems_module_and_not_another_problems() -> None:
     shipped = shipped_problem_modules("strided")
     assert {"strided", "op", "base"} <= set(shipped)

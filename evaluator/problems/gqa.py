@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .base import Config, OpDocs, Problem
 from .common import DeviceCache, causal_keep, check_dtype, default_scale, masked_attention, \
     randn, sdpa
+
+if TYPE_CHECKING:
+    from .op import OpSpec
 
 
 def _cfgs(shapes: list[tuple[int, int, int, int, int]]) -> tuple[Config, ...]:
@@ -123,7 +126,7 @@ def _repeat_then_sdpa(inputs: dict[str, Any], cfg: Config) -> Any:
 PROBLEM = Gqa
 
 
-def op_spec() -> Any:
+def op_spec() -> OpSpec:
     """Returns the op's spec: the kernel's contract has k, v with fewer heads already."""
     from .op import causal_spec
     return causal_spec(repeats_kv=False)

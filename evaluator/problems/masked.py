@@ -7,11 +7,14 @@ ever produces a fully masked query row (see `_lengths` and `_block_pattern`).
 from __future__ import annotations
 
 import random
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .base import Config, OpDocs, Problem
 from .common import NEG_INF, check_dtype, default_scale, flops_for_pairs, masked_attention, \
     randn, sdpa
+
+if TYPE_CHECKING:
+    from .op import OpSpec
 
 BLOCK = 64               # block-sparse granularity (rows and columns)
 DENSITY = 0.25           # fraction of key blocks kept per query block row
@@ -173,7 +176,8 @@ def shape_refusal(a: dict[str, Any]) -> str | None:
     q, k, v, mask = a["q"], a["k"], a["v"], a["mask"]
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or \
             (q.shape[0], q.shape[1], q.shape[3]) != (k.shape[0], k.shape[1], k.shape[3]):
-        return f"expected q (B, H, Sq, D), k, v (B, H, Sk, D); got {tuple(q.shape)}, {tuple(k.shape)}"
+        return (f"expected q (B, H, Sq, D), k, v (B, H, Sk, D); got {tuple(q.shape)}, "
+                f"{tuple(k.shape)}")
     full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     if mask.dim() != 4 or any(m not in (1, f) for m, f in zip(mask.shape, full)):
         return f"mask {tuple(mask.shape)} is not broadcastable to {full} dim by dim"
@@ -182,7 +186,7 @@ def shape_refusal(a: dict[str, Any]) -> str | None:
     return None
 
 
-def op_spec() -> Any:
+def op_spec() -> OpSpec:
     """Returns the op's spec: SDPA with the mask falls back; transformers' unmasked causal
     calls get an explicit causal mask (no padding: its fully masked rows are outside the
     contract)."""

@@ -1,10 +1,13 @@
 """`sliding_window`: causal attention over the last W keys (query i sees keys i-W+1 .. i)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .base import Config, OpDocs
 from .common import CausalKeyMaskProblem
+
+if TYPE_CHECKING:
+    from .op import OpSpec
 
 
 def _cfg(b: int, h: int, s: int, d: int, window: int) -> Config:
@@ -57,7 +60,7 @@ class SlidingWindow(CausalKeyMaskProblem):
 PROBLEM = SlidingWindow
 
 
-def op_spec() -> Any:
+def op_spec() -> OpSpec:
     """Returns the op's spec: SDPA with the window's boolean mask falls back; transformers'
     causal calls pass the model's sliding_window (a plain causal call: the whole sequence)."""
     from .op import keep_mask, param_spec, repeat_kv, sdpa_mask

@@ -1,10 +1,13 @@
 """`strided`: causal strided sparse attention, query i sees keys j <= i with j % stride == 0."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .base import Config, OpDocs
 from .common import CausalKeyMaskProblem, sdpa
+
+if TYPE_CHECKING:
+    from .op import OpSpec
 
 
 def _cfg(b: int, h: int, s: int, d: int, stride: int) -> Config:
@@ -77,7 +80,7 @@ class Strided(CausalKeyMaskProblem):
 PROBLEM = Strided
 
 
-def op_spec() -> Any:
+def op_spec() -> OpSpec:
     """Returns the op's spec: SDPA with the stride's boolean mask falls back; no transformers
     mapping (no model attends this way)."""
     from .op import keep_mask, param_spec, sdpa_mask
