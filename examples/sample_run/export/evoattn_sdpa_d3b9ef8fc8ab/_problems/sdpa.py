@@ -1,10 +1,13 @@
 """`sdpa`: forward attention softmax(q kᵀ · scale [+ causal mask]) v on (B, H, S, D)."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .base import Config, OpDocs, Problem
 from .common import DeviceCache, causal_keep, default_scale, masked_attention, randn, sdpa
+
+if TYPE_CHECKING:
+    from .op import OpSpec
 
 _SHAPES = [(8, 32, 512, 64), (4, 32, 1024, 64), (2, 32, 2048, 64), (1, 32, 4096, 64),
            (1, 8, 512, 64), (4, 16, 4096, 128), (16, 16, 1024, 128)]
@@ -160,7 +163,7 @@ class Sdpa(Problem):
 PROBLEM = Sdpa
 
 
-def op_spec() -> Any:
+def op_spec() -> OpSpec:
     """Returns the op's spec: GQA calls too, k and v repeated for a kernel that needs it."""
     from .op import causal_spec
     return causal_spec(repeats_kv=True)
