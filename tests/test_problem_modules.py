@@ -60,3 +60,17 @@ def test_the_ops_fallback_masks_as_the_problems_reference_does(name: str, param:
     assert spec.shape_refusal(args) is None
     got = spec.fallback_for(args)(inputs["q"], inputs["k"], inputs["v"], inputs[param])
     torch.testing.assert_close(got, problem.reference(inputs, cfg), atol=1e-5, rtol=1e-5)
+
+
+def test_the_alibi_ops_fallback_is_the_problems_reference() -> None:
+    torch = pytest.importorskip("torch")
+    problem = get_problem("alibi")
+    cfg = {"B": 1, "H": 3, "S": 29, "D": 64}
+    inputs = problem.make_inputs(cfg, torch.float32, "cpu", torch.Generator().manual_seed(0))
+    spec = module_of("alibi").op_spec()
+    values = (inputs["q"], inputs["k"], inputs["v"], inputs["slopes"])
+    args = spec.bind(values, {})
+    assert spec.shape_refusal(args) is None
+    assert "slopes" in spec.shape_refusal(spec.bind(values[:3] + (inputs["slopes"][:2],), {}))
+    torch.testing.assert_close(spec.fallback_for(args)(*values), problem.reference(inputs, cfg),
+                               atol=1e-5, rtol=1e-5)
