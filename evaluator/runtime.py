@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
+DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2}   # a dtype's int in CUDA entry calls
 LOG_LIMIT_CHARS = 4096
 _FAST_LIB = "lib.so"
 _EXT_PREFIX = "evoattn_ext_"

@@ -12,6 +12,9 @@ import dataclasses
 import json
 from pathlib import Path
 
+from evaluator.problems import builtin_names
+from evaluator.problems import get_problem as builtin_problem
+
 from . import export_docs as docs
 from .errors import RunDirError
 from .export_package import KernelInfo, describe, package_files
@@ -112,7 +115,8 @@ def _kernel_info(best: Program, meta_problem: str) -> KernelInfo:
     """Returns the kernel's description; a user problem's name and entry come from its file."""
     problem = best.result.problem if best.result else (meta_problem or "sdpa")
     user = meta_problem.endswith(".py")
-    entry = "Model" if problem == "mha" and not user else "attention"
+    entry = builtin_problem(problem).entry if problem in builtin_names() and not user \
+        else "attention"
     if user:
         try:
             from .problems import load_problem

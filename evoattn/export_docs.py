@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from evaluator.problems import OpDocs, Problem, builtin_names, get_problem
+from evaluator.request import DEFAULTS
 from evaluator.types import ConfigResult, EvalResult
 
 from .export_package import KernelInfo
@@ -172,41 +174,20 @@ def _install(info: KernelInfo) -> list[str]:
             "path calls take; `EVOATTN_NATIVE=0` turns the C++ path off.", ""]
 
 
-_CALLS = {
-    "sdpa": ("attention(q, k, v, causal=True)",
-             "F.scaled_dot_product_attention(q, k, v, is_causal=True)",
-             "q, k, v: (B, H, S, D)"),
-    "gqa": ("attention(q, k, v, causal=True)",
-            "F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)",
-            "q: (B, Hq, S, D); k, v: (B, Hkv, S, D), Hq % Hkv == 0"),
-    "sliding_window": ("attention(q, k, v, window=512)", "an SDPA call with a window mask",
-                       "q, k, v: (B, H, S, D); query i sees keys i-511 .. i"),
-    "strided": ("attention(q, k, v, stride=4)", "an SDPA call with a strided causal mask",
-                "q, k, v: (B, H, S, D); query i sees keys j <= i with j % 4 == 0"),
-    "decode": ("attention(q, k, v, cache_seqlens)",
-               "an SDPA call over the cache with a padding mask",
-               "q: (B, Hq, Sq <= 16, D), the new tokens; k, v: (B, Hkv, Smax, D), the cache; "
-               "cache_seqlens: int32 (B,)"),
-    "masked": ("attention(q, k, v, mask)",
-               "F.scaled_dot_product_attention(q, k, v, attn_mask=mask)",
-               "q: (B, H, Sq, D); k, v: (B, H, Sk, D); mask additive, of q's dtype, "
-               "broadcastable to (B, H, Sq, Sk)"),
-}
-
-
 def _usage(info: KernelInfo) -> list[str]:
     pkg, ns = info.names.package, info.names.namespace
     user = info.meta["user_problem"]
-    call, replaces, shapes = _CALLS.get(info.problem, ("attention(...)", "", "")) if not user \
-        else ("attention(...)", "", "")
+    problem = _problem(info)
+    docs = problem.op_docs if problem else None
+    call, replaces, shapes, raw = (docs.call, docs.replaces, docs.shapes, docs.raw_args) \
+        if docs else ("attention(...)", "", "", "...")
     lines = ["## Use it", "", f"`{pkg}.attention` is the custom op `torch.ops.{ns}.attention`"
              + (f" with the schema `{info.meta['schema']}`" if user else "") + ": it works "
              "eagerly, under `torch.compile(fullgraph=True)` with no graph break, and inside "
              "CUDA graphs (`mode=\"reduce-overhead\"`).", "",
              "```python", "import torch", f"from {pkg} import attention", "",
              *([f"# {shapes}"] if shapes else []), f"out = {call}",
-             f"out = torch.ops.{ns}.attention(q, k, v" + (", True)" if info.problem in
-                                                           ("sdpa", "gqa") and not user else ", ...)"),
+             f"out = torch.ops.{ns}.attention(q, k, v, {raw})",
              "", "fast = torch.compile(model, fullgraph=True)   # the op stays one node", "```", ""]
     if user:
         lines += ["For a user-defined problem the op's schema is read from the kernel's "
@@ -214,7 +195,7 @@ def _usage(info: KernelInfo) -> list[str]:
                   "first tensor argument, and there is no PyTorch fallback: outside the "
                   "verified set the op raises NotImplementedError.", ""]
         return lines
-    module = [] if info.problem == "decode" else [    # a decode call needs a cache
+    module = [] if docs and not docs.in_module else [
               "### In an `nn.Module`", "", "```python", "import torch",
               f"from {pkg} import attention", "",
               "class SelfAttention(torch.nn.Module):",
@@ -240,29 +221,28 @@ def _usage(info: KernelInfo) -> list[str]:
               "`hf.attention_forward(module, query, key, value, attention_mask, scaling=None, "
               "dropout=0.0, sliding_window=None, is_causal=None, **kwargs)` takes transformers' "
               "(B, H, S, D) inputs (GQA-shaped k, v too) and returns (B, S, H, D). Calls the "
-              "kernel does not cover (" + ("a padding mask, the prefill of a prompt over 16 "
-                                           "tokens" if info.problem == "decode"
-                                           else "a padding mask, decoding with a cache")
+              "kernel does not cover (" + (docs.hf_declines if docs else
+                                           OpDocs("", "", "").hf_declines)
               + ", dropout while training) run transformers' SDPA path, or the model's own "
               "eager attention where they pass what SDPA lacks (softcap, attention sinks, "
               "output_attentions), counted in `stats()` with the reason; `hf.py` lists them.",
               ""]
-    if info.problem == "decode":
-        lines += ["The kernel serves `generate`'s steps (and up to 16 new tokens at once) over "
-                  "the dynamic or the static cache of a batch without padding, also compiled "
-                  "(`generate(..., cache_implementation=\"static\")`); `decode.py` in this "
-                  "package says which calls. A prompt longer than 16 tokens runs SDPA, or an "
-                  "exported prefill kernel: `hf.register(prefill=sdpa_package)` hands that "
-                  "package the calls this kernel does not take (they count in its `stats()`).",
-                  ""]
+    if docs and docs.notes:
+        lines += [docs.notes, ""]
     return lines
 
 
+def _problem(info: KernelInfo) -> Problem | None:
+    """Returns the built-in problem an export is of (its docs, why it has no op), or None."""
+    known = not info.meta["user_problem"] and info.problem in builtin_names()
+    return get_problem(info.problem) if known else None
+
+
 def _no_op(info: KernelInfo) -> list[str]:
-    why = ("its contract is a module (`Model`), not a function" if info.problem == "mha" else
-           "its entry signature has no torch.library schema form (*args, **kwargs or "
+    why = ("its entry signature has no torch.library schema form (*args, **kwargs or "
            "non-literal defaults)" if info.meta["user_problem"] else
-           f"no op form is known for problem {info.problem}")
+           getattr(_problem(info), "no_op_reason", "")
+           or f"no op form is known for problem {info.problem}")
     return ["## Use it", "", f"This kernel is not wrapped as a custom op: {why}. Load it with "
             f"`{info.names.package}.load_kernel_module()` (a Python kernel) and call its "
             f"`{info.meta['entry']}` as the problem's contract says.", ""]
@@ -352,7 +332,7 @@ def _ms(value: float | None) -> str:
 
 
 def _files(best: Program, info: KernelInfo) -> list[str]:
-    problem = "" if info.problem == "sdpa" else f" --problem {info.problem}"
+    problem = "" if info.problem == DEFAULTS.problem else f" --problem {info.problem}"
     return ["## What is here", "",
             f"- `{info.names.package}/`: the package; `kernel/` holds the program's files, "
             "`kernel.json` what the op reads (names, form, verified set), `evidence/` the "

@@ -2,11 +2,14 @@
 
 The package's code is the files of evoattn/export_templates/, copied as they are: they read
 everything particular to this kernel from the kernel.json written beside them (its names,
-its form, what it was verified on). The program's own files go to <package>/kernel/.
+its form, what it was verified on). The problem's own module (its op spec, fallback and
+transformers route) and what it imports from evaluator/problems/ go to <package>/_problems/,
+unchanged. The program's own files go to <package>/kernel/.
 """
 from __future__ import annotations
 
 import ast
+import functools
 import dataclasses
 import json
 import re
@@ -15,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from evaluator import program as program_files
+from evaluator import problems as problem_modules
 from evaluator import runtime
 from evaluator.knobs import find_knobs, values_of
 from evaluator.types import EvalResult, Verdict
@@ -33,7 +37,10 @@ TEMPLATE_MODULES = {"package_init.py": "__init__.py", "_loader.py": "_loader.py"
 # builds its kernel exactly as the run that verified it did.
 RUNTIME = Path(runtime.__file__).resolve()
 RUNTIME_MODULE = "_runtime.py"
-BUILTIN_OPS = ("sdpa", "gqa", "masked", "sliding_window", "strided", "decode")
+# The problem modules, shipped unchanged as <package>/_problems/ (which has no registry).
+PROBLEMS = problem_modules.HERE
+PROBLEMS_PACKAGE = "_problems"
+_PROBLEMS_INIT = '"""The modules of this kernel\'s problem, as evoattn evaluated it."""\n'
 ID_CHARS = 12                          # of the program id, in package and op names
 
 
@@ -67,7 +74,7 @@ class KernelInfo:
     def has_op(self) -> bool:
         if self.meta["user_problem"]:
             return bool(self.meta["schema"])
-        return self.meta["problem"] in BUILTIN_OPS
+        return problem_modules.has_op(self.meta["problem"])
 
 
 def describe(best: Program, problem: str, user_problem: bool, entry: str) -> KernelInfo:
@@ -165,12 +172,49 @@ def package_files(info: KernelInfo, evidence: dict[str, str]) -> dict[str, str]:
     for template, name in TEMPLATE_MODULES.items():
         out[f"{pkg}/{name}"] = (TEMPLATES / template).read_text()
     out[f"{pkg}/{RUNTIME_MODULE}"] = RUNTIME.read_text()
+    out[f"{pkg}/{PROBLEMS_PACKAGE}/__init__.py"] = _PROBLEMS_INIT
+    for name in shipped_problem_modules(None if info.meta["user_problem"] else info.problem):
+        out[f"{pkg}/{PROBLEMS_PACKAGE}/{name}.py"] = (PROBLEMS / f"{name}.py").read_text()
     out[f"{pkg}/kernel.json"] = json.dumps(info.meta, indent=2) + "\n"
     for name, text in info.files.files:
         out[f"{pkg}/kernel/{name}"] = text
     for name, text in evidence.items():
         out[f"{pkg}/evidence/{name}"] = text
     return out
+
+
+def shipped_problem_modules(problem: str | None) -> list[str]:
+    """Returns the modules of evaluator/problems/ a package ships: those the templates import,
+    the problem's own (and its OP_MODULE), and every module they import from there in turn."""
+    todo = [name for template in TEMPLATE_MODULES if template.endswith(".py")
+            for name in _imports(TEMPLATES / template, PROBLEMS_PACKAGE)]
+    if problem in problem_modules.builtin_names():
+        module = problem_modules.module_of(problem)
+        todo += [problem, *([module.OP_MODULE] if hasattr(module, "OP_MODULE") else [])]
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += _imports(PROBLEMS / f"{name}.py", "")
+    return sorted(seen)
+
+
+@functools.lru_cache(maxsize=None)
+def _imports(path: Path, package: str) -> tuple[str, ...]:
+    """Returns the problem modules `path` imports from its sibling package `package` ("": from
+    its own), anywhere in its text (function bodies too): `from .<package>.x import ...` or
+    `from .<package> import x`."""
+    prefix = package.split(".") if package else []
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.ImportFrom) or node.level != 1:
+            continue
+        parts = node.module.split(".") if node.module else []
+        if parts[:len(prefix)] == prefix:
+            rest = parts[len(prefix):]
+            found += rest[:1] if rest else [a.name for a in node.names]
+    return tuple(n for n in found if (PROBLEMS / f"{n}.py").is_file())
 
 
 def _pyproject(info: KernelInfo) -> str:

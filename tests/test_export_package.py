@@ -79,7 +79,8 @@ def test_export_writes_a_package_with_the_kernel_and_its_evidence(exported):
     assert s.package == names_for("sdpa", s.best_id).package and s.has_op
     assert (pkg / "kernel" / "best.py").read_text() == NAIVE.read_text()
     for name in ("__init__.py", "ops.py", "guard.py", "hf.py", "problems.py", "_loader.py",
-                 "_runtime.py", "kernel.json", "evidence/best_eval.json", "evidence/lineage.json"):
+                 "_runtime.py", "_problems/sdpa.py", "_problems/op.py", "kernel.json",
+                 "evidence/best_eval.json", "evidence/lineage.json"):
         assert (pkg / name).is_file(), name
     meta = json.loads((pkg / "kernel.json").read_text())
     assert meta["form"] == "python" and meta["namespace"] == s.namespace
@@ -87,7 +88,7 @@ def test_export_writes_a_package_with_the_kernel_and_its_evidence(exported):
     assert meta["verified"]["device_type"] == "cpu" and meta["verified"]["dtypes"] == ["float16"]
     assert meta["verified"]["head_dims"] == [64] and meta["verified"]["causal"] == [False, True]
     py = (out / "pyproject.toml").read_text()
-    assert f'name = "{s.package.replace("_", "-")}"' in py and f'packages = ["{s.package}"]' in py
+    assert f'name = "{s.package.replace("_", "-")}"' in py and f'packages = ["{s.package}", "{s.package}._problems"]' in py
     readme = (out / "README.md").read_text()
     for text in (f"from {s.package} import attention", f"torch.ops.{s.namespace}.attention",
                  'hf.register("evoattn")', 'attn_implementation="evoattn"', "fullgraph=True",

@@ -22,7 +22,7 @@ from evoattn.types import Program, program_id
 ROOT = Path(__file__).resolve().parent.parent
 SEEDS = {"sdpa": "sdpa/flash_triton.py", "gqa": "gqa/gqa_triton.py",
          "masked": "masked/masked_triton.py", "sliding_window": "sliding_window/window_triton.py",
-         "strided": "strided/strided_triton.py"}
+         "strided": "strided/strided_triton.py", "alibi": "alibi/alibi_triton.py"}
 # (the op's schema, a call of the op on q, k, v, mask in the test's scope)
 CALLS = {
     "sdpa": ("bool causal=False, float? scale=None", "attention(q, k, v, causal=True)"),
@@ -30,6 +30,7 @@ CALLS = {
     "masked": ("Tensor mask, float? scale=None", "attention(q, k, v, mask, scale=0.2)"),
     "sliding_window": ("int window, float? scale=None", "attention(q, k, v, window=5)"),
     "strided": ("int stride, float? scale=None", "attention(q, k, v, stride=3)"),
+    "alibi": ("Tensor slopes, float? scale=None", "attention(q, k, v, torch.tensor([0.5, 0.25]))"),
 }
 
 

@@ -21,7 +21,7 @@ from evoattn.cli import cli as main
 from fakes import sandboxed
 
 ROOT = Path(__file__).resolve().parents[1]
-FAMILY = ("mha", "strided", "masked", "gqa", "sliding_window", "decode")
+FAMILY = tuple(n for n in builtin_names() if n != "sdpa")   # every problem beside the default
 
 
 def _evaluate(problem: str, source: str, suffix: str = ".py", **kw: object):

@@ -10,9 +10,25 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from ..request import DTYPES
+try:
+    from ..request import DTYPES
+except ImportError:      # shipped into an exported package (no evaluator): it reads no dtypes
+    DTYPES = ()
 
 Config = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class OpDocs:
+    """How an exported package's README shows the op of a problem."""
+
+    call: str                          # attention(q, k, v, causal=True)
+    replaces: str                      # the PyTorch call it stands in for
+    shapes: str                        # the inputs' shapes, as a comment above the call
+    raw_args: str = "..."              # torch.ops.<ns>.attention(q, k, v, <raw_args>)
+    in_module: bool = True             # an nn.Module self-attention example applies
+    hf_declines: str = "a padding mask, decoding with a cache"   # calls that run SDPA
+    notes: str = ""                    # a paragraph after the transformers section
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +68,8 @@ class Problem:
     baseline_name: str = "sdpa"        # what the baselines are, in words (for listings)
     # Names of `baselines()`, readable without torch (the orchestrator checks `baseline: NAME`).
     baseline_names: tuple[str, ...] = ("baseline",)
+    op_docs: OpDocs | None = None      # the exported op's README snippet (None: no op form)
+    no_op_reason: str = ""             # why an export of this problem has no op, in words
 
     # ---- metadata -------------------------------------------------------
     def label(self, cfg: Config) -> str:

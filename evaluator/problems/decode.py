@@ -18,8 +18,9 @@ import dataclasses
 import random
 from typing import Any, Callable
 
-from .base import Config, Problem, Tolerance
+from .base import Config, OpDocs, Problem
 from .common import check_dtype, default_scale, flops_for_pairs, randn
+from .decode_baselines import DecodeBaselines, decode_attention
 
 LENGTH_PATTERNS = ("ragged", "full", "edge")
 MAX_SQ = 16
@@ -81,39 +82,6 @@ def visible_pairs(lens: list[int], sq: int) -> int:
     """Returns the (query, key) pairs one query head sees: query i of a length-L sequence
     sees max(0, L - Sq + i + 1) keys."""
     return sum(max(0, L - sq + i + 1) for L in lens for i in range(sq))
-
-
-def decode_attention(q: Any, k: Any, v: Any, lens: list[int], scale: float,
-                     round_p: Any = None) -> Any:
-    """Returns the float32 answer, one sequence at a time over its valid prefix only (no
-    repeated k/v: the G query heads of a key/value head are the rows of one matmul).
-
-    With `round_p` (a dtype), the unnormalised probabilities are rounded to it before P·V
-    and the output is returned in it: the rounding a flash kernel does (scores and sums in
-    float32), which sets the tolerance."""
-    import torch
-    B, Hq, Sq, D = q.shape
-    Hkv = k.shape[1]
-    G = Hq // Hkv
-    out = torch.zeros(B, Hq, Sq, D, dtype=torch.float32, device=q.device)
-    pos = torch.arange(Sq, device=q.device).repeat(G)                 # row g*Sq + i -> i
-    for b, L in enumerate(lens):
-        if L == 0:
-            continue
-        qb = q[b].float().reshape(Hkv, G * Sq, D)                     # (Hkv, G*Sq, D)
-        kb, vb = k[b, :, :L].float(), v[b, :, :L].float()             # (Hkv, L, D)
-        s = torch.matmul(qb, kb.transpose(-1, -2)) * scale            # (Hkv, G*Sq, L)
-        keep = torch.arange(L, device=q.device)[None, :] <= (L - Sq + pos)[:, None]
-        s = s.masked_fill(~keep, float("-inf"))
-        m = s.amax(-1, keepdim=True)
-        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)        # rows with no key
-        p = torch.exp(s - m)                                          # 0 where hidden
-        l = p.sum(-1, keepdim=True)
-        if round_p is not None:
-            p = p.to(round_p).float()
-        o = torch.matmul(p, vb) / torch.where(l > 0, l, torch.ones_like(l))
-        out[b] = o.reshape(Hq, Sq, D)
-    return out if round_p is None else out.to(round_p)
 
 
 def _cfg(b: int, hq: int, hkv: int, sq: int, ctx: int, d: int, lens: str = "ragged") -> Config:
@@ -188,15 +156,26 @@ class Decode(Problem):
                           _cfg(1, 2, 1, 1, 1, 64))
     domain = ("any B >= 1; Hq % Hkv == 0; 1 <= Sq <= 16; any Smax >= 1; any lengths 0..Smax; "
               "D in {64, 128}")
-    tolerance = Tolerance(factor=2.0, floor=1e-5)
     implausible_speedup = 40.0    # repeat_kv reads the cache Hq/Hkv times: 4-8x is honest
     baseline_name = ("the fastest of SDPA as transformers calls it, compiled FlexAttention and "
                      "flash_attn_with_kvcache (when flash-attn is importable)")
     baseline_names = ("sdpa_hf", "flex", "flash_kvcache")
+    op_docs = OpDocs(
+        call="attention(q, k, v, cache_seqlens)",
+        replaces="an SDPA call over the cache with a padding mask",
+        shapes="q: (B, Hq, Sq <= 16, D), the new tokens; k, v: (B, Hkv, Smax, D), the cache; "
+               "cache_seqlens: int32 (B,)",
+        in_module=False,                 # a decode call needs a cache
+        hf_declines="a padding mask, the prefill of a prompt over 16 tokens",
+        notes="The kernel serves `generate`'s steps (and up to 16 new tokens at once) over the "
+              "dynamic or the static cache of a batch without padding, also compiled "
+              "(`generate(..., cache_implementation=\"static\")`); `decode.py` in this "
+              "package says which calls. A prompt longer than 16 tokens runs SDPA, or an "
+              "exported prefill kernel: `hf.register(prefill=sdpa_package)` hands that "
+              "package the calls this kernel does not take (they count in its `stats()`).")
     random_inputs = ("q", "k", "v")           # the lengths are the config's: never refilled
 
     def __init__(self) -> None:
-        from .decode_baselines import DecodeBaselines
         self._base = DecodeBaselines()
 
     def label(self, cfg: Config) -> str:
@@ -266,3 +245,7 @@ def _scale_tails(inputs: dict[str, Any]) -> None:
     factor = torch.where(past, GARBAGE_SCALE, 1.0).to(k.dtype)[:, None, :, None]  # (B,1,Smax,1)
     for name in ("k", "v"):
         inputs[name].mul_(factor)
+
+
+PROBLEM = Decode
+OP_MODULE = "decode_op"        # the op side imports torch when loaded

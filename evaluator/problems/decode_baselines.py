@@ -1,4 +1,5 @@
-"""The `decode` problem's baselines: what a PyTorch user would run for one decode step.
+"""The `decode` problem's reference and baselines: what a PyTorch user would run for one
+decode step.
 
 What a model builds once per step and shares across its layers (transformers' padding mask,
 FlexAttention's BlockMask) is built on a config's first call, which is always an untimed
@@ -20,6 +21,39 @@ def _key(inputs: dict[str, Any], cfg: Config, what: str) -> tuple[Any, ...]:
     lens = inputs["cache_seqlens"]
     return (what, json.dumps(cfg, sort_keys=True, default=str), str(lens.device),
             lens.data_ptr())
+
+
+def decode_attention(q: Any, k: Any, v: Any, lens: list[int], scale: float,
+                     round_p: Any = None) -> Any:
+    """Returns the float32 answer, one sequence at a time over its valid prefix only (no
+    repeated k/v: the G query heads of a key/value head are the rows of one matmul).
+
+    With `round_p` (a dtype), the unnormalised probabilities are rounded to it before P·V
+    and the output is returned in it: the rounding a flash kernel does (scores and sums in
+    float32), which sets the tolerance."""
+    import torch
+    B, Hq, Sq, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    out = torch.zeros(B, Hq, Sq, D, dtype=torch.float32, device=q.device)
+    pos = torch.arange(Sq, device=q.device).repeat(G)                 # row g*Sq + i -> i
+    for b, L in enumerate(lens):
+        if L == 0:
+            continue
+        qb = q[b].float().reshape(Hkv, G * Sq, D)                     # (Hkv, G*Sq, D)
+        kb, vb = k[b, :, :L].float(), v[b, :, :L].float()             # (Hkv, L, D)
+        s = torch.matmul(qb, kb.transpose(-1, -2)) * scale            # (Hkv, G*Sq, L)
+        keep = torch.arange(L, device=q.device)[None, :] <= (L - Sq + pos)[:, None]
+        s = s.masked_fill(~keep, float("-inf"))
+        m = s.amax(-1, keepdim=True)
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)        # rows with no key
+        p = torch.exp(s - m)                                          # 0 where hidden
+        l = p.sum(-1, keepdim=True)
+        if round_p is not None:
+            p = p.to(round_p).float()
+        o = torch.matmul(p, vb) / torch.where(l > 0, l, torch.ones_like(l))
+        out[b] = o.reshape(Hq, Sq, D)
+    return out if round_p is None else out.to(round_p)
 
 
 class DecodeBaselines:
@@ -114,7 +148,6 @@ class DecodeBaselines:
 
     def naive(self, inputs: dict[str, Any], cfg: Config) -> Any:
         """The reference's loop over sequences in the inputs' dtype (a diagnostic)."""
-        from .decode import decode_attention
         q = inputs["q"]
         return decode_attention(q, inputs["k"], inputs["v"], inputs["cache_seqlens"].tolist(),
                                 inputs["scale"], round_p=q.dtype)

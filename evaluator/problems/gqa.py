@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from .base import Config, Problem, Tolerance
+from .base import Config, OpDocs, Problem
 from .common import DeviceCache, causal_keep, check_dtype, default_scale, masked_attention, \
     randn, sdpa
+
+if TYPE_CHECKING:
+    from .op import OpSpec
 
 
 def _cfgs(shapes: list[tuple[int, int, int, int, int]]) -> tuple[Config, ...]:
@@ -54,9 +57,13 @@ class Gqa(Problem):
     cpu_domain_configs = ({"B": 1, "Hq": 6, "Hkv": 2, "S": 77, "D": 64, "causal": True},
                           {"B": 1, "Hq": 2, "Hkv": 2, "S": 33, "D": 128, "causal": False})
     domain = "any B >= 1; Hq % Hkv == 0; any S >= 1; D in {64, 128}; causal or not"
-    tolerance = Tolerance(factor=2.0, floor=1e-5)
     baseline_name = "the faster of SDPA with enable_gqa=True and repeat_interleave then SDPA"
     baseline_names = ("sdpa_gqa", "repeat_sdpa")
+    op_docs = OpDocs(call="attention(q, k, v, causal=True)",
+                     replaces="F.scaled_dot_product_attention(q, k, v, is_causal=True, "
+                              "enable_gqa=True)",
+                     shapes="q: (B, Hq, S, D); k, v: (B, Hkv, S, D), Hq % Hkv == 0",
+                     raw_args="True")
 
     def __init__(self) -> None:
         self._masks = DeviceCache()
@@ -114,3 +121,12 @@ def _repeat_then_sdpa(inputs: dict[str, Any], cfg: Config) -> Any:
     g = q.shape[1] // k.shape[1]
     return sdpa(q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1),
                 is_causal=inputs["causal"], scale=inputs["scale"])
+
+
+PROBLEM = Gqa
+
+
+def op_spec() -> OpSpec:
+    """Returns the op's spec: the kernel's contract has k, v with fewer heads already."""
+    from .op import causal_spec
+    return causal_spec(repeats_kv=False)

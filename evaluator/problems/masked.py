@@ -7,11 +7,14 @@ ever produces a fully masked query row (see `_lengths` and `_block_pattern`).
 from __future__ import annotations
 
 import random
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from .base import Config, Problem, Tolerance
+from .base import Config, OpDocs, Problem
 from .common import NEG_INF, check_dtype, default_scale, flops_for_pairs, masked_attention, \
     randn, sdpa
+
+if TYPE_CHECKING:
+    from .op import OpSpec
 
 BLOCK = 64               # block-sparse granularity (rows and columns)
 DENSITY = 0.25           # fraction of key blocks kept per query block row
@@ -74,6 +77,10 @@ class Masked(Problem):
         "score_mod); fitness is the speedup over the faster."
     )
     default_dtype = "float16"
+    op_docs = OpDocs(call="attention(q, k, v, mask)",
+                     replaces="F.scaled_dot_product_attention(q, k, v, attn_mask=mask)",
+                     shapes="q: (B, H, Sq, D); k, v: (B, H, Sk, D); mask additive, of q's dtype, "
+                            "broadcastable to (B, H, Sq, Sk)")
     default_configs = (
         _cfg(2, 32, 4096, 4096, 64, "padding"),
         _cfg(2, 32, 4096, 4096, 64, "block"),
@@ -91,7 +98,6 @@ class Masked(Problem):
     cpu_domain_configs = (_cfg(1, 1, 77, 130, 64, "padding"), _cfg(1, 2, 64, 100, 64, "bias"))
     domain = ("any B, H >= 1; any Sq, Sk >= 1; D in {64, 128}; any 4-D additive mask "
               "broadcastable to (B, H, Sq, Sk) with no fully masked row")
-    tolerance = Tolerance(factor=2.0, floor=1e-5)
     baseline_name = "the fastest of SDPA with the additive attn_mask and compiled FlexAttention"
     baseline_names = ("sdpa_mask", "flex")
     implausible_speedup = 20.0
@@ -160,3 +166,47 @@ class Masked(Problem):
 
     def call(self, fn: Callable[..., Any], inputs: dict[str, Any], cfg: Config) -> Any:
         return fn(inputs["q"], inputs["k"], inputs["v"], inputs["mask"], scale=inputs["scale"])
+
+
+PROBLEM = Masked
+
+
+def shape_refusal(a: dict[str, Any]) -> str | None:
+    """Returns why an op call is outside the contract (shapes, the mask's dtype), or None."""
+    q, k, v, mask = a["q"], a["k"], a["v"], a["mask"]
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or \
+            (q.shape[0], q.shape[1], q.shape[3]) != (k.shape[0], k.shape[1], k.shape[3]):
+        return (f"expected q (B, H, Sq, D), k, v (B, H, Sk, D); got {tuple(q.shape)}, "
+                f"{tuple(k.shape)}")
+    full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    if mask.dim() != 4 or any(m not in (1, f) for m, f in zip(mask.shape, full)):
+        return f"mask {tuple(mask.shape)} is not broadcastable to {full} dim by dim"
+    if mask.dtype != q.dtype:
+        return f"mask dtype {mask.dtype} differs from q's {q.dtype}"
+    return None
+
+
+def op_spec() -> OpSpec:
+    """Returns the op's spec: SDPA with the mask falls back; transformers' unmasked causal
+    calls get an explicit causal mask (no padding: its fully masked rows are outside the
+    contract)."""
+    import torch
+
+    from .op import OpSpec, parse_schema, repeat_kv, scale_of, sdpa_mask
+    schema = "(Tensor q, Tensor k, Tensor v, Tensor mask, float? scale=None) -> Tensor"
+
+    def hf_call(attention: Any, q: Any, k: Any, v: Any, mask: Any, scale: float | None,
+                window: int | None, causal: bool) -> Any:
+        if not causal:
+            return None
+        S = q.shape[2]
+        hidden = torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1)
+        additive = torch.zeros(1, 1, S, S, dtype=q.dtype, device=q.device)
+        return attention(q, repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1]),
+                         additive.masked_fill(hidden, float("-inf")), scale=scale)
+
+    return OpSpec(
+        schema=schema, params=parse_schema(schema), shape_refusal=shape_refusal,
+        call_kernel=lambda fn, q, k, v, mask, scale=None: fn(q, k, v, mask,
+                                                             scale=scale_of(q, scale)),
+        fallback_for=lambda a: sdpa_mask, flags=lambda a: {}, hf_call=hf_call)

@@ -82,6 +82,7 @@ class Mha(Problem):
     baseline_name = ("the faster of the naive module (matmul + masked_fill + softmax) and the "
                      "same module with SDPA")
     baseline_names = ("naive_module", "sdpa_module")
+    no_op_reason = "its contract is a module (`Model`), not a function"
     random_inputs = ("x",)
 
     def __init__(self) -> None:
@@ -168,3 +169,6 @@ def _load_weights(module: Any, weights: dict[str, Any]) -> None:
             raise ValueError(f"Model's {k} has shape {tuple(params[k].shape)}, expected "
                              f"{tuple(t.shape)} (nn.Linear's layout)")
     module.load_state_dict(weights, strict=False)
+
+
+PROBLEM = Mha

@@ -240,3 +240,6 @@ class ModelPrefill(Problem):
         return fn(inputs["q"], inputs["k"], inputs["v"], scale=inputs["scale"],
                   window=inputs["window"], softcap=inputs["softcap"], sinks=inputs["sinks"])
 
+
+
+PROBLEM = ModelPrefill

@@ -1,15 +1,16 @@
 """`sdpa`: forward attention softmax(q kᵀ · scale [+ causal mask]) v on (B, H, S, D)."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from .base import Config, Problem, Tolerance
+from .base import Config, OpDocs, Problem
 from .common import DeviceCache, causal_keep, default_scale, masked_attention, randn, sdpa
+
+if TYPE_CHECKING:
+    from .op import OpSpec
 
 _SHAPES = [(8, 32, 512, 64), (4, 32, 1024, 64), (2, 32, 2048, 64), (1, 32, 4096, 64),
            (1, 8, 512, 64), (4, 16, 4096, 128), (16, 16, 1024, 128)]
-
-DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2}
 
 
 def _cfgs(shapes: list[tuple[int, int, int, int]]) -> tuple[Config, ...]:
@@ -52,9 +53,11 @@ class Sdpa(Problem):
         {"B": 1, "H": 1, "S": 33, "D": 128, "causal": False},
     )
     domain = "any B, H >= 1; any S >= 1; D in {64, 128}; causal or not; scale any float"
-    tolerance = Tolerance(factor=2.0, floor=1e-5)
     baseline_name = "sdpa (PyTorch's default backend: cuDNN on Hopper)"
     baseline_names = ("sdpa",)
+    op_docs = OpDocs(call="attention(q, k, v, causal=True)",
+                     replaces="F.scaled_dot_product_attention(q, k, v, is_causal=True)",
+                     shapes="q, k, v: (B, H, S, D)", raw_args="True")
 
     def label(self, cfg: Config) -> str:
         c = " causal" if cfg["causal"] else ""
@@ -145,6 +148,8 @@ class Sdpa(Problem):
     def call_cuda(self, cfn: Callable[..., int], inputs: dict[str, Any], cfg: Config,
                   out: Any, stream: int) -> int:
         import ctypes
+
+        from ..runtime import DTYPE_CODES    # not at the top: packages ship this module alone
         q, k, v = inputs["q"], inputs["k"], inputs["v"]
         B, H, S, D = q.shape
         code = DTYPE_CODES[str(q.dtype).replace("torch.", "")]
@@ -153,3 +158,12 @@ class Sdpa(Problem):
                    ctypes.c_int(B), ctypes.c_int(H), ctypes.c_int(S), ctypes.c_int(D),
                    ctypes.c_int(code), ctypes.c_int(int(inputs["causal"])),
                    ctypes.c_float(inputs["scale"]), ctypes.c_void_p(stream))
+
+
+PROBLEM = Sdpa
+
+
+def op_spec() -> OpSpec:
+    """Returns the op's spec: GQA calls too, k and v repeated for a kernel that needs it."""
+    from .op import causal_spec
+    return causal_spec(repeats_kv=True)

@@ -1,14 +1,22 @@
 """`sliding_window`: causal attention over the last W keys (query i sees keys i-W+1 .. i)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .base import Config, Tolerance
+from .base import Config, OpDocs
 from .common import CausalKeyMaskProblem
+
+if TYPE_CHECKING:
+    from .op import OpSpec
 
 
 def _cfg(b: int, h: int, s: int, d: int, window: int) -> Config:
     return {"B": b, "H": h, "S": s, "D": d, "window": window}
+
+
+def visible(i: Any, j: Any, window: int) -> Any:
+    """Returns whether query i sees key j (index tensors): i - window < j <= i."""
+    return (j <= i) & (j > i - window)
 
 
 def visible_pairs(S: int, window: int) -> int:
@@ -38,12 +46,34 @@ class SlidingWindow(CausalKeyMaskProblem):
                       _cfg(1, 2, 300, 64, 1), _cfg(1, 2, 200, 64, 512))
     cpu_domain_configs = (_cfg(1, 1, 77, 64, 10), _cfg(1, 1, 40, 128, 64), _cfg(1, 1, 20, 64, 1))
     domain = "any B, H >= 1; any S >= 1; any window >= 1; D in {64, 128}"
-    tolerance = Tolerance(factor=2.0, floor=1e-5)
     implausible_speedup = 40.0      # a 512-of-8192 window skips 94% of the causal work
 
+    op_docs = OpDocs(call="attention(q, k, v, window=512)",
+                     replaces="an SDPA call with a window mask",
+                     shapes="q, k, v: (B, H, S, D); query i sees keys i-511 .. i")
+
     param = "window"
+    visible = staticmethod(visible)
     visible_pairs = staticmethod(visible_pairs)
 
-    @staticmethod
-    def visible(i: Any, j: Any, window: int) -> Any:
-        return (j <= i) & (j > i - window)
+
+PROBLEM = SlidingWindow
+
+
+def op_spec() -> OpSpec:
+    """Returns the op's spec: SDPA with the window's boolean mask falls back; transformers'
+    causal calls pass the model's sliding_window (a plain causal call: the whole sequence)."""
+    from .op import keep_mask, param_spec, repeat_kv, sdpa_mask
+
+    def fallback(q: Any, k: Any, v: Any, window: int, scale: float | None = None) -> Any:
+        keep = keep_mask(q.shape[2], q.device, lambda i, j: visible(i, j, window))
+        return sdpa_mask(q, k, v, keep, scale)
+
+    def hf_call(attention: Any, q: Any, k: Any, v: Any, mask: Any, scale: float | None,
+                window: int | None, causal: bool) -> Any:
+        if not causal:
+            return None
+        return attention(q, repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1]),
+                         window=int(window or q.shape[2]), scale=scale)
+
+    return param_spec("window", fallback, hf_call=hf_call, hf_window=True)

@@ -1,14 +1,22 @@
 """`strided`: causal strided sparse attention, query i sees keys j <= i with j % stride == 0."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .base import Config, Tolerance
+from .base import Config, OpDocs
 from .common import CausalKeyMaskProblem, sdpa
+
+if TYPE_CHECKING:
+    from .op import OpSpec
 
 
 def _cfg(b: int, h: int, s: int, d: int, stride: int) -> Config:
     return {"B": b, "H": h, "S": s, "D": d, "stride": stride}
+
+
+def visible(i: Any, j: Any, stride: int) -> Any:
+    """Returns whether query i sees key j (index tensors): j <= i and j % stride == 0."""
+    return (j <= i) & (j % stride == 0)
 
 
 def visible_pairs(S: int, stride: int) -> int:
@@ -38,13 +46,16 @@ class Strided(CausalKeyMaskProblem):
                       _cfg(1, 2, 1000, 64, 5), _cfg(1, 2, 300, 64, 1))
     cpu_domain_configs = (_cfg(1, 1, 77, 64, 3), _cfg(1, 1, 33, 128, 1))
     domain = "any B, H >= 1; any S >= 1; any stride >= 1; D in {64, 128}"
-    tolerance = Tolerance(factor=2.0, floor=1e-5)
     implausible_speedup = 40.0      # skipping (stride-1)/stride of the keys is a real win
 
     baseline_name = ("the fastest of SDPA with a boolean mask, compiled FlexAttention, and "
                      "SDPA on the gathered visible keys")
     baseline_names = ("sdpa_mask", "flex", "gather_sdpa")
+    op_docs = OpDocs(call="attention(q, k, v, stride=4)",
+                     replaces="an SDPA call with a strided causal mask",
+                     shapes="q, k, v: (B, H, S, D); query i sees keys j <= i with j % 4 == 0")
     param = "stride"
+    visible = staticmethod(visible)
     visible_pairs = staticmethod(visible_pairs)
 
     def baselines(self) -> dict[str, Any]:
@@ -65,6 +76,17 @@ class Strided(CausalKeyMaskProblem):
         keep = self._masks.get(("gather", S, stride, str(q.device)), make)
         return sdpa(q, k, v, attn_mask=keep, scale=inputs["scale"])
 
-    @staticmethod
-    def visible(i: Any, j: Any, stride: int) -> Any:
-        return (j <= i) & (j % stride == 0)
+
+PROBLEM = Strided
+
+
+def op_spec() -> OpSpec:
+    """Returns the op's spec: SDPA with the stride's boolean mask falls back; no transformers
+    mapping (no model attends this way)."""
+    from .op import keep_mask, param_spec, sdpa_mask
+
+    def fallback(q: Any, k: Any, v: Any, stride: int, scale: float | None = None) -> Any:
+        keep = keep_mask(q.shape[2], q.device, lambda i, j: visible(i, j, stride))
+        return sdpa_mask(q, k, v, keep, scale)
+
+    return param_spec("stride", fallback)

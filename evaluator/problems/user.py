@@ -19,7 +19,7 @@ Module-level names (see examples/README.md for a worked example):
     SUMMARY         str                    one line (default: CONTRACT's first sentence)
     CPU_CONFIGS     list[dict]             small configs for CPU runs (default: CONFIGS)
     DOMAIN_CONFIGS, CPU_DOMAIN_CONFIGS  list[dict]  correctness-only shapes (default: none)
-    TOLERANCE       dict                   keys factor, floor, max_abs (default 2.0, 1e-5, None)
+    TOLERANCE       dict                   keys factor, floor, max_abs (default: Tolerance's)
     DTYPES          list[str]              among float16, bfloat16, float32 (default: all three)
     DEFAULT_DTYPE   str                    one of DTYPES (default: float16 if listed, else the first)
     ENTRY           str                    the function a candidate defines (default "attention")
@@ -37,6 +37,7 @@ A missing or ill-typed name raises ValueError("<path>: ..."), naming the file an
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -46,7 +47,7 @@ from ..request import DTYPES
 from .base import Config, Problem, Tolerance
 
 _REQUIRED_FUNCS = ("make_inputs", "reference", "baseline", "call", "flops")
-_TOL_KEYS = {"factor", "floor", "max_abs"}
+_TOL_KEYS = {f.name for f in dataclasses.fields(Tolerance)}
 
 
 class UserProblem(Problem):
@@ -201,7 +202,7 @@ def _tolerance(mod: Any, path: str) -> Tolerance:
         raise ValueError(f"{path}: TOLERANCE has unknown key {', '.join(unknown)} "
                          f"(known: {', '.join(sorted(_TOL_KEYS))})")
     try:
-        return Tolerance(factor=float(tol.get("factor", 2.0)), floor=float(tol.get("floor", 1e-5)),
-                         max_abs=None if tol.get("max_abs") is None else float(tol["max_abs"]))
+        return Tolerance(**{k: None if v is None and k == "max_abs" else float(v)
+                            for k, v in tol.items()})
     except (TypeError, ValueError):
         raise ValueError(f"{path}: TOLERANCE values must be numbers") from None

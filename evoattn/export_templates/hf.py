@@ -71,7 +71,7 @@ def _prefill_forward(prefill: Any) -> Any:
     problem = hf.ops.META["problem"]
     if hf.ops is ops:
         raise ValueError("register(prefill=...): a package cannot take its own calls")
-    if problem not in ("sdpa", "gqa"):
+    if hf.ops.SPEC is None or not getattr(hf.ops.SPEC, "hf_prefill", False):
         raise ValueError(f"register(prefill=...): {hf.ops.NAMESPACE} is a {problem} kernel; "
                          "prompts need an sdpa or gqa one")
     return hf.attention_forward
@@ -87,8 +87,8 @@ def _mask_function() -> Any:
     For the decode problem, a causal mask its kernel computes becomes the cache's lengths
     (decode.mask_lengths), which the attention layers take in its place."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
-    window = ops.META["problem"] == "sliding_window"
-    lengths = ops.META["problem"] == "decode"
+    window = ops.SPEC is not None and ops.SPEC.hf_window
+    lengths = ops.SPEC is not None and ops.SPEC.hf_lengths
 
     def mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0,
              kv_offset: int = 0, attention_mask: Any = None, local_size: Any = None,
@@ -172,7 +172,7 @@ def _refusal(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
         return "an attention mask (padding or a pattern)"
     if dropout and module.training:
         return "dropout while training"
-    if query.shape[2] != key.shape[2] and ops.META["problem"] != "decode":
+    if query.shape[2] != key.shape[2] and not ops.SPEC.hf_lengths:
         return "query and key lengths differ (decoding with a cache)"
     return None
 
@@ -180,29 +180,9 @@ def _refusal(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
 def _through_op(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: Any, scale: float | None, window: int | None,
                 causal: bool) -> torch.Tensor | None:
-    """Returns the op's output (B, H, S, D) for this problem, or None if it does not apply."""
-    problem = ops.META["problem"]
-    causal = causal and q.shape[2] > 1
-    if problem == "decode":                          # a step over transformers' cache
-        return decode.hf_call(ops.attention, q, k, v, mask, scale, causal)
-    if problem in ("sdpa", "gqa"):
-        return ops.attention(q, k, v, causal, scale)   # positional: the shortest call key
-    if problem not in ("sliding_window", "masked"):
-        return None                                  # before repeating k and v for nothing
-    k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
-    if problem == "sliding_window" and causal:
-        return ops.attention(q, k, v, window=int(window or q.shape[2]), scale=scale)
-    if problem == "masked" and causal:
-        S = q.shape[2]
-        hidden = torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1)
-        additive = torch.zeros(1, 1, S, S, dtype=q.dtype, device=q.device)
-        return ops.attention(q, k, v, additive.masked_fill(hidden, float("-inf")), scale=scale)
-    return None
-
-
-def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """Returns k or v with each of its heads repeated to `heads` (a no-op without GQA)."""
-    B, Hkv, S, D = x.shape
-    if Hkv == heads:
-        return x
-    return x[:, :, None].expand(B, Hkv, heads // Hkv, S, D).reshape(B, heads, S, D)
+    """Returns the op's output (B, H, S, D) for this problem, or None if it does not apply
+    (the problem module's hf_call says which calls it serves)."""
+    if ops.SPEC.hf_call is None:
+        return None
+    return ops.SPEC.hf_call(ops.attention, q, k, v, mask, scale, window,
+                            causal and q.shape[2] > 1)

@@ -12,11 +12,10 @@ heads under GQA) and wants (B, S, H, D) back: eagerly, a kernel that lays its ou
 torch.compile the op's output is contiguous, and transposing it back copies). `register` also
 registers the mask builder, so that a call with nothing to mask but causality gets no mask (as
 SDPA does) and a padded batch gets its mask. A call the kernel's problem covers goes through
-the op (whose guard may still fall back); anything else is counted as a fallback with its
-reason (an attention mask, query and key lengths that differ (decoding with a cache), dropout
-while training, output_attentions, softcap, a position bias, attention sinks, a paged cache)
-and runs transformers' own SDPA path, or, where it passes a feature SDPA lacks (softcap,
-sinks, output_attentions), the model's own eager attention (_hf_fallback).
+the op (whose guard may still fall back); anything else runs transformers' own SDPA path,
+counted as a fallback: an attention mask, query and key lengths that differ (decoding with a
+cache), dropout while training, output_attentions, softcap, a position bias, attention sinks, a
+paged cache.
 
 Per problem: `sdpa` and `gqa` take causal and non-causal prefill, k and v passed as they are
 (the op gives them to a kernel that takes GQA and strides, and contiguous, repeated copies to
@@ -36,10 +35,9 @@ from typing import Any
 
 import torch
 
-from . import _hf_fallback, decode, ops
+from . import decode, ops
 
 NAME = "evoattn"
-# Keyword arguments the kernel does not take (those SDPA lacks too: _hf_fallback.BEYOND_SDPA).
 _UNSUPPORTED_KWARGS = ("output_attentions", "softcap", "position_bias", "cache", "s_aux", "sinks")
 
 
@@ -71,7 +69,7 @@ def _prefill_forward(prefill: Any) -> Any:
     problem = hf.ops.META["problem"]
     if hf.ops is ops:
         raise ValueError("register(prefill=...): a package cannot take its own calls")
-    if problem not in ("sdpa", "gqa"):
+    if hf.ops.SPEC is None or not getattr(hf.ops.SPEC, "hf_prefill", False):
         raise ValueError(f"register(prefill=...): {hf.ops.NAMESPACE} is a {problem} kernel; "
                          "prompts need an sdpa or gqa one")
     return hf.attention_forward
@@ -87,8 +85,8 @@ def _mask_function() -> Any:
     For the decode problem, a causal mask its kernel computes becomes the cache's lengths
     (decode.mask_lengths), which the attention layers take in its place."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
-    window = ops.META["problem"] == "sliding_window"
-    lengths = ops.META["problem"] == "decode"
+    window = ops.SPEC is not None and ops.SPEC.hf_window
+    lengths = ops.SPEC is not None and ops.SPEC.hf_lengths
 
     def mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0,
              kv_offset: int = 0, attention_mask: Any = None, local_size: Any = None,
@@ -135,8 +133,7 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                is_causal: bool | None = None, then: Any = None,
                **kwargs: Any) -> tuple[torch.Tensor, None]:
     """attention_forward; a call the kernel does not take goes to `then` (another package's
-    attention function) if given, else, counted, to transformers' SDPA path, or to the model's
-    eager attention where the call passes a feature SDPA lacks (_hf_fallback)."""
+    attention function) if given, else to transformers' SDPA path, counted."""
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     reason = _refusal(module, query, key, attention_mask, dropout, kwargs)
@@ -152,27 +149,24 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
         return then(module, query, key, value, attention_mask, scaling=scaling,
                     dropout=dropout, sliding_window=sliding_window, is_causal=is_causal,
                     **kwargs)
-    beyond = _hf_fallback.passed(kwargs, _hf_fallback.BEYOND_SDPA)
-    run = _hf_fallback.run_eager if beyond else _hf_fallback.run_sdpa
-    if beyond:
-        reason += f"; ran {_hf_fallback.eager_function(module)[1]}"
     ops.note_fallback(reason)
-    return run(module, query, key, value, attention_mask, scaling, dropout, sliding_window,
-               bool(is_causal), **kwargs)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, is_causal=is_causal,
+                                  sliding_window=sliding_window, **kwargs)
 
 
 def _refusal(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
              attention_mask: Any, dropout: float, kwargs: dict[str, Any]) -> str | None:
     if ops.SPEC is None or ops.SPEC.fallback_for is None:
         return f"problem {ops.META['problem']} has no transformers mapping"
-    unsupported = _hf_fallback.passed(kwargs, _UNSUPPORTED_KWARGS)
-    if unsupported:                       # named first: they decide where the call goes
-        return f"{', '.join(unsupported)} passed (the kernel takes none)"
     if attention_mask is not None and not decode.is_lengths(attention_mask):
         return "an attention mask (padding or a pattern)"
     if dropout and module.training:
         return "dropout while training"
-    if query.shape[2] != key.shape[2] and ops.META["problem"] != "decode":
+    if any(kwargs.get(k) not in (None, False) for k in _UNSUPPORTED_KWARGS):
+        return "output_attentions, softcap, a position bias, sinks or a paged cache"
+    if query.shape[2] != key.shape[2] and not ops.SPEC.hf_lengths:
         return "query and key lengths differ (decoding with a cache)"
     return None
 
@@ -180,29 +174,9 @@ def _refusal(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
 def _through_op(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: Any, scale: float | None, window: int | None,
                 causal: bool) -> torch.Tensor | None:
-    """Returns the op's output (B, H, S, D) for this problem, or None if it does not apply."""
-    problem = ops.META["problem"]
-    causal = causal and q.shape[2] > 1
-    if problem == "decode":                          # a step over transformers' cache
-        return decode.hf_call(ops.attention, q, k, v, mask, scale, causal)
-    if problem in ("sdpa", "gqa"):
-        return ops.attention(q, k, v, causal, scale)   # positional: the shortest call key
-    if problem not in ("sliding_window", "masked"):
-        return None                                  # before repeating k and v for nothing
-    k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
-    if problem == "sliding_window" and causal:
-        return ops.attention(q, k, v, window=int(window or q.shape[2]), scale=scale)
-    if problem == "masked" and causal:
-        S = q.shape[2]
-        hidden = torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1)
-        additive = torch.zeros(1, 1, S, S, dtype=q.dtype, device=q.device)
-        return ops.attention(q, k, v, additive.masked_fill(hidden, float("-inf")), scale=scale)
-    return None
-
-
-def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """Returns k or v with each of its heads repeated to `heads` (a no-op without GQA)."""
-    B, Hkv, S, D = x.shape
-    if Hkv == heads:
-        return x
-    return x[:, :, None].expand(B, Hkv, heads // Hkv, S, D).reshape(B, heads, S, D)
+    """Returns the op's output (B, H, S, D) for this problem, or None if it does not apply
+    (the problem module's hf_call says which calls it serves)."""
+    if ops.SPEC.hf_call is None:
+        return None
+    return ops.SPEC.hf_call(ops.attention, q, k, v, mask, scale, window,
+                            causal and q.shape[2] > 1)

@@ -1,0 +1,1 @@
+"""The modules of this kernel's problem, as evoattn evaluated it."""
