@@ -241,5 +241,4 @@ class ModelPrefill(Problem):
                   window=inputs["window"], softcap=inputs["softcap"], sinks=inputs["sinks"])
 
 
-
 PROBLEM = ModelPrefill
