@@ -248,16 +248,31 @@ def problems(paths: tuple[str, ...]) -> None:
               help="end the run by about this many seconds (wall time), its end-of-run duels "
                    "(setting back, re-measuring the best) included")
 @click.option("--quiet", is_flag=True, help="log lines instead of the live view")
+@click.option("--model", "model_spec", metavar="CONFIG",
+              help="a Hugging Face config.json or model type (gemma2, gpt_oss, mistral, llama, "
+                   "...): run the model problem at that model's attention configs "
+                   "(default --config: configs/model.yaml)")
 def run(config_path: str | None, iterations: int | None, output: str | None,
         random_seed: int | None, old_seed: str | None, device: str | None,
-        resume_dir: str | None, max_wall_s: float | None, quiet: bool) -> None:
+        resume_dir: str | None, max_wall_s: float | None, quiet: bool,
+        model_spec: str | None) -> None:
     """Evolve kernels from a seed program (the main job)."""
     from .runner import start_run
     if old_seed is not None:
         random_seed = _old_seed(old_seed, random_seed)
+    overrides = None
+    if model_spec is not None:
+        from .model_configs import MODEL_RUN_CONFIG, run_overrides
+        if resume_dir:
+            raise UsageError("--resume continues a run with its stored configs; it takes no "
+                             "--model")
+        config_path = config_path or MODEL_RUN_CONFIG
+        overrides, derived = run_overrides(model_spec, config_path, device)
+        console.print(derived)
     sys.exit(start_run(config_path=config_path, iterations=iterations, output=output,
                        random_seed=random_seed, device=device, resume_dir=resume_dir,
-                       quiet=quiet, console=console, max_wall_s=max_wall_s))
+                       quiet=quiet, console=console, max_wall_s=max_wall_s,
+                       overrides=overrides))
 
 
 def _old_seed(value: str, random_seed: int | None) -> int:
