@@ -70,6 +70,8 @@ def _load(spec: str) -> tuple[Any, str]:
             raise UsageError(f"{p}: not a JSON model config ({e})") from None
         if not isinstance(data, dict):
             raise UsageError(f"{p}: a model config must be a JSON object")
+        if "num_attention_heads" in data:     # before transformers divides by it
+            _check_heads(data["num_attention_heads"], str(p))
         mtype = data.get("model_type")
         return (_for_model(mtype, str(p), data) if mtype else data), str(p)
     return _for_model(spec, spec, {}), spec
@@ -80,9 +82,10 @@ def _for_model(model_type: str, source: str, data: dict[str, Any]) -> Any:
     fields = {k: v for k, v in data.items() if k != "model_type"}
     try:
         return AutoConfig.for_model(model_type, **fields)
-    except ValueError as e:
+    except Exception as e:           # transformers' own checks raise ValueError, TypeError, ...
         if "Unrecognized model identifier" not in str(e):
-            raise UsageError(f"{source}: {e}") from None
+            raise UsageError(f"{source}: transformers cannot make a {model_type} config of it "
+                             f"({type(e).__name__}: {e})") from None
         raise UsageError(f"{source}: unknown model type {model_type!r} (transformers has no "
                          "config of that name; give a config.json or a type such as gemma2, "
                          "gpt_oss, mistral, llama)") from None
@@ -93,10 +96,7 @@ def _attention(cfg: Any, source: str) -> ModelAttention:
     def get(key: str) -> Any:
         return cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key, None)
 
-    heads = get("num_attention_heads")
-    if not isinstance(heads, int) or heads < 1:
-        raise UsageError(f"{source}: key 'num_attention_heads' is missing or not a positive "
-                         "integer (not a decoder model config?)")
+    heads = _check_heads(get("num_attention_heads"), source)
     kv = get("num_key_value_heads") or heads
     if heads % kv:
         raise UsageError(f"{source}: key 'num_key_value_heads' ({kv}) must divide "
@@ -122,6 +122,13 @@ def _attention(cfg: Any, source: str) -> ModelAttention:
         raise UsageError(f"{source}: key 'max_position_embeddings' is missing")
     return ModelAttention(source, model_type, heads, kv, head_dim, window, windowed, layers,
                           softcap, model_type == "gpt_oss", scale, max_pos)
+
+
+def _check_heads(heads: Any, source: str) -> int:
+    if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+        raise UsageError(f"{source}: key 'num_attention_heads' is missing or not a positive "
+                         "integer (not a decoder model config?)")
+    return heads
 
 
 def derive_configs(ma: ModelAttention, lengths: tuple[int, ...] = PREFILL_LENGTHS,
