@@ -288,6 +288,54 @@ def _old_seed(value: str, random_seed: int | None) -> int:
     return seed
 
 
+@cli.command("bench-model")
+@click.argument("package")
+@click.option("--model", "model_spec", required=True, metavar="CONFIG",
+              help="a Hugging Face config.json or model type (random weights)")
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
+              help="cuda (bfloat16) or cpu (float32, a tiny model: the package falls back)")
+@click.option("--shape", "shapes", multiple=True, metavar="B,S",
+              help="a prefill to time; repeatable (default: 1,8192 and 4,2048)")
+@click.option("--generate", "gen", metavar="B,PROMPT,NEW",
+              help="greedy generation to time (default 8,4096,128; NEW 0: none)")
+@click.option("--impl", "impls", multiple=True, type=click.Choice(["eager", "sdpa",
+              "flex_attention"]), help="built-ins to compare (default: every one the model "
+              "supports); repeatable")
+@click.option("--layers", type=int, help="cut the model to this many layers")
+@click.option("--rounds", type=int, default=5, show_default=True, help="timed rounds")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the result")
+def bench_model(package: str, model_spec: str, device: str, shapes: tuple[str, ...],
+                gen: str | None, impls: tuple[str, ...], layers: int | None, rounds: int,
+                json_path: str | None) -> None:
+    """Time an exported package's attention in a Hugging Face model against the model's
+    built-in implementations and a null attention: attention's share, the op speedup, the
+    Amdahl prediction beside the measured gain, and accuracy against float32."""
+    from . import bench_model as bm
+    st = bm.Settings(shapes=tuple(_ints(s, 2, "--shape") for s in shapes) or
+                     bm.Settings.shapes, gen=_ints(gen, 3, "--generate") if gen else
+                     bm.Settings.gen, rounds=rounds, impls=impls or None, layers=layers)
+    dev = settings.resolve_device(device)
+    pkg = bm.load_package(package)
+    model = bm.build_model(model_spec, dev, layers)
+    with console.status(f"timing {model_spec} on {dev} ..."):
+        result = bm.measure(model, pkg, pkg.hf.register(), model_spec, dev, st)
+    console.print(bm.table(result))
+    console.print(bm.accuracy_table(result))
+    if json_path:
+        _write_json_atomic(Path(json_path), bm.to_json(result))
+
+
+def _ints(text: str, n: int, option: str) -> tuple[int, ...]:
+    """Returns n comma-separated positive integers; anything else is a UsageError."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != n or min(values) < 0:
+        raise UsageError(f"{option} {text}: expected {n} comma-separated integers")
+    return values
+
+
 @cli.group()
 def llm() -> None:
     """Check the LLM endpoints a run config names, before a run spends on them."""

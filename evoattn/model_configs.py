@@ -55,6 +55,14 @@ def read(config_or_type: str) -> ModelAttention:
     return _attention(raw, source)
 
 
+def hf_config(config_or_type: str) -> Any:
+    """Returns the transformers config of a config.json or model type (to build a model of)."""
+    cfg, source = _load(config_or_type)
+    if isinstance(cfg, dict):
+        raise UsageError(f"{source}: key 'model_type' is missing (needed to build the model)")
+    return cfg
+
+
 def _load(spec: str) -> tuple[Any, str]:
     """Returns the config (a transformers config where its type is known, else the dict)."""
     p = Path(spec)
