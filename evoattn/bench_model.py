@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import UsageError
+from .errors import EvoattnError, UsageError
 
 NULL = "evoattn_null"
 TIMED = "evoattn_timed_"             # + a row's name: its attention calls timed one by one
@@ -37,14 +37,15 @@ class Row:
 
     name: str
     workload: str                    # "prefill B=.. S=.." or "generate B=.. P=.. N=.."
-    time_ms: float
+    time_ms: float | None            # None: the row raised (error)
     op_time_ms: float | None         # the attention calls alone
-    tokens_per_s: float
+    tokens_per_s: float | None
     share: float | None              # s
     op_speedup: float | None         # r against the base
     predicted: float | None
     gain: float | None
     stats: dict[str, Any] | None     # the package's calls on the kernel / fallback
+    error: str | None = None         # what the implementation raised in this model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +53,8 @@ class Accuracy:
     """A row's logits against the float32 model on one sequence."""
 
     name: str
-    max_abs_logit_err: float
-    top1_agreement: float
+    max_abs_logit_err: float | None  # None: the row raised
+    top1_agreement: float | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,9 +216,19 @@ def measure(model: Any, pkg: Any, pkg_name: str, model_spec: str, device: str,
     base: dict[str, str] = {}
     with torch.no_grad():
         for label, run, tokens in workloads:
-            got = _workload(model, pkg, names, builtins, run, device, st)
-            base[label] = min(builtins, key=lambda n: got[n][0])
+            failed = _warm_up(model, pkg, names, run, st.warmup)
+            ok = tuple(n for n in names if n not in failed)
+            got = _workload(model, ok, run, device, st.rounds)
+            stats = failed.pop("", None)
+            if pkg_name in got:
+                got[pkg_name] = got[pkg_name][:2] + (stats,)
+            built = [n for n in builtins if n in got]
+            if not built or NULL in failed:
+                raise EvoattnError(f"{model_spec}: the model cannot run its built-in or the "
+                                   f"null attention: {failed}")
+            base[label] = min(built, key=lambda n: got[n][0])
             rows += _rows(label, got, base[label], pkg_name, tokens)
+            rows += [Row(n, label, *(None,) * 8, error=e) for n, e in failed.items()]
         accuracy = _accuracy(model, names, ids(1, min(st.acc_len, st.shapes[0][1])))
     notes = ["base: the fastest built-in per workload; s = 1 - t_null/t; r = base's attention "
              "calls / the row's (op level); predicted = 1/(1 - s_base + s_base/r)"]
@@ -240,23 +251,31 @@ def _generate(model: Any, x: Any, new: int) -> Callable[[], Any]:
                                   pad_token_id=model.config.eos_token_id or 0)
 
 
-def _workload(model: Any, pkg: Any, names: tuple[str, ...], builtins: tuple[str, ...],
-              run: Callable[[], Any], device: str, st: Settings
-              ) -> dict[str, tuple[float, float | None, dict | None]]:
-    """Returns name -> (median seconds, median attention-call seconds, package stats)."""
-    everyone = names + (NULL,)
-    stats = None
-    for name in everyone:            # warm-up (and compilation), the package's calls counted
+def _warm_up(model: Any, pkg: Any, names: tuple[str, ...], run: Callable[[], Any],
+             warmup: int) -> dict[str, Any]:
+    """Runs each row (compiling what compiles); returns name -> what it raised, and under ""
+    the package's call counts of its first run."""
+    out: dict[str, Any] = {}
+    for name in names + (NULL,):
         model.set_attn_implementation(name)
-        if name == names[-1]:
-            pkg.reset_stats()
-        for _ in range(max(1, st.warmup)):
-            run()
-        if name == names[-1]:
-            stats = pkg.stats()
+        pkg.reset_stats()
+        try:
+            for i in range(max(1, warmup)):
+                run()
+                if i == 0 and name == names[-1]:
+                    out[""] = pkg.stats()
+        except Exception as e:       # an implementation this model breaks is a row, not a crash
+            out[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return out
+
+
+def _workload(model: Any, names: tuple[str, ...], run: Callable[[], Any], device: str,
+              rounds: int) -> dict[str, Any]:
+    """Returns name -> (median seconds, median attention-call seconds, None)."""
+    everyone = names + (NULL,)
     times: dict[str, list[float]] = {n: [] for n in everyone}
     ops: dict[str, list[float]] = {n: [] for n in names}
-    for _ in range(st.rounds):
+    for _ in range(rounds):
         for name in everyone:
             model.set_attn_implementation(name)
             times[name].append(_time_once(run, device))
@@ -265,10 +284,8 @@ def _workload(model: Any, pkg: Any, names: tuple[str, ...], builtins: tuple[str,
             _OP_TIME[0] = 0.0
             run()
             ops[name].append(_OP_TIME[0])
-    out = {n: (statistics.median(times[n]), statistics.median(ops[n]) if n in ops else None,
-               stats if n == names[-1] else None) for n in everyone}
-    model.set_attn_implementation(builtins[0])
-    return out
+    return {n: (statistics.median(times[n]), statistics.median(ops[n]) if n in ops else None,
+                None) for n in everyone}
 
 
 def _rows(label: str, got: dict[str, tuple[float, float | None, dict | None]], base: str,
@@ -301,7 +318,11 @@ def _accuracy(model: Any, names: tuple[str, ...], x: Any) -> tuple[Accuracy, ...
     out = []
     for name in names:
         model.set_attn_implementation(name)
-        got = model(x, use_cache=False).logits.float()
+        try:
+            got = model(x, use_cache=False).logits.float()
+        except Exception:            # said once, in its timing row
+            out.append(Accuracy(name, None, None))
+            continue
         out.append(Accuracy(name, (got - ref).abs().max().item(),
                             (got.argmax(-1) == top).float().mean().item()))
     return tuple(out)
@@ -314,6 +335,7 @@ def to_json(result: BenchResult) -> dict[str, Any]:
 
 def table(result: BenchResult) -> Any:
     """Returns a rich table of every row."""
+    from rich.markup import escape
     from rich.table import Table
     t = Table(title=f"{result.model} on {result.device} ({result.dtype}), median of "
                     f"{result.rounds} interleaved rounds", caption="\n".join(result.notes))
@@ -329,6 +351,9 @@ def table(result: BenchResult) -> Any:
         name = r.name + (" (base)" if result.base.get(r.workload) == r.name else "")
         calls = "-" if r.stats is None else f"{r.stats['kernel']} / {r.stats['fallback']}" + (
             "".join(f"\n  {n}: {why}" for why, n in r.stats["fallback_reasons"].items()))
+        if r.error is not None:
+            t.add_row(r.workload, name, "[red]raised[/red]", *("-",) * 6, escape(r.error))
+            continue
         t.add_row(r.workload, name, f(r.time_ms, ".2f"), f(r.tokens_per_s, ".0f"),
                   f(r.op_time_ms, ".2f"), f(r.share, ".3f"), f(r.op_speedup, ".3f"),
                   f(r.predicted, ".3f"), f(r.gain, ".3f"), calls)
@@ -342,5 +367,7 @@ def accuracy_table(result: BenchResult) -> Any:
     for col in ("attention", "max |logit err|", "top-1 agreement"):
         t.add_column(col, justify="left" if col == "attention" else "right")
     for a in result.accuracy:
-        t.add_row(a.name, f"{a.max_abs_logit_err:.3g}", f"{a.top1_agreement:.4f}")
+        t.add_row(a.name, "raised" if a.max_abs_logit_err is None else
+                  f"{a.max_abs_logit_err:.3g}", "-" if a.top1_agreement is None else
+                  f"{a.top1_agreement:.4f}")
     return t

@@ -90,6 +90,31 @@ def test_null_attention_reads_no_value_and_returns_zeros_of_the_output_shape() -
     assert torch.equal(out, torch.zeros_like(out))
 
 
+def test_an_implementation_that_raises_in_the_model_is_a_row_with_its_error(
+        tmp_path: Path) -> None:
+    from transformers import AttentionInterface
+
+    class Pkg:                       # the package's counters, as an exported one has them
+        def reset_stats(self) -> None: ...
+        def stats(self) -> dict: return {"kernel": 0, "fallback": 0, "fallback_reasons": {}}
+
+    def raising(module, query, key, value, attention_mask, **kwargs):
+        raise ValueError("sinks are not supported\nsecond line")
+
+    AttentionInterface.register("raises", raising)
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(TINY_LLAMA))
+    model = bm.build_model(str(config), "cpu", layers=1)
+    result = bm.measure(model, Pkg(), "raises", str(config), "cpu", bm.Settings(
+        shapes=((1, 8),), gen=(1, 4, 0), rounds=1, impls=("eager",)))
+    rows = {r.name: r for r in result.rows}
+    assert list(rows) == ["eager", bm.NULL, "raises"]
+    assert rows["raises"].error == "ValueError: sinks are not supported"
+    assert rows["raises"].time_ms is None and rows["eager"].time_ms > 0
+    assert [(a.name, a.top1_agreement) for a in result.accuracy] == [("eager", 1.0),
+                                                                      ("raises", None)]
+
+
 def test_amdahl_prediction_comes_from_the_share_and_the_op_speedup() -> None:
     # null 1 s; base 3 s of which 2 s attention calls; the package's calls take 1 s
     got = {"sdpa": (3.0, 2.0, None), "evoattn": (2.5, 1.0, {"kernel": 2}), bm.NULL: (1.0, None,
