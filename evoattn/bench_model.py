@@ -84,6 +84,28 @@ class Settings:
     acc_len: int = 1024
 
 
+def settings_from(shapes: tuple[str, ...], gen: str | None, rounds: int,
+                  impls: tuple[str, ...], layers: int | None) -> Settings:
+    """Returns the Settings the command line gives ('B,S' shapes, 'B,PROMPT,NEW')."""
+    if rounds < 1 or (layers is not None and layers < 1):
+        raise UsageError("--rounds and --layers must be >= 1")
+    return Settings(shapes=tuple(_ints(s, 2, "--shape") for s in shapes) or Settings.shapes,
+                    gen=_ints(gen, 3, "--generate") if gen else Settings.gen, rounds=rounds,
+                    impls=impls or None, layers=layers)
+
+
+def _ints(text: str, n: int, option: str) -> Any:
+    """Returns n comma-separated integers (>= 1; NEW may be 0); anything else is a UsageError."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != n or min(values[:2]) < 1 or values[-1] < 0:
+        raise UsageError(f"{option} {text}: expected {n} comma-separated integers "
+                         "(sizes >= 1)")
+    return values
+
+
 def load_package(spec: str) -> Any:
     """Returns an exported package: a directory (the export's or the package's) or a name."""
     p = Path(spec)

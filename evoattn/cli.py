@@ -311,9 +311,7 @@ def bench_model(package: str, model_spec: str, device: str, shapes: tuple[str, .
     built-in implementations and a null attention: attention's share, the op speedup, the
     Amdahl prediction beside the measured gain, and accuracy against float32."""
     from . import bench_model as bm
-    st = bm.Settings(shapes=tuple(_ints(s, 2, "--shape") for s in shapes) or
-                     bm.Settings.shapes, gen=_ints(gen, 3, "--generate") if gen else
-                     bm.Settings.gen, rounds=rounds, impls=impls or None, layers=layers)
+    st = bm.settings_from(shapes, gen, rounds, impls, layers)
     dev = settings.resolve_device(device)
     pkg = bm.load_package(package)
     model = bm.build_model(model_spec, dev, layers)
@@ -323,17 +321,6 @@ def bench_model(package: str, model_spec: str, device: str, shapes: tuple[str, .
     console.print(bm.accuracy_table(result))
     if json_path:
         _write_json_atomic(Path(json_path), bm.to_json(result))
-
-
-def _ints(text: str, n: int, option: str) -> tuple[int, ...]:
-    """Returns n comma-separated positive integers; anything else is a UsageError."""
-    try:
-        values = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        values = ()
-    if len(values) != n or min(values) < 0:
-        raise UsageError(f"{option} {text}: expected {n} comma-separated integers")
-    return values
 
 
 @cli.group()
