@@ -155,13 +155,14 @@ def supported(model: Any) -> tuple[str, ...]:
 def register_helpers(builtin_and_pkg: tuple[str, ...]) -> None:
     """Registers the null attention and a timed twin of each row's attention function."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import (ALL_MASK_ATTENTION_FUNCTIONS,
+                                            AttentionMaskInterface, sdpa_mask)
     AttentionInterface.register(NULL, null_attention)
     AttentionMaskInterface.register(NULL, sdpa_mask)     # plain causal: no mask is built
-    for name in builtin_and_pkg:
+    for name in builtin_and_pkg:     # each twin builds the masks its row builds
         AttentionInterface.register(TIMED + name, _timed(name))
-        AttentionMaskInterface.register(TIMED + name, AttentionMaskInterface._global_mapping[
-            name] if name in AttentionMaskInterface._global_mapping else sdpa_mask)
+        AttentionMaskInterface.register(TIMED + name, ALL_MASK_ATTENTION_FUNCTIONS[name]
+                                        if name in ALL_MASK_ATTENTION_FUNCTIONS else sdpa_mask)
 
 
 def null_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
@@ -189,10 +190,10 @@ def _timed(name: str) -> Callable[..., Any]:
 
 
 def _attention_function(name: str, module: Any) -> Any:
-    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     if name == "eager":              # the model's own, in its modeling module
         return sys.modules[type(module).__module__].eager_attention_forward
-    return AttentionInterface._global_mapping[name]
+    return ALL_ATTENTION_FUNCTIONS[name]
 
 
 def _sync(t: Any) -> None:
@@ -268,9 +269,10 @@ def _prefill(model: Any, x: Any) -> Callable[[], Any]:
 def _generate(model: Any, x: Any, new: int) -> Callable[[], Any]:
     import torch
     mask = torch.ones_like(x)
+    eos = getattr(model.config, "eos_token_id", None)
+    pad = (eos[0] if isinstance(eos, (list, tuple)) else eos) or 0   # no padding: any id
     return lambda: model.generate(x, attention_mask=mask, max_new_tokens=new,
-                                  min_new_tokens=new, do_sample=False,
-                                  pad_token_id=model.config.eos_token_id or 0)
+                                  min_new_tokens=new, do_sample=False, pad_token_id=pad)
 
 
 def _warm_up(model: Any, pkg: Any, names: tuple[str, ...], run: Callable[[], Any],

@@ -9,12 +9,10 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .errors import UsageError
 
-PROBLEM = "model"
-SEED = "seeds/model/model_triton.py"
 MODEL_RUN_CONFIG = "configs/model.yaml"   # the run settings `run --model` starts from
 PREFILL_LENGTHS = (1024, 2048, 4096, 8192, 16384)
 TOKENS = 16 * 1024                   # B * S of a derived prefill config
@@ -139,8 +137,13 @@ def _check_heads(heads: Any, source: str) -> int:
     return heads
 
 
-def derive_configs(ma: ModelAttention, lengths: tuple[int, ...] = PREFILL_LENGTHS,
-                   tokens: int = TOKENS) -> list[dict[str, Any]]:
+def derive_configs(ma: ModelAttention, phase: str = "prefill") -> list[dict[str, Any]]:
+    """Returns the configs of the phase's problem (PHASES) for the model's attention."""
+    return PHASES[phase].derive(ma)
+
+
+def prefill_configs(ma: ModelAttention, lengths: tuple[int, ...] = PREFILL_LENGTHS,
+                    tokens: int = TOKENS) -> list[dict[str, Any]]:
     """Returns the prefill configs: per length within max positions, one per distinct layer kind."""
     out = []
     for S in (s for s in lengths if s <= ma.max_positions):
@@ -151,6 +154,19 @@ def derive_configs(ma: ModelAttention, lengths: tuple[int, ...] = PREFILL_LENGTH
         raise UsageError(f"{ma.source}: max_position_embeddings {ma.max_positions} is below the "
                          f"shortest prefill length {min(lengths)}")
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """A part of a model's attention run as a problem: its name, seed and configs."""
+
+    problem: str
+    seed: str
+    derive: Callable[[ModelAttention], list[dict[str, Any]]]
+
+
+# A decode phase joins here (its problem, seed and contexts) when its problem exists.
+PHASES = {"prefill": Phase("model", "seeds/model/model_triton.py", prefill_configs)}
 
 
 def cpu_configs(ma: ModelAttention, cpu_S: int) -> list[dict[str, Any]]:
@@ -197,19 +213,20 @@ def run_overrides(spec: str, config_path: str, device: str | None) -> tuple[dict
     from .config import load_config
     cfg = load_config(config_path)
     ma = read(spec)
-    over: dict[str, Any] = {"problem": PROBLEM}
-    if settings.problem_ref(cfg.problem, config_path) != settings.problem_ref(PROBLEM):
+    phase = PHASES["prefill"]
+    over: dict[str, Any] = {"problem": phase.problem}
+    if settings.problem_ref(cfg.problem, config_path) != phase.problem:
         # Another problem's seed cannot serve this one; a model config's own seed is kept.
-        over["seed"] = str(settings.locate(SEED, config_path, "seed program"))
+        over["seed"] = str(settings.locate(phase.seed, config_path, "seed program"))
     dev = settings.resolve_device(device or cfg.device, here=cfg.evaluator.backend == "local")
     if dev == "cpu":
-        cpu_S = max(c["S"] for c in settings.problem(settings.problem_ref(PROBLEM)).cpu_configs)
+        cpu_S = max(c["S"] for c in settings.problem(phase.problem).cpu_configs)
         configs = cpu_configs(ma, cpu_S)
         note = (f"CPU (Triton's interpreter): each layer kind at S={configs[0]['S']}, B=1, the "
                 f"problem's CPU size, windows shrunk to S/4; on a GPU: S in "
                 f"{', '.join(map(str, PREFILL_LENGTHS))} within max positions, B = {TOKENS}/S")
     else:
-        configs = derive_configs(ma)
+        configs = phase.derive(ma)
         note = f"prefill, B = max(1, {TOKENS} // S), one config per distinct layer kind"
     over["configs"] = tuple(config_spec(c) for c in configs)
     return over, table(ma, configs, note)

@@ -90,6 +90,21 @@ def test_cpu_configs_keep_one_config_per_layer_kind_at_the_cpu_length() -> None:
                                                       _cfg(1, 8, 4, 64, 256, 16, 50.0, False)]
 
 
+def test_another_problems_run_config_gets_the_model_problem_and_seed(tmp_path: Path) -> None:
+    from evoattn.runner import plan_run
+    run_cfg = tmp_path / "sdpa.yaml"
+    run_cfg.write_text(yaml.safe_dump({"problem": "sdpa", "seed": str(
+        ROOT / "seeds" / "sdpa" / "flash_triton.py"), "configs": ["1,2,64,64,nc"],
+        "output": str(tmp_path / "run")}))
+    over, _ = mc.run_overrides("gpt_oss", str(run_cfg), "cpu")
+    plan = plan_run(str(run_cfg), None, None, None, "cpu", None, None, over)
+    assert plan.problem_ref == "model"
+    assert plan.seed_path == ROOT / "seeds" / "model" / "model_triton.py"
+    # one config per layer kind at the CPU length; the file's sdpa configs are replaced
+    assert plan.configs == (_cfg(1, 64, 8, 64, 64, 0, 0.0, True),
+                            _cfg(1, 64, 8, 64, 64, 16, 0.0, True))
+
+
 @pytest.mark.parametrize("data,key", [
     ({"model_type": "llama", "num_attention_heads": 0}, "num_attention_heads"),
     ({"hidden_size": 64}, "num_attention_heads"),
@@ -121,7 +136,7 @@ def test_a_tiny_gemma2_config_runs_on_the_cpu_at_the_problem_cpu_length(tmp_path
                   "tiny_config.json")
     run_cfg = tmp_path / "run.yaml"       # the model problem and seed, one trial per config
     run_cfg.write_text(yaml.safe_dump({
-        "problem": "model", "seed": str(ROOT / mc.SEED), "dtypes": ["float16"],
+        "problem": "model", "seed": str(ROOT / mc.PHASES["prefill"].seed), "dtypes": ["float16"],
         "output": str(tmp_path / "run"), "evaluator": {"trials": 1, "run_timeout_s": 600}}))
     p = _evoattn("run", "--model", str(tiny), "--config", str(run_cfg), "--iterations", "1",
                  "--device", "cpu", "--quiet")
