@@ -281,9 +281,9 @@ def _warm_up(model: Any, pkg: Any, names: tuple[str, ...], run: Callable[[], Any
     the package's call counts of its first run."""
     out: dict[str, Any] = {}
     for name in names + (NULL,):
-        model.set_attn_implementation(name)
         pkg.reset_stats()
         try:
+            model.set_attn_implementation(name)   # raises for one the model does not support
             for i in range(max(1, warmup)):
                 run()
                 if i == 0 and name == names[-1]:
@@ -341,8 +341,8 @@ def _accuracy(model: Any, names: tuple[str, ...], x: Any) -> tuple[Accuracy, ...
     top = ref.argmax(-1)
     out = []
     for name in names:
-        model.set_attn_implementation(name)
         try:
+            model.set_attn_implementation(name)
             got = model(x, use_cache=False).logits.float()
         except Exception:            # said once, in its timing row
             out.append(Accuracy(name, None, None))

@@ -117,12 +117,13 @@ def test_a_config_without_usable_heads_names_the_key(tmp_path: Path, data: dict,
         mc.read(str(_write(tmp_path, data)))
 
 
-@pytest.mark.parametrize("spec,says", [
-    ("no_such_type", "unknown model type 'no_such_type'"),
-    ("missing/config.json", "missing/config.json: model config file not found"),
+@pytest.mark.parametrize("args,says", [
+    (("no_such_type",), "unknown model type 'no_such_type'"),
+    (("missing/config.json",), "missing/config.json: model config file not found"),
+    (("gemma2", "--resume", "runs/x"), "it takes no --model"),
 ])
-def test_bad_model_is_one_line_and_the_usage_exit_code(spec: str, says: str) -> None:
-    p = _evoattn("run", "--model", spec, "--iterations", "0", timeout=300)
+def test_bad_model_is_one_line_and_the_usage_exit_code(args: tuple, says: str) -> None:
+    p = _evoattn("run", "--model", *args, "--iterations", "0", timeout=300)
     assert p.returncode == EXIT_USAGE, p.stdout + p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("UsageError: ") and says in lines[0], lines
