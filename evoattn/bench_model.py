@@ -10,6 +10,7 @@ Per workload (a prefill at (B, S), greedy generation) and row:
                                  in a separate pass (synchronised around it)
   predicted = 1 / (1 - s_base + s_base / r)   Amdahl's law: what the op speedup should give
   gain = t_base / t_row          what the model measured
+  kept = (gain - 1) / (predicted - 1)   the share of the predicted gain the model realised
 Accuracy: logits and teacher-forced top-1 agreement against the same weights in float32
 (eager attention), on one sequence.
 """
@@ -44,6 +45,7 @@ class Row:
     op_speedup: float | None         # r against the base
     predicted: float | None
     gain: float | None
+    kept: float | None               # (gain - 1) / (predicted - 1): the share of it realised
     stats: dict[str, Any] | None     # the package's calls on the kernel / fallback
     error: str | None = None         # what the implementation raised in this model
 
@@ -251,10 +253,11 @@ def measure(model: Any, pkg: Any, pkg_name: str, model_spec: str, device: str,
                                    f"null attention: {failed}")
             base[label] = min(built, key=lambda n: got[n][0])
             rows += _rows(label, got, base[label], pkg_name, tokens)
-            rows += [Row(n, label, *(None,) * 8, error=e) for n, e in failed.items()]
+            rows += [Row(n, label, *(None,) * 9, error=e) for n, e in failed.items()]
         accuracy = _accuracy(model, names, ids(1, min(st.acc_len, st.shapes[0][1])))
     notes = ["base: the fastest built-in per workload; s = 1 - t_null/t; r = base's attention "
-             "calls / the row's (op level); predicted = 1/(1 - s_base + s_base/r)"]
+             "calls / the row's (op level); predicted = 1/(1 - s_base + s_base/r); kept = "
+             "(gain - 1)/(predicted - 1)"]
     if device == "cpu":
         notes.append("CPU: a tiny model in float32; the package's kernel runs on CUDA GPUs, so "
                      "its calls fall back (see its stats) and no figure here is a GPU's")
@@ -278,8 +281,7 @@ def _generate(model: Any, x: Any, new: int) -> Callable[[], Any]:
 
 def _warm_up(model: Any, pkg: Any, names: tuple[str, ...], run: Callable[[], Any],
              warmup: int) -> dict[str, Any]:
-    """Runs each row (compiling what compiles); returns name -> what it raised, and under ""
-    the package's call counts of its first run."""
+    """Runs each row once or more; returns name -> what it raised ("" -> the package's stats)."""
     out: dict[str, Any] = {}
     for name in names + (NULL,):
         pkg.reset_stats()
@@ -325,13 +327,13 @@ def _rows(label: str, got: dict[str, tuple[float, float | None, dict | None]], b
     rows = []
     for name, (t, a, stats) in got.items():
         if name == NULL:
-            rows.append(Row(name, label, t * 1e3, None, tokens / t, None, None, None, None,
-                            None))
+            rows.append(Row(name, label, t * 1e3, None, tokens / t, *(None,) * 6))
             continue
         r = a_base / a if a else None
         pred = 1 / (1 - s_base + s_base / r) if r else None
+        kept = (t_base / t - 1) / (pred - 1) if pred and abs(pred - 1) > 1e-6 else None
         rows.append(Row(name, label, t * 1e3, a * 1e3 if a is not None else None, tokens / t,
-                        1 - t_null / t, r, pred, t_base / t, stats))
+                        1 - t_null / t, r, pred, t_base / t, kept, stats))
     return rows
 
 
@@ -368,7 +370,7 @@ def table(result: BenchResult) -> Any:
     t = Table(title=f"{result.model} on {result.device} ({result.dtype}), median of "
                     f"{result.rounds} interleaved rounds", caption="\n".join(result.notes))
     for col in ("workload", "attention", "ms", "tok/s", "attn ms", "s", "r", "predicted",
-                "gain", "kernel / fallback"):
+                "gain", "kept", "kernel / fallback"):
         t.add_column(col, justify="left" if col in ("workload", "attention",
                                                       "kernel / fallback") else "right")
 
@@ -380,11 +382,11 @@ def table(result: BenchResult) -> Any:
         calls = "-" if r.stats is None else f"{r.stats['kernel']} / {r.stats['fallback']}" + (
             "".join(f"\n  {n}: {why}" for why, n in r.stats["fallback_reasons"].items()))
         if r.error is not None:
-            t.add_row(r.workload, name, "[red]raised[/red]", *("-",) * 6, escape(r.error))
+            t.add_row(r.workload, name, "[red]raised[/red]", *("-",) * 7, escape(r.error))
             continue
         t.add_row(r.workload, name, f(r.time_ms, ".2f"), f(r.tokens_per_s, ".0f"),
                   f(r.op_time_ms, ".2f"), f(r.share, ".3f"), f(r.op_speedup, ".3f"),
-                  f(r.predicted, ".3f"), f(r.gain, ".3f"), calls)
+                  f(r.predicted, ".3f"), f(r.gain, ".3f"), f(r.kept, ".2f"), calls)
     return t
 
 

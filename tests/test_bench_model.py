@@ -50,7 +50,7 @@ def test_every_row_of_each_workload_is_printed_and_written_with_s_r_and_the_pred
         assert r["time_ms"] > 0 and r["tokens_per_s"] > 0
         figures = (r["share"], r["op_speedup"], r["predicted"], r["gain"], r["op_time_ms"])
         if r["name"] == bm.NULL:
-            assert figures == (None,) * 5
+            assert figures == (None,) * 5 and r["kept"] is None
         else:
             assert all(isinstance(v, float) for v in figures), r
             base = next(x for x in data["rows"] if x["workload"] == r["workload"]
@@ -124,6 +124,7 @@ def test_amdahl_prediction_comes_from_the_share_and_the_op_speedup() -> None:
     assert pkg.share == pytest.approx(0.6) and pkg.op_speedup == pytest.approx(2.0)
     # s_base = 2/3, r = 2: 1 / (1/3 + 1/3) = 1.5 predicted; measured 3/2.5 = 1.2
     assert pkg.predicted == pytest.approx(1.5) and pkg.gain == pytest.approx(1.2)
+    assert pkg.kept == pytest.approx(0.4)                     # 0.2 of the 0.5 predicted
     assert rows["sdpa"].gain == pytest.approx(1.0) and rows["sdpa"].predicted == pytest.approx(1)
 
 
