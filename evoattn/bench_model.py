@@ -2,7 +2,8 @@
 the model's built-in implementations and a null attention (zeros, no work).
 
 One model (random weights, built on the device) has its attention implementation switched
-between rows; rows are timed interleaved, round by round, and the median of the rounds kept.
+between rows; rows are timed interleaved, round by round (the order reversed every other
+round), and the median of the rounds kept.
 Per workload (a prefill at (B, S), greedy generation) and row:
   s = 1 - t_null / t_row         the share of the model's time that attention takes
   r = a_base / a_row             op-level speedup over the fastest built-in (base): a_* is the
@@ -266,8 +267,9 @@ def measure(model: Any, pkg: Any, pkg_name: str, model_spec: str, device: str,
 
 
 def _prefill(model: Any, x: Any) -> Callable[[], Any]:
-    # The last position's logits only, as generate's prefill: (B, S, vocab) would be gigabytes
-    return lambda: model(x, use_cache=False, logits_to_keep=1)
+    # As generate's prefill runs it: a fresh cache filled, the last position's logits only
+    # ((B, S, vocab) would be gigabytes and bury the layers)
+    return lambda: model(x, use_cache=True, logits_to_keep=1)
 
 
 def _generate(model: Any, x: Any, new: int) -> Callable[[], Any]:
@@ -305,8 +307,8 @@ def _workload(model: Any, names: tuple[str, ...], run: Callable[[], Any], device
     for name in names:               # the timed twins' first calls, untimed
         model.set_attn_implementation(TIMED + name)
         run()
-    for _ in range(rounds):
-        for name in everyone:
+    for i in range(rounds):
+        for name in everyone if i % 2 == 0 else everyone[::-1]:   # no row always first
             model.set_attn_implementation(name)
             times[name].append(_time_once(run, device))
         for name in names:
