@@ -16,6 +16,9 @@ from .errors import UsageError
 MODEL_RUN_CONFIG = "configs/model.yaml"   # the run settings `run --model` starts from
 PREFILL_LENGTHS = (1024, 2048, 4096, 8192, 16384)
 TOKENS = 16 * 1024                   # B * S of a derived prefill config
+# The eager baseline holds several (B, H, S, S) 16-bit score tensors: one of at most 9 GiB
+# (GPT-OSS's 64 heads at B=1, S=8k, the largest of the problem's own configs) fits a GPU.
+EAGER_SCORES_BYTES = 9 * 2**30
 HEAD_DIMS = (64, 128, 256)           # the model problem's contract (model_prefill.HEAD_DIMS)
 
 
@@ -147,9 +150,12 @@ def prefill_configs(ma: ModelAttention, lengths: tuple[int, ...] = PREFILL_LENGT
     """Returns the prefill configs: per length within max positions, one per distinct layer kind."""
     out = []
     for S in (s for s in lengths if s <= ma.max_positions):
+        B = min(max(1, tokens // S), EAGER_SCORES_BYTES // (ma.heads * S * S * 2))
+        if B < 1:                    # past what the eager baseline can hold
+            continue
         # A window as long as the sequence is plain causal: that layer kind is the global one.
         windows = dict.fromkeys(w if 0 < w < S else 0 for w in ma.layer_windows)
-        out += [_config(ma, max(1, tokens // S), S, w) for w in windows]
+        out += [_config(ma, B, S, w) for w in windows]
     if not out:
         raise UsageError(f"{ma.source}: max_position_embeddings {ma.max_positions} is below the "
                          f"shortest prefill length {min(lengths)}")
@@ -227,6 +233,8 @@ def run_overrides(spec: str, config_path: str, device: str | None) -> tuple[dict
                 f"{', '.join(map(str, PREFILL_LENGTHS))} within max positions, B = {TOKENS}/S")
     else:
         configs = phase.derive(ma)
-        note = f"prefill, B = max(1, {TOKENS} // S), one config per distinct layer kind"
+        note = (f"prefill, B = max(1, {TOKENS} // S) within the eager baseline's memory (its "
+                f"(B, H, S, S) scores <= {EAGER_SCORES_BYTES >> 30} GiB), one config per "
+                "distinct layer kind")
     over["configs"] = tuple(config_spec(c) for c in configs)
     return over, table(ma, configs, note)

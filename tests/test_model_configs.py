@@ -57,12 +57,14 @@ def test_gemma2_config_json_gives_global_configs_and_a_window_config_past_the_wi
         _cfg(2, 8, 4, 8192, 256, 4096, 50.0, False)]
 
 
-def test_gpt_oss_config_json_gives_sinks_on_both_layer_kinds_up_to_16k(tmp_path: Path) -> None:
+def test_gpt_oss_config_json_gives_sinks_on_both_layer_kinds_within_eager_memory(
+        tmp_path: Path) -> None:
     ma = mc.read(str(_write(tmp_path, GPT_OSS_20B)))
     assert ma.sinks and ma.windowed_layers == 12
+    # 64 heads: at 8k one sequence's eager scores take 8 GiB, at 16k 32 GiB (left out)
     assert mc.derive_configs(ma) == [
         _cfg(b, 64, 8, s, 64, w, 0.0, True)
-        for b, s in ((16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384)) for w in (0, 128)]
+        for b, s in ((16, 1024), (8, 2048), (4, 4096), (1, 8192)) for w in (0, 128)]
 
 
 def test_query_pre_attn_scalar_sets_the_scale_only_where_it_differs_from_the_default(
@@ -78,8 +80,8 @@ def test_model_types_read_transformers_default_configs() -> None:
     assert gemma.windowed_layers == gemma.layers // 2          # alternate layers
     mistral = mc.read("mistral")
     assert mistral.windowed_layers == mistral.layers and mistral.window == 4096
-    assert [(c["S"], c["window"]) for c in mc.derive_configs(mistral)] == [
-        (1024, 0), (2048, 0), (4096, 0), (8192, 4096), (16384, 4096)]
+    assert [(c["B"], c["S"], c["window"]) for c in mc.derive_configs(mistral)] == [
+        (16, 1024, 0), (8, 2048, 0), (4, 4096, 0), (2, 8192, 4096)]    # 32 heads: 16k is 16 GiB
     llama = mc.read("llama")                                    # max positions 2048
     assert mc.derive_configs(llama) == [_cfg(16, 32, 32, 1024, 128, 0, 0.0, False),
                                         _cfg(8, 32, 32, 2048, 128, 0, 0.0, False)]
@@ -147,3 +149,9 @@ def test_a_tiny_gemma2_config_runs_on_the_cpu_at_the_problem_cpu_length(tmp_path
     assert "1 global, 1 windowed (32)" in said
     rows = query(tmp_path / "run" / "run.sqlite", "SELECT verdict FROM programs")
     assert rows and rows[0][0] == "pass", rows
+
+
+def test_the_default_gemma2_and_gpt_oss_give_the_model_problems_own_configs() -> None:
+    from evaluator.problems.model_prefill import GEMMA2_2B as GEMMA, GPT_OSS_20B as GPT_OSS
+    assert mc.derive_configs(mc.read("gemma2")) == list(GEMMA)
+    assert mc.derive_configs(mc.read("gpt_oss")) == list(GPT_OSS)
