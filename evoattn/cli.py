@@ -248,16 +248,31 @@ def problems(paths: tuple[str, ...]) -> None:
               help="end the run by about this many seconds (wall time), its end-of-run duels "
                    "(setting back, re-measuring the best) included")
 @click.option("--quiet", is_flag=True, help="log lines instead of the live view")
+@click.option("--model", "model_spec", metavar="CONFIG",
+              help="a Hugging Face config.json or model type (gemma2, gpt_oss, mistral, llama, "
+                   "...): run the model problem at that model's attention configs "
+                   "(default --config: configs/model.yaml)")
 def run(config_path: str | None, iterations: int | None, output: str | None,
         random_seed: int | None, old_seed: str | None, device: str | None,
-        resume_dir: str | None, max_wall_s: float | None, quiet: bool) -> None:
+        resume_dir: str | None, max_wall_s: float | None, quiet: bool,
+        model_spec: str | None) -> None:
     """Evolve kernels from a seed program (the main job)."""
     from .runner import start_run
     if old_seed is not None:
         random_seed = _old_seed(old_seed, random_seed)
+    overrides = None
+    if model_spec is not None:
+        from .model_configs import MODEL_RUN_CONFIG, run_overrides
+        if resume_dir:
+            raise UsageError("--resume continues a run with its stored configs; it takes no "
+                             "--model")
+        config_path = config_path or MODEL_RUN_CONFIG
+        overrides, derived = run_overrides(model_spec, config_path, device)
+        console.print(derived)
     sys.exit(start_run(config_path=config_path, iterations=iterations, output=output,
                        random_seed=random_seed, device=device, resume_dir=resume_dir,
-                       quiet=quiet, console=console, max_wall_s=max_wall_s))
+                       quiet=quiet, console=console, max_wall_s=max_wall_s,
+                       overrides=overrides))
 
 
 def _old_seed(value: str, random_seed: int | None) -> int:
@@ -271,6 +286,41 @@ def _old_seed(value: str, random_seed: int | None) -> int:
                          "the RNG, and seed: in the config for the seed program") from None
     err_console.print("--seed is deprecated: use --random-seed")
     return seed
+
+
+@cli.command("bench-model")
+@click.argument("package")
+@click.option("--model", "model_spec", required=True, metavar="CONFIG",
+              help="a Hugging Face config.json or model type (random weights)")
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
+              help="cuda (bfloat16) or cpu (float32, a tiny model: the package falls back)")
+@click.option("--shape", "shapes", multiple=True, metavar="B,S",
+              help="a prefill to time; repeatable (default: 1,8192 and 4,2048)")
+@click.option("--generate", "gen", metavar="B,PROMPT,NEW",
+              help="greedy generation to time (default 8,4096,128; NEW 0: none)")
+@click.option("--impl", "impls", multiple=True, type=click.Choice(["eager", "sdpa",
+              "flex_attention"]), help="built-ins to compare (default: every one the model "
+              "supports); repeatable")
+@click.option("--layers", type=int, help="cut the model to this many layers")
+@click.option("--rounds", type=int, default=5, show_default=True, help="timed rounds")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the result")
+def bench_model(package: str, model_spec: str, device: str, shapes: tuple[str, ...],
+                gen: str | None, impls: tuple[str, ...], layers: int | None, rounds: int,
+                json_path: str | None) -> None:
+    """Time an exported package's attention in a Hugging Face model against the model's
+    built-in implementations and a null attention: attention's share, the op speedup, the
+    Amdahl prediction beside the measured gain, and accuracy against float32."""
+    from . import bench_model as bm
+    st = bm.settings_from(shapes, gen, rounds, impls, layers)
+    dev = settings.resolve_device(device)
+    pkg = bm.load_package(package)
+    model = bm.build_model(model_spec, dev, layers)
+    with console.status(f"timing {model_spec} on {dev} ..."):
+        result = bm.measure(model, pkg, pkg.hf.register(), model_spec, dev, st)
+    console.print(bm.table(result))
+    console.print(bm.accuracy_table(result))
+    if json_path:
+        _write_json_atomic(Path(json_path), bm.to_json(result))
 
 
 @cli.group()

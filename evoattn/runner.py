@@ -42,12 +42,14 @@ class RunPlan:
 
 def start_run(*, config_path: str | None, iterations: int | None, output: str | None,
               random_seed: int | None, device: str | None, resume_dir: str | None, quiet: bool,
-              console: Console, max_wall_s: float | None = None) -> int:
+              console: Console, max_wall_s: float | None = None,
+              overrides: dict[str, Any] | None = None) -> int:
     """Runs (or resumes) a search, exports its best kernel into RUN_DIR/best; returns the exit
-    code (130 after a clean stop on Ctrl-C)."""
+    code (130 after a clean stop on Ctrl-C). `overrides`: RunConfig keys set over the file's."""
     from .pool import make_evaluator
     from .store import RunStore
-    plan = plan_run(config_path, iterations, output, random_seed, device, resume_dir, max_wall_s)
+    plan = plan_run(config_path, iterations, output, random_seed, device, resume_dir, max_wall_s,
+                    overrides)
     skipped = [d for d in (plan.cfg.dtypes or ()) if d not in (plan.request.dtypes or ())]
     if skipped:
         console.print(f"[yellow]CPU mode[/yellow]: {', '.join(skipped)} is checked on a GPU only "
@@ -84,10 +86,10 @@ def start_run(*, config_path: str | None, iterations: int | None, output: str | 
 
 def plan_run(config_path: str | None, iterations: int | None, output: str | None,
              random_seed: int | None, device: str | None, resume_dir: str | None,
-             max_wall_s: float | None) -> RunPlan:
+             max_wall_s: float | None, overrides: dict[str, Any] | None = None) -> RunPlan:
     """Returns what a run needs, checked; every bad input is one UsageError/ConfigError line."""
     cfg, resuming = _resolve_config(config_path, resume_dir, iterations, output, random_seed,
-                                    device)
+                                    device, overrides)
     if max_wall_s is not None:
         cfg = dataclasses.replace(cfg, max_wall_s=max_wall_s)
     dev = settings.resolve_device(cfg.device, here=cfg.evaluator.backend == "local")
@@ -309,7 +311,8 @@ def _stored_config(run_dir: str) -> RunConfig:
 
 def _resolve_config(config_path: str | None, resume_dir: str | None, iterations: int | None,
                     output: str | None, random_seed: int | None,
-                    device: str | None) -> tuple[RunConfig, bool]:
+                    device: str | None,
+                    overrides: dict[str, Any] | None = None) -> tuple[RunConfig, bool]:
     resuming = False
     if resume_dir and (config_path or output):
         raise UsageError("--resume continues a run with its stored config; "
@@ -321,7 +324,7 @@ def _resolve_config(config_path: str | None, resume_dir: str | None, iterations:
     else:
         # Stored with absolute seed and problem paths, so --resume works from any directory.
         cfg = _absolute_paths(load_config(path), path)
-    over: dict[str, Any] = {}
+    over: dict[str, Any] = dict(overrides or {})
     if iterations is not None:
         over["iterations"] = iterations
     if output is not None:
