@@ -6,13 +6,15 @@ from .decode import Decode
 from .gqa import Gqa
 from .masked import Masked
 from .mha import Mha
+from .model_decode import ModelDecode
 from .model_prefill import ModelPrefill
 from .sdpa import Sdpa
 from .sliding_window import SlidingWindow
 from .strided import Strided
 
 _BUILTIN: dict[str, type[Problem]] = {p.name: p for p in (Sdpa, Mha, Strided, Masked, Gqa,
-                                                           SlidingWindow, Decode, ModelPrefill)}
+                                                           SlidingWindow, Decode, ModelPrefill,
+                                                           ModelDecode)}
 
 
 class UnknownProblem(ValueError):
