@@ -21,13 +21,6 @@ from .model_baselines import Fn, ModelBaselines, _key, _Row, repeat_kv, sdpa_app
 Config = dict[str, Any]
 
 
-def _sliced(inputs: dict[str, Any]) -> dict[str, Any]:
-    """Returns the inputs with k and v cut to the longest sequence (views, one host read of
-    the lengths per call, as transformers' cache knows its length on the host)."""
-    kv_len = max(1, int(inputs["cache_seqlens"].max()))
-    return {**inputs, "k": inputs["k"][:, :, :kv_len], "v": inputs["v"][:, :, :kv_len]}
-
-
 def _keep(inputs: dict[str, Any]) -> Any:
     """Returns the step's boolean mask (B, 1, T, kv_len): key j visible to new token t of
     sequence b (inputs already sliced)."""
@@ -42,6 +35,14 @@ def _keep(inputs: dict[str, Any]) -> Any:
 
 class ModelDecodeBaselines(ModelBaselines):
     """The prefill baselines' math on the step's mask, plus flash_attn_with_kvcache."""
+
+    def _sliced(self, inputs: dict[str, Any], cfg: Config) -> dict[str, Any]:
+        """Returns the inputs with k and v cut to the longest sequence (views). The length is
+        read once per config: a model's cache knows it on the host, no call waits for it."""
+        def make() -> int:
+            return max(1, int(inputs["cache_seqlens"].max()))
+        kv_len = self._cache.get(_key(inputs, cfg, "kv_len"), make)
+        return {**inputs, "k": inputs["k"][:, :, :kv_len], "v": inputs["v"][:, :, :kv_len]}
 
     def _load_flash(self) -> None:
         """Imports flash_attn_with_kvcache once, before any candidate is imported."""
@@ -113,16 +114,16 @@ class ModelDecodeBaselines(ModelBaselines):
     # ---- the rows -------------------------------------------------------------------------
     def eager(self, inputs: dict[str, Any], cfg: Config) -> Any:
         """eager_attention_forward over the cache sliced to the longest sequence."""
-        return super().eager(_sliced(inputs), cfg)
+        return super().eager(self._sliced(inputs, cfg), cfg)
 
     def flex(self, inputs: dict[str, Any], cfg: Config) -> Any:
         """flex_attention_forward over the cache sliced to the longest sequence."""
-        return super().flex(_sliced(inputs), cfg)
+        return super().flex(self._sliced(inputs, cfg), cfg)
 
     def sdpa(self, inputs: dict[str, Any], cfg: Config) -> Any:
         """sdpa_attention_forward: enable_gqa where there is no mask, else the boolean mask
         and repeat_kv (transformers' use_gqa_in_sdpa)."""
-        inputs = _sliced(inputs)
+        inputs = self._sliced(inputs, cfg)
         q, k, v = inputs["q"], inputs["k"], inputs["v"]
         G = q.shape[1] // k.shape[1]
         mask = self._bool_mask(inputs, cfg)
