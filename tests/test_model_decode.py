@@ -190,6 +190,20 @@ def test_baselines_compute_the_contract(cfg: dict[str, Any], sdpa_runs: bool) ->
         assert (out.double() - want).abs().max().item() < 1e-2, name
 
 
+def test_baselines_build_the_steps_masks_once_per_config(monkeypatch: Any) -> None:
+    import evaluator.problems.model_decode_baselines as mdb
+    built: list[int] = []
+    keep = mdb._keep
+    monkeypatch.setattr(mdb, "_keep", lambda inputs: built.append(1) or keep(inputs))
+    cfg = _cfg(3, 4, 2, 2, 40, window=7)
+    problem = _problem()
+    inputs = _inputs(cfg)
+    for _ in range(3):
+        problem.baselines()["eager"](inputs, cfg)
+        problem.baselines()["sdpa"](inputs, cfg)
+    assert len(built) == 2                      # eager's additive mask and SDPA's boolean one
+
+
 def test_flash_kvcache_is_named_as_skipped_when_flash_attn_is_absent() -> None:
     problem = _problem()
     assert set(problem.baselines()) | set(problem.skipped_baselines()) == \
