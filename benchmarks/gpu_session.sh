@@ -4,6 +4,7 @@
 # evals  `evoattn eval` of every shipped seed (every timing mode, every baseline), JSON each
 # crosscheck  the same seeds (the sdpa default aside: benchmarks.check_bf16_cuda) against their
 #        baselines by do_bench (benchmarks.crosscheck), JSON each
+# model  the model problems' seeds (Gemma 2 / GPT-OSS features), evaluated and cross-checked
 # tests  the gpu-marked tests (GPU_TEST_FILES picks; the decode ones take about 100 s)
 # run    the default search (call time) for RUN_S seconds, then the best re-evaluated by
 #        `evoattn eval`, its export and its report
@@ -82,6 +83,19 @@ crosscheck)
   cc mha seeds/mha/fused_triton.py --problem mha
   cc alibi examples/alibi/seed.py --problem examples/alibi/problem.py
   cc softcap examples/softcap/seed.py --problem examples/softcap/problem.py
+  ;;
+model)   # the model problems (Gemma 2 / GPT-OSS features): evaluated and cross-checked, bfloat16 timed
+  EVAL_S=${EVAL_S:-300} ev model seeds/model/model_triton.py --problem model \
+    --dtype bfloat16 --dtype float16
+  EVAL_S=${EVAL_S:-300} ev model_decode seeds/model/model_decode_triton.py \
+    --problem model_decode --dtype bfloat16 --dtype float16
+  for p in model model_decode; do
+    log "crosscheck $p"
+    seed=seeds/model/model_triton.py; [ $p = model_decode ] && seed=seeds/model/model_decode_triton.py
+    timeout "${CC_S:-200}" python -m benchmarks.crosscheck $seed --problem $p --dtype bfloat16 \
+      --json "$R/cc_$p.json" > "$R/cc_$p.txt" 2>&1
+    echo "exit $?" >> "$R/cc_$p.txt"; tail -3 "$R/cc_$p.txt"
+  done
   ;;
 masked_evals)   # the masked, sparse and biased problems only
   ev strided seeds/strided/strided_triton.py --problem strided --reps 30
