@@ -24,6 +24,7 @@ from .cpu_pin import TimingCpu
 from .gpu_turn import GpuTurn
 from .loader import LoadFailure, Loaded, build_candidate, loaded_module
 from .measure import TimingContext, time_case
+from .names import Stage
 from .problems import get_problem
 from .problems.base import Problem, Tolerance
 from .program import declared_companions
@@ -34,7 +35,7 @@ from .timing import CpuTimer, GpuTimer, LazyOutput
 from .types import ConfigResult, EvalResult, Verdict
 
 _now = time.perf_counter
-Stage = Callable[[str], None]
+Report = Callable[[str], None]     # reports the stage an evaluation enters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +76,7 @@ class Prepared:
     timer: Any
 
 
-def prepare(req: EvalRequest, stage: Stage, turn: GpuTurn | None = None,
+def prepare(req: EvalRequest, stage: Report, turn: GpuTurn | None = None,
             s: Setup | None = None) -> Prepared:
     """Sets up everything that does not depend on the candidate, holding the set-up's shared
     lock on a shared GPU (never while another evaluation times), no candidate code loaded.
@@ -86,24 +87,24 @@ def prepare(req: EvalRequest, stage: Stage, turn: GpuTurn | None = None,
     # before this evaluation's turn on a shared GPU, so that it overlaps another's turn.
     sync = _sync(req)
     # In steps: between two, another evaluation's timing that is due goes first.
-    stage("baselines")
-    baselines = _warm_baselines(s, lambda: turn.step(sync, "baselines"))
-    stage("reference")
+    stage(Stage.BASELINES)
+    baselines = _warm_baselines(s, lambda: turn.step(sync, Stage.BASELINES))
+    stage(Stage.REFERENCE)
     rng = random.Random(int(req.secret_seed))
-    cases = _cases(s, rng, s.dtype_name, lambda: turn.step(sync, "reference"))
+    cases = _cases(s, rng, s.dtype_name, lambda: turn.step(sync, Stage.REFERENCE))
     # Checked only, after the timed dtype passes; their references also exist before any
     # candidate code runs.
-    others = {d: _cases(s, rng, d, lambda: turn.step(sync, "reference"))
+    others = {d: _cases(s, rng, d, lambda: turn.step(sync, Stage.REFERENCE))
               for d in s.dtypes[1:]}
     # Binds the clocks before any candidate code. Before the poisoning: setting up the GPU spin
     # captures a CUDA graph, and torch empties the allocator cache when a capture begins.
-    stage("timer")
+    stage(Stage.TIMER)
     timer = GpuTimer(req.cache_dir or None) if req.on_gpu else CpuTimer()
     turn.set_up(sync)
     return Prepared(turn, s, baselines, rng, cases, others, timer)
 
 
-def evaluate(req: EvalRequest, stage: Stage, prepared: Prepared | None = None) -> EvalResult:
+def evaluate(req: EvalRequest, stage: Report, prepared: Prepared | None = None) -> EvalResult:
     """Returns the verdict on the candidate the request names; `prepared`: what a spare child
     set up for it before it was named (for a request whose same_set_up(req) holds)."""
     turn: GpuTurn | None = None
@@ -119,7 +120,7 @@ def evaluate(req: EvalRequest, stage: Stage, prepared: Prepared | None = None) -
     bad = _static_scan(s)
     if bad:
         return bad
-    stage("build")
+    stage(Stage.BUILD)
     if turn is not None:        # a fresh child: its build (CPU only) holds no lock
         turn.aside(_sync(req))
     rival_loader = None
@@ -138,18 +139,18 @@ def evaluate(req: EvalRequest, stage: Stage, prepared: Prepared | None = None) -
         return s.fail(verdict, e.reason, build_log=e.log)
     if prepared is None:
         assert turn is not None
-        turn.resume("build")
+        turn.resume(Stage.BUILD)
         prepared = prepare(req, stage, turn, s)
     turn, baselines, rng, timer = prepared.turn, prepared.baselines, prepared.rng, prepared.timer
     cases, others = prepared.cases, prepared.others
-    turn.take("ceiling")
+    turn.take(Stage.CEILING)
     ceiling = _ceiling(s, turn)
     cpu = TimingCpu(req.timing_cpus) if req.on_gpu and req.pin_cpu else None
     if req.on_gpu:
         devinfo.poison_allocator([c.out_bytes for c in cases + sum(others.values(), [])])
     turn.install_compile_hooks()
     guard = _Guard.install(s)
-    stage("load")
+    stage(Stage.LOAD)
     rival = None
     if rival_loader is not None:
         # The rival first, then a snapshot of it: a candidate that replaces the rival's
@@ -170,7 +171,7 @@ def evaluate(req: EvalRequest, stage: Stage, prepared: Prepared | None = None) -
     bad = guard.integrity()
     if bad:
         return s.fail(*bad)
-    stage("check")
+    stage(Stage.CHECK)
     turn.checking = True
     checked = _check(s, guard, run, s.dtype_name, cases)
     bad = _check_failure(s, s.dtype_name, checked)
@@ -186,7 +187,7 @@ def evaluate(req: EvalRequest, stage: Stage, prepared: Prepared | None = None) -
             return s.fail(Verdict.EVALUATOR_FAULT, "the rival is not correct on these inputs: "
                           f"{rival_checked.failed[1]}")
     turn.checking = False
-    turn.take("time" if not req.check_only else "check")     # back from a compile's yield
+    turn.take(Stage.TIME if not req.check_only else Stage.CHECK)     # back from a compile's yield
     if req.check_only:
         return _profile(s, guard, cases, run, stage) or EvalResult(
             Verdict.PASS, "correct (not timed)", 0.0, checked.results[:len(s.configs)],
@@ -419,11 +420,11 @@ class _Guard:
 
 
 def _profile(s: Setup, guard: _Guard, cases: list[Case], run: Callable[..., Any],
-             stage: Stage) -> EvalResult | None:
+             stage: Report) -> EvalResult | None:
     """On a GPU, under kernel-only: the kernels one call launches must not be library attention."""
     if not (s.req.on_gpu and s.req.policy == "kernel-only"):
         return None
-    stage("profile")
+    stage(Stage.PROFILE)
     try:
         found = library_kernels(lambda: run(cases[0].trials[0].inputs, cases[0].cfg))
     except BaseException as e:  # noqa: BLE001 - the candidate's failure is data

@@ -46,6 +46,8 @@ FAST_SIGNATURES: dict[str, tuple[Any, ...]] = {
     # q, k, v, out, B, H, S, D, dtype, causal, scale, stream
     "evoattn_sdpa": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P),
 }
+# The dtype argument of a fast-form entry, by torch dtype name (the CUDA side's switch).
+DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2}
 
 
 @dataclasses.dataclass(frozen=True)

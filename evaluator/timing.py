@@ -62,6 +62,7 @@ from typing import Any, Callable
 
 from . import stats
 from .hidden_work import settled_host_time
+from .names import WIDTH
 from .types import Times
 
 _perf = time.perf_counter          # captured before any candidate is imported
@@ -73,8 +74,6 @@ CALL_MAX_BYTES = 4 * 2 ** 30       # ... filling at most this, whatever the set'
 HOST_CALLS = 20                    # calls measured for host_us
 HEAT_MS, HEAT_MIN_MS = 10.0, 0.15  # call mode on a GPU: untimed calls before each batch of
                                    # calls this long or longer, for about this long
-WIDTH = 0.01                       # the default target relative half-width of the fitness
-                                   # ratio's interval (a request's `width` sets it)
 HOST_SHARE = 0.9                   # call mode: a batch's launches got at least this share of
 ROUND_TRIES = 3                    # their CPU, or the round is measured again (at most this often)
 FLOOR = {"kernel": 10, "call": 6, "graph": 6}     # the fitness mode's rounds: at least these

@@ -10,6 +10,8 @@ import json
 import os
 import sys
 
+from .types import CHILD_NO_RESULT, SPARE_UNPREPARED
+
 
 def die_with_parent(parent_pid: int) -> None:
     """Asks Linux to SIGKILL this process when its parent dies (so no evaluator process outlives
@@ -21,7 +23,7 @@ def die_with_parent(parent_pid: int) -> None:
         except (OSError, AttributeError):
             pass
     if os.getppid() != parent_pid:
-        os._exit(70)
+        os._exit(CHILD_NO_RESULT)
 
 
 class Channel:
@@ -59,9 +61,6 @@ def serve(fd: int, message: dict, prepared: object = None) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)                        # skip candidate atexit hooks and destructors
-
-
-SPARE_UNPREPARED = 75                  # a spare's exit code when its set-up failed
 
 
 def serve_spare(fd: int, template: dict, go: str) -> None:

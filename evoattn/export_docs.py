@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from evaluator.names import MODE_DESCRIPTIONS as MODE_WORDS
 from evaluator.types import ConfigResult, EvalResult
 
 from .export_package import KernelInfo
@@ -12,9 +13,6 @@ from .report import (duel_of, duel_phrase, host_bound_labels, label, set_back_li
 from .types import Program
 
 MODES = ("kernel", "call", "graph")
-MODE_WORDS = {"kernel": "kernel (GPU time of one call, L2 flushed)",
-              "call": "call (back-to-back eager calls, host cost included)",
-              "graph": "graph (replayed from a CUDA graph)"}
 
 
 def dump(obj: Any) -> str:

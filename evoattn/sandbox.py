@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from evaluator import program
+from evaluator.names import Stage
 from evaluator.request import EvalRequest
 from evaluator.types import EvalResult, Verdict
-from evaluator.worker import SPARE_UNPREPARED
+from evaluator.types import SPARE_UNPREPARED
 
 from .launch import LaunchError, PopenChild, Zygote, ZygoteChild, pid_alive, private_dir
 from .station import Station, StationError
@@ -99,7 +100,7 @@ class SandboxSettings:
 def run_deadline(seed: EvalResult, factor: float, floor_s: float, ceiling_s: float) -> float:
     """Returns a run-stage deadline from the seed's: `factor` × its run stages (everything
     after its build), at least `floor_s` and at most `ceiling_s`."""
-    ran = sum(v for k, v in seed.stage_s.items() if k not in ("start", "build", "gpu-wait"))
+    ran = sum(v for k, v in seed.stage_s.items() if k not in (Stage.START, Stage.BUILD, Stage.GPU_WAIT))
     return max(floor_s, min(ceiling_s, factor * ran)) if ran > 0 else ceiling_s
 
 
@@ -349,7 +350,7 @@ class SubprocessEvaluator:
         env = self.child_environment(work)
         log_path = private_dir(work) / "child.log"
         nonce = secrets.token_hex(16)
-        marks: list[tuple[str, float]] = [("start", time.monotonic())]   # zygote start too
+        marks: list[tuple[str, float]] = [(Stage.START, time.monotonic())]   # zygote start too
         message = {"nonce": nonce, "request": req.to_json()}
         if spare is not None:
             spare.child.go(message)
@@ -412,7 +413,7 @@ class _Watch:
         """`timed`: called once the child is past its timing (or has answered)."""
         self.child, self.req, self.s, self.zygote = child, req, s, zygote
         self.abort = abort
-        self.stage = "start"
+        self.stage = Stage.START
         self._timed: Callable[[], None] | None = timed
 
     def follow(self, nonce: str, marks: list[tuple[str, float]]
@@ -427,12 +428,12 @@ class _Watch:
             if self.abort.is_set():
                 return None, (Verdict.EVALUATOR_FAULT, "the evaluation was stopped (the run "
                               "is ending)")
-            if now > deadline and self.stage == "gpu-wait":
+            if now > deadline and self.stage == Stage.GPU_WAIT:
                 return None, (Verdict.EVALUATOR_FAULT, "waited over "
                               f"{self.s.gpu_wait_s(req.run_timeout_s):.0f} s for its turn on "
                               "the GPU, which another evaluation held")
             if now > deadline:
-                limit = req.build_timeout_s if self.stage in ("start", "build") else \
+                limit = req.build_timeout_s if self.stage in (Stage.START, Stage.BUILD) else \
                     req.run_timeout_s
                 return None, (Verdict.TIMEOUT, f"timed out in stage '{self.stage}' "
                               f"(limit {limit:.0f} s)")
@@ -459,16 +460,16 @@ class _Watch:
                     now, was = time.monotonic(), self.stage
                     self.stage = str(msg["payload"])[:40]
                     marks.append((self.stage, now))
-                    if was == "time" != self.stage:
+                    if was == Stage.TIME != self.stage:
                         self._past_timing()
-                    if was == "build" != self.stage:  # the run: everything after the build
+                    if was == Stage.BUILD != self.stage:  # the run: everything after the build
                         deadline = now + req.run_timeout_s
-                    if self.stage == "build":
+                    if self.stage == Stage.BUILD:
                         deadline = now + req.build_timeout_s
-                    elif self.stage == "gpu-wait":    # the others' turns: not its own time
+                    elif self.stage == Stage.GPU_WAIT:    # the others' turns: not its own time
                         left = deadline - now
                         deadline = now + self.s.gpu_wait_s(req.run_timeout_s)
-                    elif was == "gpu-wait":
+                    elif was == Stage.GPU_WAIT:
                         deadline = now + left
                 elif msg["type"] == "result":
                     self._past_timing()
@@ -499,7 +500,7 @@ class _Watch:
         if code == -signal.SIGKILL or (code is None and not pid_alive(self.child.pid)):
             return Verdict.EVALUATOR_FAULT, (f"the candidate's process was killed from outside "
                                              f"(SIGKILL) in stage '{self.stage}'")
-        if code == SPARE_UNPREPARED and self.stage == "start":
+        if code == SPARE_UNPREPARED and self.stage == Stage.START:
             return Verdict.EVALUATOR_FAULT, "the spare process's set-up failed before it " \
                 "was told its candidate"
         return self._fault_verdict()

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from ..runtime import DTYPE_CODES
 from .base import Config, Problem, Tolerance
 from .common import DeviceCache, causal_keep, default_scale, masked_attention, randn, sdpa
 
 _SHAPES = [(8, 32, 512, 64), (4, 32, 1024, 64), (2, 32, 2048, 64), (1, 32, 4096, 64),
            (1, 8, 512, 64), (4, 16, 4096, 128), (16, 16, 1024, 128)]
-
-DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2}
 
 
 def _cfgs(shapes: list[tuple[int, int, int, int]]) -> tuple[Config, ...]:
