@@ -104,7 +104,7 @@ class EvalRequest:
                 raise ValueError(f"{name} must be > 0")
 
     def same_set_up(self, other: "EvalRequest") -> bool:
-        """Returns True if an evaluation set up for this request (harness.prepare: inputs,
+        """Returns True if an evaluation set up for this request (preparation.prepare: inputs,
         references, the baselines' plans, made before a run's spare child knows its candidate)
         serves `other`: they agree on every field that set-up reads."""
         return all(getattr(self, f) == getattr(other, f) for f in _SET_UP_FIELDS) and \

@@ -29,7 +29,7 @@ class _Station:
         import torch
 
         from . import device as devinfo
-        from .harness import trusted_compile_caches
+        from .preparation import trusted_compile_caches
         from .problems import get_problem
         from .cpu_pin import TimingCpu
         from .timing import CpuTimer, GpuTimer
