@@ -12,7 +12,7 @@ from .report import (duel_of, duel_phrase, host_bound_labels, label, set_back_li
                      side_by_side_lines)
 from .types import Program
 
-MODES = ("kernel", "call", "graph")
+MODES = tuple(MODE_WORDS)             # kernel, call, graph: the descriptions' order
 
 
 def dump(obj: Any) -> str:

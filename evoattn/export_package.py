@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from evaluator import program as program_files
-from evaluator import runtime
+from evaluator import runtime, runtime_rules
 from evaluator.knobs import find_knobs, values_of
 from evaluator.types import EvalResult, Verdict
 
@@ -31,6 +31,7 @@ TEMPLATE_MODULES = {"package_init.py": "__init__.py", "_loader.py": "_loader.py"
 # builds its kernel exactly as the run that verified it did.
 RUNTIME = Path(runtime.__file__).resolve()
 RUNTIME_MODULE = "_runtime.py"
+RUNTIME_RULES = Path(runtime_rules.__file__).resolve()   # imported by it under its own name
 BUILTIN_OPS = ("sdpa", "gqa", "masked", "sliding_window", "strided", "decode")
 ID_CHARS = 12                          # of the program id, in package and op names
 
@@ -163,6 +164,7 @@ def package_files(info: KernelInfo, evidence: dict[str, str]) -> dict[str, str]:
     for template, name in TEMPLATE_MODULES.items():
         out[f"{pkg}/{name}"] = (TEMPLATES / template).read_text()
     out[f"{pkg}/{RUNTIME_MODULE}"] = RUNTIME.read_text()
+    out[f"{pkg}/{RUNTIME_RULES.name}"] = RUNTIME_RULES.read_text()
     out[f"{pkg}/kernel.json"] = json.dumps(info.meta, indent=2) + "\n"
     for name, text in info.files.files:
         out[f"{pkg}/kernel/{name}"] = text
