@@ -34,11 +34,13 @@ import contextlib
 import os
 from typing import Any, Callable, Iterator
 
-Stage = Callable[[str], None]
+from .names import Stage
+
+Report = Callable[[str], None]     # reports the stage an evaluation enters
 
 
 class GpuTurn:
-    def __init__(self, path: str, stage: Stage) -> None:
+    def __init__(self, path: str, stage: Report) -> None:
         """Opens the locks (a child's first step: it then holds the set-up's shared one)."""
         import fcntl
         self._flock, self._sh, self._nb = fcntl.flock, fcntl.LOCK_SH, fcntl.LOCK_NB
@@ -103,7 +105,7 @@ class GpuTurn:
         try:
             self._flock(f.fileno(), mode | self._nb)
         except BlockingIOError:
-            self.report("gpu-wait")
+            self.report(Stage.GPU_WAIT)
             self._flock(f.fileno(), mode)
             return True
         return False
@@ -179,4 +181,4 @@ class GpuTurn:
 
     def _compiled(self, *args: Any, **kwargs: Any) -> None:
         if self.checking and self._file is not None and not self.held:
-            self.take("check")
+            self.take(Stage.CHECK)

@@ -1,6 +1,7 @@
-"""The evaluation inside the child: scan, build, baselines, reference, (its turn on a shared
-GPU: evaluator/gpu_turn.py) guard, import, check, time. A run's spare child does the
-candidate-independent part (prepare) first, before it is told its candidate.
+"""The evaluation inside the child, as a list of stages: scan, build, set-up (baselines,
+references, timer, its turn on a shared GPU: evaluator/gpu_turn.py, the guards), load, check,
+time. A run's spare child does the candidate-independent set-up (evaluator/preparation.py)
+first, before it is told its candidate.
 
 Order matters for integrity: references, tolerance probes, the baselines' compiled code and
 the GPU's ceiling all exist before the candidate is imported; freed device memory is then
@@ -8,247 +9,207 @@ poisoned with NaN; guards are installed; only then does candidate code run.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
 import random
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from . import device as devinfo, guards, snapshot
-from .cases import Case, prepare_case
+from .cases import Case
 from .checking import Checked, Fail, check_all, library_kernels
 from .cpu_pin import TimingCpu
-from .gpu_turn import GpuTurn
+from .gpu_turn import GpuTurn, Report
 from .loader import LoadFailure, Loaded, build_candidate, loaded_module
 from .measure import TimingContext, time_case
-from .problems import get_problem
-from .problems.base import Problem, Tolerance
+from .names import Stage
+from .preparation import Prepared, Setup, device_sync, named, prepare, setup
 from .program import declared_companions
 from .request import EvalRequest
 from . import scoring
 from .scoring import fitness
-from .timing import CpuTimer, GpuTimer, LazyOutput
+from .timing import LazyOutput
 from .types import ConfigResult, EvalResult, Verdict
 
 _now = time.perf_counter
-Stage = Callable[[str], None]
-
-
-@dataclasses.dataclass(frozen=True)
-class Setup:
-    """What every stage of one evaluation reads."""
-
-    req: EvalRequest
-    problem: Problem
-    dtype: Any
-    dtype_name: str                     # the timed dtype, the first of `dtypes`
-    dtypes: tuple[str, ...]             # every dtype the candidate is checked in
-    configs: tuple[dict[str, Any], ...]
-    domain: tuple[dict[str, Any], ...]
-    tol: Tolerance
-    root: Path                          # the candidate's directory
-    info: dict[str, Any]
-    common: dict[str, Any]              # EvalResult fields every outcome carries
-    t_start: float
-
-    def fail(self, verdict: Verdict, reason: str, **kw: Any) -> EvalResult:
-        fields = {**self.common, **kw}
-        return EvalResult.failure(verdict, reason, duration_s=_now() - self.t_start, **fields)
+Run = Callable[[dict[str, Any], dict[str, Any]], Any]      # a program's call: (inputs, config)
 
 
 @dataclasses.dataclass
-class Prepared:
-    """What an evaluation sets up before it needs its candidate: the GPU turn's locks, the
-    baselines' plans and compiles, the cases (inputs and references, every dtype) and the
-    timer. A run's spare child (evaluator/worker.py) makes it while another candidate is
-    evaluated, then waits to be told its candidate."""
+class _Evaluation:
+    """One evaluation as its stages fill it in (inside the child; it crosses no boundary)."""
 
-    turn: GpuTurn
+    req: EvalRequest
+    report: Report
     s: Setup
-    baselines: dict[str, Callable[..., Any]]
-    rng: random.Random
-    cases: list[Case]
-    others: dict[str, list[Case]]          # the other checked dtypes' cases
-    timer: Any
+    turn: GpuTurn | None = None                 # a fresh child's own, until its set-up
+    prepared: Prepared | None = None
+    loader: Callable[[], Loaded] | None = None
+    rival_loader: Callable[[], Loaded] | None = None
+    ceiling: float | None = None
+    cpu: TimingCpu | None = None                # the timing CPU to pin (on a GPU)
+    guard: "_Guard | None" = None
+    run: Run | None = None
+    rival: Run | None = None
+    checked: Checked | None = None
 
 
-def prepare(req: EvalRequest, stage: Stage, turn: GpuTurn | None = None,
-            s: Setup | None = None) -> Prepared:
-    """Sets up everything that does not depend on the candidate, holding the set-up's shared
-    lock on a shared GPU (never while another evaluation times), no candidate code loaded.
-    `turn`, `s`: the evaluation's own, where it began before (its scan and build)."""
-    turn = turn or GpuTurn(req.gpu_lock, stage)        # before CUDA starts here
-    s = s or _setup(req)
-    # The baselines' set-up (cuDNN's plans, FlexAttention's compiles: seconds of CPU work)
-    # before this evaluation's turn on a shared GPU, so that it overlaps another's turn.
-    sync = _sync(req)
-    # In steps: between two, another evaluation's timing that is due goes first.
-    stage("baselines")
-    baselines = _warm_baselines(s, lambda: turn.step(sync, "baselines"))
-    stage("reference")
-    rng = random.Random(int(req.secret_seed))
-    cases = _cases(s, rng, s.dtype_name, lambda: turn.step(sync, "reference"))
-    # Checked only, after the timed dtype passes; their references also exist before any
-    # candidate code runs.
-    others = {d: _cases(s, rng, d, lambda: turn.step(sync, "reference"))
-              for d in s.dtypes[1:]}
-    # Binds the clocks before any candidate code. Before the poisoning: setting up the GPU spin
-    # captures a CUDA graph, and torch empties the allocator cache when a capture begins.
-    stage("timer")
-    timer = GpuTimer(req.cache_dir or None) if req.on_gpu else CpuTimer()
-    turn.set_up(sync)
-    return Prepared(turn, s, baselines, rng, cases, others, timer)
-
-
-def evaluate(req: EvalRequest, stage: Stage, prepared: Prepared | None = None) -> EvalResult:
+def evaluate(req: EvalRequest, stage: Report, prepared: Prepared | None = None) -> EvalResult:
     """Returns the verdict on the candidate the request names; `prepared`: what a spare child
     set up for it before it was named (for a request whose same_set_up(req) holds)."""
-    turn: GpuTurn | None = None
-    if prepared is not None:
-        if not prepared.s.req.same_set_up(req):
-            return EvalResult.failure(Verdict.EVALUATOR_FAULT, "the spare process was prepared "
-                                      "for another request", problem=req.problem)
-        prepared.turn.report = stage
-        s = _named(prepared.s, req)
-    else:
+    e = _begin(req, stage, prepared)
+    if isinstance(e, EvalResult):
+        return e
+    # each stage returns None to go on, or the result that ends the evaluation
+    for step in (_scan, _build, _set_up, _load, _check):
+        end = step(e)
+        if end is not None:
+            return end
+    return _time(e)
+
+
+def _begin(req: EvalRequest, stage: Report, prepared: Prepared | None
+           ) -> _Evaluation | EvalResult:
+    if prepared is None:
         turn = GpuTurn(req.gpu_lock, stage)    # before CUDA starts here
-        s = _setup(req)
-    bad = _static_scan(s)
-    if bad:
-        return bad
-    stage("build")
-    if turn is not None:        # a fresh child: its build (CPU only) holds no lock
-        turn.aside(_sync(req))
-    rival_loader = None
+        return _Evaluation(req, stage, setup(req), turn=turn)
+    if not prepared.s.req.same_set_up(req):
+        return EvalResult.failure(Verdict.EVALUATOR_FAULT, "the spare process was prepared "
+                                  "for another request", problem=req.problem)
+    prepared.turn.report = stage
+    return _Evaluation(req, stage, named(prepared.s, req), prepared=prepared)
+
+
+def _scan(e: _Evaluation) -> EvalResult | None:
+    return _static_scan(e.s)
+
+
+def _build(e: _Evaluation) -> EvalResult | None:
+    """Builds the rival (a duel's) and the candidate: CPU work, no candidate code runs."""
+    req, s = e.req, e.s
+    e.report(Stage.BUILD)
+    if e.turn is not None:      # a fresh child: its build (CPU only) holds no lock
+        e.turn.aside(device_sync(req))
     try:
         if req.rival:
-            rival_loader = build_candidate(Path(req.rival), s.problem, Path(req.cache_dir),
-                                           req.build_timeout_s, req.arch, req.facts)
-    except LoadFailure as e:
-        return s.fail(Verdict.EVALUATOR_FAULT, f"the rival does not build: {e.reason}",
-                      build_log=e.log)
+            e.rival_loader = build_candidate(Path(req.rival), s.problem, Path(req.cache_dir),
+                                             req.build_timeout_s, req.arch, req.facts)
+    except LoadFailure as err:
+        return s.fail(Verdict.EVALUATOR_FAULT, f"the rival does not build: {err.reason}",
+                      build_log=err.log)
     try:
-        loader = build_candidate(Path(req.candidate), s.problem, Path(req.cache_dir),
-                                 req.build_timeout_s, req.arch, req.facts)
-    except LoadFailure as e:
-        verdict = Verdict.BUILD_ERROR if e.kind == "build" else Verdict.LOAD_ERROR
-        return s.fail(verdict, e.reason, build_log=e.log)
-    if prepared is None:
-        assert turn is not None
-        turn.resume("build")
-        prepared = prepare(req, stage, turn, s)
-    turn, baselines, rng, timer = prepared.turn, prepared.baselines, prepared.rng, prepared.timer
-    cases, others = prepared.cases, prepared.others
-    turn.take("ceiling")
-    ceiling = _ceiling(s, turn)
-    cpu = TimingCpu(req.timing_cpus) if req.on_gpu and req.pin_cpu else None
+        e.loader = build_candidate(Path(req.candidate), s.problem, Path(req.cache_dir),
+                                   req.build_timeout_s, req.arch, req.facts)
+    except LoadFailure as err:
+        verdict = Verdict.BUILD_ERROR if err.kind == "build" else Verdict.LOAD_ERROR
+        return s.fail(verdict, err.reason, build_log=err.log)
+    return None
+
+
+def _set_up(e: _Evaluation) -> None:
+    """Prepares (a fresh child; a spare did before), takes the GPU's turn, measures its
+    ceiling, poisons freed device memory and installs the guards."""
+    req, s = e.req, e.s
+    if e.prepared is None:
+        assert e.turn is not None
+        e.turn.resume(Stage.BUILD)
+        e.prepared = prepare(req, e.report, e.turn, s)
+    p = e.prepared
+    p.turn.take(Stage.CEILING)
+    e.ceiling = _ceiling(s, p.turn)
+    e.cpu = TimingCpu(req.timing_cpus) if req.on_gpu and req.pin_cpu else None
     if req.on_gpu:
-        devinfo.poison_allocator([c.out_bytes for c in cases + sum(others.values(), [])])
-    turn.install_compile_hooks()
-    guard = _Guard.install(s)
-    stage("load")
-    rival = None
-    if rival_loader is not None:
+        devinfo.poison_allocator([c.out_bytes for c in p.cases + sum(p.others.values(), [])])
+    p.turn.install_compile_hooks()
+    e.guard = _Guard.install(s)
+
+
+def _load(e: _Evaluation) -> EvalResult | None:
+    """Imports the rival, then the candidate: the first candidate code that runs."""
+    req, s, guard = e.req, e.s, e.guard
+    assert guard is not None and e.loader is not None
+    e.report(Stage.LOAD)
+    if e.rival_loader is not None:
         # The rival first, then a snapshot of it: a candidate that replaces the rival's
         # functions to slow it down is caught as tampering, as with the harness's own.
         try:
-            rival = guard.runner(rival_loader())
-        except LoadFailure as e:
-            return s.fail(Verdict.EVALUATOR_FAULT, f"the rival does not load: {e.reason}")
+            e.rival = guard.runner(e.rival_loader())
+        except LoadFailure as err:
+            return s.fail(Verdict.EVALUATOR_FAULT, f"the rival does not load: {err.reason}")
         guard.watch(loaded_module(Path(req.rival)))
     try:
-        loaded = loader()
-    except LoadFailure as e:
-        verdict = Verdict.COMPILED if e.kind == "compiled" else Verdict.LOAD_ERROR
-        return s.fail(verdict, e.reason, build_log=e.log)
+        loaded = e.loader()
+    except LoadFailure as err:
+        verdict = Verdict.COMPILED if err.kind == "compiled" else Verdict.LOAD_ERROR
+        return s.fail(verdict, err.reason, build_log=err.log)
     s.common.update(build_log=loaded.build_log, build_cached=loaded.build_cached,
                     build_seconds=loaded.build_seconds)
-    run = guard.runner(loaded)
+    e.run = guard.runner(loaded)
     bad = guard.integrity()
-    if bad:
-        return s.fail(*bad)
-    stage("check")
-    turn.checking = True
-    checked = _check(s, guard, run, s.dtype_name, cases)
-    bad = _check_failure(s, s.dtype_name, checked)
-    for dtype_name, dtype_cases in others.items():     # a candidate is correct in each or none
+    return s.fail(*bad) if bad else None
+
+
+def _check(e: _Evaluation) -> EvalResult | None:
+    """Checks the candidate in every dtype (and a duel's rival in the timed one); a check-only
+    request ends here."""
+    req, s, p, guard, run = e.req, e.s, e.prepared, e.guard, e.run
+    assert p is not None and guard is not None and run is not None
+    e.report(Stage.CHECK)
+    p.turn.checking = True
+    e.checked = _check_dtype(s, guard, run, s.dtype_name, p.cases)
+    bad = _check_failure(s, s.dtype_name, e.checked)
+    for dtype_name, dtype_cases in p.others.items():   # a candidate is correct in each or none
         bad = bad or _check_failure(s, dtype_name,
-                                    _check(s, guard, run, dtype_name, dtype_cases))
+                                    _check_dtype(s, guard, run, dtype_name, dtype_cases))
     if bad:
         return bad
-    others.clear()                  # their inputs and references: memory the timing may need
-    if rival is not None:
-        rival_checked = _check(s, guard, rival, s.dtype_name, cases)
+    p.others.clear()                # their inputs and references: memory the timing may need
+    if e.rival is not None:
+        rival_checked = _check_dtype(s, guard, e.rival, s.dtype_name, p.cases)
         if rival_checked.failed:
             return s.fail(Verdict.EVALUATOR_FAULT, "the rival is not correct on these inputs: "
                           f"{rival_checked.failed[1]}")
-    turn.checking = False
-    turn.take("time" if not req.check_only else "check")     # back from a compile's yield
-    if req.check_only:
-        return _profile(s, guard, cases, run, stage) or EvalResult(
-            Verdict.PASS, "correct (not timed)", 0.0, checked.results[:len(s.configs)],
-            duration_s=_now() - s.t_start, **s.common)
+    p.turn.checking = False
+    if not req.check_only:
+        return None
+    p.turn.take(Stage.CHECK)        # back from a compile's yield
+    return _profile(s, guard, p.cases, run, e.report) or EvalResult(
+        Verdict.PASS, "correct (not timed)", 0.0, e.checked.results[:len(s.configs)],
+        duration_s=_now() - s.t_start, **s.common)
+
+
+def _time(e: _Evaluation) -> EvalResult:
+    """Times every config on the GPU's turn (the timing CPU pinned), then profiles a correct
+    candidate's launches."""
+    req, s, p, guard, run = e.req, e.s, e.prepared, e.guard, e.run
+    assert p is not None and guard is not None and run is not None and e.checked is not None
+    p.turn.take(Stage.TIME)         # back from a compile's yield
     extra = s.problem.extra_baselines() if req.all_backends else {}
-    turn.timing()
-    cpu = _timing_cpu(s, cpu)
+    p.turn.timing()
+    cpu = _timing_cpu(s, e.cpu)
     if cpu is not None:
-        timer.on_busy_host = cpu.pick
-    ctx = TimingContext(s.problem, req, timer, s.tol, s.dtype_name,
-                        devinfo.peak_for(s.info, s.dtype_name), ceiling, baselines, extra,
+        p.timer.on_busy_host = cpu.pick
+    ctx = TimingContext(s.problem, req, p.timer, s.tol, s.dtype_name,
+                        devinfo.peak_for(s.info, s.dtype_name), e.ceiling, p.baselines, extra,
                         host_slowed=cpu.slowed if cpu is not None else None)
     try:
-        timed = _time_all(s, ctx, cases, checked, run, rng, guard, rival,
+        timed = _time_all(s, ctx, p.cases, e.checked, run, p.rng, guard, e.rival,
                           cpu.refresh if cpu is not None else None)
     finally:
         if cpu is not None:
             cpu.release()
     # what was measured again: call rounds whose launches lost their CPU, configs whose
-    # baselines' times showed a disturbance (measure.py)
-    again = {k: v for k, v in (("call_rounds_redone", timer.rounds_redone),
+    # times showed a disturbance (measure.py)
+    again = {k: v for k, v in (("call_rounds_redone", p.timer.rounds_redone),
                                ("configs_remeasured", dict(ctx.remeasured))) if v}
     if again:
         timed = dataclasses.replace(timed, device_info={**timed.device_info, **again})
-    turn.release()                  # the profile below is one call: the next one may begin
+    p.turn.release()                # the profile below is one call: the next one may begin
     # The profiler runs after timing: once torch.profiler has run in a process, every later
     # launch costs about 20 µs more host time (CUPTI stays subscribed; measured on an H100,
     # benchmarks/protocol_check.py --stages plain,profiled), which timing would count.
-    return (_profile(s, guard, cases, run, stage) or timed) if timed.correct else timed
-
-
-def _setup(req: EvalRequest) -> Setup:
-    import torch
-    problem = get_problem(req.problem)
-    dtypes = req.resolved_dtypes(problem.default_dtype)
-    dtype_name = dtypes[0]
-    configs = tuple(dict(c) for c in (req.configs or (problem.default_configs if req.on_gpu
-                                                      else problem.cpu_configs)))
-    domain = tuple(dict(c) for c in (problem.domain_configs if req.on_gpu
-                                     else problem.cpu_domain_configs))
-    own = problem.tolerance
-    tol = Tolerance(factor=own.factor if req.tolerance_factor is None else req.tolerance_factor,
-                    floor=own.floor if req.tolerance_floor is None else req.tolerance_floor,
-                    max_abs=own.max_abs if req.max_abs is None else req.max_abs)
-    path = Path(req.candidate).resolve()
-    info = devinfo.describe(req.device)
-    common = dict(problem=problem.name, dtypes=dtypes, timing=req.timing, baseline=req.baseline,
-                  candidate=path.name, device=info["name"], timing_device=req.device,
-                  versions=devinfo.versions(),
-                  device_info={k: v for k, v in info.items() if k != "name"})
-    return Setup(req, problem, getattr(torch, dtype_name), dtype_name, dtypes, configs, domain,
-                 tol, path.parent, info, common, _now())
-
-
-def _named(s: Setup, req: EvalRequest) -> Setup:
-    """Returns a spare's set-up for the candidate `req` names, its clock starting now."""
-    path = Path(req.candidate).resolve()
-    return dataclasses.replace(s, req=req, root=path.parent,
-                               common={**s.common, "candidate": path.name,
-                                       "timing": req.timing, "baseline": req.baseline,
-                                       "device_info": dict(s.common["device_info"])},
-                               t_start=_now())
+    return (_profile(s, guard, p.cases, run, e.report) or timed) if timed.correct else timed
 
 
 def _static_scan(s: Setup) -> EvalResult | None:
@@ -268,22 +229,7 @@ def _static_scan(s: Setup) -> EvalResult | None:
     return None
 
 
-def _cases(s: Setup, rng: random.Random, dtype_name: str,
-           between: Callable[[], None] = lambda: None) -> list[Case]:
-    """Returns the benchmark configs, then the domain shapes, with inputs in one dtype
-    (`between`: called after each)."""
-    import torch
-    device = torch.device(s.req.device)
-    dtype = getattr(torch, dtype_name)
-    out = []
-    for i, cfg in enumerate(s.configs + s.domain):
-        out.append(prepare_case(s.problem, cfg, i >= len(s.configs), dtype, device, rng,
-                                s.req.trials, s.tol))
-        between()
-    return out
-
-
-def _check(s: Setup, guard: "_Guard", run: Callable[..., Any], dtype_name: str,
+def _check_dtype(s: Setup, guard: "_Guard", run: Callable[..., Any], dtype_name: str,
            cases: list[Case]) -> Checked:
     """Checks every case of one dtype."""
     return check_all(cases, dtype_name, run, s.req.on_gpu, s.root, s.req.policy == "kernel-only",
@@ -298,55 +244,6 @@ def _check_failure(s: Setup, dtype_name: str, checked: Checked) -> EvalResult | 
     if len(s.dtypes) > 1:
         reason = f"{dtype_name}: {reason}"
     return s.fail(verdict, reason, configs=checked.results[:len(s.configs)])
-
-
-def _warm_baselines(s: Setup, between: Callable[[], None] = lambda: None
-                    ) -> dict[str, Callable[..., Any]]:
-    """Calls each baseline once per timed config before any candidate code runs, so that what
-    they compile (FlexAttention) or plan (cuDNN) is ready, and compiled into caches candidates
-    cannot write. On inputs of their own (only shapes, dtypes and layouts matter here), made
-    and freed one config at a time (`between`: called after each)."""
-    if s.req.check_only or s.req.baseline_times is not None:
-        return {}
-    import torch
-    baselines = s.problem.baselines()
-    device = torch.device(s.req.device)
-    gen = torch.Generator(device=device)
-    with trusted_compile_caches(s.req.cache_dir):
-        for cfg in s.configs:
-            gen.manual_seed(0)
-            inputs = s.problem.make_inputs(cfg, s.dtype, device, gen)
-            for fn in baselines.values():
-                fn(inputs, cfg)
-            del inputs
-            between()
-    return baselines
-
-
-def _sync(req: EvalRequest) -> Callable[[], None]:
-    """Returns the device-wide synchronisation (bound before any candidate code runs)."""
-    if not req.on_gpu:
-        return lambda: None
-    import torch
-    return torch.cuda.synchronize
-
-
-@contextlib.contextmanager
-def trusted_compile_caches(cache_dir: str) -> Iterator[None]:
-    """Points Triton's and Inductor's caches at directories outside the candidate's sandbox
-    (the shared Triton cache is writable by candidates: a poisoned kernel there could slow a
-    baseline down), then back."""
-    keep = {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
-    os.environ["TRITON_CACHE_DIR"] = os.path.join(cache_dir, "baselines", "triton")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, "baselines", "inductor")
-    try:
-        yield
-    finally:
-        for k, v in keep.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _ceiling(s: Setup, turn: GpuTurn) -> float | None:
@@ -419,11 +316,11 @@ class _Guard:
 
 
 def _profile(s: Setup, guard: _Guard, cases: list[Case], run: Callable[..., Any],
-             stage: Stage) -> EvalResult | None:
+             stage: Report) -> EvalResult | None:
     """On a GPU, under kernel-only: the kernels one call launches must not be library attention."""
     if not (s.req.on_gpu and s.req.policy == "kernel-only"):
         return None
-    stage("profile")
+    stage(Stage.PROFILE)
     try:
         found = library_kernels(lambda: run(cases[0].trials[0].inputs, cases[0].cfg))
     except BaseException as e:  # noqa: BLE001 - the candidate's failure is data

@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-TIMING_MODES = ("call", "kernel", "graph")
+from .names import DTYPES, TIMING_MODES, WIDTH
+
 POLICIES = ("kernel-only", "allow-library")
-DTYPES = ("float16", "bfloat16", "float32")   # every dtype a config, a flag or a problem may name
 GPU_REPS, GPU_WARMUP = 30, 10      # the most rounds of the fitness mode (evaluator/timing.py)
                                    # and untimed calls per config, on a GPU
 CPU_REPS, CPU_WARMUP = 4, 1        # on the CPU (Triton's interpreter is slow): at most these
@@ -46,7 +46,7 @@ class EvalRequest:
     # The fitness mode's rounds stop once each config's speedup is known within this relative
     # half-width (95%), or at `reps`. A run's plain candidates take its
     # `evaluator.candidate_width`; duels and `evoattn eval` keep this.
-    width: float = 0.01
+    width: float = WIDTH
     graph: bool = True                         # also time graph mode (always when it is `timing`)
     # call mode's heat before heavy batches (evaluator/timing.py: heavy calls timed at the
     # clocks of a sustained loop); a run's plain candidates take `evaluator.candidate_heat`
@@ -104,7 +104,7 @@ class EvalRequest:
                 raise ValueError(f"{name} must be > 0")
 
     def same_set_up(self, other: "EvalRequest") -> bool:
-        """Returns True if an evaluation set up for this request (harness.prepare: inputs,
+        """Returns True if an evaluation set up for this request (preparation.prepare: inputs,
         references, the baselines' plans, made before a run's spare child knows its candidate)
         serves `other`: they agree on every field that set-up reads."""
         return all(getattr(self, f) == getattr(other, f) for f in _SET_UP_FIELDS) and \

@@ -28,6 +28,8 @@ import math
 import statistics
 from typing import Any, Sequence
 
+from .types import geometric_mean
+
 CONFIDENCE = 0.95
 RESAMPLES = 300
 Z = 1.959963984540054              # the normal quantile of 97.5%
@@ -124,7 +126,7 @@ def geomean_ci(points: Sequence[float], cis: Sequence[Interval | None]) -> Inter
     if not points or any(c is None for c in cis) or min(points) <= 0:
         return None
     n = len(points)
-    g = math.exp(sum(math.log(p) for p in points) / n)
+    g = geometric_mean(points)
     se = math.sqrt(sum(_log_se(p, c) ** 2 for p, c in zip(points, cis))) / n  # type: ignore[arg-type]
     return g * math.exp(-Z * se), g * math.exp(Z * se)
 

@@ -46,6 +46,10 @@ EXIT_FAULT = 5          # the evaluator itself failed twice: no verdict on the k
 EXIT_COMPILED = 6       # compile-only: a CUDA file built, but there is no GPU to run it
 EXIT_INTERRUPTED = 130  # Ctrl-C, after a clean stop (other signals: 128 + the signal)
 
+# Exit codes of the evaluator's own processes, which the parent reads (evoattn/sandbox.py).
+CHILD_NO_RESULT = 70    # a child ended without a result: its parent was gone or its start failed
+SPARE_UNPREPARED = 75   # a spare's set-up failed before it was told its candidate
+
 
 def exit_code_for(verdict: Verdict) -> int:
     """Returns the CLI exit code for an overall verdict."""

@@ -10,6 +10,8 @@ import json
 import os
 import sys
 
+from .types import CHILD_NO_RESULT, SPARE_UNPREPARED
+
 
 def die_with_parent(parent_pid: int) -> None:
     """Asks Linux to SIGKILL this process when its parent dies (so no evaluator process outlives
@@ -21,7 +23,7 @@ def die_with_parent(parent_pid: int) -> None:
         except (OSError, AttributeError):
             pass
     if os.getppid() != parent_pid:
-        os._exit(70)
+        os._exit(CHILD_NO_RESULT)
 
 
 class Channel:
@@ -42,7 +44,7 @@ class Channel:
 
 def serve(fd: int, message: dict, prepared: object = None) -> None:
     """Evaluates one request ({"nonce", "request"}), sends the result on fd, and exits.
-    `prepared`: what this process set up as a spare (harness.prepare)."""
+    `prepared`: what this process set up as a spare (preparation.prepare)."""
     chan = Channel(fd, message["nonce"])
     from .harness import evaluate
     from .request import EvalRequest
@@ -61,16 +63,13 @@ def serve(fd: int, message: dict, prepared: object = None) -> None:
     os._exit(0)                        # skip candidate atexit hooks and destructors
 
 
-SPARE_UNPREPARED = 75                  # a spare's exit code when its set-up failed
-
-
 def serve_spare(fd: int, template: dict, go: str) -> None:
     """A run's spare: sets up what the template request ({"request"}) needs before any
-    candidate is named (harness.prepare), then waits on the FIFO `go` for its candidate's
+    candidate is named (preparation.prepare), then waits on the FIFO `go` for its candidate's
     message ({"nonce", "request"}) and evaluates it. Exits without a result when the parent
     closes `go` first (it had no candidate for it), and with SPARE_UNPREPARED when the
     set-up failed (the parent then starts the candidate in a fresh process)."""
-    from .harness import prepare
+    from .preparation import prepare
     from .request import EvalRequest
     try:
         prepared = prepare(EvalRequest.from_json(template["request"]), lambda stage: None)

@@ -21,6 +21,8 @@ import select
 import signal
 import sys
 
+from .types import CHILD_NO_RESULT
+
 
 def _child(job: dict, zygote_pid: int) -> None:
     """Becomes the candidate's process: never returns."""
@@ -53,7 +55,7 @@ def _child(job: dict, zygote_pid: int) -> None:
         try:
             os.write(2, f"evoattn zygote child failed: {type(e).__name__}: {e}\n".encode())
         finally:
-            os._exit(70)
+            os._exit(CHILD_NO_RESULT)
     os._exit(0)
 
 

@@ -13,6 +13,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from evaluator.names import WIDTH
 from evaluator.request import DEFAULTS, DTYPES, TIMING_MODES
 
 from .errors import ConfigError
@@ -116,7 +117,7 @@ class EvaluatorConfig:
     # The fitness mode's target interval (relative half-width, 95%) for a plain candidate,
     # and whether it is timed in graph mode too. A candidate that would become a best is
     # re-measured against it head to head at the request's width (1%), in every mode.
-    candidate_width: float = 0.01
+    candidate_width: float = WIDTH
     candidate_graph: bool = False
     # ... and whether its heavy configs get call mode's heat (evaluator/timing.py): with it,
     # their call times are a sustained loop's; without (the default), they read 1-10% faster

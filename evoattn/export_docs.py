@@ -6,6 +6,7 @@ from typing import Any
 
 from evaluator.problems import OpDocs, Problem, builtin_names, get_problem
 from evaluator.request import DEFAULTS
+from evaluator.names import MODE_DESCRIPTIONS as MODE_WORDS
 from evaluator.types import ConfigResult, EvalResult
 
 from .export_package import KernelInfo
@@ -13,10 +14,7 @@ from .report import (duel_of, duel_phrase, host_bound_labels, label, set_back_li
                      side_by_side_lines)
 from .types import Program
 
-MODES = ("kernel", "call", "graph")
-MODE_WORDS = {"kernel": "kernel (GPU time of one call, L2 flushed)",
-              "call": "call (back-to-back eager calls, host cost included)",
-              "graph": "graph (replayed from a CUDA graph)"}
+MODES = tuple(MODE_WORDS)             # kernel, call, graph: the descriptions' order
 
 
 def dump(obj: Any) -> str:

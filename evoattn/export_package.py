@@ -19,7 +19,7 @@ from typing import Any
 
 from evaluator import program as program_files
 from evaluator import problems as problem_modules
-from evaluator import runtime
+from evaluator import runtime, runtime_rules
 from evaluator.knobs import find_knobs, values_of
 from evaluator.types import EvalResult, Verdict
 
@@ -41,6 +41,7 @@ RUNTIME_MODULE = "_runtime.py"
 PROBLEMS = problem_modules.HERE
 PROBLEMS_PACKAGE = "_problems"
 _PROBLEMS_INIT = '"""The modules of this kernel\'s problem, as evoattn evaluated it."""\n'
+RUNTIME_RULES = Path(runtime_rules.__file__).resolve()   # imported by it under its own name
 ID_CHARS = 12                          # of the program id, in package and op names
 
 
@@ -175,6 +176,7 @@ def package_files(info: KernelInfo, evidence: dict[str, str]) -> dict[str, str]:
     out[f"{pkg}/{PROBLEMS_PACKAGE}/__init__.py"] = _PROBLEMS_INIT
     for name in shipped_problem_modules(None if info.meta["user_problem"] else info.problem):
         out[f"{pkg}/{PROBLEMS_PACKAGE}/{name}.py"] = (PROBLEMS / f"{name}.py").read_text()
+    out[f"{pkg}/{RUNTIME_RULES.name}"] = RUNTIME_RULES.read_text()
     out[f"{pkg}/kernel.json"] = json.dumps(info.meta, indent=2) + "\n"
     for name, text in info.files.files:
         out[f"{pkg}/kernel/{name}"] = text

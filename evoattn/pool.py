@@ -25,6 +25,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from evaluator.cpu_pin import gpu_block
+from evaluator.names import Stage
 from evaluator.request import EvalRequest
 from evaluator.types import EvalResult
 
@@ -187,7 +188,7 @@ def _with_wait(result: EvalResult, waited: float) -> EvalResult:
     it then took: a stage of its own ("build wait") and part of its duration."""
     if waited < BUILD_WAIT_SHOWN_S:
         return result
-    return dataclasses.replace(result, stage_s={"build wait": round(waited, 3), **result.stage_s},
+    return dataclasses.replace(result, stage_s={Stage.BUILD_WAIT: round(waited, 3), **result.stage_s},
                                duration_s=round(result.duration_s + waited, 3))
 
 

@@ -11,13 +11,11 @@ from rich.table import Table
 
 from evaluator import scoring, stats
 from evaluator.runtime import perf_notes
-from evaluator.request import TIMING_MODES
+from evaluator.names import MODE_WORDS, TIMING_MODES
 from evaluator.types import ConfigResult, EvalResult, Times, Verdict
 
 from .prune import PRUNE, costs_nothing
 from .types import Program
-
-MODE_WORDS = {"call": "call time", "kernel": "kernel time", "graph": "graph time"}
 
 
 def _f(x: Any, fmt: str) -> str:

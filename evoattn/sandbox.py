@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from evaluator import program
+from evaluator.names import Stage
 from evaluator.request import EvalRequest
 from evaluator.types import EvalResult, Verdict
+from evaluator.types import SPARE_UNPREPARED
 
 from .childenv import SPARES, SandboxSettings, child_env, default_cache_dir, gpu_lock_path
 from .launch import LaunchError, PopenChild, Zygote, ZygoteChild, pid_alive, private_dir
@@ -34,7 +36,8 @@ from .watch import Watch, classify_death, stage_seconds, tail
 def run_deadline(seed: EvalResult, factor: float, floor_s: float, ceiling_s: float) -> float:
     """Returns a run-stage deadline from the seed's: `factor` × its run stages (everything
     after its build), at least `floor_s` and at most `ceiling_s`."""
-    ran = sum(v for k, v in seed.stage_s.items() if k not in ("start", "build", "gpu-wait"))
+    ran = sum(v for k, v in seed.stage_s.items()
+              if k not in (Stage.START, Stage.BUILD, Stage.GPU_WAIT))
     return max(floor_s, min(ceiling_s, factor * ran)) if ran > 0 else ceiling_s
 
 
@@ -282,7 +285,7 @@ class SubprocessEvaluator:
         env = self.child_environment(work)
         log_path = private_dir(work) / "child.log"
         nonce = secrets.token_hex(16)
-        marks: list[tuple[str, float]] = [("start", time.monotonic())]   # zygote start too
+        marks: list[tuple[str, float]] = [(Stage.START, time.monotonic())]   # zygote start too
         message = {"nonce": nonce, "request": req.to_json()}
         if spare is not None:
             spare.child.go(message)

@@ -29,6 +29,7 @@ import random
 import time
 from typing import Any, Callable, Mapping, Sequence
 
+from evaluator.names import Stage
 from evaluator.types import EXIT_INTERRUPTED, EvalResult, Verdict
 
 from .config import RunConfig
@@ -43,7 +44,7 @@ from .window import DUPLICATE, InFlight, Window
 
 # Where an evaluation has its GPU to itself (evaluator/gpu_turn.py when slots share one): the
 # share of the wall time the GPUs spend in it is what more slots per GPU would raise.
-TIMING_STAGE = "time"
+TIMING_STAGE = Stage.TIME
 PLAIN_BAR = "plain_bar"   # the snapshot key of the champion's plain fitness (see Search)
 
 

@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from evaluator.names import Stage
 from evaluator.request import EvalRequest
-from evaluator.types import Verdict
-from evaluator.worker import SPARE_UNPREPARED
+from evaluator.types import SPARE_UNPREPARED, Verdict
 
 from .childenv import SandboxSettings
 from .launch import Zygote, pid_alive
@@ -35,7 +35,7 @@ class Watch:
         """`timed`: called once the child is past its timing (or has answered)."""
         self.child, self.req, self.s, self.zygote = child, req, s, zygote
         self.abort = abort
-        self.stage = "start"
+        self.stage = Stage.START
         self._timed: Callable[[], None] | None = timed
 
     def follow(self, nonce: str, marks: list[tuple[str, float]]
@@ -50,12 +50,12 @@ class Watch:
             if self.abort.is_set():
                 return None, (Verdict.EVALUATOR_FAULT, "the evaluation was stopped (the run "
                               "is ending)")
-            if now > deadline and self.stage == "gpu-wait":
+            if now > deadline and self.stage == Stage.GPU_WAIT:
                 return None, (Verdict.EVALUATOR_FAULT, "waited over "
                               f"{self.s.gpu_wait_s(req.run_timeout_s):.0f} s for its turn on "
                               "the GPU, which another evaluation held")
             if now > deadline:
-                limit = req.build_timeout_s if self.stage in ("start", "build") else \
+                limit = req.build_timeout_s if self.stage in (Stage.START, Stage.BUILD) else \
                     req.run_timeout_s
                 return None, (Verdict.TIMEOUT, f"timed out in stage '{self.stage}' "
                               f"(limit {limit:.0f} s)")
@@ -84,14 +84,14 @@ class Watch:
                     marks.append((self.stage, now))
                     if was == "time" != self.stage:
                         self._past_timing()
-                    if was == "build" != self.stage:  # the run: everything after the build
+                    if was == Stage.BUILD != self.stage:  # the run: everything after the build
                         deadline = now + req.run_timeout_s
-                    if self.stage == "build":
+                    if self.stage == Stage.BUILD:
                         deadline = now + req.build_timeout_s
-                    elif self.stage == "gpu-wait":    # the others' turns: not its own time
+                    elif self.stage == Stage.GPU_WAIT:    # the others' turns: not its own time
                         left = deadline - now
                         deadline = now + self.s.gpu_wait_s(req.run_timeout_s)
-                    elif was == "gpu-wait":
+                    elif was == Stage.GPU_WAIT:
                         deadline = now + left
                 elif msg["type"] == "result":
                     self._past_timing()
@@ -122,7 +122,7 @@ class Watch:
         if code == -signal.SIGKILL or (code is None and not pid_alive(self.child.pid)):
             return Verdict.EVALUATOR_FAULT, (f"the candidate's process was killed from outside "
                                              f"(SIGKILL) in stage '{self.stage}'")
-        if code == SPARE_UNPREPARED and self.stage == "start":
+        if code == SPARE_UNPREPARED and self.stage == Stage.START:
             return Verdict.EVALUATOR_FAULT, "the spare process's set-up failed before it " \
                 "was told its candidate"
         return self._fault_verdict()

@@ -193,15 +193,22 @@ def test_the_target_fact_of_an_arch_drops_the_suffix():
     assert runtime.target_fact("sm_100a") == "sm100"
 
 
-def test_the_runtime_imports_only_the_standard_library():
-    """An exported package ships this file: it must import where only the package is."""
+@pytest.mark.parametrize("module", ["runtime", "runtime_rules"])
+def test_the_runtime_imports_only_the_standard_library_and_its_rules(module: str):
+    """An exported package ships these files: they must import where only the package is
+    (the runtime's one relative import is its rules, shipped beside it under the same name)."""
     import ast
+    import importlib
     import sys
-    tree = ast.parse(Path(runtime.__file__).read_text())
+    path = Path(importlib.import_module(f"evaluator.{module}").__file__)
+    tree = ast.parse(path.read_text())
+    relative = {n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.level}
     top = {(n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
            for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
+           and not getattr(n, "level", 0)
            for a in (n.names if isinstance(n, ast.Import) else [n])}
     assert top - {"__future__"} <= set(sys.stdlib_module_names), top
+    assert relative <= ({"runtime_rules"} if module == "runtime" else set()), relative
 
 
 # A wgmma whose accumulator the code reads before waiting for it: ptxas injects a wait there and

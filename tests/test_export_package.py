@@ -105,6 +105,8 @@ def test_the_package_ships_the_evaluators_runtime_unchanged_and_imports_it(expor
     s, out = exported["summary"], exported["out"]
     shipped = out / s.package / "_runtime.py"
     assert shipped.read_bytes() == (ROOT / "evaluator" / "runtime.py").read_bytes()
+    rules = out / s.package / "runtime_rules.py"
+    assert rules.read_bytes() == (ROOT / "evaluator" / "runtime_rules.py").read_bytes()
     assert not (out / s.package / "_build.py").exists()
     got = _py(f"""
         import json, sys, torch

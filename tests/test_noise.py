@@ -700,6 +700,78 @@ def test_a_steady_config_is_measured_once_and_a_lasting_disturbance_no_more_than
     assert result.verdict is Verdict.PASS         # no verdict on the candidate for it
 
 
+def _cpu_time_with_a_busy_baseline(busy_calls: int, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN202
+    """Times SDPA's first CPU config with the real CPU timer on a fake clock: the baseline's
+    first `busy_calls` calls read 10 ms (another process had the CPU), later ones 0.1 ms;
+    the candidate's read 1 ms. Returns (result, remeasured, label, measurements)."""
+    import torch
+
+    from evaluator import measure, timing
+    from evaluator.cases import prepare_case
+    from evaluator.problems import get_problem
+    from evaluator.request import EvalRequest
+    from evaluator.types import ConfigResult
+    clock = [0.0]
+    monkeypatch.setattr(timing, "_perf", lambda: clock[0])
+    monkeypatch.setattr(measure, "CONTENTION_PAUSE_S", 0.0)
+    problem = get_problem("sdpa")
+    cfg = dict(problem.cpu_configs[0])
+    calls = [0]
+
+    def baseline(inputs, c):  # noqa: ANN001, ANN202
+        calls[0] += 1
+        clock[0] += 0.010 if calls[0] <= busy_calls else 0.0001
+        return problem.baseline(inputs, c)
+
+    def candidate(inputs, c):  # noqa: ANN001, ANN202
+        clock[0] += 0.001
+        return problem.baseline(inputs, c)
+
+    timer = timing.CpuTimer()
+    measured = []
+    real = timer.measure
+    timer.measure = lambda *a, **k: measured.append(1) or real(*a, **k)  # type: ignore[method-assign]
+    rng = random.Random(7)
+    case = prepare_case(problem, cfg, False, torch.float16, torch.device("cpu"), rng, 1,
+                        problem.tolerance)
+    ctx = measure.TimingContext(problem, EvalRequest(device="cpu"), timer, problem.tolerance,
+                                "float16", None, None, {"sdpa": baseline}, {})
+    result = measure.time_case(ctx, case, candidate, rng,
+                               ConfigResult(cfg, "float16", Verdict.PASS), [])
+    return result, ctx.remeasured, problem.label(cfg), len(measured)
+
+
+def test_a_cpu_config_whose_baseline_was_busy_in_its_first_rounds_keeps_the_quiet_figure(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # busy through the warm-up, kernel mode and the first call-mode rounds: without the
+    # re-measure the call-mode baseline would read ~5 ms and the speedup ~5x
+    result, remeasured, label, measured = _cpu_time_with_a_busy_baseline(12, monkeypatch)
+    assert measured == 2 and list(remeasured) == [label]
+    assert "sdpa: one call 10.0000 ms per call" in remeasured[label]
+    assert result.baseline_ms == pytest.approx(0.1)
+    assert result.speedup == pytest.approx(0.1)
+
+
+def test_a_quiet_cpu_config_is_measured_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    result, remeasured, _, measured = _cpu_time_with_a_busy_baseline(0, monkeypatch)
+    assert measured == 1 and remeasured == {}
+    assert result.speedup == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("kernel_ms, call_ms, on_gpu, disturbed", [
+    (1.0, 1.0, False, False),
+    (1.5, 1.0, False, True),        # one call slowed: both ways on the CPU ...
+    (1.0, 1.5, False, True),
+    (1.0, 1.5, True, False),        # ... while on a GPU back-to-back calls may add host cost
+    (1.5, 1.0, True, True)])
+def test_a_disturbance_is_two_modes_disagreeing(kernel_ms: float, call_ms: float,
+                                                on_gpu: bool, disturbed: bool) -> None:
+    from evaluator.measure import disturbance
+    from evaluator.types import Times
+    times = {"sdpa": Times(kernel_ms=kernel_ms, call_ms=call_ms, host_us=1000.0 * kernel_ms)}
+    assert (disturbance(times, on_gpu) is not None) is disturbed
+
+
 @dataclasses.dataclass
 class _HeatEvaluator(FakeEvaluator):
     """Plain evaluations read 2% above the truth (a plain protocol without the duel's heat);

@@ -447,7 +447,7 @@ def test_spares_gone_with_their_zygote_between_candidates_are_not_waited_for(
 def test_a_spare_whose_set_up_fails_is_replaced_not_blamed_on_a_candidate(
         tmp_path, monkeypatch) -> None:  # noqa: ANN001
     import time
-    from evaluator.worker import SPARE_UNPREPARED
+    from evaluator.types import SPARE_UNPREPARED
     ev = _spared(tmp_path)
     real = ev._spare_template
     monkeypatch.setattr(ev, "_spare_template", lambda: dataclasses.replace(
