@@ -25,8 +25,10 @@ plain causal call is a window as long as the sequence); `masked` serves unmasked
 through an explicit causal mask, and no padding mask (its contract excludes the fully masked
 rows that left padding makes); `decode` serves 1 to 16 new tokens over the dynamic or the
 static cache of a batch with no padding, its mask function handing the layers the cache's
-lengths instead of a mask (decode.py says which); `strided` and user problems have no
-transformers mapping.
+lengths instead of a mask (decode.py says which); `model` takes causal prefill with the
+layer's `sliding_window`, Gemma 2's `softcap` and GPT-OSS's sinks (`s_aux`), and leaves calls
+over a cache to the model's own path (model_op.py says which); `strided` and user problems
+have no transformers mapping.
 """
 from __future__ import annotations
 
@@ -142,7 +144,7 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     reason = _refusal(module, query, key, attention_mask, dropout, kwargs)
     if reason is None:
         out = _through_op(module, query, key, value, attention_mask, scaling, sliding_window,
-                          bool(is_causal))
+                          bool(is_causal), kwargs)
         if out is not None:
             return out.transpose(1, 2).contiguous(), None
         reason = f"{ops.META['problem']}: this call's pattern is not the kernel's"
@@ -165,7 +167,9 @@ def _refusal(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
              attention_mask: Any, dropout: float, kwargs: dict[str, Any]) -> str | None:
     if ops.SPEC is None or ops.SPEC.fallback_for is None:
         return f"problem {ops.META['problem']} has no transformers mapping"
-    unsupported = _hf_fallback.passed(kwargs, _UNSUPPORTED_KWARGS)
+    takes = ops.SPEC.hf_kwargs
+    unsupported = _hf_fallback.passed(kwargs, tuple(n for n in _UNSUPPORTED_KWARGS
+                                                     if n not in takes))
     if unsupported:                       # named first: they decide where the call goes
         return f"{', '.join(unsupported)} passed (the kernel takes none)"
     if attention_mask is not None and not decode.is_lengths(attention_mask):
@@ -178,11 +182,13 @@ def _refusal(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
 
 
 def _through_op(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: Any, scale: float | None, window: int | None,
-                causal: bool) -> torch.Tensor | None:
+                mask: Any, scale: float | None, window: int | None, causal: bool,
+                kwargs: dict[str, Any]) -> torch.Tensor | None:
     """Returns the op's output (B, H, S, D) for this problem, or None if it does not apply
-    (the problem module's hf_call says which calls it serves)."""
+    (the problem module's hf_call says which calls it serves; it gets the keyword arguments
+    its spec's hf_kwargs names)."""
     if ops.SPEC.hf_call is None:
         return None
     return ops.SPEC.hf_call(ops.attention, q, k, v, mask, scale, window,
-                            causal and q.shape[2] > 1)
+                            causal and q.shape[2] > 1,
+                            **{n: kwargs.get(n) for n in ops.SPEC.hf_kwargs})
