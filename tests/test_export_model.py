@@ -286,3 +286,21 @@ def test_the_transformers_route_maps_the_layers_keywords():
     assert model_op.hf_call(attention, q, k[:, :, :2], v[:, :, :2], None, None, None,
                             True) is None
     assert len(calls) == 2
+
+
+def test_the_mask_function_leaves_out_only_the_configs_sliding_window(tmp_path):
+    """A local mask of the config's sliding_window is the kernel's to compute (None); another
+    local mask (a chunked one, Llama 4's, which passes no argument the kernel reads) is built."""
+    out, s = export_model(tmp_path)
+    got = _py(f"""
+        import json, types, torch
+        from {s.package} import hf
+        mask = hf._mask_function()
+        cfg = types.SimpleNamespace(sliding_window=4)
+        kw = dict(batch_size=1, q_length=9, kv_length=9, local_size=4, dtype=torch.float32,
+                  device="cpu")
+        print(json.dumps([mask(**kw, config=cfg) is None,
+                          mask(**kw, config=types.SimpleNamespace(sliding_window=None)) is None,
+                          mask(**{{**kw, "local_size": None}}, config=cfg) is None]))
+    """, cwd=out)
+    assert json.loads(got.splitlines()[-1]) == [True, False, True]

@@ -83,7 +83,8 @@ def _mask_function() -> Any:
     """Returns the mask builder: SDPA's, except that a call with nothing to mask but causality
     gets None (is_causal covers it) also under torch.compile, where transformers' own SDPA
     builder always materialises the mask (its skip reads values a graph cannot); for the
-    sliding_window problem, also None for a plain unpadded sliding window the kernel computes.
+    sliding_window and model problems, also None for a plain unpadded sliding window (the
+    config's) the kernel computes.
     The rule is transformers' eager one: no padding mask, no mask pattern beyond causality,
     and as many keys as queries starting at key 0 (the same positions, so top-left causal).
     For the decode problem, a causal mask its kernel computes becomes the cache's lengths
@@ -108,8 +109,11 @@ def _mask_function() -> Any:
                 kwargs.get("device"))
             if lens is not None:
                 return lens
+        # a local mask is the model's sliding window only where its config says so (a
+        # chunked one, Llama 4's, has a local_size too, and no call argument the kernel reads)
+        slides = window and local_size == getattr(kwargs.get("config"), "sliding_window", None)
         plain = (allow_is_causal_skip and attention_mask is None
-                 and (local_size is None or window)
+                 and (local_size is None or slides)
                  and isinstance(kv_offset, int) and kv_offset == 0 and q_length == kv_length)
         if plain:
             return None
