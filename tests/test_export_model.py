@@ -54,6 +54,8 @@ def export_model(tmp: Path, verified: tuple[dict, ...] = VERIFIED) -> tuple[Path
 
 
 def _py(code: str, cwd: Path) -> str:
+    """Runs code in a fresh process in the interpreter (the C++ call path is not built: its
+    tests are test_export_package's); returns its stdout."""
     p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd,
                        capture_output=True, text=True, timeout=900,
                        env={**os.environ, "TRITON_INTERPRET": "1", "EVOATTN_NATIVE": "0"})
