@@ -93,6 +93,7 @@ def describe(best: Program, problem: str, user_problem: bool, entry: str) -> Ker
                        for c in files.companions()],
         "knobs": values_of(find_knobs(files.main_text)),
         "verified": verified_set(best.result),
+        "problem_module": None if user_problem else module_name(problem),
         "schema": schema,
     }
     return KernelInfo(names=names, problem=problem, files=files, meta=meta)
@@ -111,7 +112,20 @@ def verified_set(result: EvalResult | None) -> dict[str, Any]:
     return {"device_type": result.timing_device, "capabilities": [cap] if cap else [],
             "device_name": result.device, "dtypes": sorted(dtypes),
             "head_dims": sorted({int(c.params["D"]) for c in passed if "D" in c.params}),
-            "causal": causal or None}
+            "causal": causal or None, **_feature_sets(result.problem, passed)}
+
+
+def _feature_sets(problem: str, passed: list[Any]) -> dict[str, list[bool]]:
+    """Returns {feature: the values its checked configs had}, for a problem whose module says
+    which features a config uses (`verified_flags`): the op's guard checks them per call."""
+    if problem not in problem_modules.builtin_names():
+        return {}
+    flags = getattr(problem_modules.module_of(problem), "verified_flags", None)
+    out: dict[str, set[bool]] = {}
+    for c in passed if flags is not None else ():
+        for name, value in flags(c.params).items():
+            out.setdefault(name, set()).add(value)
+    return {name: sorted(values) for name, values in out.items()}
 
 
 # ---- a user problem's op schema, from the entry function's signature ---------------
@@ -192,7 +206,8 @@ def shipped_problem_modules(problem: str | None) -> list[str]:
             for name in _imports(TEMPLATES / template, PROBLEMS_PACKAGE)]
     if problem in problem_modules.builtin_names():
         module = problem_modules.module_of(problem)
-        todo += [problem, *([module.OP_MODULE] if hasattr(module, "OP_MODULE") else [])]
+        todo += [module_name(problem),
+                 *([module.OP_MODULE] if hasattr(module, "OP_MODULE") else [])]
     seen: set[str] = set()
     while todo:
         name = todo.pop()
@@ -200,6 +215,11 @@ def shipped_problem_modules(problem: str | None) -> list[str]:
             seen.add(name)
             todo += _imports(PROBLEMS / f"{name}.py", "")
     return sorted(seen)
+
+
+def module_name(problem: str) -> str:
+    """Returns the file name (no .py) of a built-in problem's module ("model": model_prefill)."""
+    return problem_modules.module_of(problem).__name__.rsplit(".", 1)[1]
 
 
 @functools.lru_cache(maxsize=None)

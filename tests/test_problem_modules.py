@@ -8,17 +8,25 @@ from pathlib import Path
 import pytest
 
 from evaluator.problems import builtin_names, get_problem, has_op, module_of
-from evoattn.export_package import shipped_problem_modules
+from evoattn.export_package import module_name, shipped_problem_modules
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_every_module_defining_problem_is_a_builtin_named_as_its_file() -> None:
+def test_every_module_defining_problem_is_a_builtin_of_its_problems_name() -> None:
     names = builtin_names()
-    assert {"sdpa", "gqa", "masked", "strided", "sliding_window", "decode", "mha"} <= set(names)
+    assert {"sdpa", "gqa", "masked", "strided", "sliding_window", "decode", "mha",
+            "model"} <= set(names)
     for name in names:
-        assert module_of(name).__name__.rsplit(".", 1)[1] == name
-        assert get_problem(name).name == name
+        assert module_of(name).PROBLEM.name == name and get_problem(name).name == name
+        assert module_name(name) == module_of(name).__name__.rsplit(".", 1)[1]
+    assert module_name("model") == "model_prefill"
+
+
+def test_a_problem_in_a_module_of_another_name_ships_that_module_and_its_op() -> None:
+    shipped = shipped_problem_modules("model")
+    assert {"model_prefill", "model_op", "model_baselines", "op", "base"} <= set(shipped)
+    assert "model" not in shipped and "sliding_window" not in shipped
 
 
 def test_only_problems_whose_module_has_an_op_export_one() -> None:

@@ -89,34 +89,14 @@ class ModelBaselines:
             q = inputs["q"]
             idx = torch.arange(q.shape[2], device=q.device)
             keep = visible(idx[:, None], idx[None, :], inputs["window"])
-            zero = torch.zeros((), dtype=q.dtype, device=q.device)
-            return torch.where(keep, zero, torch.finfo(q.dtype).min)[None, None]
+            return additive_mask(keep, q.dtype)[None, None]
         return self._cache.get(_key(inputs, cfg, "eager_mask"), make)
 
     def eager(self, inputs: dict[str, Any], cfg: Config) -> Any:
-        """eager_attention_forward: Gemma 2's (softcap, float32 softmax) or, with sinks,
-        GPT-OSS's (the sinks concatenated as a last column, max subtracted, softmax in the
-        scores' dtype, the sink column dropped). The sinks are cast to q's dtype, as a model
-        loaded in that dtype holds them."""
-        import torch
-        import torch.nn.functional as F
-        q, k, v = inputs["q"], inputs["k"], inputs["v"]
-        G = q.shape[1] // k.shape[1]
-        k, v = repeat_kv(k, G), repeat_kv(v, G)
-        w = torch.matmul(q, k.transpose(2, 3)) * inputs["scale"]        # (B, H, S, S)
-        cap = inputs["softcap"]
-        if cap:
-            w = torch.tanh(w / cap) * cap
-        w = w + self._additive_mask(inputs, cfg)
-        sinks = inputs["sinks"]
-        if sinks is None:
-            w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
-        else:
-            col = sinks.to(q.dtype).reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], -1)
-            w = torch.cat([w, col], dim=-1)
-            w = w - w.max(dim=-1, keepdim=True).values
-            w = F.softmax(w, dim=-1, dtype=w.dtype)[..., :-1].to(v.dtype)
-        return torch.matmul(w, v)
+        """eager_attention_forward (see eager_attention), with the config's cached mask."""
+        return eager_attention(inputs["q"], inputs["k"], inputs["v"], inputs["scale"],
+                               inputs["softcap"], self._additive_mask(inputs, cfg),
+                               inputs["sinks"])
 
     # ---- SDPA -----------------------------------------------------------------------------
     def _bool_mask(self, inputs: dict[str, Any], cfg: Config) -> Any:
@@ -211,6 +191,38 @@ class ModelBaselines:
         combined = torch.logsumexp(torch.cat([lse, col.to(lse.dtype)], dim=-1), dim=-1,
                                    keepdim=True)
         return (out * torch.exp(lse - combined)).to(q.dtype)
+
+
+def eager_attention(q: Any, k: Any, v: Any, scale: float, softcap: float, mask: Any,
+                    sinks: Any) -> Any:
+    """eager_attention_forward on (B, H, S, D): Gemma 2's (softcap, float32 softmax) or, with
+    sinks, GPT-OSS's (the sinks concatenated as a last column, max subtracted, softmax in the
+    scores' dtype, the sink column dropped). mask is additive, broadcasting to (B, H, S, S).
+    The sinks are cast to q's dtype, as a model loaded in that dtype holds them."""
+    import torch
+    import torch.nn.functional as F
+    G = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, G), repeat_kv(v, G)
+    w = torch.matmul(q, k.transpose(2, 3)) * scale                      # (B, H, S, S)
+    if softcap:
+        w = torch.tanh(w / softcap) * softcap
+    w = w + mask
+    if sinks is None:
+        w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        col = sinks.to(q.dtype).reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], -1)
+        w = torch.cat([w, col], dim=-1)
+        w = w - w.max(dim=-1, keepdim=True).values
+        w = F.softmax(w, dim=-1, dtype=w.dtype)[..., :-1].to(v.dtype)
+    return torch.matmul(w, v)
+
+
+def additive_mask(keep: Any, dtype: Any) -> Any:
+    """Returns transformers' eager mask for a boolean one: 0 where kept, the dtype's min
+    elsewhere."""
+    import torch
+    zero = torch.zeros((), dtype=dtype, device=keep.device)
+    return torch.where(keep, zero, torch.finfo(dtype).min)
 
 
 def sdpa_applies(cfg: Config) -> bool:

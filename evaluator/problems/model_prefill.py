@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from .base import Config, Problem, Tolerance
+from .base import Config, OpDocs, Problem, Tolerance
 from .common import check_dtype, default_scale, flops_for_pairs, randn
 
 HEAD_DIMS = (64, 128, 256)
@@ -69,6 +69,18 @@ def visible(i: Any, j: Any, window: int) -> Any:
     """Returns whether key j is visible to query i (index tensors; transformers' convention)."""
     keep = j <= i
     return keep & (j > i - window) if window > 0 else keep
+
+
+def op_flags(window: int, softcap: float, sinks: bool) -> dict[str, bool]:
+    """Returns the features a call or config uses, as an export's verified set records them
+    and its guard checks them (a feature no verified config had falls back)."""
+    return {"window": window > 0, "softcap": softcap > 0, "sinks": bool(sinks)}
+
+
+def verified_flags(cfg: Config) -> dict[str, bool]:
+    """Returns op_flags of a checked config (the exporter's verified set)."""
+    s = shape_of(cfg)
+    return op_flags(s.window, s.softcap, s.sinks)
 
 
 def model_attention(q: Any, k: Any, v: Any, scale: float, window: int, softcap: float,
@@ -174,6 +186,16 @@ class ModelPrefill(Problem):
                      "with a mask (window only) and flash_attn_func (when importable)")
     baseline_names = ("eager", "flex_attention", "sdpa", "flash_attn")
     random_inputs = ("q", "k", "v")       # the sinks are the model's weights: constant
+    op_docs = OpDocs(
+        call="attention(q, k, v, window=4096, softcap=50.0)",
+        replaces="transformers' eager attention (Gemma 2, GPT-OSS, Mistral, Llama)",
+        shapes="q: (B, H, S, D); k, v: (B, Hkv, S, D); causal; sinks: float32 (H,) or None",
+        raw_args="None, 4096, 50.0", in_module=False,
+        hf_declines="a padding mask, decoding with a cache",
+        notes=("In transformers, a prefill call takes the layer's `sliding_window`, Gemma 2's "
+               "`softcap` and GPT-OSS's sinks (`s_aux`) to the kernel; a call with a feature "
+               "no verified config had falls back to the op's fallback (SDPA where it "
+               "computes the call whole, transformers' eager math with softcap or sinks)."))
 
     def __init__(self) -> None:
         from .model_baselines import ModelBaselines
@@ -242,3 +264,4 @@ class ModelPrefill(Problem):
 
 
 PROBLEM = ModelPrefill
+OP_MODULE = "model_op"          # the op side imports torch when loaded

@@ -64,6 +64,9 @@ class OpSpec:
     hf_prefill: bool = False      # serves a prompt's causal calls (another package's prompts)
     hf_window: bool = False       # computes the model's sliding window (no mask built for it)
     hf_lengths: bool = False      # takes a cache's lengths in place of a mask (decode)
+    # transformers' keyword arguments hf_call reads (passed to it by name, None where a call
+    # has none): features the kernel computes, which hf.py then does not refuse
+    hf_kwargs: tuple[str, ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -25,8 +25,10 @@ plain causal call is a window as long as the sequence); `masked` serves unmasked
 through an explicit causal mask, and no padding mask (its contract excludes the fully masked
 rows that left padding makes); `decode` serves 1 to 16 new tokens over the dynamic or the
 static cache of a batch with no padding, its mask function handing the layers the cache's
-lengths instead of a mask (decode.py says which); `strided` and user problems have no
-transformers mapping.
+lengths instead of a mask (decode.py says which); `model` takes causal prefill with the
+layer's `sliding_window`, Gemma 2's `softcap` and GPT-OSS's sinks (`s_aux`), and leaves calls
+over a cache to the model's own path (model_op.py says which); `strided` and user problems
+have no transformers mapping.
 """
 from __future__ import annotations
 
@@ -81,7 +83,8 @@ def _mask_function() -> Any:
     """Returns the mask builder: SDPA's, except that a call with nothing to mask but causality
     gets None (is_causal covers it) also under torch.compile, where transformers' own SDPA
     builder always materialises the mask (its skip reads values a graph cannot); for the
-    sliding_window problem, also None for a plain unpadded sliding window the kernel computes.
+    sliding_window and model problems, also None for a plain unpadded sliding window (the
+    config's) the kernel computes.
     The rule is transformers' eager one: no padding mask, no mask pattern beyond causality,
     and as many keys as queries starting at key 0 (the same positions, so top-left causal).
     For the decode problem, a causal mask its kernel computes becomes the cache's lengths
@@ -106,8 +109,11 @@ def _mask_function() -> Any:
                 kwargs.get("device"))
             if lens is not None:
                 return lens
+        # a local mask is the model's sliding window only where its config says so (a
+        # chunked one, Llama 4's, has a local_size too, and no call argument the kernel reads)
+        slides = window and local_size == getattr(kwargs.get("config"), "sliding_window", None)
         plain = (allow_is_causal_skip and attention_mask is None
-                 and (local_size is None or window)
+                 and (local_size is None or slides)
                  and isinstance(kv_offset, int) and kv_offset == 0 and q_length == kv_length)
         if plain:
             return None
@@ -142,7 +148,7 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     reason = _refusal(module, query, key, attention_mask, dropout, kwargs)
     if reason is None:
         out = _through_op(module, query, key, value, attention_mask, scaling, sliding_window,
-                          bool(is_causal))
+                          bool(is_causal), kwargs)
         if out is not None:
             return out.transpose(1, 2).contiguous(), None
         reason = f"{ops.META['problem']}: this call's pattern is not the kernel's"
@@ -165,7 +171,9 @@ def _refusal(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
              attention_mask: Any, dropout: float, kwargs: dict[str, Any]) -> str | None:
     if ops.SPEC is None or ops.SPEC.fallback_for is None:
         return f"problem {ops.META['problem']} has no transformers mapping"
-    unsupported = _hf_fallback.passed(kwargs, _UNSUPPORTED_KWARGS)
+    takes = ops.SPEC.hf_kwargs
+    unsupported = _hf_fallback.passed(kwargs, tuple(n for n in _UNSUPPORTED_KWARGS
+                                                     if n not in takes))
     if unsupported:                       # named first: they decide where the call goes
         return f"{', '.join(unsupported)} passed (the kernel takes none)"
     if attention_mask is not None and not decode.is_lengths(attention_mask):
@@ -178,11 +186,13 @@ def _refusal(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
 
 
 def _through_op(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: Any, scale: float | None, window: int | None,
-                causal: bool) -> torch.Tensor | None:
+                mask: Any, scale: float | None, window: int | None, causal: bool,
+                kwargs: dict[str, Any]) -> torch.Tensor | None:
     """Returns the op's output (B, H, S, D) for this problem, or None if it does not apply
-    (the problem module's hf_call says which calls it serves)."""
+    (the problem module's hf_call says which calls it serves; it gets the keyword arguments
+    its spec's hf_kwargs names)."""
     if ops.SPEC.hf_call is None:
         return None
     return ops.SPEC.hf_call(ops.attention, q, k, v, mask, scale, window,
-                            causal and q.shape[2] > 1)
+                            causal and q.shape[2] > 1,
+                            **{n: kwargs.get(n) for n in ops.SPEC.hf_kwargs})

@@ -18,7 +18,7 @@ def spec_for(meta: dict[str, Any]) -> OpSpec | None:
     """Returns the op spec of an export's problem (None: the problem has no op form)."""
     if meta["user_problem"]:
         return user_spec(meta["schema"]) if meta["schema"] else None
-    module = importlib.import_module(f"._problems.{meta['problem']}", __package__)
+    module = importlib.import_module(f"._problems.{meta['problem_module']}", __package__)
     home = getattr(module, "OP_MODULE", None)
     if home is not None:
         module = importlib.import_module(f"._problems.{home}", __package__)

@@ -47,7 +47,9 @@ def refusal(verified: dict[str, Any], spec: OpSpec, args: Args) -> str | None:
             return (f"GPU compute capability {cap}; verified on "
                     f"{', '.join(verified['capabilities']) or 'none recorded'}")
     dtype = str(first.dtype).replace("torch.", "")
-    floats = [t for t in tensors if t.is_floating_point()]    # decode's lengths are int32
+    # q, k, v and the tensors right after them (masked's mask) share a dtype; a later one
+    # (model's float32 sinks) is the shape rule's to check, as decode's int32 lengths are
+    floats = [t for t in tensors[:spec.leading_tensors] if t.is_floating_point()]
     if dtype not in verified["dtypes"] or any(t.dtype != first.dtype for t in floats):
         return f"dtype {dtype} (verified: {', '.join(verified['dtypes'])}, all inputs alike)"
     if verified["head_dims"] and first.shape[-1] not in verified["head_dims"]:

@@ -12,10 +12,11 @@ heads under GQA) and wants (B, S, H, D) back: eagerly, a kernel that lays its ou
 torch.compile the op's output is contiguous, and transposing it back copies). `register` also
 registers the mask builder, so that a call with nothing to mask but causality gets no mask (as
 SDPA does) and a padded batch gets its mask. A call the kernel's problem covers goes through
-the op (whose guard may still fall back); anything else runs transformers' own SDPA path,
-counted as a fallback: an attention mask, query and key lengths that differ (decoding with a
-cache), dropout while training, output_attentions, softcap, a position bias, attention sinks, a
-paged cache.
+the op (whose guard may still fall back); anything else is counted as a fallback with its
+reason (an attention mask, query and key lengths that differ (decoding with a cache), dropout
+while training, output_attentions, softcap, a position bias, attention sinks, a paged cache)
+and runs transformers' own SDPA path, or, where it passes a feature SDPA lacks (softcap,
+sinks, output_attentions), the model's own eager attention (_hf_fallback).
 
 Per problem: `sdpa` and `gqa` take causal and non-causal prefill, k and v passed as they are
 (the op gives them to a kernel that takes GQA and strides, and contiguous, repeated copies to
@@ -24,8 +25,10 @@ plain causal call is a window as long as the sequence); `masked` serves unmasked
 through an explicit causal mask, and no padding mask (its contract excludes the fully masked
 rows that left padding makes); `decode` serves 1 to 16 new tokens over the dynamic or the
 static cache of a batch with no padding, its mask function handing the layers the cache's
-lengths instead of a mask (decode.py says which); `strided` and user problems have no
-transformers mapping.
+lengths instead of a mask (decode.py says which); `model` takes causal prefill with the
+layer's `sliding_window`, Gemma 2's `softcap` and GPT-OSS's sinks (`s_aux`), and leaves calls
+over a cache to the model's own path (model_op.py says which); `strided` and user problems
+have no transformers mapping.
 """
 from __future__ import annotations
 
@@ -35,9 +38,10 @@ from typing import Any
 
 import torch
 
-from . import decode, ops
+from . import _hf_fallback, decode, ops
 
 NAME = "evoattn"
+# Keyword arguments the kernel does not take (those SDPA lacks too: _hf_fallback.BEYOND_SDPA).
 _UNSUPPORTED_KWARGS = ("output_attentions", "softcap", "position_bias", "cache", "s_aux", "sinks")
 
 
@@ -79,7 +83,8 @@ def _mask_function() -> Any:
     """Returns the mask builder: SDPA's, except that a call with nothing to mask but causality
     gets None (is_causal covers it) also under torch.compile, where transformers' own SDPA
     builder always materialises the mask (its skip reads values a graph cannot); for the
-    sliding_window problem, also None for a plain unpadded sliding window the kernel computes.
+    sliding_window and model problems, also None for a plain unpadded sliding window (the
+    config's) the kernel computes.
     The rule is transformers' eager one: no padding mask, no mask pattern beyond causality,
     and as many keys as queries starting at key 0 (the same positions, so top-left causal).
     For the decode problem, a causal mask its kernel computes becomes the cache's lengths
@@ -104,8 +109,11 @@ def _mask_function() -> Any:
                 kwargs.get("device"))
             if lens is not None:
                 return lens
+        # a local mask is the model's sliding window only where its config says so (a
+        # chunked one, Llama 4's, has a local_size too, and no call argument the kernel reads)
+        slides = window and local_size == getattr(kwargs.get("config"), "sliding_window", None)
         plain = (allow_is_causal_skip and attention_mask is None
-                 and (local_size is None or window)
+                 and (local_size is None or slides)
                  and isinstance(kv_offset, int) and kv_offset == 0 and q_length == kv_length)
         if plain:
             return None
@@ -133,13 +141,14 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                is_causal: bool | None = None, then: Any = None,
                **kwargs: Any) -> tuple[torch.Tensor, None]:
     """attention_forward; a call the kernel does not take goes to `then` (another package's
-    attention function) if given, else to transformers' SDPA path, counted."""
+    attention function) if given, else, counted, to transformers' SDPA path, or to the model's
+    eager attention where the call passes a feature SDPA lacks (_hf_fallback)."""
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     reason = _refusal(module, query, key, attention_mask, dropout, kwargs)
     if reason is None:
         out = _through_op(module, query, key, value, attention_mask, scaling, sliding_window,
-                          bool(is_causal))
+                          bool(is_causal), kwargs)
         if out is not None:
             return out.transpose(1, 2).contiguous(), None
         reason = f"{ops.META['problem']}: this call's pattern is not the kernel's"
@@ -149,34 +158,41 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
         return then(module, query, key, value, attention_mask, scaling=scaling,
                     dropout=dropout, sliding_window=sliding_window, is_causal=is_causal,
                     **kwargs)
+    beyond = _hf_fallback.passed(kwargs, _hf_fallback.BEYOND_SDPA)
+    run = _hf_fallback.run_eager if beyond else _hf_fallback.run_sdpa
+    if beyond:
+        reason += f"; ran {_hf_fallback.eager_function(module)[1]}"
     ops.note_fallback(reason)
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                  scaling=scaling, is_causal=is_causal,
-                                  sliding_window=sliding_window, **kwargs)
+    return run(module, query, key, value, attention_mask, scaling, dropout, sliding_window,
+               bool(is_causal), **kwargs)
 
 
 def _refusal(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
              attention_mask: Any, dropout: float, kwargs: dict[str, Any]) -> str | None:
     if ops.SPEC is None or ops.SPEC.fallback_for is None:
         return f"problem {ops.META['problem']} has no transformers mapping"
+    takes = ops.SPEC.hf_kwargs
+    unsupported = _hf_fallback.passed(kwargs, tuple(n for n in _UNSUPPORTED_KWARGS
+                                                     if n not in takes))
+    if unsupported:                       # named first: they decide where the call goes
+        return f"{', '.join(unsupported)} passed (the kernel takes none)"
     if attention_mask is not None and not decode.is_lengths(attention_mask):
         return "an attention mask (padding or a pattern)"
     if dropout and module.training:
         return "dropout while training"
-    if any(kwargs.get(k) not in (None, False) for k in _UNSUPPORTED_KWARGS):
-        return "output_attentions, softcap, a position bias, sinks or a paged cache"
     if query.shape[2] != key.shape[2] and not ops.SPEC.hf_lengths:
         return "query and key lengths differ (decoding with a cache)"
     return None
 
 
 def _through_op(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: Any, scale: float | None, window: int | None,
-                causal: bool) -> torch.Tensor | None:
+                mask: Any, scale: float | None, window: int | None, causal: bool,
+                kwargs: dict[str, Any]) -> torch.Tensor | None:
     """Returns the op's output (B, H, S, D) for this problem, or None if it does not apply
-    (the problem module's hf_call says which calls it serves)."""
+    (the problem module's hf_call says which calls it serves; it gets the keyword arguments
+    its spec's hf_kwargs names)."""
     if ops.SPEC.hf_call is None:
         return None
     return ops.SPEC.hf_call(ops.attention, q, k, v, mask, scale, window,
-                            causal and q.shape[2] > 1)
+                            causal and q.shape[2] > 1,
+                            **{n: kwargs.get(n) for n in ops.SPEC.hf_kwargs})
