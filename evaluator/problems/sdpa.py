@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..runtime import DTYPE_CODES
 from .base import Config, OpDocs, Problem
 from .common import DeviceCache, causal_keep, default_scale, masked_attention, randn, sdpa
 
