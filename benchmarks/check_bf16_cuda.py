@@ -5,15 +5,15 @@
         [--rival PROGRAM [--rival-set KNOB=VALUE ...]] [--cu SEED.cu ...] [--trials N]
         [--no-timing] [--no-routes] [--json FILE]
 
-For trusted files only (the seeds): builds, as the evaluator does (evaluator/loader.py and
-evaluator/runtime.py: the same nvcc flags, arch and companion conditions), the CUDA companions of
+For trusted files only (the seeds): builds, as the evaluator does (evoattn/child/loader.py and
+evoattn/contract/runtime.py: the same nvcc flags, arch and companion conditions), the CUDA companions of
 PROGRAM (default seeds/sdpa/flash_hybrid.py, whose wgmma_flash.cu serves the head dims its
 CUDA_* knobs route there) and loads the program in this process; and builds each --cu seed on
 its own in the fast form (default seeds/sdpa/wgmma_flash.cu, which then serves D=64 and
 D=128), called through ctypes as the evaluator calls it. Then, in float16 and bfloat16:
   check  the 14 default sdpa configs, the problem's domain shapes and more odd lengths
          (S = 1, 77, 700, 1000, 1100, 1300, 4099; D = 64 and 128; causal and not) against
-         the float32 reference, with the evaluator's rule and inputs (evaluator/cases.py:
+         the float32 reference, with the evaluator's rule and inputs (evoattn/child/cases.py:
          error <= 2 x PyTorch's own error in the dtype + 1e-5). Each case's first call runs
          under the profiler, which names the kernel that ran (the route: wgmma-ws, wgmma,
          cuda-core, triton, ...); a bfloat16 case routed otherwise than its float16 twin is a
@@ -42,10 +42,11 @@ from typing import Any, Callable
 
 from benchmarks import common
 from benchmarks.common import ROOT, label
-from evaluator import cases, checks, program, runtime as build
-from evaluator.loader import LoadFailure, companion_headers
-from evaluator.problems import get_problem
-from evaluator.types import geometric_mean
+from evoattn.child import cases, checks
+from evoattn.contract import program, runtime as build
+from evoattn.child.loader import LoadFailure, companion_headers
+from evoattn.problems import get_problem
+from evoattn.contract.types import geometric_mean
 
 DTYPES = ("float16", "bfloat16")          # float16 first: its route is the one to match
 # Odd lengths beyond the problem's own domain shapes: S = 1, a partial last tile, lengths

@@ -11,13 +11,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
 
-from evaluator import program, runtime
-from evaluator.knobs import set_knobs
-from evaluator.loader import build_companions
-from evaluator.problems import get_problem
-from evaluator.problems.base import Problem
-from evaluator.timing import Plan, adapt
-from evaluator.types import geometric_mean
+from evoattn.contract import program, runtime
+from evoattn.contract.knobs import set_knobs
+from evoattn.child.loader import build_companions
+from evoattn.problems import get_problem
+from evoattn.problems.base import Problem
+from evoattn.child.timing import Plan, adapt
+from evoattn.contract.types import geometric_mean
 from evoattn.mutators.knobs import parse_settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def interleaved(fns: dict[str, Any], measure: Callable[[Any], float],
 
 @functools.lru_cache(maxsize=None)
 def _gpu_timer() -> Any:
-    from evaluator.timing import GpuTimer
+    from evoattn.child.timing import GpuTimer
     return GpuTimer(tempfile.mkdtemp(prefix="evoattn-bench-"))
 
 

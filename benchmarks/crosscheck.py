@@ -5,7 +5,7 @@ baselines, timed by `triton.testing.do_bench` instead of the evaluator's timer.
         [--dtype DTYPE] [--rounds 3] [--json FILE]
 
 For trusted programs only (the seeds, the examples): PROGRAM is built and loaded in this process
-as the evaluator loads a candidate (evaluator.loader.build_candidate: companions built, a
+as the evaluator loads a candidate (evoattn.child.loader.build_candidate: companions built, a
 `prepare` honoured, a CUDA file through its fast form), without the sandbox. Per config of the
 problem (its default configs on a GPU, its CPU configs on the CPU, or --configs): one input set
 from the problem, PROGRAM's output checked against the float32 reference with the problem's
@@ -34,12 +34,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from benchmarks.common import interleaved_samples
-from evaluator import checks
-from evaluator.cases import prepare_case
-from evaluator.loader import LoadFailure, build_candidate
-from evaluator.measure import bind
-from evaluator.problems import get_problem
-from evaluator.types import geometric_mean
+from evoattn.child import checks
+from evoattn.child.cases import prepare_case
+from evoattn.child.loader import LoadFailure, build_candidate
+from evoattn.child.measure import bind
+from evoattn.problems import get_problem
+from evoattn.contract.types import geometric_mean
 
 
 def cpu_ms(fn: Callable[[], Any], reps: int = 5) -> float:

@@ -47,9 +47,9 @@ from typing import Any, Callable
 import torch
 
 from benchmarks.common import ROOT, eager_ms, geomean, host_us, load_module, sync
-from evaluator import device as devinfo
-from evaluator.problems import get_problem
-from evaluator.problems.decode import lengths
+from evoattn.child import device as devinfo
+from evoattn.problems import get_problem
+from evoattn.problems.decode import lengths
 
 EAGER_SET_BYTES = 256 * 2 ** 20      # the eager loop's input copies fill at least this ...
 EAGER_MAX_COPIES = 16                # ... with at most this many copies

@@ -79,12 +79,12 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from evaluator.problems import get_problem
+    from evoattn.problems import get_problem
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         mod = load_program(Path(a.program), a.sets, Path(tmp), "host_cost_program")[0]
         if a.pin_cpu:                 # after the build: nvcc keeps every CPU
-            from evaluator.cpu_pin import TimingCpu
+            from evoattn.child.cpu_pin import TimingCpu
             cpu = TimingCpu()
             print(f"pinned to CPU {cpu.pick()} (the CPUs' speeds differ {cpu.spread():.2f}x)")
         pieces = breakdown(mod) if a.breakdown else None

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import label
-from evaluator.scoring import rescore
-from evaluator.types import EvalResult, Times
+from evoattn.contract.scoring import rescore
+from evoattn.contract.types import EvalResult, Times
 from evoattn.store import RunStore
 
 MODES = ("call", "kernel", "graph")

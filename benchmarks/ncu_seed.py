@@ -6,7 +6,7 @@
         [--set KNOB=VALUE ...] [--causal] [--calls 2]
 
 Builds the seed with the knob values given (checked as `evoattn eval --set` checks them)
-through evaluator.runtime, calls its entry point `--calls` times on random float16 inputs, and
+through evoattn.contract.runtime, calls its entry point `--calls` times on random float16 inputs, and
 checks the last output against torch's SDPA, so a profile of a wrong kernel says so. Prints
 one line; exits 0 when the output matches, 1 when it does not or the call fails, 2 on bad
 arguments. benchmarks/ncu_waits.py reads a source-page export of such a profile.
@@ -21,8 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from evaluator import runtime
-from evaluator.loader import companion_headers
+from evoattn.contract import runtime
+from evoattn.child.loader import companion_headers
 from evoattn.mutators.knobs import parse_settings, set_knobs
 
 MAX_ABS_ERR = 1e-2           # float16 attention against SDPA; a wrong kernel is off by far more

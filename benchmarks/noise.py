@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import ROOT, label
-from evaluator.types import geometric_mean
+from evoattn.contract.types import geometric_mean
 
 MODES = ("call", "kernel", "graph")
 
@@ -46,7 +46,7 @@ def standalone(seed: Path, n: int, extra: list[str]) -> list[dict]:
 def in_run(seed: Path, n: int, config: str, pin_cpu: bool = True) -> list[dict]:
     import dataclasses
 
-    from evaluator import program
+    from evoattn.contract import program
     from evoattn import runner
     from evoattn.pool import make_evaluator
     with tempfile.TemporaryDirectory() as d:
@@ -71,8 +71,8 @@ def in_run(seed: Path, n: int, config: str, pin_cpu: bool = True) -> list[dict]:
 
 def speedups(result: dict, mode: str) -> dict[str, float]:
     """Returns config label -> speedup in `mode` over the fitness baseline of the result."""
-    from evaluator.scoring import pick_baseline
-    from evaluator.types import Times
+    from evoattn.contract.scoring import pick_baseline
+    from evoattn.contract.types import Times
     out = {}
     for c in result["configs"]:
         base = {n: Times.from_json(t) for n, t in (c.get("baseline_times") or {}).items()}

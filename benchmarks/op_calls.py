@@ -116,7 +116,7 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
-    from evaluator.problems import get_problem
+    from evoattn.problems import get_problem
     pkg = load_export(str(a.export))
     if a.fallback:
         importlib.import_module(f"{pkg.__name__}.guard").KERNEL_DEVICE_TYPES = ()
@@ -124,7 +124,7 @@ def main() -> None:
     print(f"call path: {path}")
     cpu = None
     if a.pin_cpu:
-        from evaluator.cpu_pin import TimingCpu
+        from evoattn.child.cpu_pin import TimingCpu
         cpu = TimingCpu()
         print(f"pinned to CPU {cpu.pick()} (the CPUs' speeds differ {cpu.spread():.2f}x)")
     rows = []

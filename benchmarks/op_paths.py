@@ -99,7 +99,7 @@ def main() -> None:
     import torch.nn.functional as F
     from triton.testing import do_bench
 
-    from evaluator.cpu_pin import TimingCpu
+    from evoattn.child.cpu_pin import TimingCpu
     pkg = load_export(str(a.export))
     ops = sys.modules[f"{pkg.__name__}.ops"]
     path = pkg.call_path(wait_s=None)

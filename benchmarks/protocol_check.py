@@ -6,7 +6,7 @@ For each config of a problem (GPU only), in one process:
   eager_rot    the same over the evaluator's rotating input sets
   do_bench     triton.testing.do_bench of one call (median; L2 flushed between calls)
   rot-long     the rotating loop again, over at least 400 calls (the steady state)
-  evaluator    the evaluator's call mode for the same baseline (evaluator/timing.py), and
+  evaluator    the evaluator's call mode for the same baseline (evoattn/child/timing.py), and
                with each call-mode heat length of --heat-ms (ms of untimed calls before a
                batch of heavy calls) in turn
 and the same again after the child's guards are installed (`--guards`), to show what the
@@ -50,8 +50,8 @@ class Bench:
 
     problem: Any
     dtype: Any
-    timer: Any                         # evaluator.timing.GpuTimer
-    request: Any                       # evaluator.request.EvalRequest: warm-up and reps
+    timer: Any                         # evoattn.child.timing.GpuTimer
+    request: Any                       # evoattn.contract.request.EvalRequest: warm-up and reps
     rng: random.Random
     heat_ms: tuple[float, ...]
 
@@ -68,7 +68,7 @@ def parse_args() -> argparse.Namespace:
                          "pinned (this thread on the fastest CPU, as the evaluator times)")
     ap.add_argument("--heat-ms", default="",
                     help="comma list of call mode's heat lengths (ms) to time the evaluator's "
-                         "call mode with as well (evaluator.timing.HEAT_MS; default: its own)")
+                         "call mode with as well (evoattn.child.timing.HEAT_MS; default: its own)")
     ap.add_argument("--out", default="")
     return ap.parse_args()
 
@@ -89,7 +89,7 @@ def plain_loops(fn: Any, inputs: dict, sets: list[dict]) -> dict[str, float]:
 def evaluator_times(b: Bench, name: str, fn: Any, inputs: dict, plan: Any, refill: Any
                     ) -> tuple[Any, dict[float, float]]:
     """Returns the evaluator's times of one baseline, and its call µs per --heat-ms length."""
-    from evaluator import timing
+    from evoattn.child import timing
     t = b.timer.measure({name: fn}, inputs, b.problem.random_inputs, refill, plan, "",
                         b.rng).times[name]
     by_heat = {}
@@ -121,7 +121,7 @@ def one(b: Bench, tag: str, cfg: dict) -> dict[str, Any]:
     import torch
     import triton.testing
 
-    from evaluator.timing import InputSets, Plan, set_bytes
+    from evoattn.child.timing import InputSets, Plan, set_bytes
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev)
     gen.manual_seed(b.rng.getrandbits(62))
@@ -152,7 +152,7 @@ def one(b: Bench, tag: str, cfg: dict) -> dict[str, Any]:
 def measure(b: Bench, tag: str, configs: list[dict], cpu: Any) -> list[dict[str, Any]]:
     """Returns every config's row in one stage; with a pinned CPU, a config is measured again
     when the CPU slowed meanwhile, as the evaluator measures it again."""
-    from evaluator.measure import CONTENTION_TRIES
+    from evoattn.child.measure import CONTENTION_TRIES
     rows = []
     for cfg in configs:
         if cpu is not None:
@@ -173,17 +173,17 @@ def enter_stage(stage: str, out: str, cpu: Any) -> Any:
     pinned before)."""
     import torch
     if stage == "profiled":
-        from evaluator.checking import library_kernels
+        from evoattn.child.checking import library_kernels
         x = torch.randn(64, 64, device="cuda")
         library_kernels(lambda: x @ x)
     elif stage == "pinned":
-        from evaluator.cpu_pin import TimingCpu
+        from evoattn.child.cpu_pin import TimingCpu
         pinned = TimingCpu()
         print(f"pinned to CPU {pinned.pick()} of {len(pinned.probe)} (their speeds differ "
               f"{pinned.spread():.2f}x)", flush=True)
         return pinned if pinned.cpu is not None else cpu
     elif stage == "guards":
-        from evaluator import guards
+        from evoattn.child import guards
         v = guards.Violations()
         guards.install_library_guard(v)
         guards.install_sandbox(v, [tempfile.mkdtemp(), str(Path(out).parent)])
@@ -194,9 +194,9 @@ def main() -> None:
     args = parse_args()
     import torch
 
-    from evaluator.problems import get_problem
-    from evaluator.request import EvalRequest
-    from evaluator.timing import GpuTimer
+    from evoattn.problems import get_problem
+    from evoattn.contract.request import EvalRequest
+    from evoattn.child.timing import GpuTimer
     problem = get_problem(args.problem)
     configs = problem.parse_configs(args.configs) if args.configs else problem.default_configs
     b = Bench(problem, getattr(torch, args.dtype), GpuTimer(), EvalRequest(), random.Random(0),

@@ -4,7 +4,7 @@
                                      [--rounds 30] [--repeats 2] [--out order.json]
 
 Two copies of `F.scaled_dot_product_attention` (cuDNN on Hopper) are timed by the evaluator's
-own call mode (evaluator/timing.py: back-to-back calls on rotating input sets, host clock,
+own call mode (evoattn/child/timing.py: back-to-back calls on rotating input sets, host clock,
 their order reversed every round) for --rounds rounds, with nothing, a stopping rule's
 arithmetic (each copy's median interval and their ratio's: three bootstraps), or a 3-ms sleep
 between rounds (`none`, `rule`, `sleep`), and with a 2-ms sleep before every batch (`both`:
@@ -33,7 +33,7 @@ DEFAULT = "8,32,512,64,nc;4,32,1024,64,nc;16,16,1024,128,nc;1,8,512,64,nc;2,32,2
 
 def parse_configs(text: str) -> list[tuple[int, int, int, int, bool]]:
     """(B, H, S, D, causal) per config of `text`, read by the sdpa problem's own parser."""
-    from evaluator.problems import get_problem
+    from evoattn.problems import get_problem
     return [(c["B"], c["H"], c["S"], c["D"], bool(c["causal"]))
             for c in get_problem("sdpa").parse_configs(text)]
 
@@ -42,8 +42,10 @@ def one(timer, cfg, pause: str, rounds: int) -> dict:  # noqa: ANN001
     import torch
     import torch.nn.functional as F
 
-    from evaluator import stats, timing
-    from evaluator.timing import InputSets, Plan
+    from evoattn.contract import stats
+
+    from evoattn.child import timing
+    from evoattn.child.timing import InputSets, Plan
     b, h, s, d, causal = cfg
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
@@ -123,7 +125,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("round_order.py: no CUDA GPU here", file=sys.stderr)
         sys.exit(2)
-    from evaluator.timing import GpuTimer
+    from evoattn.child.timing import GpuTimer
     timer = GpuTimer(tempfile.mkdtemp(prefix="evoattn-order-"))
     rows = []
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; B over A (the same "

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import ROOT
-from evaluator.runtime import perf_notes
+from evoattn.contract.runtime import perf_notes
 from evoattn.mutators.knobs import find_knobs, set_knobs as mutator_set
 
 SEED = ROOT / "seeds" / "sdpa" / "wgmma_flash.cu"

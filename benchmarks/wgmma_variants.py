@@ -20,7 +20,7 @@ and the same n calls eager (launches included), medians; with --do-bench N also 
 triton.testing.do_bench (L2 flushed by a write before every call).
 Prints a line per config (speedup over SDPA and TFLOP/s per function, graph time; with two
 or more variants also the first variant's paired gain over each other one, graph time: the
-median of the ratios of pairs of rounds (evaluator/stats.py) and its 95% bootstrap interval)
+median of the ratios of pairs of rounds (evoattn/contract/stats.py) and its 95% bootstrap interval)
 and the geometric means per mode over all, D=64 and D=128 configs, the paired gains with
 their intervals. Two settings whose
 gain's interval holds 1 are not told apart by this run; the interval covers the noise between
@@ -43,11 +43,11 @@ from typing import Any
 
 from benchmarks import check_bf16_cuda as cb
 from benchmarks.common import ROOT, label
-from evaluator import stats
-from evaluator.knobs import set_knobs
-from evaluator.loader import LoadFailure, companion_headers
-from evaluator.problems import get_problem
-from evaluator.types import geometric_mean
+from evoattn.contract import stats
+from evoattn.contract.knobs import set_knobs
+from evoattn.child.loader import LoadFailure, companion_headers
+from evoattn.problems import get_problem
+from evoattn.contract.types import geometric_mean
 from evoattn.mutators.knobs import parse_settings
 
 SEED = ROOT / "seeds" / "sdpa" / "wgmma_flash.cu"
@@ -167,7 +167,7 @@ Gain = tuple[float, "stats.Interval | None"]
 def paired_gain(first: list[float], other: list[float]) -> Gain:
     """The first function's speed over the other's (other's time / first's), measured in the
     same interleaved rounds: the median of the pairs of rounds' ratios and its bootstrap
-    interval (evaluator/stats.py)."""
+    interval (evoattn/contract/stats.py)."""
     return stats.ratio(other, first, paired=True)
 
 

@@ -58,12 +58,12 @@ class SandboxSettings:
     # Evaluations sharing visible_device (a run's `evaluator.per_gpu`): their children take
     # turns on it through a lock file in the cache (gpu_lock_path).
     gpu_share: int = 1
-    # The CPUs the children's timing picks its CPU from (evaluator/cpu_pin.py); empty: any
+    # The CPUs the children's timing picks its CPU from (evoattn/child/cpu_pin.py); empty: any
     # of theirs. A machine's GPUs get disjoint blocks.
     timing_cpus: tuple[int, ...] = ()
     # Keep spare children (SPARES), forked from the zygote, that set up the next candidates'
     # evaluations (CUDA, the baselines' plans, inputs and references) while one is evaluated;
-    # a set-up never overlaps another evaluation's timing (a GPU lock, evaluator/gpu_turn.py).
+    # a set-up never overlaps another evaluation's timing (a GPU lock, evoattn/child/gpu_turn.py).
     # A run's slots on a GPU keep them; without the zygote or with a station, none is kept.
     spare: bool = False
     # The run deadline calibrate() derives from the seed's evaluation: run_factor × its run

@@ -18,9 +18,9 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
-from evaluator import program
-from evaluator.request import DTYPES, TIMING_MODES
-from evaluator.types import EXIT_OK, EXIT_USAGE, exit_code_for
+from evoattn.contract import program
+from evoattn.contract.request import DTYPES, TIMING_MODES
+from evoattn.contract.types import EXIT_OK, EXIT_USAGE, exit_code_for
 
 from . import report, settings
 from .errors import EvoattnError, Interrupted, RunDirError, UsageError
@@ -207,7 +207,7 @@ def baseline(problem: str, configs: str | None, dtype: str | None, device: str,
     if dev == "cpu":
         env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     with console.status("timing PyTorch baselines ..."):
-        proc = subprocess.run([sys.executable, "-m", "evaluator.baseline"], input=json.dumps(req),
+        proc = subprocess.run([sys.executable, "-m", "evoattn.child.baseline"], input=json.dumps(req),
                               capture_output=True, text=True, env=env)
     if proc.returncode != 0 or not proc.stdout.strip():
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -222,7 +222,7 @@ def baseline(problem: str, configs: str | None, dtype: str | None, device: str,
 @click.argument("paths", nargs=-1, type=click.Path(dir_okay=False))
 def problems(paths: tuple[str, ...]) -> None:
     """List the built-in problems (and any problem .py files given) with their contracts."""
-    from evaluator.problems import builtin_names
+    from evoattn.problems import builtin_names
     for name in list(builtin_names()) + list(paths):
         p = settings.problem(settings.problem_ref(name) if name.endswith(".py") else name)
         console.print(report.problem_text(p))

@@ -13,8 +13,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from evaluator.names import WIDTH
-from evaluator.request import DEFAULTS, DTYPES, TIMING_MODES
+from evoattn.contract.names import WIDTH
+from evoattn.contract.request import DEFAULTS, DTYPES, TIMING_MODES
 
 from .errors import ConfigError
 
@@ -76,7 +76,7 @@ class LlmConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EvaluatorConfig:
-    """How candidates are evaluated. Unset values (None) mean evaluator/request.py's defaults;
+    """How candidates are evaluated. Unset values (None) mean evoattn/contract/request.py's defaults;
     tolerances left unset are the problem's own."""
 
     build_timeout_s: float = DEFAULTS.build_timeout_s
@@ -105,13 +105,13 @@ class EvaluatorConfig:
     scheduler_address: str | None = None   # the Dask scheduler, e.g. tcp://host:8786
     gpus: tuple[int, ...] | None = None    # local: the GPU indices to use (default: all visible)
     # Evaluations in flight per local GPU. Above 1 they take turns on the GPU
-    # (evaluator/gpu_turn.py): one's start, build and baselines' set-up overlap another's
+    # (evoattn/child/gpu_turn.py): one's start, build and baselines' set-up overlap another's
     # checks, Triton's compiles hand the turn on, and nothing else runs on the GPU while
     # one times. Faster only where set-ups and compiles are a large share (BENCHMARKS.md).
     per_gpu: int = 1
     # On a GPU, each slot keeps spare processes that set up the next candidates' evaluations
     # (CUDA, the baselines' plans, inputs and references: seconds) while one is evaluated;
-    # never while another evaluation times (evaluator/gpu_turn.py). No effect with a station.
+    # never while another evaluation times (evoattn/child/gpu_turn.py). No effect with a station.
     # A candidate out of GPU memory beside them is evaluated again without (sandbox.py).
     spare: bool = True
     # The fitness mode's target interval (relative half-width, 95%) for a plain candidate,
@@ -119,7 +119,7 @@ class EvaluatorConfig:
     # re-measured against it head to head at the request's width (1%), in every mode.
     candidate_width: float = WIDTH
     candidate_graph: bool = False
-    # ... and whether its heavy configs get call mode's heat (evaluator/timing.py): with it,
+    # ... and whether its heavy configs get call mode's heat (evoattn/child/timing.py): with it,
     # their call times are a sustained loop's; without (the default), they read 1-10% faster
     # on an H200 and an evaluation takes 3-6 s less. Plain candidates are ranked against each
     # other and the best's own plain figure, so the protocol is the same on both sides; a
@@ -127,7 +127,7 @@ class EvaluatorConfig:
     candidate_heat: bool = False
     # On a GPU, time on the fastest CPU of the machine (of the GPU's block, with several GPUs),
     # pinned for the timing: launch-bound times depend on the host's speed, which differs
-    # between the CPUs of one machine (evaluator/cpu_pin.py).
+    # between the CPUs of one machine (evoattn/child/cpu_pin.py).
     pin_cpu: bool = DEFAULTS.pin_cpu
     # Iterations in flight (default: one per evaluation slot, plus llm.concurrency). A fixed
     # window keeps a run's choices the same on any number of GPUs or workers.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
-from evaluator.types import EvalResult
+from evoattn.contract.types import EvalResult
 
 from .population import Population
 from .prune import PRUNE, Setback, apply_setbacks, change_of, costs_nothing, duels, setbacks

@@ -12,8 +12,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from evaluator.problems import builtin_names
-from evaluator.problems import get_problem as builtin_problem
+from evoattn.problems import builtin_names
+from evoattn.problems import get_problem as builtin_problem
 
 from . import export_docs as docs
 from .errors import RunDirError
@@ -119,7 +119,7 @@ def _kernel_info(best: Program, meta_problem: str) -> KernelInfo:
         else "attention"
     if user:
         try:
-            from .problems import load_problem
+            from .problem_lookup import load_problem
             loaded = load_problem(meta_problem)
             problem, entry = loaded.name, loaded.entry
         except Exception:  # noqa: BLE001 - a moved or broken problem file: keep the stored name

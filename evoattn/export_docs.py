@@ -4,10 +4,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from evaluator.problems import OpDocs, Problem, builtin_names, get_problem
-from evaluator.request import DEFAULTS
-from evaluator.names import MODE_DESCRIPTIONS as MODE_WORDS
-from evaluator.types import ConfigResult, EvalResult
+from evoattn.problems import OpDocs, Problem, builtin_names, get_problem
+from evoattn.contract.request import DEFAULTS
+from evoattn.contract.names import MODE_DESCRIPTIONS as MODE_WORDS
+from evoattn.contract.types import ConfigResult, EvalResult
 
 from .export_package import KernelInfo
 from .report import (duel_of, duel_phrase, host_bound_labels, label, set_back_lines,

@@ -3,7 +3,7 @@
 The package's code is the files of evoattn/export_templates/, copied as they are: they read
 everything particular to this kernel from the kernel.json written beside them (its names,
 its form, what it was verified on). The problem's own module (its op spec, fallback and
-transformers route) and what it imports from evaluator/problems/ go to <package>/_problems/,
+transformers route) and what it imports from evoattn/problems/ go to <package>/_problems/,
 unchanged. The program's own files go to <package>/kernel/.
 """
 from __future__ import annotations
@@ -17,11 +17,11 @@ import string
 from pathlib import Path
 from typing import Any
 
-from evaluator import program as program_files
-from evaluator import problems as problem_modules
-from evaluator import runtime, runtime_rules
-from evaluator.knobs import find_knobs, values_of
-from evaluator.types import EvalResult, Verdict
+from evoattn.contract import program as program_files
+from evoattn import problems as problem_modules
+from evoattn.contract import runtime, runtime_rules
+from evoattn.contract.knobs import find_knobs, values_of
+from evoattn.contract.types import EvalResult, Verdict
 
 from .types import Program
 
@@ -200,7 +200,7 @@ def package_files(info: KernelInfo, evidence: dict[str, str]) -> dict[str, str]:
 
 
 def shipped_problem_modules(problem: str | None) -> list[str]:
-    """Returns the modules of evaluator/problems/ a package ships: those the templates import,
+    """Returns the modules of evoattn/problems/ a package ships: those the templates import,
     the problem's own (and its OP_MODULE), and every module they import from there in turn."""
     todo = [name for template in TEMPLATE_MODULES if template.endswith(".py")
             for name in _imports(TEMPLATES / template, PROBLEMS_PACKAGE)]

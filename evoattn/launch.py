@@ -2,7 +2,7 @@
 
 Both give the evaluator the same handle: the child's pid (the leader of its own
 session), a file descriptor the result arrives on, its exit code once it has
-died, and a kill that ends the whole session. The zygote (evaluator/zygote.py)
+died, and a kill that ends the whole session. The zygote (evoattn/child/zygote.py)
 saves each candidate the seconds of importing torch and Triton; it never touches
 CUDA, so every candidate still gets a CUDA context of its own.
 """
@@ -35,14 +35,14 @@ class LaunchError(Exception):
 
 
 class PopenChild:
-    """A candidate process started as `python -m evaluator.worker`."""
+    """A candidate process started as `python -m evoattn.child.worker`."""
 
     def __init__(self, request: dict[str, Any], work: str, env: dict[str, str],
                  log_path: Path) -> None:
         rfd, wfd = os.pipe()
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "evaluator.worker", "--fd", str(wfd),
+                [sys.executable, "-m", "evoattn.child.worker", "--fd", str(wfd),
                  "--parent", str(os.getpid())],
                 stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, cwd=work, env=env,
                 pass_fds=(wfd,), start_new_session=True)
@@ -108,12 +108,12 @@ class ZygoteChild:
 
 
 class Zygote:
-    """The parent's end of one `python -m evaluator.zygote` process."""
+    """The parent's end of one `python -m evoattn.child.zygote` process."""
 
     def __init__(self, env: dict[str, str]) -> None:
         self._dir = tempfile.mkdtemp(prefix="evoattn-zygote-")
         env = dict(env, HOME=self._dir, TMPDIR=self._dir)
-        self.proc = subprocess.Popen([sys.executable, "-m", "evaluator.zygote",
+        self.proc = subprocess.Popen([sys.executable, "-m", "evoattn.child.zygote",
                                       "--parent", str(os.getpid())],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, cwd=self._dir, env=env,

@@ -24,10 +24,10 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from evaluator.cpu_pin import gpu_block
-from evaluator.names import Stage
-from evaluator.request import EvalRequest
-from evaluator.types import EvalResult
+from evoattn.child.cpu_pin import gpu_block
+from evoattn.contract.names import Stage
+from evoattn.contract.request import EvalRequest
+from evoattn.contract.types import EvalResult
 
 from .childenv import SandboxSettings
 from .errors import UsageError

@@ -21,10 +21,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from evaluator import program, runtime
-from evaluator.knobs import find_knobs, values_of
-from evaluator.loader import companion_headers
-from evaluator.request import EvalRequest
+from evoattn.contract import program, runtime
+from evoattn.contract.knobs import find_knobs, values_of
+from evoattn.child.loader import companion_headers
+from evoattn.contract.request import EvalRequest
 
 from .childenv import SandboxSettings, child_env, default_cache_dir, detect_target
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-from evaluator.knobs import active, find_knobs, set_knobs
-from evaluator.request import TIMING_MODES
-from evaluator.scoring import slower_configs
-from evaluator.types import EvalResult
+from evoattn.contract.knobs import active, find_knobs, set_knobs
+from evoattn.contract.request import TIMING_MODES
+from evoattn.contract.scoring import slower_configs
+from evoattn.contract.types import EvalResult
 
 from .mutators.knobs import describe
 

@@ -9,10 +9,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from evaluator import scoring, stats
-from evaluator.runtime import perf_notes
-from evaluator.names import MODE_WORDS, TIMING_MODES
-from evaluator.types import ConfigResult, EvalResult, Times, Verdict
+from evoattn.contract import scoring
+
+from evoattn.contract import stats
+from evoattn.contract.runtime import perf_notes
+from evoattn.contract.names import MODE_WORDS, TIMING_MODES
+from evoattn.contract.types import ConfigResult, EvalResult, Times, Verdict
 
 from .prune import PRUNE, costs_nothing
 from .types import Program
@@ -258,7 +260,7 @@ def host_bound_lines(result: EvalResult) -> list[str]:
 
 
 def remeasured_lines(result: EvalResult) -> list[str]:
-    """Returns what the evaluator measured again and why (evaluator/measure.py, timing.py,
+    """Returns what the evaluator measured again and why (evoattn/child/measure.py, timing.py,
     sandbox.py): configs whose baselines' own times showed a disturbance or whose timing CPU
     slowed while they were host-bound, call rounds that lost their CPU, a candidate evaluated
     again after an evaluator fault."""

@@ -11,8 +11,8 @@ import datetime
 from pathlib import Path
 from typing import Any
 
-from evaluator.request import TIMING_MODES
-from evaluator.types import EvalResult
+from evoattn.contract.request import TIMING_MODES
+from evoattn.contract.types import EvalResult
 
 from .prune import PRUNE
 from .report import crowned_changes, duel_of, duel_phrase, label

@@ -8,9 +8,9 @@ from typing import Any
 
 from rich.console import Console
 
-from evaluator import program
-from evaluator.request import EvalRequest
-from evaluator.types import EXIT_OK
+from evoattn.contract import program
+from evoattn.contract.request import EvalRequest
+from evoattn.contract.types import EXIT_OK
 
 from . import settings
 from .config import RunConfig, check_config, config_from_dict, config_to_dict, load_config

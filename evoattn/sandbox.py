@@ -1,7 +1,7 @@
 """Parent side of the evaluator boundary: one child process per candidate.
 
 The orchestrator never imports candidate code and never touches CUDA. Each candidate runs
-in a process of its own (forked from a warm zygote, or a fresh `python -m evaluator.worker`),
+in a process of its own (forked from a warm zygote, or a fresh `python -m evoattn.child.worker`),
 in a fresh process session, in a temporary directory, with an environment stripped of
 secrets, and under deadlines for its build and its run. Whatever happens to the child, the
 parent returns an EvalResult; when the evaluator itself fails (the zygote or the child
@@ -21,11 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from evaluator import program
-from evaluator.names import Stage
-from evaluator.request import EvalRequest
-from evaluator.types import EvalResult, Verdict
-from evaluator.types import SPARE_UNPREPARED
+from evoattn.contract import program
+from evoattn.contract.names import Stage
+from evoattn.contract.request import EvalRequest
+from evoattn.contract.types import EvalResult, Verdict
+from evoattn.contract.types import SPARE_UNPREPARED
 
 from .childenv import SPARES, SandboxSettings, child_env, default_cache_dir, gpu_lock_path
 from .launch import LaunchError, PopenChild, Zygote, ZygoteChild, pid_alive, private_dir
@@ -77,7 +77,7 @@ class SubprocessEvaluator:
 
     def evaluate(self, source: str, suffix: str, label: str = "candidate",
                  rival: str | None = None) -> EvalResult:
-        """Returns the verdict on `source` (a program text, see evaluator/program.py).
+        """Returns the verdict on `source` (a program text, see evoattn/contract/program.py).
 
         `rival`: another program's text, timed beside it in the same rounds against the same
         baselines (a duel); the result carries the rival's fitness and the gain."""
@@ -317,7 +317,7 @@ class SubprocessEvaluator:
 
 @dataclasses.dataclass
 class _Spare:
-    """A spare child (evaluator/worker.serve_spare), its directory and what it prepares for."""
+    """A spare child (evoattn/child/worker.serve_spare), its directory and what it prepares for."""
 
     child: ZygoteChild
     work: str

@@ -29,8 +29,8 @@ import random
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from evaluator.names import Stage
-from evaluator.types import EXIT_INTERRUPTED, EvalResult, Verdict
+from evoattn.contract.names import Stage
+from evoattn.contract.types import EXIT_INTERRUPTED, EvalResult, Verdict
 
 from .config import RunConfig
 from .endofrun import EndOfRun, first_line
@@ -42,7 +42,7 @@ from .store import RunStore
 from .types import Evaluator, MutationRequest, Mutator, Pool, Program, Proposal, program_id
 from .window import DUPLICATE, InFlight, Window
 
-# Where an evaluation has its GPU to itself (evaluator/gpu_turn.py when slots share one): the
+# Where an evaluation has its GPU to itself (evoattn/child/gpu_turn.py when slots share one): the
 # share of the wall time the GPUs spend in it is what more slots per GPU would raise.
 TIMING_STAGE = Stage.TIME
 PLAIN_BAR = "plain_bar"   # the snapshot key of the champion's plain fitness (see Search)

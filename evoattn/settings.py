@@ -10,11 +10,11 @@ from typing import Any, Sequence
 
 from rich.console import Console
 
-from evaluator.request import EvalRequest
+from evoattn.contract.request import EvalRequest
 
 from .config import EvaluatorConfig
 from .errors import UsageError
-from .problems import load_problem
+from .problem_lookup import load_problem
 
 
 def problem_ref(name: str, config_path: str | None = None) -> str:

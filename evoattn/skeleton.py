@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 from .errors import UsageError
-from .problems import load_problem
+from .problem_lookup import load_problem
 
 TEMPLATES = Path(__file__).resolve().parent / "skeleton_templates"
 FORMS = {"cu": ".cu", "py": ".py"}

@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from evaluator.request import EvalRequest
-from evaluator.types import EvalResult
+from evoattn.contract.request import EvalRequest
+from evoattn.contract.types import EvalResult
 
 from .childenv import SandboxSettings
 from .sandbox import SubprocessEvaluator, run_deadline

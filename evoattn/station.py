@@ -1,4 +1,4 @@
-"""The parent's end of an evaluation slot's station (evaluator/station.py).
+"""The parent's end of an evaluation slot's station (evoattn/child/station.py).
 
 A run's candidates are timed each in its own sandboxed child; the baselines they are compared
 with, and the GPU's matmul ceiling, come from the slot's station, a warm trusted process that
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from evaluator.request import EvalRequest
+from evoattn.contract.request import EvalRequest
 
 from .launch import _killpg
 
@@ -78,7 +78,7 @@ class Station:
         log = open(Path(self._dir) / "station.log", "wb")
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "evaluator.station", "--parent", str(os.getpid())],
+                [sys.executable, "-m", "evoattn.child.station", "--parent", str(os.getpid())],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, cwd=self._dir,
                 env=env, start_new_session=True)
         except OSError as e:

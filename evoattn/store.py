@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from evaluator.types import EvalResult
+from evoattn.contract.types import EvalResult
 
 from .config import ENV_NAME
 from .errors import RunDirError

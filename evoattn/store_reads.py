@@ -9,7 +9,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any, Iterator
 
-from evaluator.types import EvalResult
+from evoattn.contract.types import EvalResult
 
 from .errors import UsageError
 from .types import Attempt, LlmUsage, Program

@@ -7,7 +7,7 @@ import hashlib
 import re
 from typing import Any, Protocol, runtime_checkable
 
-from evaluator.types import EvalResult
+from evoattn.contract.types import EvalResult
 
 
 def normalise_source(source: str) -> str:

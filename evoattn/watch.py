@@ -1,7 +1,7 @@
 """Follows one candidate's child process: its messages, its deadlines, its memory, its death.
 
 The child reports stages and its result as JSON lines carrying a nonce on a pipe of its own
-(evaluator/worker.py); anything else on the pipe is ignored. The parent turns what it sees
+(evoattn/child/worker.py); anything else on the pipe is ignored. The parent turns what it sees
 into either the child's result or a verdict of its own (a timeout, host memory, a crash, or
 an evaluator fault when the zygote or an outside kill took the child).
 """
@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from evaluator.names import Stage
-from evaluator.request import EvalRequest
-from evaluator.types import SPARE_UNPREPARED, Verdict
+from evoattn.contract.names import Stage
+from evoattn.contract.request import EvalRequest
+from evoattn.contract.types import SPARE_UNPREPARED, Verdict
 
 from .childenv import SandboxSettings
 from .launch import Zygote, pid_alive

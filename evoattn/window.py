@@ -13,7 +13,7 @@ import concurrent.futures as cf
 import dataclasses
 from typing import Callable, Iterator, Sequence
 
-from evaluator.types import EvalResult
+from evoattn.contract.types import EvalResult
 
 from .errors import EvoattnError, LlmError
 from .types import MutationRequest, Mutator, Pool, Proposal, program_id

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from evaluator.types import ConfigResult, EvalResult, Times, Verdict
+from evoattn.contract.types import ConfigResult, EvalResult, Times, Verdict
 from evoattn.mutators.knobs import find_knobs
 from evoattn.sandbox import SandboxSettings, SubprocessEvaluator
 
@@ -123,7 +123,7 @@ def sandboxed(*, cache_dir: str = "", zygote: bool | None = None,
               max_host_mem_bytes: int | None = None, spare: bool = False,
               **request: object) -> SubprocessEvaluator:
     """Returns a real sandboxed evaluator: request fields and sandbox settings by keyword."""
-    from evaluator.request import EvalRequest
+    from evoattn.contract.request import EvalRequest
     sandbox: dict[str, object] = {"cache_dir": cache_dir, "spare": spare}
     if zygote is not None:
         sandbox["zygote"] = zygote

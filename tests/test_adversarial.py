@@ -20,7 +20,7 @@ import pytest
 
 from evoattn.sandbox import SubprocessEvaluator
 from fakes import sandboxed
-from evaluator.types import EvalResult, Verdict, geometric_mean
+from evoattn.contract.types import EvalResult, Verdict, geometric_mean
 
 ROOT = Path(__file__).resolve().parents[1]
 ADV = ROOT / "tests" / "adversarial"
@@ -123,11 +123,11 @@ CHEATS = [
     # 7. shape specialisation, caught on a domain shape (S = 77)
     ("tail_drop.py", Verdict.INCORRECT, r"\(1,1,77,64\) causal \[domain shape\]: max abs error"),
     # 8. harness tampering by code swap (attribute replacement: its own test below)
-    ("tamper_code.py", Verdict.TAMPERING, r"evaluator\.checks\.max_abs_err\.__code__"),
+    ("tamper_code.py", Verdict.TAMPERING, r"evoattn\.child\.checks\.max_abs_err\.__code__"),
     # ... by swapping the module the harness calls through, or a method of the problem class
-    ("tamper_module.py", Verdict.TAMPERING, r"replaced harness functions: evaluator\.checking\.checks"),
-    ("tamper_baseline.py", Verdict.TAMPERING, r"evaluator\.problems\.sdpa\.Sdpa\.baseline"),
-    ("tamper_types.py", Verdict.TAMPERING, r"evaluator\.types\.Times\.in_mode"),
+    ("tamper_module.py", Verdict.TAMPERING, r"replaced harness functions: evoattn\.child\.checking\.checks"),
+    ("tamper_baseline.py", Verdict.TAMPERING, r"evoattn\.problems\.sdpa\.Sdpa\.baseline"),
+    ("tamper_types.py", Verdict.TAMPERING, r"evoattn\.contract\.types\.Times\.in_mode"),
     # 10. non-determinism
     ("nondeterministic.py", Verdict.NONDETERMINISTIC, r"two runs on the same inputs differ"),
     # 11. crashes are contained and named
@@ -183,7 +183,7 @@ def test_replacing_clocks_sync_and_checks_is_tampering(cpu_eval: SubprocessEvalu
     result = evaluate(cpu_eval, ADV / "tamper_harness.py")
     assert_verdict(result, Verdict.TAMPERING, r"replaced harness functions")
     for name in ("time.perf_counter", "torch.cuda.synchronize", "torch.cuda.Event.elapsed_time",
-                 "evaluator.checks.max_abs_err"):
+                 "evoattn.child.checks.max_abs_err"):
         assert name in result.reason
 
 
@@ -291,8 +291,8 @@ class _FakeTimer:
         self.kept_out = kept_out            # a timed output to hand back for re-checking
 
     def measure(self, fns, inputs, random_names, refill, plan, keep, rng, *_, **__):  # noqa: ANN001, ANN002, ANN003
-        from evaluator.timing import Kept, Measurement
-        from evaluator.types import Times
+        from evoattn.child.timing import Kept, Measurement
+        from evoattn.contract.types import Times
         names = list(fns)
         ms = {n: self.ms["candidate" if n == "candidate" else "baseline"] for n in names}
         kept = [] if self.kept_out is None else [Kept("timed call 0", self.kept_out, dict(inputs))]
@@ -318,11 +318,11 @@ def _time_with(entry, candidate_ms: float, ceiling: float | None = None,  # noqa
     measured in the correctness pass (and so the bound)."""
     import torch
 
-    from evaluator.cases import prepare_case
-    from evaluator.measure import TimingContext, time_case
-    from evaluator.problems import get_problem
-    from evaluator.request import EvalRequest
-    from evaluator.types import ConfigResult
+    from evoattn.child.cases import prepare_case
+    from evoattn.child.measure import TimingContext, time_case
+    from evoattn.problems import get_problem
+    from evoattn.contract.request import EvalRequest
+    from evoattn.contract.types import ConfigResult
 
     problem = get_problem("sdpa")
     cfg = dict(problem.cpu_configs[0])
@@ -349,7 +349,7 @@ def test_implausibly_fast_correct_candidate_is_flagged_and_reverified() -> None:
 
 
 def test_implausibly_fast_candidate_wrong_on_fresh_inputs_is_implausible() -> None:
-    from evaluator.checking import Fail
+    from evoattn.child.checking import Fail
     with pytest.raises(Fail) as info:
         _time_with(_load_entry(ADV / "stale_cache.py"), candidate_ms=0.01)
     assert info.value.verdict is Verdict.IMPLAUSIBLE
@@ -357,7 +357,7 @@ def test_implausibly_fast_candidate_wrong_on_fresh_inputs_is_implausible() -> No
 
 
 def test_speed_above_the_measured_ceiling_is_implausible() -> None:
-    from evaluator.checking import Fail
+    from evoattn.child.checking import Fail
     with pytest.raises(Fail) as info:
         _time_with(_load_entry(ADV / "honest_torch.py"), candidate_ms=0.5, ceiling=1e-6)
     assert info.value.verdict is Verdict.IMPLAUSIBLE
@@ -375,7 +375,7 @@ def test_reverification_bound_counts_torch_error_on_the_fresh_inputs() -> None:
 def test_empty_timed_output_is_incorrect() -> None:
     import torch
 
-    from evaluator.checking import Fail
+    from evoattn.child.checking import Fail
     with pytest.raises(Fail) as info:      # max_abs_err of an empty tensor is 0: shape first
         _time_with(_load_entry(ADV / "honest_torch.py"), candidate_ms=0.5,
                    kept_out=torch.empty(0, dtype=torch.float16))
@@ -468,7 +468,7 @@ def test_a_triton_launch_hook_cannot_start_work_before_the_timer(gpu_eval: Subpr
 # ---- the static scan: comments and docstrings aside, never code -----------------------------
 
 def test_static_scan_ignores_comments_and_docstrings() -> None:
-    from evaluator.guards import scan_source
+    from evoattn.child.guards import scan_source
     src = ('"""Faster than F.scaled_dot_product_attention."""\n'
            "def attention(q, k, v, causal=False, scale=None):\n"
            '    """Not scaled_dot_product_attention: a kernel of our own."""\n'
@@ -477,7 +477,7 @@ def test_static_scan_ignores_comments_and_docstrings() -> None:
 
 
 def test_static_scan_sees_code_that_shares_a_line_with_a_docstring() -> None:
-    from evaluator.guards import scan_source
+    from evoattn.child.guards import scan_source
     src = ("import torch.nn.functional as F\n"
            'def attention(q, k, v, causal=False, scale=None): "doc"; '
            "return F.scaled_dot_product_attention(q, k, v)\n")

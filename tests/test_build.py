@@ -1,4 +1,4 @@
-"""Tests for evaluator.runtime: flags, cache keys, conditions, log trimming, and real nvcc builds."""
+"""Tests for evoattn.contract.runtime: flags, cache keys, conditions, log trimming, and real nvcc builds."""
 from __future__ import annotations
 
 import ctypes
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from evaluator import runtime
-from evaluator.runtime import (BuildResult, LoadError, build_fast, cache_key, fast_flags,
+from evoattn.contract import runtime
+from evoattn.contract.runtime import (BuildResult, LoadError, build_fast, cache_key, fast_flags,
                                gencode_flags, load_fast, torch_arch_list, trim_log)
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
@@ -164,8 +164,8 @@ def test_timeout_kills_the_build_and_leaves_no_cache_entry(tmp_path):
 
 def test_python_candidate_with_a_latin1_comment_loads(tmp_path):
     # Python accepts the stray byte in a comment; reading the file as UTF-8 text must not crash.
-    from evaluator.loader import build_candidate
-    from evaluator.problems import get_problem
+    from evoattn.child.loader import build_candidate
+    from evoattn.problems import get_problem
     path = tmp_path / "latin1.py"
     path.write_bytes(b"# caf\xe9\ndef attention(q, k, v, causal=False, scale=None):\n    return q\n")
     loaded = build_candidate(path, get_problem("sdpa"), tmp_path / "cache", 10.0, None)()
@@ -175,7 +175,7 @@ def test_python_candidate_with_a_latin1_comment_loads(tmp_path):
 # ---- the shared rules: conditions and companion selection -------------------------
 
 def test_cuda_companions_are_the_cu_files_whose_conditions_hold():
-    from evaluator.runtime import cuda_companions, parse_conditions
+    from evoattn.contract.runtime import cuda_companions, parse_conditions
     comps = [("fast.cu", parse_conditions("when(@target=sm90) when(USE=True)")),
              ("any.cu", ()), ("helper.py", ()),
              ("fast.cuh", parse_conditions("when(@target=sm90)"))]
@@ -200,7 +200,7 @@ def test_the_runtime_imports_only_the_standard_library_and_its_rules(module: str
     import ast
     import importlib
     import sys
-    path = Path(importlib.import_module(f"evaluator.{module}").__file__)
+    path = Path(importlib.import_module(f"evoattn.contract.{module}").__file__)
     tree = ast.parse(path.read_text())
     relative = {n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.level}
     top = {(n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]

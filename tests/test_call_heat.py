@@ -9,7 +9,7 @@ import torch
 
 import pytest
 
-from evaluator.timing import HEAT_MIN_MS, HEAT_MS, CpuTimer, GpuTimer, InputSets, Plan, _Timer
+from evoattn.child.timing import HEAT_MIN_MS, HEAT_MS, CpuTimer, GpuTimer, InputSets, Plan, _Timer
 
 
 class _Recorder(_Timer):

@@ -24,7 +24,7 @@ def script():
 
 def _reference_in_dtype(inputs, cfg):
     """The float32 answer rounded to the input dtype: within any tolerance the rule gives."""
-    from evaluator.problems import get_problem
+    from evoattn.problems import get_problem
     return get_problem("sdpa").reference(inputs, cfg).to(inputs["q"].dtype)
 
 

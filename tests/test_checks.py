@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from evaluator.checks import max_abs_err
+from evoattn.child.checks import max_abs_err
 
 
 def test_a_half_output_is_compared_in_float32() -> None:

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
-from evaluator.types import ConfigResult, EvalResult, Verdict
+from evoattn.contract.types import ConfigResult, EvalResult, Verdict
 from evoattn import cli, report
 from evoattn.config import RunConfig, config_to_dict
 from evoattn.store import RunStore

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from evaluator.cpu_pin import SLOWER, TimingCpu, cpu_blocks, interpreter_work, median_seconds
+from evoattn.child.cpu_pin import SLOWER, TimingCpu, cpu_blocks, interpreter_work, median_seconds
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"),
                                 reason="no sched_setaffinity (Linux only)")
@@ -129,11 +129,11 @@ def test_a_machine_s_gpus_get_disjoint_contiguous_blocks() -> None:
 
 
 def test_the_request_carries_its_cpus_and_the_config_its_switch() -> None:
-    from evaluator.request import EvalRequest
+    from evoattn.contract.request import EvalRequest
     r = EvalRequest(timing_cpus=(2, 5), pin_cpu=False)
     back = EvalRequest.from_json(r.to_json())
     assert back == r and back.timing_cpus == (2, 5)
-    from evaluator.problems import get_problem
+    from evoattn.problems import get_problem
     from evoattn import settings
     from evoattn.config import EvaluatorConfig
     assert EvaluatorConfig().pin_cpu is True and EvalRequest().pin_cpu is True
@@ -146,7 +146,7 @@ def test_the_request_carries_its_cpus_and_the_config_its_switch() -> None:
 def test_the_timing_records_its_cpu_in_the_result(monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 
-    from evaluator import harness
+    from evoattn.child import harness
     s = SimpleNamespace(common={"device_info": {}})
     cpu = TimingCpu([ALL[0]], speed=lambda: 120e-6)
     try:
@@ -159,7 +159,7 @@ def test_the_timing_records_its_cpu_in_the_result(monkeypatch: pytest.MonkeyPatc
 
 
 def test_a_gpu_s_block_is_its_own_by_its_index_on_the_machine() -> None:
-    from evaluator.cpu_pin import gpu_block
+    from evoattn.child.cpu_pin import gpu_block
     cpus = range(16)
     # two runs (or Dask workers) on one 2-GPU machine, each seeing one GPU: disjoint blocks
     assert gpu_block("0", 0, 1, cpus, host_gpus=2) == tuple(range(8))

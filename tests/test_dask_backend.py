@@ -22,9 +22,9 @@ import distributed
 import pytest
 import yaml
 
-from evaluator import program
-from evaluator.request import EvalRequest
-from evaluator.types import Verdict
+from evoattn.contract import program
+from evoattn.contract.request import EvalRequest
+from evoattn.contract.types import Verdict
 from evoattn.backends.dask import START_TOPIC, DaskPool
 from evoattn.runner import plan_run
 from evoattn.slots import SlotSpec
@@ -226,7 +226,7 @@ def test_a_worker_times_on_its_gpu_s_cpus_and_plain_candidates_take_the_run_s_pr
             made.append((request, sandbox, plain))
 
         def evaluate(self, source, suffix, label, rival=None):  # noqa: ANN001, ANN201
-            from evaluator.types import EvalResult
+            from evoattn.contract.types import EvalResult
             return EvalResult.failure(Verdict.CRASH, "not run")
 
         def close(self) -> None:
@@ -234,7 +234,7 @@ def test_a_worker_times_on_its_gpu_s_cpus_and_plain_candidates_take_the_run_s_pr
     monkeypatch.setattr("evoattn.slots.SubprocessEvaluator", Fake)
     monkeypatch.setattr(backend, "_here", {})
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
-    monkeypatch.setattr("evaluator.cpu_pin.host_gpu_count", lambda: 2)
+    monkeypatch.setattr("evoattn.child.cpu_pin.host_gpu_count", lambda: 2)
     plain = {"width": 0.02, "graph": False, "heat": True}
     spec = _spec(EvalRequest(device="cuda"), plain=plain)
     backend._evaluate_here(spec.to_json(), "x = 1\n", ".py", "a", None)

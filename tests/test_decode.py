@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from evaluator.problems import get_problem
-from evaluator.problems.decode import GARBAGE_SCALE, lengths, shape_of
+from evoattn.problems import get_problem
+from evoattn.problems.decode import GARBAGE_SCALE, lengths, shape_of
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = ROOT / "seeds" / "decode" / "decode_triton.py"

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from evaluator import program
-from evaluator.types import ConfigResult, EvalResult, Times, Verdict
+from evoattn.contract import program
+from evoattn.contract.types import ConfigResult, EvalResult, Times, Verdict
 from evoattn import export as export_mod
 from evoattn.config import RunConfig, config_to_dict
 from evoattn.errors import RunDirError

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from evaluator.types import Verdict
+from evoattn.contract.types import Verdict
 from evoattn import settings
 from evoattn.export import export_run
 from evoattn.sandbox import SubprocessEvaluator

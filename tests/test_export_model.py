@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from evaluator.types import ConfigResult, EvalResult, Verdict
+from evoattn.contract.types import ConfigResult, EvalResult, Verdict
 from evoattn.config import RunConfig, config_to_dict
 from evoattn.export import export_run
 from evoattn.export_package import verified_set
@@ -141,7 +141,7 @@ FEATURES = {"gemma2": [[8, 20.0, False], [0, 20.0, False]],     # sliding, then 
 def _within_dtype_rule(case: dict) -> bool:
     """The problem's tolerance on logits: the kernel's error against float32 within twice
     eager's own in bfloat16."""
-    from evaluator.problems import get_problem
+    from evoattn.problems import get_problem
     return case["err"] <= get_problem("model").tolerance.bound(case["eager_err"])
 
 
@@ -216,7 +216,7 @@ def test_the_verified_set_records_the_features_its_configs_used():
 # ---- the op's spec, in this process ---------------------------------------------------
 def _op_inputs(cfg: dict, dtype: str = "bfloat16") -> tuple[object, dict]:
     import torch
-    from evaluator.problems import get_problem
+    from evoattn.problems import get_problem
     problem = get_problem("model")
     return problem, problem.make_inputs(cfg, getattr(torch, dtype), "cpu",
                                         torch.Generator().manual_seed(0))
@@ -227,7 +227,7 @@ def _op_inputs(cfg: dict, dtype: str = "bfloat16") -> tuple[object, dict]:
                                                     (1, 1.0, True), (100, 0.0, False)])
 def test_the_ops_fallback_computes_every_feature_as_the_reference(window, softcap, sinks):
     import torch
-    from evaluator.problems import model_op
+    from evoattn.problems import model_op
     cfg = {"B": 1, "H": 4, "Hkv": 2, "S": 37, "D": 64, "window": window, "softcap": softcap,
            "sinks": sinks}
     problem, x = _op_inputs(cfg)
@@ -244,7 +244,7 @@ def test_the_ops_fallback_computes_every_feature_as_the_reference(window, softca
 
 def test_the_ops_shape_rule_takes_the_contract_and_refuses_the_rest():
     import torch
-    from evaluator.problems import model_op
+    from evoattn.problems import model_op
     cfg = {"B": 1, "H": 4, "Hkv": 2, "S": 9, "D": 64, "window": 0, "softcap": 0.0,
            "sinks": True}
     _, x = _op_inputs(cfg, "bfloat16")
@@ -269,7 +269,7 @@ def test_the_transformers_route_maps_the_layers_keywords():
     """hf_call reads sliding_window, softcap and s_aux by identity (a sinks tensor has no
     truth value), casts the sinks to float32 and takes causal prefill only."""
     import torch
-    from evaluator.problems import model_op
+    from evoattn.problems import model_op
     calls = []
 
     def attention(*values: object) -> str:

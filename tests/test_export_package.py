@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from evaluator.types import ConfigResult, EvalResult, Verdict
+from evoattn.contract.types import ConfigResult, EvalResult, Verdict
 from evoattn import settings
 from evoattn.config import RunConfig, config_to_dict
 from evoattn.export import export_run
@@ -104,9 +104,9 @@ def test_export_writes_a_package_with_the_kernel_and_its_evidence(exported):
 def test_the_package_ships_the_evaluators_runtime_unchanged_and_imports_it(exported):
     s, out = exported["summary"], exported["out"]
     shipped = out / s.package / "_runtime.py"
-    assert shipped.read_bytes() == (ROOT / "evaluator" / "runtime.py").read_bytes()
+    assert shipped.read_bytes() == (ROOT / "evoattn" / "contract" / "runtime.py").read_bytes()
     rules = out / s.package / "runtime_rules.py"
-    assert rules.read_bytes() == (ROOT / "evaluator" / "runtime_rules.py").read_bytes()
+    assert rules.read_bytes() == (ROOT / "evoattn" / "contract" / "runtime_rules.py").read_bytes()
     assert not (out / s.package / "_build.py").exists()
     got = _py(f"""
         import json, sys, torch
@@ -114,11 +114,11 @@ def test_the_package_ships_the_evaluators_runtime_unchanged_and_imports_it(expor
         from {s.package} import _loader
         pkg.attention(*(torch.randn(1, 2, 8, 64) for _ in range(3)))
         print(json.dumps({{"runtime": _loader._runtime.__file__,
-                           "evaluator": sorted(m for m in sys.modules
-                                               if m.split(".")[0] == "evaluator")}}))
+                           "evoattn": sorted(m for m in sys.modules
+                                               if m == "evoattn" or m.startswith("evoattn."))}}))
     """, cwd=exported["tmp"], env={"PYTHONPATH": str(out)})
     r = json.loads(got.splitlines()[-1])
-    assert Path(r["runtime"]).resolve() == shipped.resolve() and r["evaluator"] == []
+    assert Path(r["runtime"]).resolve() == shipped.resolve() and r["evoattn"] == []
 
 
 def test_the_op_decides_once_per_call_key(exported):
@@ -534,7 +534,7 @@ def test_a_multi_file_kernel_loads_with_its_companions(tmp_path):
         def attention(q, k, v, causal=False, scale=None):
             return helper.scaled(q)
         """)
-    from evaluator import program
+    from evoattn.contract import program
     source = program.join([("hybrid.py", main), ("helper.py", "def scaled(x):\n    return 2 * x\n"),
                            ("fast.cu", 'extern "C" int f() { return 0; }\n')])
     res = EvalResult(verdict=Verdict.PASS, reason="", fitness=1.0, device="cpu",

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from evaluator import program
-from evaluator.types import Verdict
+from evoattn.contract import program
+from evoattn.contract.types import Verdict
 from evoattn import settings
 from evoattn.config import RunConfig, config_to_dict
 from evoattn.export import export_run

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from evaluator.types import ConfigResult, EvalResult, Verdict
+from evoattn.contract.types import ConfigResult, EvalResult, Verdict
 from evoattn.config import RunConfig, config_to_dict
 from evoattn.export import export_run
 from evoattn.store import RunStore

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from evaluator.gpu_turn import GpuTurn
+from evoattn.child.gpu_turn import GpuTurn
 
 
 def _free(path: Path) -> bool:
@@ -199,8 +199,8 @@ def test_a_set_up_put_aside_for_a_build_lets_a_timing_run_and_waits_for_it_after
 _PROBE = """
 import json, sys
 from pathlib import Path
-from evaluator import harness
-from evaluator.request import EvalRequest
+from evoattn.child import harness
+from evoattn.contract.request import EvalRequest
 from test_gpu_turn import _free
 lock, cand, cache = sys.argv[1:4]
 seen = {}

@@ -18,7 +18,7 @@ import pytest
 np = pytest.importorskip("numpy")
 mpimg = pytest.importorskip("matplotlib.image")
 
-from evaluator.types import EvalResult, Times, Verdict  # noqa: E402
+from evoattn.contract.types import EvalResult, Times, Verdict  # noqa: E402
 from evoattn.config import PopulationConfig, RunConfig, config_to_dict  # noqa: E402
 from evoattn import charts  # noqa: E402
 from evoattn.html_report import write_report  # noqa: E402

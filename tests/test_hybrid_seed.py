@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from evaluator import program, runtime
-from evaluator.knobs import active, find_knobs, set_knobs
-from evaluator.loader import LoadFailure, build_candidate, build_companions
-from evaluator.problems import get_problem
+from evoattn.contract import program, runtime
+from evoattn.contract.knobs import active, find_knobs, set_knobs
+from evoattn.child.loader import LoadFailure, build_candidate, build_companions
+from evoattn.problems import get_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 SEEDS = ROOT / "seeds" / "sdpa"

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from evaluator.types import ConfigResult, EvalResult, Verdict
+from evoattn.contract.types import ConfigResult, EvalResult, Verdict
 from evoattn.config import LlmConfig, ModelConfig
 from evoattn.errors import LlmError, UsageError
 from evoattn.mutators.llm import (

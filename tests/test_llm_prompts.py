@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 
-from evaluator import program
-from evaluator.problems import get_problem
-from evaluator.types import ConfigResult, EvalResult, Verdict
+from evoattn.contract import program
+from evoattn.problems import get_problem
+from evoattn.contract.types import ConfigResult, EvalResult, Verdict
 from evoattn.mutators.budget import split_context
 from evoattn.mutators.knobs import set_knobs
 from evoattn.mutators.prompts import PromptSettings, build_prompt
@@ -227,7 +227,7 @@ ptxas info    : Used 168 registers, used 1 barriers
 
 
 def test_ptxas_performance_notes_are_read_from_a_build_log_one_per_advisory() -> None:
-    from evaluator.runtime import perf_notes
+    from evoattn.contract.runtime import perf_notes
     assert perf_notes(PTXAS_LOG) == [
         "C7515: wgmma.mma_async instructions are serialized due to non wgmma instructions "
         "defining accumulator registers of a wgmma between start and end of the pipeline "

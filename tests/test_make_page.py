@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from evaluator.types import ConfigResult, EvalResult, Times, Verdict
+from evoattn.contract.types import ConfigResult, EvalResult, Times, Verdict
 from evoattn.config import RunConfig, config_to_dict
 from evoattn.store import RunStore
 from evoattn.types import Program

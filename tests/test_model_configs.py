@@ -152,6 +152,6 @@ def test_a_tiny_gemma2_config_runs_on_the_cpu_at_the_problem_cpu_length(tmp_path
 
 
 def test_the_default_gemma2_and_gpt_oss_give_the_model_problems_own_configs() -> None:
-    from evaluator.problems.model_prefill import GEMMA2_2B as GEMMA, GPT_OSS_20B as GPT_OSS
+    from evoattn.problems.model_prefill import GEMMA2_2B as GEMMA, GPT_OSS_20B as GPT_OSS
     assert mc.derive_configs(mc.read("gemma2")) == list(GEMMA)
     assert mc.derive_configs(mc.read("gpt_oss")) == list(GPT_OSS)

@@ -56,7 +56,7 @@ def naive(inputs: dict[str, Any]) -> Any:
 
 
 def _problem() -> Any:
-    from evaluator.problems import get_problem
+    from evoattn.problems import get_problem
     return get_problem("model_decode")
 
 
@@ -97,7 +97,7 @@ def test_rows_that_see_no_key_are_zero_even_with_a_sink() -> None:
 
 
 def test_a_dominant_sink_takes_almost_all_of_a_row() -> None:
-    from evaluator.problems.model_prefill import DOMINANT_SINK
+    from evoattn.problems.model_prefill import DOMINANT_SINK
     cfg = _cfg(2, 4, 2, 2, 30, window=1, sinks=True, lens="full")
     inputs = _inputs(cfg)
     assert float(inputs["sinks"][0]) == DOMINANT_SINK
@@ -120,8 +120,8 @@ def test_the_reference_never_reads_past_a_length() -> None:
 
 
 def test_lengths_are_the_decode_problems() -> None:
-    from evaluator.problems.decode import lengths as decode_lengths
-    from evaluator.problems.model_decode import lengths
+    from evoattn.problems.decode import lengths as decode_lengths
+    from evoattn.problems.model_decode import lengths
     for pattern in ("ragged", "full", "edge"):
         cfg = _cfg(9, 4, 2, 3, 100, lens=pattern)
         want = decode_lengths({"B": 9, "Hq": 4, "Hkv": 2, "Sq": 3, "ctx": 100, "D": 64,
@@ -131,7 +131,7 @@ def test_lengths_are_the_decode_problems() -> None:
 
 
 def test_flops_and_bytes_count_the_visible_keys() -> None:
-    from evaluator.problems.model_decode import lengths
+    from evoattn.problems.model_decode import lengths
     cfg = _cfg(7, 4, 2, 3, 100, window=5, lens="edge")
     lens = lengths(cfg)
     pairs = sum(sum(1 for j in range(L) if L - 3 + t - 5 < j <= L - 3 + t)
@@ -147,13 +147,13 @@ def test_flops_and_bytes_count_the_visible_keys() -> None:
     ({"lens": "odd"}, "lens"),
 ])
 def test_configs_outside_the_contract_name_their_key(change: dict[str, Any], key: str) -> None:
-    from evaluator.problems.model_decode import shape_of
+    from evoattn.problems.model_decode import shape_of
     with pytest.raises(ValueError, match=key):
         shape_of({**_cfg(1, 4, 2, 1, 16), **change})
 
 
 def test_default_configs_are_the_models_decode_shapes() -> None:
-    from evaluator.problems.model_decode import shape_of
+    from evoattn.problems.model_decode import shape_of
     shapes = [shape_of(c) for c in _problem().default_configs]
     gemma = [s for s in shapes if s.D == 256]
     oss = [s for s in shapes if s.sinks]
@@ -178,7 +178,7 @@ def test_default_configs_are_the_models_decode_shapes() -> None:
     (_cfg(3, 4, 2, 3, 40, window=7, sinks=True), False),
 ])
 def test_baselines_compute_the_contract(cfg: dict[str, Any], sdpa_runs: bool) -> None:
-    from evaluator.measure import applies
+    from evoattn.child.measure import applies
     inputs = _inputs(cfg)
     want = naive(inputs)
     timed = {n: f for n, f in _problem().baselines().items() if applies(f, cfg)}
@@ -191,7 +191,7 @@ def test_baselines_compute_the_contract(cfg: dict[str, Any], sdpa_runs: bool) ->
 
 
 def test_baselines_build_the_steps_masks_once_per_config(monkeypatch: Any) -> None:
-    import evaluator.problems.model_decode_baselines as mdb
+    import evoattn.problems.model_decode_baselines as mdb
     built: list[int] = []
     keep = mdb._keep
     monkeypatch.setattr(mdb, "_keep", lambda inputs: built.append(1) or keep(inputs))
@@ -244,7 +244,7 @@ def child(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     import importlib.util
 
     import torch
-    from evaluator.knobs import set_knobs
+    from evoattn.contract.knobs import set_knobs
     problem = _problem()
     results = []
     for n, case in enumerate(cases):

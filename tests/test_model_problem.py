@@ -51,7 +51,7 @@ def naive(q: Any, k: Any, v: Any, scale: float, window: int, softcap: float,
 
 def _inputs(cfg: dict[str, Any], dtype: str = "float16", seed: int = 0) -> dict[str, Any]:
     import torch
-    from evaluator.problems import get_problem
+    from evoattn.problems import get_problem
     return get_problem("model").make_inputs(cfg, getattr(torch, dtype), torch.device("cpu"),
                                             torch.Generator().manual_seed(seed))
 
@@ -62,7 +62,7 @@ def _naive_of(inputs: dict[str, Any]) -> Any:
 
 
 def _label(cfg: dict[str, Any]) -> str:
-    from evaluator.problems import get_problem
+    from evoattn.problems import get_problem
     return get_problem("model").label(cfg)
 
 
@@ -80,7 +80,7 @@ EDGE_CASES = [
 
 @pytest.mark.parametrize("cfg", EDGE_CASES, ids=_label)
 def test_reference_matches_a_naive_float64_implementation(cfg: dict[str, Any]) -> None:
-    from evaluator.problems import get_problem
+    from evoattn.problems import get_problem
     inputs = _inputs(cfg)
     ref = get_problem("model").reference(inputs, cfg)
     assert (ref.double() - _naive_of(inputs)).abs().max().item() < 1e-5
@@ -89,8 +89,8 @@ def test_reference_matches_a_naive_float64_implementation(cfg: dict[str, Any]) -
 def test_a_dominant_sink_takes_almost_all_of_a_row() -> None:
     # Window 1: a row's only key scores ~N(0, 1), head 0's sink is 10, so the row keeps a
     # weight near e^-10 and its output nearly vanishes; the other heads' sinks are ~N(0, 1).
-    from evaluator.problems import get_problem
-    from evaluator.problems.model_prefill import DOMINANT_SINK
+    from evoattn.problems import get_problem
+    from evoattn.problems.model_prefill import DOMINANT_SINK
     cfg = _cfg(1, 4, 2, 16, 64, window=1, sinks=True)
     inputs = _inputs(cfg)
     assert float(inputs["sinks"][0]) == DOMINANT_SINK
@@ -104,7 +104,7 @@ def test_a_dominant_sink_takes_almost_all_of_a_row() -> None:
 def test_the_window_edge_is_transformers_sliding_window_causal_mask() -> None:
     masking = pytest.importorskip("transformers.masking_utils")
     import torch
-    from evaluator.problems.model_prefill import visible
+    from evoattn.problems.model_prefill import visible
     i, j = torch.arange(20)[:, None], torch.arange(20)[None, :]
     zero = torch.tensor(0)
     for w in (1, 2, 5, 19, 20, 33):
@@ -113,8 +113,8 @@ def test_the_window_edge_is_transformers_sliding_window_causal_mask() -> None:
 
 
 def test_flops_count_the_visible_pairs() -> None:
-    from evaluator.problems import get_problem
-    from evaluator.problems.model_prefill import visible_pairs
+    from evoattn.problems import get_problem
+    from evoattn.problems.model_prefill import visible_pairs
     for S in (1, 7, 64):
         for w in (0, 1, 3, S - 1, S, S + 9):
             expected = sum(min(i + 1, w) if w > 0 else i + 1 for i in range(S))
@@ -128,14 +128,14 @@ def test_flops_count_the_visible_pairs() -> None:
     ({"softcap": -2.0}, "softcap"), ({"Hq": 8}, "Hq"), ({"S": 0}, "S"),
 ])
 def test_configs_outside_the_contract_name_their_key(change: dict[str, Any], key: str) -> None:
-    from evaluator.problems.model_prefill import shape_of
+    from evoattn.problems.model_prefill import shape_of
     with pytest.raises(ValueError, match=key):
         shape_of({**_cfg(1, 4, 2, 16, 64), **change})
 
 
 def test_default_configs_are_the_models_derived_shapes() -> None:
-    from evaluator.problems import get_problem
-    from evaluator.problems.model_prefill import shape_of
+    from evoattn.problems import get_problem
+    from evoattn.problems.model_prefill import shape_of
     shapes = [shape_of(c) for c in get_problem("model").default_configs]
     gemma = [s for s in shapes if s.D == 256]
     oss = [s for s in shapes if s.sinks]
@@ -154,8 +154,8 @@ def test_default_configs_are_the_models_derived_shapes() -> None:
     (_cfg(1, 4, 2, 40, 64, window=7, sinks=True), False),
 ])
 def test_baselines_compute_the_contract(cfg: dict[str, Any], sdpa_runs: bool) -> None:
-    from evaluator.measure import applies
-    from evaluator.problems import get_problem
+    from evoattn.child.measure import applies
+    from evoattn.problems import get_problem
     problem = get_problem("model")
     inputs = _inputs(cfg)
     want = _naive_of(inputs)
@@ -195,8 +195,8 @@ def child(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     import importlib.util
 
     import torch
-    from evaluator.knobs import set_knobs
-    from evaluator.problems import get_problem
+    from evoattn.contract.knobs import set_knobs
+    from evoattn.problems import get_problem
     problem = get_problem("model")
     results = []
     for n, case in enumerate(cases):

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from evaluator import stats
-from evaluator.timing import FLOOR, Plan, adapt
-from evaluator.types import EvalResult, Verdict
+from evoattn.contract import stats
+from evoattn.child.timing import FLOOR, Plan, adapt
+from evoattn.contract.types import EvalResult, Verdict
 from evoattn.config import RunConfig, config_to_dict
 from evoattn.mutators.knobs import KnobMutator, find_knobs
 from evoattn.search import Search, beats
@@ -104,8 +104,8 @@ def test_rounds_stop_only_after_a_whole_pair_and_the_rule_is_asked_every_round()
 
 
 def test_a_config_s_speedup_is_its_paired_ratio_where_rounds_were_shared() -> None:
-    from evaluator.scoring import score
-    from evaluator.types import ConfigResult, Times
+    from evoattn.contract.scoring import score
+    from evoattn.contract.types import ConfigResult, Times
     states = [1.0] * 5 + [1.25] * 6           # the baseline's batches: its median slow
     flips = [1.0] * 5 + [1.25] * 3 + [1.0] * 3   # the candidate's, same rounds: its median fast
     cand_s = [10.0 * f for f in flips]
@@ -148,7 +148,7 @@ def test_quiet_timings_stop_at_the_floor_and_noisy_ones_at_the_cap() -> None:
 
 
 def test_rounds_stop_once_the_ratio_is_known_within_the_width() -> None:
-    from evaluator.scoring import converged_rule
+    from evoattn.contract.scoring import converged_rule
     plan = Plan(warmup=1, reps=60, rounds=60, graph_rounds=60, sets=8, graph=True, mode="call")
     rule = converged_rule("best", 0.01, False, "call")
     got = adapt("call", ["candidate", "baseline:sdpa"], plan, rule, _noisy_rounds(0.01))
@@ -161,7 +161,7 @@ def test_rounds_stop_once_the_ratio_is_known_within_the_width() -> None:
 
 
 def test_a_looser_width_stops_sooner_and_leaves_graph_mode_out_unless_it_is_the_fitness() -> None:
-    from evaluator.scoring import converged_rule
+    from evoattn.contract.scoring import converged_rule
     tight = Plan.for_device(True, 10, 60, set_bytes=2 ** 20, mode="call", width=0.01)
     loose = Plan.for_device(True, 10, 60, set_bytes=2 ** 20, mode="call", width=0.03,
                             graph=False)
@@ -176,8 +176,8 @@ def test_a_looser_width_stops_sooner_and_leaves_graph_mode_out_unless_it_is_the_
 
 
 def test_a_request_s_width_and_graph_reach_the_plan(monkeypatch: pytest.MonkeyPatch) -> None:
-    from evaluator import measure
-    from evaluator.request import EvalRequest
+    from evoattn.child import measure
+    from evoattn.contract.request import EvalRequest
     seen = []
     real = Plan.for_device
 
@@ -443,7 +443,7 @@ def test_a_kernel_time_loss_that_call_time_hides_is_named_per_config() -> None:
         dataclasses.replace(c, times=timed(c.times.call_ms, 0.0114 / 0.98, 0.002),
                             rival_times=timed(c.rival_times.call_ms, 0.0114, 0.002))
         if c.params["S"] == 512 else c for c in within.configs))
-    from evaluator.scoring import config_gain_in_mode
+    from evoattn.contract.scoring import config_gain_in_mode
     gain, ci = config_gain_in_mode(slight.configs[0], "kernel")
     assert round(gain, 3) == 0.980 and ci[1] < 1.0
     assert not any("slower than the seed beyond noise" in line
@@ -518,7 +518,7 @@ def test_the_summary_headline_is_the_side_by_side_re_measurement() -> None:
     # a config whose call times the host set says so
     import dataclasses
 
-    from evaluator.types import Times
+    from evoattn.contract.types import Times
     duel = duel_result(0.8853, 0.8238, 0.01)
     launch_bound = dataclasses.replace(duel, configs=tuple(
         dataclasses.replace(c, times=Times(call_ms=0.02, issue_us=19.0)) for c in duel.configs))
@@ -542,8 +542,8 @@ class _BusyTimer:
         self.measures = 0
 
     def measure(self, fns, inputs, random_names, refill, plan, keep, rng, *_, **__):  # noqa: ANN001, ANN002, ANN003
-        from evaluator.timing import Measurement
-        from evaluator.types import Times
+        from evoattn.child.timing import Measurement
+        from evoattn.contract.types import Times
         self.measures += 1
         slow = {n for n in fns if self.everyone or n == "candidate"}
         times = {n: Times(kernel_ms=1.0, call_ms=1.0, host_us=10.0) for n in fns}
@@ -555,13 +555,13 @@ class _BusyTimer:
 def _time_on(timer: _BusyTimer):  # noqa: ANN202
     import torch
 
-    from evaluator import measure
-    from evaluator.cases import prepare_case
-    from evaluator.checking import Fail
-    from evaluator.measure import TimingContext, time_case
-    from evaluator.problems import get_problem
-    from evaluator.request import EvalRequest
-    from evaluator.types import ConfigResult
+    from evoattn.child import measure
+    from evoattn.child.cases import prepare_case
+    from evoattn.child.checking import Fail
+    from evoattn.child.measure import TimingContext, time_case
+    from evoattn.problems import get_problem
+    from evoattn.contract.request import EvalRequest
+    from evoattn.contract.types import ConfigResult
 
     problem = get_problem("sdpa")
     cfg = dict(problem.cpu_configs[0])
@@ -605,8 +605,8 @@ class _DisturbedTimer:
         self.measures = 0
 
     def measure(self, fns, inputs, random_names, refill, plan, keep, rng, *_, **__):  # noqa: ANN001, ANN002, ANN003
-        from evaluator.timing import Measurement
-        from evaluator.types import Times
+        from evoattn.child.timing import Measurement
+        from evoattn.contract.types import Times
         self.measures += 1
         bad = self.measures <= self.disturbed
         times = {n: Times(kernel_ms=0.8, call_ms=0.8, host_us=10.0) for n in fns}
@@ -625,8 +625,8 @@ class _HostBoundTimer:
         self.measures = 0
 
     def measure(self, fns, inputs, random_names, refill, plan, keep, rng, *_, **__):  # noqa: ANN001, ANN002, ANN003
-        from evaluator.timing import Measurement
-        from evaluator.types import Times
+        from evoattn.child.timing import Measurement
+        from evoattn.contract.types import Times
         self.measures += 1
         times = {n: Times(kernel_ms=0.5, call_ms=0.8, host_us=700.0, issue_us=self.issue_us)
                  for n in fns}
@@ -641,7 +641,7 @@ class _HostBoundTimer:
     (False, ["slowed"] * 10, 1)])               # GPU-bound: the host's speed sets no time
 def test_a_host_bound_config_timed_while_its_cpu_slowed_is_measured_again(
         host_bound: bool, slowed_reads: list, measures: int) -> None:
-    from evaluator.measure import CONTENTION_TRIES
+    from evoattn.child.measure import CONTENTION_TRIES
     timer = _HostBoundTimer(host_bound)
     reads = iter(slowed_reads)
     asked: list[int] = []
@@ -659,11 +659,11 @@ def test_a_host_bound_config_timed_while_its_cpu_slowed_is_measured_again(
 def _time_with(timer, host_slowed=None):  # noqa: ANN001, ANN202
     import torch
 
-    from evaluator import measure
-    from evaluator.cases import prepare_case
-    from evaluator.problems import get_problem
-    from evaluator.request import EvalRequest
-    from evaluator.types import ConfigResult
+    from evoattn.child import measure
+    from evoattn.child.cases import prepare_case
+    from evoattn.problems import get_problem
+    from evoattn.contract.request import EvalRequest
+    from evoattn.contract.types import ConfigResult
     problem = get_problem("sdpa")
     cfg = dict(problem.cpu_configs[0])
     rng = random.Random(7)
@@ -691,7 +691,7 @@ def test_a_config_whose_baseline_shows_a_disturbance_is_measured_again() -> None
 
 
 def test_a_steady_config_is_measured_once_and_a_lasting_disturbance_no_more_than_the_tries() -> None:
-    from evaluator.measure import CONTENTION_TRIES
+    from evoattn.child.measure import CONTENTION_TRIES
     timer = _DisturbedTimer(disturbed=0)
     assert _time_with(timer)[1] == {} and timer.measures == 1
     timer = _DisturbedTimer(disturbed=100)
@@ -706,11 +706,11 @@ def _cpu_time_with_a_busy_baseline(busy_calls: int, monkeypatch: pytest.MonkeyPa
     the candidate's read 1 ms. Returns (result, remeasured, label, measurements)."""
     import torch
 
-    from evaluator import measure, timing
-    from evaluator.cases import prepare_case
-    from evaluator.problems import get_problem
-    from evaluator.request import EvalRequest
-    from evaluator.types import ConfigResult
+    from evoattn.child import measure, timing
+    from evoattn.child.cases import prepare_case
+    from evoattn.problems import get_problem
+    from evoattn.contract.request import EvalRequest
+    from evoattn.contract.types import ConfigResult
     clock = [0.0]
     monkeypatch.setattr(timing, "_perf", lambda: clock[0])
     monkeypatch.setattr(measure, "CONTENTION_PAUSE_S", 0.0)
@@ -766,8 +766,8 @@ def test_a_quiet_cpu_config_is_measured_once(monkeypatch: pytest.MonkeyPatch) ->
     (1.5, 1.0, True, True)])
 def test_a_disturbance_is_two_modes_disagreeing(kernel_ms: float, call_ms: float,
                                                 on_gpu: bool, disturbed: bool) -> None:
-    from evaluator.measure import disturbance
-    from evaluator.types import Times
+    from evoattn.child.measure import disturbance
+    from evoattn.contract.types import Times
     times = {"sdpa": Times(kernel_ms=kernel_ms, call_ms=call_ms, host_us=1000.0 * kernel_ms)}
     assert (disturbance(times, on_gpu) is not None) is disturbed
 
@@ -814,7 +814,7 @@ def test_after_a_crowning_plain_children_are_held_to_the_best_s_plain_figure(
 def test_eval_output_says_what_was_measured_again_and_why() -> None:
     from rich.console import Console
 
-    from evaluator.types import EvalResult
+    from evoattn.contract.types import EvalResult
     from evoattn.report import print_eval
     info = {"configs_remeasured": {"(16,16,1024,128)": "sdpa: GPU time 0.4797 ms per call, "
                                                       "above its back-to-back 0.2527 ms"},

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from evaluator import program, runtime
-from evaluator.request import EvalRequest
-from evaluator.types import EvalResult, Verdict
+from evoattn.contract import program, runtime
+from evoattn.contract.request import EvalRequest
+from evoattn.contract.types import EvalResult, Verdict
 from evoattn.config import PopulationConfig, RunConfig, config_to_dict
 from evoattn.mutators.knobs import KnobMutator
 from evoattn.pool import LocalPool, visible_gpus
@@ -315,7 +315,7 @@ def test_cuda_builds_run_on_cpu_threads_before_the_slot_takes_the_job(tmp_path: 
         release.set()
         pool.close()
     assert slot.started == [("first", False), ("cuda", True)]
-    # the child's own build, as evaluator/loader.py runs it, finds that library cached
+    # the child's own build, as evoattn/child/loader.py runs it, finds that library cached
     src = tmp_path / "again" / built[0]
     src.parent.mkdir()
     src.write_text(built[1])

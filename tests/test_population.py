@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from evaluator.types import ConfigResult, EvalResult, Verdict
+from evoattn.contract.types import ConfigResult, EvalResult, Verdict
 from evoattn.config import PopulationConfig
 from evoattn.errors import RunDirError
 from evoattn.population import Population

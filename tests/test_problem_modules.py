@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from evaluator.problems import builtin_names, get_problem, has_op, module_of
+from evoattn.problems import builtin_names, get_problem, has_op, module_of
 from evoattn.export_package import module_name, shipped_problem_modules
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,7 +52,7 @@ def test_a_package_ships_its_problems_module_and_not_another_problems() -> None:
 
 
 def test_reading_the_registry_imports_no_torch() -> None:
-    code = ("import sys; from evaluator.problems import builtin_names, get_problem; "
+    code = ("import sys; from evoattn.problems import builtin_names, get_problem; "
             "[get_problem(n).label(get_problem(n).cpu_configs[0]) for n in builtin_names()]; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,

@@ -15,8 +15,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from evaluator.problems import builtin_names, get_problem
-from evaluator.types import Verdict
+from evoattn.problems import builtin_names, get_problem
+from evoattn.contract.types import Verdict
 from evoattn.cli import cli as main
 from fakes import sandboxed
 

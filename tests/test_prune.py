@@ -7,8 +7,8 @@ import re
 from typing import Any
 from pathlib import Path
 
-from evaluator.knobs import find_knobs
-from evaluator.types import EvalResult, Verdict
+from evoattn.contract.knobs import find_knobs
+from evoattn.contract.types import EvalResult, Verdict
 from evoattn.config import PopulationConfig, RunConfig, config_to_dict
 from evoattn.mutators.knobs import KnobMutator
 from evoattn.prune import PRUNE, apply_setbacks, change_of, costs_nothing, setbacks
@@ -472,7 +472,7 @@ def attention(q, k, v, causal=False, scale=None):
 
 
 def _routed(**values: str) -> str:
-    from evaluator.knobs import set_knobs
+    from evoattn.contract.knobs import set_knobs
     return set_knobs(_ROUTED, values)
 
 

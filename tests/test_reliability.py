@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from evaluator.types import Verdict
+from evoattn.contract.types import Verdict
 from fakes import sandboxed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -211,7 +211,7 @@ def test_a_hang_in_a_run_costs_seconds_not_the_ten_minute_ceiling(tmp_path: Path
 
 
 def test_the_run_deadline_rule() -> None:
-    from evaluator.types import EvalResult
+    from evoattn.contract.types import EvalResult
     from evoattn.sandbox import run_deadline
     seed = EvalResult(Verdict.PASS, "", 1.0, stage_s={"start": 4.0, "build": 50.0,
                                                       "reference": 1.0, "check": 2.0,

@@ -75,8 +75,8 @@ def test_a_cpu_run_of_the_hybrid_never_spends_an_evaluation_on_its_cuda_knobs(
     """On the CPU the hybrid's CUDA companion and routing knobs, and the Triton knobs only a GPU
     runs, run no call (their when(...) conditions): the runner tells the mutator the target, so
     no candidate changes them."""
-    from evaluator import program
-    from evaluator.knobs import active, find_knobs
+    from evoattn.contract import program
+    from evoattn.contract.knobs import active, find_knobs
     hybrid = ROOT / "seeds" / "sdpa" / "flash_hybrid.py"
     knobs = find_knobs(program.read(hybrid))
     dead = {k.key for k in knobs} - {k.key for k in active(knobs, {"target": "cpu"})}

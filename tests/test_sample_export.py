@@ -14,8 +14,8 @@ EXPORT = ROOT / "examples" / "sample_run" / "export"
 
 def _expected() -> tuple[Path, dict[str, str]]:
     """Returns (the sample's package directory, {path under the export: text} as written today)."""
-    from evaluator import program
-    from evaluator.types import EvalResult
+    from evoattn.contract import program
+    from evoattn.contract.types import EvalResult
     from evoattn import export_docs
     from evoattn.export_package import describe, package_files
     from evoattn.types import Program

@@ -16,7 +16,7 @@ import pytest
 from evoattn import childenv, sandbox, watch
 from evoattn.childenv import child_env, detect_target
 from fakes import sandboxed
-from evaluator.types import Verdict
+from evoattn.contract.types import Verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -146,7 +146,7 @@ def test_a_zygote_child_makes_temp_files_in_its_own_directory(tmp_path) -> None:
 
 
 def test_cost_summary_averages_each_stage_over_the_evaluations() -> None:
-    from evaluator.types import EvalResult
+    from evoattn.contract.types import EvalResult
     from evoattn.report import cost_summary
     rs = [EvalResult(Verdict.PASS, "", 1.0, duration_s=d,
                      stage_s={"reference": ref, "check": 1.0, "time": 0.5, "load": 0.0})
@@ -174,7 +174,7 @@ def test_without_nvidia_smi_there_is_no_target_fact(tmp_path, monkeypatch) -> No
 
 
 def test_a_request_round_trips_through_json_with_its_dtypes() -> None:
-    from evaluator.request import EvalRequest
+    from evoattn.contract.request import EvalRequest
     req = EvalRequest(device="cpu", configs=({"B": 1, "H": 2, "S": 64, "D": 64, "causal": True},),
                       dtypes=("bfloat16", "float16"), allowed_dirs=("/a",), facts={"t": "cpu"})
     back = EvalRequest.from_json(json.loads(json.dumps(req.to_json())))
@@ -192,7 +192,7 @@ def test_a_request_round_trips_through_json_with_its_dtypes() -> None:
     (("float16", "float16"), "dtypes name one dtype twice"),
 ])
 def test_a_request_with_bad_dtypes_is_refused(dtypes: tuple, message: str) -> None:
-    from evaluator.request import EvalRequest
+    from evoattn.contract.request import EvalRequest
     with pytest.raises(ValueError, match=message):
         EvalRequest(dtypes=dtypes).validate()
 
@@ -289,7 +289,7 @@ def test_a_turn_that_never_comes_is_an_evaluator_fault_not_a_verdict(
 
 def test_a_plain_candidate_takes_the_run_s_looser_protocol_and_a_duel_the_request_s(
         tmp_path) -> None:  # noqa: ANN001
-    from evaluator.request import EvalRequest
+    from evoattn.contract.request import EvalRequest
     ev = sandbox.SubprocessEvaluator(EvalRequest(device="cpu"),
                                      sandbox.SandboxSettings(cache_dir=str(tmp_path)),
                                      plain={"width": 0.02, "graph": False, "heat": False})
@@ -304,7 +304,7 @@ def test_a_plain_candidate_takes_the_run_s_looser_protocol_and_a_duel_the_reques
 
 
 def test_slots_sharing_a_gpu_lock_one_file_per_gpu_and_only_on_the_gpu(tmp_path) -> None:  # noqa: ANN001
-    from evaluator.request import EvalRequest
+    from evoattn.contract.request import EvalRequest
     share = sandbox.SandboxSettings(cache_dir=str(tmp_path), visible_device="3", gpu_share=2)
     gpu = sandbox.SubprocessEvaluator(EvalRequest(device="cuda"), share)
     assert gpu.request.gpu_lock == os.path.join(str(tmp_path), "gpu-locks", "gpu-3.lock")
@@ -320,7 +320,7 @@ def test_slots_sharing_a_gpu_lock_one_file_per_gpu_and_only_on_the_gpu(tmp_path)
 
 
 def test_the_seed_s_measured_ceiling_serves_every_later_child(tmp_path) -> None:  # noqa: ANN001
-    from evaluator.request import EvalRequest
+    from evoattn.contract.request import EvalRequest
     ev = sandbox.SubprocessEvaluator(EvalRequest(device="cuda"), sandbox.SandboxSettings(
         cache_dir=str(tmp_path), run_factor=10.0, run_floor_s=1.0))
     seed = sandbox.EvalResult(Verdict.PASS, "ok", 1.0, (), stage_s={"time": 2.0},
@@ -332,7 +332,7 @@ def test_the_seed_s_measured_ceiling_serves_every_later_child(tmp_path) -> None:
 def test_the_station_times_baselines_by_the_plain_candidates_protocol(tmp_path) -> None:  # noqa: ANN001
     """The station serves plain candidates only (a duel times its own baselines): its request
     takes their fields, here no heat, as theirs does."""
-    from evaluator.request import EvalRequest
+    from evoattn.contract.request import EvalRequest
     ev = sandbox.SubprocessEvaluator(
         EvalRequest(device="cuda"),
         sandbox.SandboxSettings(cache_dir=str(tmp_path), station_refresh_s=60.0),
@@ -395,7 +395,7 @@ def _running(pid: int) -> bool:
 
 def test_a_spare_set_up_for_another_request_or_dead_is_not_used(tmp_path) -> None:  # noqa: ANN001
     import time
-    from evaluator.request import EvalRequest
+    from evoattn.contract.request import EvalRequest
     base = EvalRequest(device="cpu", secret_seed=7)
     assert base.same_set_up(dataclasses.replace(base, width=0.02, graph=False, candidate="x"))
     for change in ({"trials": 2}, {"secret_seed": 8}, {"dtypes": ("bfloat16",)},
@@ -447,7 +447,7 @@ def test_spares_gone_with_their_zygote_between_candidates_are_not_waited_for(
 def test_a_spare_whose_set_up_fails_is_replaced_not_blamed_on_a_candidate(
         tmp_path, monkeypatch) -> None:  # noqa: ANN001
     import time
-    from evaluator.types import SPARE_UNPREPARED
+    from evoattn.contract.types import SPARE_UNPREPARED
     ev = _spared(tmp_path)
     real = ev._spare_template
     monkeypatch.setattr(ev, "_spare_template", lambda: dataclasses.replace(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from evaluator.types import EvalResult, Verdict
+from evoattn.contract.types import EvalResult, Verdict
 from evoattn.config import PopulationConfig, RunConfig, config_to_dict
 from evoattn.mutators.knobs import KnobMutator, find_knobs
 from evoattn.search import Search

@@ -64,9 +64,9 @@ def load_seed(case: dict[str, Any], workdir: Path, index: int, device: str = "cp
     """Imports a (possibly rewritten) copy of the case's seed program as a fresh module: its
     files in a directory of their own, knob values set as the mutator sets them (by key), and,
     on a GPU, its CUDA companions built and handed over as the evaluator does."""
-    from evaluator import program, runtime
-    from evaluator.knobs import find_knobs, set_knobs as set_program_knobs
-    from evaluator.loader import build_companions
+    from evoattn.contract import program, runtime
+    from evoattn.contract.knobs import find_knobs, set_knobs as set_program_knobs
+    from evoattn.child.loader import build_companions
     main = SEEDS_DIR / f"{case['seed']}.py"
     text = program.read(main)
     knobs = {k.key: k for k in find_knobs(text)}

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from evaluator import runtime
-from evaluator.knobs import find_knobs
+from evoattn.contract import runtime
+from evoattn.contract.knobs import find_knobs
 from evoattn.skeleton import skeleton_text
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,7 +50,7 @@ def test_the_cuda_skeleton_builds_and_exports_the_sdpa_entry(tmp_path: Path) -> 
 
 
 def test_skeletons_quote_the_problems_contract_and_mark_the_body() -> None:
-    from evaluator.problems import get_problem
+    from evoattn.problems import get_problem
     first = get_problem("sdpa").contract.split(" (B,")[0]          # "Compute out = softmax(..."
     for suffix in (".py", ".cu"):
         text = skeleton_text("sdpa", suffix, f"k{suffix}")

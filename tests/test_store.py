@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from evaluator.types import ConfigResult, EvalResult, Verdict
+from evoattn.contract.types import ConfigResult, EvalResult, Verdict
 from evoattn.config import RunConfig, config_to_dict
 from evoattn.errors import RunDirError, UsageError
 from evoattn.store import RunStore, scrub_secrets
@@ -318,7 +318,7 @@ def test_scrub_keeps_env_var_names_and_non_secret_keys():
 
 _CHILD = r"""
 import random, sys
-from evaluator.types import EvalResult, Verdict
+from evoattn.contract.types import EvalResult, Verdict
 from evoattn.store import RunStore
 from evoattn.types import LlmUsage, Program
 

@@ -1,7 +1,7 @@
 """The host cross-check's rounds: a transient stall is measured again, hidden work is not forgiven."""
 from __future__ import annotations
 
-from evaluator.hidden_work import HOST_ROUNDS, hidden_work, settled_host_time
+from evoattn.child.hidden_work import HOST_ROUNDS, hidden_work, settled_host_time
 
 
 def _rounds(values: list[tuple[float, float]]):  # noqa: ANN202
@@ -40,7 +40,7 @@ def test_an_honest_first_round_is_not_repeated() -> None:
 
 
 def test_the_spin_fills_every_thread_slot_of_every_sm() -> None:
-    from evaluator.spin import WARPS_PER_BLOCK, blocks_for
+    from evoattn.child.spin import WARPS_PER_BLOCK, blocks_for
     assert WARPS_PER_BLOCK * 32 == 512
     assert blocks_for(132) == 4 * 132             # H100/H200: 2,048 threads per SM
     assert blocks_for(84, 1536) == 3 * 84         # sm_86/89: 1,536
@@ -54,7 +54,7 @@ class _HostWatchingTimer:
     def make(watch: bool):  # noqa: ANN205
         import torch
 
-        from evaluator import timing
+        from evoattn.child import timing
 
         class Timer(timing._Timer):
             watch_host = watch
@@ -71,7 +71,7 @@ def _call_mode_with_busy_batches(monkeypatch, busy: list[bool], watch: bool = Tr
 
     import torch
 
-    from evaluator import timing
+    from evoattn.child import timing
     schedule, state = iter(busy), {"reads": 0, "busy": False}
 
     def thread_cpu() -> float:            # read at a batch's start, then after its launches
@@ -101,14 +101,14 @@ def test_a_call_round_whose_launches_lost_their_cpu_is_measured_again(monkeypatc
 
 
 def test_a_host_busy_throughout_ends_each_round_after_its_tries(monkeypatch) -> None:
-    from evaluator.timing import ROUND_TRIES
+    from evoattn.child.timing import ROUND_TRIES
     timer, samples, picks = _call_mode_with_busy_batches(monkeypatch, [True] * 1000)
     assert timer.rounds_redone == 5 * (ROUND_TRIES - 1) == len(picks)
     assert all(len(v) == 5 for v in samples.values())
 
 
 def test_a_timer_that_does_not_watch_the_host_measures_each_round_once(monkeypatch) -> None:
-    from evaluator.timing import CpuTimer, GpuTimer
+    from evoattn.child.timing import CpuTimer, GpuTimer
     assert GpuTimer.watch_host is True and CpuTimer.watch_host is False
     timer, samples, picks = _call_mode_with_busy_batches(monkeypatch, [True] * 1000, watch=False)
     assert timer.rounds_redone == 0 and not picks
@@ -124,7 +124,7 @@ def test_call_mode_keeps_the_time_its_calls_took_to_issue_apart_from_their_time(
 
     import torch
 
-    from evaluator import timing
+    from evoattn.child import timing
     now = [0.0]
     monkeypatch.setattr(timing, "_perf", lambda: now[0])
     monkeypatch.setattr(timing, "_thread_cpu", lambda: now[0])
@@ -161,7 +161,7 @@ def test_eval_names_the_configs_whose_call_times_the_host_set() -> None:
     at about their rate): on a GPU in call time only."""
     import dataclasses
 
-    from evaluator.types import ConfigResult, EvalResult, Times, Verdict
+    from evoattn.contract.types import ConfigResult, EvalResult, Times, Verdict
     from evoattn.report import host_bound_lines
 
     def config(s: int, ours: float, theirs: float) -> ConfigResult:  # issued share of the call

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import pytest
 
-from evaluator.runtime import perf_notes
+from evoattn.contract.runtime import perf_notes
 from evoattn.mutators.knobs import find_knobs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,7 +191,7 @@ def seed_builds(tmp_path_factory) -> list[SeedBuild]:
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not on PATH")
     import concurrent.futures
-    from evaluator.runtime import fast_flags
+    from evoattn.contract.runtime import fast_flags
     knobs = {k.name: k.value for k in find_knobs(SEED.read_text())}
     assert {n: knobs[n] for n in SWAPPED} == {"WARP_SPECIALIZE_D64": "1",
                                               "WARP_SPECIALIZE_D128": "1"}, "the seed's paths moved"

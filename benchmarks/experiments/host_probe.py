@@ -5,7 +5,7 @@
 Per CPU the process may use, this thread pinned to it: the host time of one SDPA call at
 (1,8,512,64) causal while the GPU is held busy (a sleep kernel queued first, so only the CPU's
 work is seen), a plain eager loop of the same calls, and the interpreter probe the evaluator
-picks its timing CPU by (evaluator/cpu_pin.py). Prints them side by side, and the CPU the
+picks its timing CPU by (evoattn/child/cpu_pin.py). Prints them side by side, and the CPU the
 probe would pick, so that one can see whether the probe ranks the CPUs as the calls do.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ def main() -> None:
     a = ap.parse_args()
     import torch
     import torch.nn.functional as F
-    from evaluator.cpu_pin import TimingCpu, interpreter_work, median_seconds
+    from evoattn.child.cpu_pin import TimingCpu, interpreter_work, median_seconds
     q = torch.randn(1, 8, 512, 64, device="cuda", dtype=torch.float16)
     k, v = torch.randn_like(q), torch.randn_like(q)
 

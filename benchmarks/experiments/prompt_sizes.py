@@ -43,7 +43,7 @@ def main() -> None:
 
 def seeds(repo: Path) -> list[tuple[str, str, str]]:
     """Returns (problem, path, program text, companions included) for every shipped seed."""
-    from evaluator import program
+    from evoattn.contract import program
     out = []
     for p in sorted((repo / "seeds").glob("*/*")):
         if p.suffix in (".py", ".cu"):
@@ -58,8 +58,8 @@ def seeds(repo: Path) -> list[tuple[str, str, str]]:
 def measure(repo: Path, problem_name: str, path: str, source: str, target: str,
             context: int) -> tuple[int, int, str]:
     """Returns (prompt characters, answer tokens asked for, what was left out) of one call."""
-    from evaluator.problems import get_problem
-    from evaluator.types import ConfigResult, EvalResult, Verdict
+    from evoattn.problems import get_problem
+    from evoattn.contract.types import ConfigResult, EvalResult, Verdict
     from evoattn.config import load_config
     from evoattn.mutators import llm
     from evoattn.mutators.knobs import find_knobs, set_knobs

@@ -38,8 +38,8 @@ import time
 import uuid
 from typing import Any
 
-from evaluator.cpu_pin import gpu_block
-from evaluator.types import EvalResult, Verdict
+from evoattn.child.cpu_pin import gpu_block
+from evoattn.contract.types import EvalResult, Verdict
 
 from ..errors import ClusterError, UsageError
 from ..slots import SlotSpec

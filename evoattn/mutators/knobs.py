@@ -1,6 +1,6 @@
 """The offline mutator: rewrites values of the tunable choices marked in the source.
 
-The knob grammar, `when(...)` conditions included, is evaluator/knobs.py. A gated knob whose
+The knob grammar, `when(...)` conditions included, is evoattn/contract/knobs.py. A gated knob whose
 condition fails in the parent changes nothing that runs, so the mutator neither mutates nor
 crosses it (an evaluation spent there would time the parent again).
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import random
 from typing import Callable, Iterable, Protocol
 
-from evaluator.knobs import Knob, active, find_knobs, set_knobs, space_size
+from evoattn.contract.knobs import Knob, active, find_knobs, set_knobs, space_size
 
 from ..types import MutationRequest, Proposal, program_id
 

@@ -6,10 +6,10 @@ import dataclasses
 import difflib
 from typing import Any, Mapping, Sequence
 
-from evaluator import program
-from evaluator.knobs import active, find_knobs
-from evaluator.runtime import perf_notes
-from evaluator.types import EvalResult
+from evoattn.contract import program
+from evoattn.contract.knobs import active, find_knobs
+from evoattn.contract.runtime import perf_notes
+from evoattn.contract.types import EvalResult
 from evoattn.mutators.view import ProgramView
 from evoattn.types import Attempt, Program
 

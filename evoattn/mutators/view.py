@@ -1,6 +1,6 @@
 """What of a program a prompt shows, and how an answer about the shown part is applied.
 
-A program of several files (evaluator/program.py) shows the files that can run for the
+A program of several files (evoattn/contract/program.py) shows the files that can run for the
 run's facts (`@target`: a `.cu` companion gated `when(@target=sm90)` is hidden on the CPU),
 each after its `#### evoattn file: NAME ####` line; hidden files are listed by name with why.
 To fit a model's context a view may also hide companions and, last, leave out the middle
@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-from evaluator import program
-from evaluator.knobs import find_knobs, values_of
+from evoattn.contract import program
+from evoattn.contract.knobs import find_knobs, values_of
 from evoattn.mutators.edits import EditOutcome, apply_answer, language_for, parse_answer
 from evoattn.types import normalise_source
 

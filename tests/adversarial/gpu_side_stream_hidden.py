@@ -4,7 +4,7 @@ waits for it on the host before returning. The caller's stream sees no work, and
 takes long on the host anyway, so the host cross-check has nothing to compare.
 
 Against a one-thread spin the side work hid inside the spin's 0.5 ms; the timer's spin now
-holds every SM (evaluator/spin.py), so the side work runs after the start event and is timed.
+holds every SM (evoattn/child/spin.py), so the side work runs after the start event and is timed.
 """
 import torch
 

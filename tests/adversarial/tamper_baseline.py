@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from evaluator.problems.sdpa import Sdpa
+from evoattn.problems.sdpa import Sdpa
 
 _baseline = Sdpa.baseline
 

@@ -1,11 +1,11 @@
-"""Class 8 (harness tampering): replaces `Times.in_mode` in evaluator.types, which scoring reads
+"""Class 8 (harness tampering): replaces `Times.in_mode` in evoattn.contract.types, which scoring reads
 every time from, so the candidate's time in the fitness mode is divided by 100. A module the
 harness never calls through directly, but its stages do."""
 import torch
 
-import evaluator.types
+import evoattn.contract.types
 
-_real = evaluator.types.Times.in_mode
+_real = evoattn.contract.types.Times.in_mode
 
 
 def _faster(self, mode):
@@ -13,7 +13,7 @@ def _faster(self, mode):
     return None if t is None else t / 100
 
 
-evaluator.types.Times.in_mode = _faster
+evoattn.contract.types.Times.in_mode = _faster
 
 
 def attention(q, k, v, causal=False, scale=None):

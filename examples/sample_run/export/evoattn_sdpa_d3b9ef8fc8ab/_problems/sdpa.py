@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..runtime import DTYPE_CODES
 from .base import Config, OpDocs, Problem
 from .common import DeviceCache, causal_keep, default_scale, masked_attention, randn, sdpa
 
@@ -150,7 +149,7 @@ class Sdpa(Problem):
                   out: Any, stream: int) -> int:
         import ctypes
 
-        from ..runtime import DTYPE_CODES    # not at the top: packages ship this module alone
+        from ..contract.runtime import DTYPE_CODES    # not at the top: packages ship this module alone
         q, k, v = inputs["q"], inputs["k"], inputs["v"]
         B, H, S, D = q.shape
         code = DTYPE_CODES[str(q.dtype).replace("torch.", "")]

@@ -12,7 +12,7 @@ def load_problem(name: str, where: str = "") -> Any:
 
     `where` prefixes the message (e.g. "problem: " for the config key).
     """
-    from evaluator.problems import UnknownProblem, get_problem
+    from evoattn.problems import UnknownProblem, get_problem
     if name.endswith(".py") and not Path(name).is_file():
         raise UsageError(f"{where}{name}: problem file not found")
     try:

@@ -72,7 +72,7 @@ HOST_BOUND = 0.8      # call mode issued a function's calls in this share of the
 
 @dataclasses.dataclass(frozen=True)
 class Times:
-    """One function's times on one config in every timing mode (evaluator/timing.py).
+    """One function's times on one config in every timing mode (evoattn/child/timing.py).
 
     kernel_ms  the call alone on the GPU: L2 flushed, inputs refilled, host launch hidden
     call_ms    steady state of back-to-back eager calls on distinct inputs, host cost included
@@ -88,7 +88,7 @@ class Times:
     graph_error: str = ""
     host_us: float | None = None
     issue_us: float | None = None
-    # 95% intervals of the medians above (evaluator/stats.py), and the rounds behind them
+    # 95% intervals of the medians above (evoattn/contract/stats.py), and the rounds behind them
     kernel_ci: tuple[float, float] | None = None
     call_ci: tuple[float, float] | None = None
     graph_ci: tuple[float, float] | None = None

@@ -14,7 +14,7 @@ program ids need nothing new. The main file names its companions, one per line:
     # evoattn: companion flash_triton.py
     # evoattn: companion wgmma_flash.cu when(@target=sm90)
 
-(`//` instead of `#` in a CUDA main file). A companion's `when(...)` (evaluator/runtime.py)
+(`//` instead of `#` in a CUDA main file). A companion's `when(...)` (evoattn/contract/runtime.py)
 says where it can run: the evaluator builds a `.cu` companion of a Python main file only on
 a GPU where its conditions hold, and hands the library's path to the main module before it
 runs, as `EVOATTN_LIBRARIES = {"wgmma_flash.cu": "/path/lib.so"}` in its globals; anything

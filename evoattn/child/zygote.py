@@ -1,4 +1,4 @@
-"""`python -m evaluator.zygote`: a fork server that saves each candidate the import of torch.
+"""`python -m evoattn.child.zygote`: a fork server that saves each candidate the import of torch.
 
 It imports torch, Triton and the harness once, never touches CUDA, then forks one
 fresh process per candidate on request. The forked child starts a session of its
@@ -21,7 +21,7 @@ import select
 import signal
 import sys
 
-from .types import CHILD_NO_RESULT
+from ..contract.types import CHILD_NO_RESULT
 
 
 def _child(job: dict, zygote_pid: int) -> None:
@@ -75,7 +75,7 @@ def _warm_imports(torch, guards) -> None:  # noqa: ANN001
     try:
         with guards.DispatchWatch(guards.Violations()):
             torch.empty(2).add_(1)
-        from . import runtime
+        from ..contract import runtime
         runtime.toolchain_id()           # `nvcc --version`, cached: not once per CUDA candidate
         from triton.runtime.cache import triton_key
         triton_key()                   # hashes Triton's own files (cached): ~0.6 s once

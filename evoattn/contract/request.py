@@ -14,7 +14,7 @@ from typing import Any
 from .names import DTYPES, TIMING_MODES, WIDTH
 
 POLICIES = ("kernel-only", "allow-library")
-GPU_REPS, GPU_WARMUP = 30, 10      # the most rounds of the fitness mode (evaluator/timing.py)
+GPU_REPS, GPU_WARMUP = 30, 10      # the most rounds of the fitness mode (evoattn/child/timing.py)
                                    # and untimed calls per config, on a GPU
 CPU_REPS, CPU_WARMUP = 4, 1        # on the CPU (Triton's interpreter is slow): at most these
 
@@ -48,7 +48,7 @@ class EvalRequest:
     # `evaluator.candidate_width`; duels and `evoattn eval` keep this.
     width: float = WIDTH
     graph: bool = True                         # also time graph mode (always when it is `timing`)
-    # call mode's heat before heavy batches (evaluator/timing.py: heavy calls timed at the
+    # call mode's heat before heavy batches (evoattn/child/timing.py: heavy calls timed at the
     # clocks of a sustained loop); a run's plain candidates take `evaluator.candidate_heat`
     heat: bool = True
     # limits
@@ -67,10 +67,10 @@ class EvalRequest:
     # given by a run's station (evoattn/station.py): then the child times no baseline itself
     baseline_times: dict[str, dict[str, dict[str, Any]]] | None = None
     ceiling_tflops: float | None = None
-    # When evaluations share one GPU: the lock file of their turns on it (evaluator/gpu_turn.py:
+    # When evaluations share one GPU: the lock file of their turns on it (evoattn/child/gpu_turn.py:
     # checks and timing take turns, builds and the baselines' set-up overlap them).
     gpu_lock: str = ""
-    # On a GPU the timing thread runs on the fastest of these CPUs (evaluator/cpu_pin.py; empty:
+    # On a GPU the timing thread runs on the fastest of these CPUs (evoattn/child/cpu_pin.py; empty:
     # any the child may use): a run gives the slots of each GPU their own block.
     pin_cpu: bool = True
     timing_cpus: tuple[int, ...] = ()

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from . import checks, guards
 from .cases import Case
-from .types import ConfigResult, Verdict
+from ..contract.types import ConfigResult, Verdict
 
 Integrity = Callable[[], "tuple[Verdict, str] | None"]
 Run = Callable[[dict[str, Any], dict[str, Any]], Any]

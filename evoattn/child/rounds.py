@@ -1,5 +1,5 @@
 """What a timing is made of: the plan of rounds per mode, the interleaved rounds, the input
-sets of back-to-back calls, and what timing a config returns (evaluator/timing.py holds the
+sets of back-to-back calls, and what timing a config returns (evoattn/child/timing.py holds the
 protocol and its timers)."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import dataclasses
 import math
 from typing import Any, Callable
 
-from . import stats
-from .names import WIDTH
+from ..contract import stats
+from ..contract.names import WIDTH
 
 CALL_BATCH_MS = 2.0                # call mode: a batch lasts at least this ...
 CALL_SETS = (8, 256)               # ... with this many input sets (distinct inputs per call) ...

@@ -34,7 +34,7 @@ import contextlib
 import os
 from typing import Any, Callable, Iterator
 
-from .names import Stage
+from ..contract.names import Stage
 
 Report = Callable[[str], None]     # reports the stage an evaluation enters
 

@@ -1,6 +1,6 @@
 """The evaluation inside the child, as a list of stages: scan, build, set-up (baselines,
-references, timer, its turn on a shared GPU: evaluator/gpu_turn.py, the guards), load, check,
-time. A run's spare child does the candidate-independent set-up (evaluator/preparation.py)
+references, timer, its turn on a shared GPU: evoattn/child/gpu_turn.py, the guards), load, check,
+time. A run's spare child does the candidate-independent set-up (evoattn/child/preparation.py)
 first, before it is told its candidate.
 
 Order matters for integrity: references, tolerance probes, the baselines' compiled code and
@@ -23,17 +23,20 @@ from .cpu_pin import TimingCpu
 from .gpu_turn import GpuTurn, Report
 from .loader import LoadFailure, Loaded, build_candidate, loaded_module
 from .measure import TimingContext, time_case
-from .names import Stage
+from ..contract.names import Stage
 from .preparation import Prepared, Setup, device_sync, named, prepare, setup
-from .program import declared_companions
-from .request import EvalRequest
-from . import scoring
-from .scoring import fitness
+from ..contract.program import declared_companions
+from ..contract.request import EvalRequest
+from ..contract import scoring
+from ..contract.scoring import fitness
 from .timing import LazyOutput
-from .types import ConfigResult, EvalResult, Verdict
+from ..contract.types import ConfigResult, EvalResult, Verdict
 
 _now = time.perf_counter
 Run = Callable[[dict[str, Any], dict[str, Any]], Any]      # a program's call: (inputs, config)
+
+# the project's own modules a candidate's process loads (snapshotted against tampering)
+TRUSTED_PACKAGES = ("evoattn.child", "evoattn.contract", "evoattn.problems")
 
 
 @dataclasses.dataclass
@@ -274,14 +277,14 @@ class _Guard:
         violations = guards.Violations()
         kernel_only = s.req.policy == "kernel-only"
         lib_guard = guards.install_library_guard(violations) if kernel_only else None
-        import evaluator.cases, evaluator.checking, evaluator.measure  # noqa: E401,F401
-        import evaluator.checks, evaluator.hidden_work, evaluator.scoring  # noqa: E401,F401
+        import evoattn.child.cases, evoattn.child.checking, evoattn.child.measure  # noqa: E401,F401
+        import evoattn.child.checks, evoattn.child.hidden_work, evoattn.contract.scoring  # noqa: E401,F401
         if s.req.on_gpu:
-            import evaluator.spin  # noqa: F401  (watched from here on)
+            import evoattn.child.spin  # noqa: F401  (watched from here on)
         # Every evaluator module loaded by now (the stages above, types, request, the
         # problems and their FlexAttention baselines, ...), and the problem's own module.
         mods = [m for n, m in sorted(sys.modules.items())
-                if m is not None and (n == "evaluator" or n.startswith("evaluator."))]
+                if m is not None and n.startswith(TRUSTED_PACKAGES)]
         if sys.modules[type(s.problem).__module__] not in mods:     # a user problem's file
             mods.append(sys.modules[type(s.problem).__module__])
         # Held in this object only: a candidate that replaces guards' functions cannot blind it.

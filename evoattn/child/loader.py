@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from . import runtime
-from .problems.base import Problem
-from .program import declared_companions
+from ..contract import runtime
+from ..problems.base import Problem
+from ..contract.program import declared_companions
 
 RunFn = Callable[[dict[str, Any], dict[str, Any]], Any]
 
@@ -112,7 +112,7 @@ def build_companions(path: Path, source: str, cache_dir: Path, timeout_s: float,
     """Builds the `.cu` companions a Python main file declares, where their conditions hold for
     the GPU `target` ("sm90"; None: no GPU, nothing could run them, nothing is built) and the
     main file's knob values; returns {name: library path}, the log, cached?, seconds."""
-    from .knobs import find_knobs, values_of
+    from ..contract.knobs import find_knobs, values_of
     if target is None:
         return {}, "", None, None
     facts = {"target": target, **(facts or {})}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 DTYPES = ("float16", "bfloat16", "float32")   # every dtype a config, a flag or a problem may name
 
-TIMING_MODES = ("call", "kernel", "graph")    # evaluator/timing.py describes each
+TIMING_MODES = ("call", "kernel", "graph")    # evoattn/child/timing.py describes each
 MODE_WORDS = {"call": "call time", "kernel": "kernel time", "graph": "graph time"}
 MODE_DESCRIPTIONS = {"kernel": "kernel (GPU time of one call, L2 flushed)",
                      "call": "call (back-to-back eager calls, host cost included)",
@@ -19,7 +19,7 @@ WIDTH = 0.01
 
 
 class Stage:
-    """The stages a child reports to its parent as it goes (evaluator/harness.py); the parent
+    """The stages a child reports to its parent as it goes (evoattn/child/harness.py); the parent
     sets deadlines and counts time by them (evoattn/sandbox.py)."""
 
     START = "start"              # the parent's own: launch and imports before the first report
@@ -32,5 +32,5 @@ class Stage:
     CHECK = "check"
     TIME = "time"
     PROFILE = "profile"
-    GPU_WAIT = "gpu-wait"        # waiting for its turn on a shared GPU (evaluator/gpu_turn.py)
+    GPU_WAIT = "gpu-wait"        # waiting for its turn on a shared GPU (evoattn/child/gpu_turn.py)
     BUILD_WAIT = "build wait"    # the parent's own: waiting for another candidate's build

@@ -12,14 +12,15 @@ import random
 import time
 from typing import Any, Callable
 
-from . import checks, scoring
+from ..contract import scoring
+from . import checks
 from .cases import Case, fresh_bound
 from .checking import Fail, Meta
-from .problems.base import Problem, Tolerance
-from .request import EvalRequest
+from ..problems.base import Problem, Tolerance
+from ..contract.request import EvalRequest
 from .hidden_work import hidden_work
 from .timing import Plan, set_bytes
-from .types import ConfigResult, Times, Verdict
+from ..contract.types import ConfigResult, Times, Verdict
 
 Fn = Callable[[dict[str, Any]], Any]
 
@@ -46,7 +47,7 @@ class TimingContext:
     # its timing CPU slowed while a host-bound config was timed)
     remeasured: dict[str, str] = dataclasses.field(default_factory=dict)
     # says how much the timing CPU slowed since its pick, picking again (None: it did not);
-    # None where no CPU is pinned (evaluator/cpu_pin.py)
+    # None where no CPU is pinned (evoattn/child/cpu_pin.py)
     host_slowed: Callable[[], str | None] | None = None
 
 
@@ -138,7 +139,7 @@ def disturbance(times: dict[str, Times], on_gpu: bool) -> str | None:
     its back-to-back time is about its GPU time. Seen on an H100: both modes' medians of one
     config 12-16x their usual value in one evaluation, and call times 1.5-1.9x with kernel
     times unmoved in another. On the CPU both modes time the same host work by the host clock,
-    one after the other (evaluator/timing.py), so either above the other shows it: seen on a
+    one after the other (evoattn/child/timing.py), so either above the other shows it: seen on a
     loaded 2-core machine, SDPA read 6-19 ms where it reads 0.12-0.2 ms quiet."""
     for name, t in times.items():
         if not t.kernel_ms or not t.call_ms:

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any, Callable
 
 try:
-    from ..request import DTYPES
+    from ..contract.request import DTYPES
 except ImportError:      # shipped into an exported package (no evaluator): it reads no dtypes
     DTYPES = ()
 

@@ -1,6 +1,6 @@
 """An evaluation's candidate-independent set-up: its settings (Setup) and what it prepares
 before any candidate code runs (Prepared: the GPU turn, the baselines' plans, the inputs and
-references of every dtype, the timer). A run's spare child (evaluator/worker.py) prepares
+references of every dtype, the timer). A run's spare child (evoattn/child/worker.py) prepares
 while another candidate is evaluated, then waits to be told its candidate.
 """
 from __future__ import annotations
@@ -16,12 +16,12 @@ from typing import Any, Callable, Iterator
 from . import device as devinfo
 from .cases import Case, prepare_case
 from .gpu_turn import GpuTurn, Report
-from .names import Stage
-from .problems import get_problem
-from .problems.base import Problem, Tolerance
-from .request import EvalRequest
+from ..contract.names import Stage
+from ..problems import get_problem
+from ..problems.base import Problem, Tolerance
+from ..contract.request import EvalRequest
 from .timing import CpuTimer, GpuTimer
-from .types import EvalResult, Verdict
+from ..contract.types import EvalResult, Verdict
 
 _now = time.perf_counter
 
@@ -52,7 +52,7 @@ class Setup:
 class Prepared:
     """What an evaluation sets up before it needs its candidate: the GPU turn's locks, the
     baselines' plans and compiles, the cases (inputs and references, every dtype) and the
-    timer. A run's spare child (evaluator/worker.py) makes it while another candidate is
+    timer. A run's spare child (evoattn/child/worker.py) makes it while another candidate is
     evaluated, then waits to be told its candidate."""
 
     turn: GpuTurn

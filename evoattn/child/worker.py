@@ -1,4 +1,4 @@
-"""Child-process entry: `python -m evaluator.worker --fd N`, request JSON on stdin.
+"""Child-process entry: `python -m evoattn.child.worker --fd N`, request JSON on stdin.
 
 The result travels back as JSON lines on an inherited pipe (fd N), each line
 carrying the nonce from the request. stdout/stderr are only logs: the parent
@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from .types import CHILD_NO_RESULT, SPARE_UNPREPARED
+from ..contract.types import CHILD_NO_RESULT, SPARE_UNPREPARED
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -47,8 +47,8 @@ def serve(fd: int, message: dict, prepared: object = None) -> None:
     `prepared`: what this process set up as a spare (preparation.prepare)."""
     chan = Channel(fd, message["nonce"])
     from .harness import evaluate
-    from .request import EvalRequest
-    from .types import EvalResult, Verdict
+    from ..contract.request import EvalRequest
+    from ..contract.types import EvalResult, Verdict
     try:
         request = EvalRequest.from_json(message["request"])
         result = evaluate(request, lambda stage: chan.send("stage", stage),
@@ -70,7 +70,7 @@ def serve_spare(fd: int, template: dict, go: str) -> None:
     closes `go` first (it had no candidate for it), and with SPARE_UNPREPARED when the
     set-up failed (the parent then starts the candidate in a fresh process)."""
     from .preparation import prepare
-    from .request import EvalRequest
+    from ..contract.request import EvalRequest
     try:
         prepared = prepare(EvalRequest.from_json(template["request"]), lambda stage: None)
     except BaseException:  # noqa: BLE001 - no candidate yet: not a verdict on anyone

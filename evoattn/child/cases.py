@@ -14,7 +14,7 @@ import random
 from typing import Any, Iterator
 
 from . import checks
-from .problems.base import Problem, Tolerance
+from ..problems.base import Problem, Tolerance
 
 
 @dataclasses.dataclass

@@ -43,7 +43,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from ..request import DTYPES
+from ..contract.request import DTYPES
 from .base import Config, Problem, Tolerance
 
 _REQUIRED_FUNCS = ("make_inputs", "reference", "baseline", "call", "flops")

@@ -9,7 +9,7 @@ call, and cached per process.
 
 SDPA cannot express softcap or sinks, nor flash_attn_func sinks: transformers raises there
 and the user runs eager. Such a row says so through `applies(cfg)` and is not timed for that
-config (evaluator/measure.py); called there anyway (a warm-up), it runs the eager path.
+config (evoattn/child/measure.py); called there anyway (a warm-up), it runs the eager path.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ speeds, and within one by where each round ran.
 So the timing thread (only it; Triton's and nvcc's compiles keep every CPU) is pinned to the
 fastest CPU of its set, measured by a fixed slice of interpreter work on each, and checked
 again before each config: when its CPU has slowed (another tenant of the host), it moves to
-the fastest again. It is checked after a host-bound config too (evaluator/measure.py): one
+the fastest again. It is checked after a host-bound config too (evoattn/child/measure.py): one
 timed while its CPU slowed is measured again, on the fastest. Linux only
 (sched_setaffinity); elsewhere, or where the call is refused (a container's policy), it does
 nothing.

@@ -42,7 +42,7 @@ Rounds interleave the functions (candidate and baselines alternate, their order 
 every round), so all see the GPU and the host in the same state. Two rounds make a unit, in
 which each function ran once in each position; the median over units counts, and its 95%
 bootstrap interval travels with it; a speedup is the median of the units' own ratios
-(evaluator/stats.py). Rounds are taken two at a time: floors and caps are even, and a mode
+(evoattn/contract/stats.py). Rounds are taken two at a time: floors and caps are even, and a mode
 stops only after a pair. The fitness mode's rounds adapt: after a floor,
 measuring stops once `converged` (given by the caller: the fitness ratio's interval is narrow
 enough) or at the plan's cap; the other modes get a fixed few rounds. Launch-bound configs thus
@@ -60,13 +60,13 @@ import statistics
 import time
 from typing import Any, Callable
 
-from . import stats
+from ..contract import stats
 from .hidden_work import settled_host_time
 # The rounds' plan and records, used here and named through this module by its callers.
 from .rounds import (CALL_BATCH_MS, CALL_MAX_BYTES, CALL_SETS, FLOOR, OTHER,  # noqa: F401
                      Converged, Fn, InputSets, Kept, LazyOutput, Measurement, Plan, Samples,
                      adapt, own_width, plain, set_bytes, snapshot)
-from .types import Times
+from ..contract.types import Times
 
 _perf = time.perf_counter          # captured before any candidate is imported
 _thread_cpu = time.thread_time     # this thread's CPU time (Linux: excludes a VM's steal)

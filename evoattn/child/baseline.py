@@ -1,8 +1,8 @@
-"""`python -m evaluator.baseline`: times every baseline and backend of a problem (trusted code).
+"""`python -m evoattn.child.baseline`: times every baseline and backend of a problem (trusted code).
 
 Request JSON on stdin ({problem, configs, dtype, device, reps, warmup}); prints one JSON
 line `{"device": ..., "versions": ..., "rows": [{"cfg", "flops", "times": {name: Times|None}}]}`
-with every timing mode per implementation (evaluator/timing.py).
+with every timing mode per implementation (evoattn/child/timing.py).
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ def main() -> None:
 
     from . import device as devinfo
     from .measure import applies, bind
-    from .problems import get_problem
-    from .request import EvalRequest
+    from ..problems import get_problem
+    from ..contract.request import EvalRequest
     from .timing import CpuTimer, GpuTimer, Plan, set_bytes
 
     problem = get_problem(req["problem"])

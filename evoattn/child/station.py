@@ -1,4 +1,4 @@
-"""`python -m evaluator.station`: a run's warm, trusted process on one GPU (or the CPU).
+"""`python -m evoattn.child.station`: a run's warm, trusted process on one GPU (or the CPU).
 
 It never runs candidate code. It measures what every candidate of a run would otherwise
 measure again in its own process: the GPU's matmul ceiling (once) and the baselines' times
@@ -30,7 +30,7 @@ class _Station:
 
         from . import device as devinfo
         from .preparation import trusted_compile_caches
-        from .problems import get_problem
+        from ..problems import get_problem
         from .cpu_pin import TimingCpu
         from .timing import CpuTimer, GpuTimer
         self.req = request
@@ -93,7 +93,7 @@ class _Station:
 
 
 def main() -> None:
-    from .request import EvalRequest
+    from ..contract.request import EvalRequest
     from .worker import die_with_parent
     die_with_parent(int(sys.argv[sys.argv.index("--parent") + 1]))
     station: _Station | None = None

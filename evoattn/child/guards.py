@@ -13,7 +13,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-from .types import Verdict
+from ..contract.types import Verdict
 
 # Library attention a kernel-only candidate may not use (class 5). Matched on source text.
 _LIBRARY_PATTERNS = [
