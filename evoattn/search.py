@@ -42,9 +42,8 @@ from .store import RunStore
 from .types import Evaluator, MutationRequest, Mutator, Pool, Program, Proposal, program_id
 from .window import DUPLICATE, InFlight, Window
 
-# Where an evaluation has its GPU to itself (evoattn/child/gpu_turn.py when slots share one): the
-# share of the wall time the GPUs spend in it is what more slots per GPU would raise.
-TIMING_STAGE = Stage.TIME
+# Where an evaluation has its GPU to itself (evoattn/child/gpu_turn.py when slots share one):
+TIMING_STAGE = Stage.TIME   # the GPUs' share of wall time in it is what more slots would raise
 PLAIN_BAR = "plain_bar"   # the snapshot key of the champion's plain fitness (see Search)
 
 
