@@ -64,7 +64,7 @@ evals)
   ev masked seeds/masked/masked_triton.py --problem masked --reps 30
   ev gqa seeds/gqa/gqa_triton.py --problem gqa --reps 30
   ev mha seeds/mha/fused_triton.py --problem mha --reps 30
-  ev alibi examples/alibi/seed.py --problem examples/alibi/problem.py --reps 30
+  ev alibi seeds/alibi/alibi_triton.py --problem alibi --reps 30
   ev softcap examples/softcap/seed.py --problem examples/softcap/problem.py --reps 30
   ;;
 crosscheck)
@@ -81,7 +81,7 @@ crosscheck)
   cc masked seeds/masked/masked_triton.py --problem masked
   cc gqa seeds/gqa/gqa_triton.py --problem gqa
   cc mha seeds/mha/fused_triton.py --problem mha
-  cc alibi examples/alibi/seed.py --problem examples/alibi/problem.py
+  cc alibi seeds/alibi/alibi_triton.py --problem alibi
   cc softcap examples/softcap/seed.py --problem examples/softcap/problem.py
   ;;
 model)   # the model problems (Gemma 2 / GPT-OSS features): evaluated and cross-checked, bfloat16 timed

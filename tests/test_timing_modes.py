@@ -76,7 +76,7 @@ def test_a_named_baseline_must_be_one_of_the_problems(tmp_path: Path) -> None:
     ("seeds/sliding_window/window_triton.py", "sliding_window", {"sdpa_mask", "flex"}),
     ("seeds/strided/strided_triton.py", "strided", {"sdpa_mask", "flex", "gather_sdpa"}),
     ("seeds/masked/masked_triton.py", "masked", {"sdpa_mask", "flex"}),
-    ("examples/alibi/seed.py", "examples/alibi/problem.py", {"baseline", "flex"}),
+    ("seeds/alibi/alibi_triton.py", "examples/alibi/problem.py", {"baseline", "flex"}),
     ("examples/softcap/seed.py", "examples/softcap/problem.py", {"baseline", "flex"}),
 ])
 def test_masked_and_biased_problems_time_flexattention_too(tmp_path: Path, seed: str,

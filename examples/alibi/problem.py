@@ -1,7 +1,8 @@
 """A user-defined evoattn problem: causal attention with ALiBi position biases.
 
-`evoattn eval seed.py --problem examples/alibi/problem.py`. See examples/README.md for
-the names this file must define; everything here runs as trusted harness code.
+`evoattn eval seeds/alibi/alibi_triton.py --problem examples/alibi/problem.py` (the built-in
+`alibi` problem's seed serves this file too). See examples/README.md for the names this file
+must define; everything here runs as trusted harness code.
 """
 import math
 
