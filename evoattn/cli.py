@@ -252,10 +252,14 @@ def problems(paths: tuple[str, ...]) -> None:
               help="a Hugging Face config.json or model type (gemma2, gpt_oss, mistral, llama, "
                    "...): run the model problem at that model's attention configs "
                    "(default --config: configs/model.yaml)")
+@click.option("--phase", type=click.Choice(["prefill", "decode"]), default="prefill",
+              show_default=True, help="with --model: the prompt's attention (the model problem) "
+              "or a generation step's over a cache (model_decode; default --config: "
+              "configs/model_decode.yaml)")
 def run(config_path: str | None, iterations: int | None, output: str | None,
         random_seed: int | None, old_seed: str | None, device: str | None,
         resume_dir: str | None, max_wall_s: float | None, quiet: bool,
-        model_spec: str | None) -> None:
+        model_spec: str | None, phase: str) -> None:
     """Evolve kernels from a seed program (the main job)."""
     from .runner import start_run
     if old_seed is not None:
@@ -266,8 +270,8 @@ def run(config_path: str | None, iterations: int | None, output: str | None,
         if resume_dir:
             raise UsageError("--resume continues a run with its stored configs; it takes no "
                              "--model")
-        config_path = config_path or MODEL_RUN_CONFIG
-        overrides, derived = run_overrides(model_spec, config_path, device)
+        config_path = config_path or MODEL_RUN_CONFIG[phase]
+        overrides, derived = run_overrides(model_spec, config_path, device, phase)
         console.print(derived)
     sys.exit(start_run(config_path=config_path, iterations=iterations, output=output,
                        random_seed=random_seed, device=device, resume_dir=resume_dir,

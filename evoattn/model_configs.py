@@ -13,7 +13,8 @@ from typing import Any, Callable
 
 from .errors import UsageError
 
-MODEL_RUN_CONFIG = "configs/model.yaml"   # the run settings `run --model` starts from
+# the run settings `run --model` starts from, per phase
+MODEL_RUN_CONFIG = {"prefill": "configs/model.yaml", "decode": "configs/model_decode.yaml"}
 PREFILL_LENGTHS = (1024, 2048, 4096, 8192, 16384)
 TOKENS = 16 * 1024                   # B * S of a derived prefill config
 # The eager baseline holds several (B, H, S, S) 16-bit score tensors: one of at most 9 GiB
@@ -171,14 +172,34 @@ class Phase:
     derive: Callable[[ModelAttention], list[dict[str, Any]]]
 
 
-# A decode phase joins here (its problem, seed and contexts) when its problem exists.
-PHASES = {"prefill": Phase("model", "seeds/model/model_triton.py", prefill_configs)}
+# One generation step of a batch: (B, new tokens T, cache length), each at every layer kind
+# whose window is shorter than the cache; "ragged" lengths where B > 1, as a padded batch has.
+DECODE_STEPS = ((1, 1, 16384), (8, 1, 4096), (16, 1, 8192), (4, 4, 8192), (1, 16, 16384))
 
 
-def cpu_configs(ma: ModelAttention, cpu_S: int) -> list[dict[str, Any]]:
+def decode_configs(ma: ModelAttention, steps: tuple[tuple[int, int, int], ...] = DECODE_STEPS
+                   ) -> list[dict[str, Any]]:
+    """Returns the decode configs: per step within max positions, one per distinct layer kind."""
+    out = []
+    for B, T, ctx in (s for s in steps if s[2] <= ma.max_positions):
+        windows = dict.fromkeys(w if 0 < w < ctx else 0 for w in ma.layer_windows)
+        out += [_decode_config(ma, B, T, ctx, w) for w in windows]
+    if not out:
+        raise UsageError(f"{ma.source}: max_position_embeddings {ma.max_positions} is below the "
+                         f"shortest decode context {min(s[2] for s in steps)}")
+    return out
+
+
+PHASES = {"prefill": Phase("model", "seeds/model/model_triton.py", prefill_configs),
+          "decode": Phase("model_decode", "seeds/model/model_decode_triton.py", decode_configs)}
+
+
+def cpu_configs(ma: ModelAttention, cpu_S: int, phase: str = "prefill") -> list[dict[str, Any]]:
     """Returns one config per layer kind at the CPU's length (B 1; a window shrunk to S/4)."""
     S = min(cpu_S, ma.max_positions)
     windows = dict.fromkeys(min(w, max(1, S // 4)) if w else 0 for w in ma.layer_windows)
+    if phase == "decode":
+        return [_decode_config(ma, 1, 1, S, w) for w in windows]
     return [_config(ma, 1, S, w) for w in windows]
 
 
@@ -187,6 +208,13 @@ def _config(ma: ModelAttention, B: int, S: int, window: int) -> dict[str, Any]:
                            "window": window, "softcap": ma.softcap, "sinks": ma.sinks}
     if not math.isclose(ma.scale, 1 / math.sqrt(ma.head_dim)):
         cfg["scale"] = ma.scale      # only where it is not the problem's default
+    return cfg
+
+
+def _decode_config(ma: ModelAttention, B: int, T: int, ctx: int, window: int) -> dict[str, Any]:
+    cfg = _config(ma, B, 0, window)
+    del cfg["S"]
+    cfg.update(T=T, ctx=ctx, lens="ragged" if B > 1 else "full")
     return cfg
 
 
@@ -204,37 +232,44 @@ def table(ma: ModelAttention, configs: list[dict[str, Any]], note: str = "") -> 
              f"layers {kinds}, softcap {ma.softcap:g}, sinks {'yes' if ma.sinks else 'no'}, "
              f"scale {ma.scale:.4g}, max positions {ma.max_positions}")
     t = Table(title=title, caption=note or None)
-    for col in ("B", "H", "Hkv", "S", "D", "window", "softcap", "sinks"):
+    shape = ("B", "H", "Hkv", "S", "D") if "S" in configs[0] else ("B", "H", "Hkv", "T", "ctx", "D")
+    for col in shape + ("window", "softcap", "sinks"):
         t.add_column(col, justify="right")
     for c in configs:
-        t.add_row(*(str(c[k]) for k in ("B", "H", "Hkv", "S", "D")),
+        t.add_row(*(str(c[k]) for k in shape),
                   str(c["window"] or "-"), f"{c['softcap']:g}" if c["softcap"] else "-",
                   "yes" if c["sinks"] else "-")
     return t
 
 
-def run_overrides(spec: str, config_path: str, device: str | None) -> tuple[dict[str, Any], Any]:
+def run_overrides(spec: str, config_path: str, device: str | None,
+                  phase_name: str = "prefill") -> tuple[dict[str, Any], Any]:
     """Returns the RunConfig keys `run --model` sets (problem, seed, configs) and their table."""
     from . import settings
     from .config import load_config
     cfg = load_config(config_path)
     ma = read(spec)
-    phase = PHASES["prefill"]
+    phase = PHASES[phase_name]
     over: dict[str, Any] = {"problem": phase.problem}
     if settings.problem_ref(cfg.problem, config_path) != phase.problem:
         # Another problem's seed cannot serve this one; a model config's own seed is kept.
         over["seed"] = str(settings.locate(phase.seed, config_path, "seed program"))
     dev = settings.resolve_device(device or cfg.device, here=cfg.evaluator.backend == "local")
     if dev == "cpu":
-        cpu_S = max(c["S"] for c in settings.problem(phase.problem).cpu_configs)
-        configs = cpu_configs(ma, cpu_S)
-        note = (f"CPU (Triton's interpreter): each layer kind at S={configs[0]['S']}, B=1, the "
-                f"problem's CPU size, windows shrunk to S/4; on a GPU: S in "
-                f"{', '.join(map(str, PREFILL_LENGTHS))} within max positions, B = {TOKENS}/S")
-    else:
+        length = "S" if phase_name == "prefill" else "ctx"
+        cpu_S = max(c[length] for c in settings.problem(phase.problem).cpu_configs)
+        configs = cpu_configs(ma, cpu_S, phase_name)
+        note = (f"CPU (Triton's interpreter): each layer kind at {length}={configs[0][length]}, B=1, the "
+                "problem's CPU size, windows shrunk to a quarter of it; on a GPU: the "
+                f"{phase_name} configs of the model's lengths")
+    elif phase_name == "prefill":
         configs = phase.derive(ma)
         note = (f"prefill, B = max(1, {TOKENS} // S) within the eager baseline's memory (its "
                 f"(B, H, S, S) scores <= {EAGER_SCORES_BYTES >> 30} GiB), one config per "
                 "distinct layer kind")
+    else:
+        configs = phase.derive(ma)
+        note = ("decode steps (B, new tokens T, cache length ctx) within max positions, one "
+                "config per distinct layer kind; ragged lengths where B > 1")
     over["configs"] = tuple(config_spec(c) for c in configs)
     return over, table(ma, configs, note)

@@ -155,3 +155,28 @@ def test_the_default_gemma2_and_gpt_oss_give_the_model_problems_own_configs() ->
     from evoattn.problems.model_prefill import GEMMA2_2B as GEMMA, GPT_OSS_20B as GPT_OSS
     assert mc.derive_configs(mc.read("gemma2")) == list(GEMMA)
     assert mc.derive_configs(mc.read("gpt_oss")) == list(GPT_OSS)
+
+
+def test_decode_phase_gives_each_step_at_each_layer_kind_the_window_shortens(
+        tmp_path: Path) -> None:
+    ma = mc.read(str(_write(tmp_path, GEMMA2_2B)))      # max positions 8192: no 16k contexts
+    got = mc.derive_configs(ma, "decode")
+    assert [(c["B"], c["T"], c["ctx"], c["window"], c["lens"]) for c in got] == [
+        (8, 1, 4096, 0, "ragged"), (16, 1, 8192, 0, "ragged"), (16, 1, 8192, 4096, "ragged"),
+        (4, 4, 8192, 0, "ragged"), (4, 4, 8192, 4096, "ragged")]
+    assert all(c["H"] == 8 and c["Hkv"] == 4 and c["D"] == 256 and c["softcap"] == 50.0
+               and not c["sinks"] and "S" not in c for c in got)
+    assert "scale" not in got[0]            # query_pre_attn_scalar 256: the default 1/sqrt(D)
+    from evoattn.problems import get_problem
+    problem = get_problem("model_decode")                # the problem takes them as written
+    assert len(problem.parse_configs(";".join(mc.config_spec(c) for c in got))) == len(got)
+
+
+def test_run_model_decode_sets_the_decode_problem_seed_and_cpu_configs(tmp_path: Path) -> None:
+    gpt = _write(tmp_path, GPT_OSS_20B)
+    over, _ = mc.run_overrides(str(gpt), mc.MODEL_RUN_CONFIG["prefill"], "cpu", "decode")
+    assert over["problem"] == "model_decode"
+    assert over["seed"].endswith("seeds/model/model_decode_triton.py")
+    specs = [dict(kv.split("=") for kv in c.split(",")) for c in over["configs"]]
+    assert [(s["B"], s["T"], s["window"], s["sinks"]) for s in specs] == [
+        ("1", "1", "0", "True"), ("1", "1", str(max(1, int(specs[0]["ctx"]) // 4)), "True")]
