@@ -25,7 +25,6 @@ from evoattn.contract import program
 from evoattn.contract.names import Stage
 from evoattn.contract.request import EvalRequest
 from evoattn.contract.types import EvalResult, Verdict
-from evoattn.contract.types import SPARE_UNPREPARED
 
 from .childenv import SPARES, SandboxSettings, child_env, default_cache_dir, gpu_lock_path
 from .launch import LaunchError, PopenChild, Zygote, ZygoteChild, pid_alive, private_dir

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from ..contract import stats
 from ..contract.names import WIDTH
+from ..contract.types import Times
 
 CALL_BATCH_MS = 2.0                # call mode: a batch lasts at least this ...
 CALL_SETS = (8, 256)               # ... with this many input sets (distinct inputs per call) ...

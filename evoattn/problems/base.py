@@ -155,6 +155,19 @@ class Problem:
         return [v for v in inputs.values() if isinstance(v, torch.Tensor)]
 
 
+class BaselineSetProblem(Problem):
+    """A problem whose baselines live in one object, `self._base` (its `available()` and
+    `skipped()`), built once in the problem's __init__."""
+
+    _base: Any
+
+    def baselines(self) -> dict[str, Callable[[dict[str, Any], Config], Any]]:
+        return self._base.available()
+
+    def skipped_baselines(self) -> dict[str, str]:
+        return self._base.skipped()
+
+
 def _parse_scalar(text: str) -> Any:
     low = text.lower()
     if low in ("true", "yes", "c", "causal"):

@@ -18,7 +18,7 @@ import dataclasses
 import random
 from typing import Any, Callable
 
-from .base import Config, OpDocs, Problem
+from .base import BaselineSetProblem, Config, OpDocs
 from .common import check_dtype, default_scale, flops_for_pairs, randn
 from .decode_baselines import DecodeBaselines, decode_attention
 
@@ -91,7 +91,7 @@ def _cfg(b: int, hq: int, hkv: int, sq: int, ctx: int, d: int, lens: str = "ragg
 K = 1024
 
 
-class Decode(Problem):
+class Decode(BaselineSetProblem):
     name = "decode"
     summary = ("decode attention: q (B, Hq, Sq<=16, D) against a KV cache (B, Hkv, Smax, D) "
                "with per-sequence lengths")
@@ -222,12 +222,6 @@ class Decode(Problem):
 
     def baseline(self, inputs: dict[str, Any], cfg: Config) -> Any:
         return self._base.sdpa_hf(inputs, cfg)
-
-    def baselines(self) -> dict[str, Callable[[dict[str, Any], Config], Any]]:
-        return self._base.available()
-
-    def skipped_baselines(self) -> dict[str, str]:
-        return self._base.skipped()
 
     def extra_baselines(self) -> dict[str, Callable[[dict[str, Any], Config], Any]]:
         return {"sdpa_gqa_mask": self._base.sdpa_gqa_mask, "naive": self._base.naive}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from .base import Config, Problem, Tolerance
+from .base import BaselineSetProblem, Config, Tolerance
 from .common import check_dtype, default_scale, flops_for_pairs, randn
 from .decode import LENGTH_PATTERNS, MAX_SQ, _scale_tails
 from .decode import lengths as _decode_lengths
@@ -150,7 +150,7 @@ GPT_OSS_20B = tuple(_cfg(b, 64, 8, t, ctx, 64, w, 0.0, True, lens)
                                                (1, 16, 16 * K, 0, "full")))
 
 
-class ModelDecode(Problem):
+class ModelDecode(BaselineSetProblem):
     name = "model_decode"
     summary = ("decode over a KV cache (1-16 new tokens, per-sequence lengths) with GQA, an "
                "optional sliding window, logit softcap and sinks (Gemma 2, GPT-OSS)")
@@ -273,12 +273,6 @@ class ModelDecode(Problem):
 
     def baseline(self, inputs: dict[str, Any], cfg: Config) -> Any:
         return self._base.eager(inputs, cfg)
-
-    def baselines(self) -> dict[str, Callable[[dict[str, Any], Config], Any]]:
-        return self._base.available()
-
-    def skipped_baselines(self) -> dict[str, str]:
-        return self._base.skipped()
 
     def extra_baselines(self) -> dict[str, Callable[[dict[str, Any], Config], Any]]:
         def naive(inputs: dict[str, Any], cfg: Config) -> Any:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from .base import Config, OpDocs, Problem, Tolerance
+from .base import BaselineSetProblem, Config, OpDocs, Tolerance
 from .common import check_dtype, default_scale, flops_for_pairs, randn
 
 HEAD_DIMS = (64, 128, 256)
@@ -136,7 +136,7 @@ GPT_OSS_20B = tuple(_cfg(b, 64, 8, s, 64, w, 0.0, True)
                     for b, s in ((16, 1024), (8, 2048), (4, 4096), (1, 8192)) for w in (0, 128))
 
 
-class ModelPrefill(Problem):
+class ModelPrefill(BaselineSetProblem):
     name = "model"
     summary = ("causal GQA prefill with an optional sliding window, logit softcap and "
                "attention sinks (Gemma 2, GPT-OSS, Mistral, Llama)")
@@ -246,12 +246,6 @@ class ModelPrefill(Problem):
 
     def baseline(self, inputs: dict[str, Any], cfg: Config) -> Any:
         return self._base.eager(inputs, cfg)
-
-    def baselines(self) -> dict[str, Callable[[dict[str, Any], Config], Any]]:
-        return self._base.available()
-
-    def skipped_baselines(self) -> dict[str, str]:
-        return self._base.skipped()
 
     def extra_baselines(self) -> dict[str, Callable[[dict[str, Any], Config], Any]]:
         def naive(inputs: dict[str, Any], cfg: Config) -> Any:

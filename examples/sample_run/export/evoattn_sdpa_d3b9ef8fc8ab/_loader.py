@@ -26,7 +26,7 @@ from . import _runtime
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernel"
 BUILD_TIMEOUT_S = 900
-_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+_DTYPE_CODES = {getattr(torch, name): code for name, code in _runtime.DTYPE_CODES.items()}
 
 _lock = threading.Lock()
 _loaded: dict[str, Kernel | Exception] = {}
