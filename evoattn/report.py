@@ -13,6 +13,7 @@ from evoattn.contract import scoring
 
 from evoattn.contract import stats
 from evoattn.contract.runtime import perf_notes
+from evoattn.problems.base import plain_label
 from evoattn.contract.names import MODE_WORDS, TIMING_MODES
 from evoattn.contract.types import ConfigResult, EvalResult, Times, Verdict
 
@@ -31,7 +32,7 @@ def label(params: dict[str, Any]) -> str:
         rest = "".join(f" {k}={v}" for k, v in params.items()
                        if k not in ("B", "H", "S", "D", "causal"))
         return f"({params['B']},{params['H']},{params['S']},{params['D']}){c}{rest}"
-    return ",".join(f"{k}={v}" for k, v in params.items())
+    return plain_label(params)
 
 
 def pm(point: float | None, ci: Any, fmt: str = ".3f") -> str:

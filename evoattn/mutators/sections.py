@@ -11,6 +11,7 @@ from evoattn.contract.knobs import active, find_knobs
 from evoattn.contract.runtime import perf_notes
 from evoattn.contract.types import EvalResult
 from evoattn.mutators.view import ProgramView
+from evoattn.problems.base import plain_label
 from evoattn.types import Attempt, Program
 
 
@@ -41,8 +42,7 @@ def num(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
-def label(params: Mapping[str, Any]) -> str:
-    return ",".join(f"{k}={v}" for k, v in params.items())
+label = plain_label        # a config in a prompt: every key, as the problem's --configs take it
 
 
 # ---- where it runs ---------------------------------------------------------

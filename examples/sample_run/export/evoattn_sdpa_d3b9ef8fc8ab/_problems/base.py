@@ -74,7 +74,7 @@ class Problem:
     # ---- metadata -------------------------------------------------------
     def label(self, cfg: Config) -> str:
         """Returns a short human label for a config."""
-        return ",".join(f"{k}={v}" for k, v in cfg.items())
+        return plain_label(cfg)
 
     def parse_configs(self, spec: str) -> list[Config]:
         """Parses `--configs` text ('key=val,key=val;...') into configs."""
@@ -166,6 +166,11 @@ class BaselineSetProblem(Problem):
 
     def skipped_baselines(self) -> dict[str, str]:
         return self._base.skipped()
+
+
+def plain_label(cfg: Config) -> str:
+    """Returns a config as 'key=value,...', the label of a problem that writes none of its own."""
+    return ",".join(f"{k}={v}" for k, v in cfg.items())
 
 
 def _parse_scalar(text: str) -> Any:
