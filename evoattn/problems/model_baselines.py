@@ -54,14 +54,17 @@ class ModelBaselines:
         self._lse: dict[str, Any] | None = None
 
     # ---- which baselines exist here -------------------------------------------------------
+    FLASH_FN = "flash_attn_func"       # flash-attn's function for this phase, and its row
+    FLASH_ROW = "flash_attn"
+
     def _load_flash(self) -> None:
         """Imports flash-attn once (before any candidate is imported: the kernel-only policy
         blocks the import afterwards); keeps the reason when it cannot."""
         if self._flash is not None or self._flash_why:
             return
         try:
-            from flash_attn import flash_attn_func
-            self._flash = flash_attn_func
+            import flash_attn
+            self._flash = getattr(flash_attn, self.FLASH_FN)
         except Exception as e:  # noqa: BLE001 - absent, or built for another torch
             self._flash_why = f"flash-attn is not importable ({type(e).__name__}: {e})"[:200]
 
@@ -71,13 +74,13 @@ class ModelBaselines:
         out: dict[str, Fn] = {"eager": self.eager, "flex_attention": self.flex,
                               "sdpa": _Row(self.sdpa, sdpa_applies, self.eager)}
         if self._flash is not None:
-            out["flash_attn"] = _Row(self.flash, lambda cfg: not cfg["sinks"], self.eager)
+            out[self.FLASH_ROW] = _Row(self.flash, lambda cfg: not cfg["sinks"], self.eager)
         return out
 
     def skipped(self) -> dict[str, str]:
         """Returns {name: why} for the baselines that cannot run here."""
         self._load_flash()
-        return {"flash_attn": self._flash_why} if self._flash is None else {}
+        return {self.FLASH_ROW: self._flash_why} if self._flash is None else {}
 
     # ---- eager ----------------------------------------------------------------------------
     def _additive_mask(self, inputs: dict[str, Any], cfg: Config) -> Any:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from .common import sdpa
-from .model_baselines import Fn, ModelBaselines, _key, _Row, repeat_kv, sdpa_applies
+from .model_baselines import ModelBaselines, _key, repeat_kv
 
 Config = dict[str, Any]
 
@@ -44,29 +44,8 @@ class ModelDecodeBaselines(ModelBaselines):
         kv_len = self._cache.get(_key(inputs, cfg, "kv_len"), make)
         return {**inputs, "k": inputs["k"][:, :, :kv_len], "v": inputs["v"][:, :, :kv_len]}
 
-    def _load_flash(self) -> None:
-        """Imports flash_attn_with_kvcache once, before any candidate is imported."""
-        if self._flash is not None or self._flash_why:
-            return
-        try:
-            from flash_attn import flash_attn_with_kvcache
-            self._flash = flash_attn_with_kvcache
-        except Exception as e:  # noqa: BLE001 - absent, or built for another torch
-            self._flash_why = f"flash-attn is not importable ({type(e).__name__}: {e})"[:200]
-
-    def available(self) -> dict[str, Fn]:
-        """Returns the baselines that run here, by name."""
-        self._load_flash()
-        out: dict[str, Fn] = {"eager": self.eager, "flex_attention": self.flex,
-                              "sdpa": _Row(self.sdpa, sdpa_applies, self.eager)}
-        if self._flash is not None:
-            out["flash_kvcache"] = _Row(self.flash, lambda cfg: not cfg["sinks"], self.eager)
-        return out
-
-    def skipped(self) -> dict[str, str]:
-        """Returns {name: why} for the baselines that cannot run here."""
-        self._load_flash()
-        return {"flash_kvcache": self._flash_why} if self._flash is None else {}
+    FLASH_FN = "flash_attn_with_kvcache"
+    FLASH_ROW = "flash_kvcache"
 
     # ---- the step's masks, built once per config ----------------------------------------
     def _additive_mask(self, inputs: dict[str, Any], cfg: Config) -> Any:
